@@ -1,0 +1,99 @@
+"""torch / triton version differences, in one place.
+
+The CI machine runs torch 2.13 + triton 3.9; the GPU machine torch 2.11 + triton 3.6. Everything
+that moved between those versions is looked up here, never ``hasattr``-probed at call sites.
+"""
+from __future__ import annotations
+
+import threading
+import types
+
+import torch.distributed as dist
+
+# torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of *_single.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+_interp_lock = threading.Lock()
+_interp_state = {"active": 0, "scope": None, "installed": False}
+
+
+def make_triton_interpreter_threadsafe() -> None:
+    """Let several threads run interpreted Triton kernels at once (the thread world needs it).
+
+    Why: triton's interpreter (3.6-3.9) keeps the current grid index in one module-global builder
+    and monkey-patches ``triton.language`` for the duration of each launch, restoring it when that
+    launch ends. Two ranks' kernels running concurrently then see each other's program ids, and the
+    first to finish un-patches the language under the other (observed: "y >= grid_dim[1]"). We
+    make the grid index thread-local and reference-count the language patch. It also skips the
+    interpreter's copy-back of CPU arguments onto themselves, which could overwrite a peer's
+    concurrent write into a symmetric buffer. Idempotent; a no-op without the interpreter module.
+    """
+    with _interp_lock:
+        if _interp_state["installed"]:
+            return
+        try:
+            import triton.language as tl
+            from triton.runtime import interpreter as interp
+        except ImportError:  # pragma: no cover - triton is an install requirement
+            return
+        tls = threading.local()
+        orig_patch = interp._patch_lang
+        orig_call = interp.GridExecutor.__call__
+        # Patch the language as a kernel seeing both `tl` and `tl.core` would, so the one shared
+        # patch serves every kernel whatever it imported.
+        any_kernel = types.SimpleNamespace(__globals__={"tl": tl, "core": tl.core})
+
+        class _SharedScope:
+            def restore(self):
+                pass
+
+        def patch_lang(fn):
+            with _interp_lock:
+                if _interp_state["active"]:
+                    return _SharedScope()
+            return orig_patch(fn)
+
+        def grid_call(self, *args, **kwargs):
+            with _interp_lock:
+                if _interp_state["active"] == 0:
+                    _interp_state["scope"] = orig_patch(any_kernel)
+                _interp_state["active"] += 1
+            try:
+                return orig_call(self, *args, **kwargs)
+            finally:
+                with _interp_lock:
+                    _interp_state["active"] -= 1
+                    if _interp_state["active"] == 0:
+                        _interp_state["scope"].restore()
+
+        def restore_args_dev(self, args_dev, args_hst, kwargs, kwargs_hst):
+            pairs = []
+
+            def visit(dev, hst):
+                if hasattr(dev, "data_ptr"):
+                    dev, hst = interp._unwrap_tensor(dev), interp._unwrap_tensor(hst)
+                    if dev.untyped_storage().data_ptr() != hst.untyped_storage().data_ptr():
+                        pairs.append((dev.untyped_storage(), hst.untyped_storage()))
+                elif isinstance(dev, tuple):
+                    for d, h in zip(dev, hst):
+                        visit(d, h)
+
+            for dev, hst in zip(args_dev, args_hst):
+                visit(dev, hst)
+            for key, dev in kwargs.items():
+                visit(dev, kwargs_hst[key])
+            for dev, hst in pairs:
+                dev.copy_(hst)
+
+        def thread_local(name):
+            return property(lambda self: getattr(tls, name, None),
+                            lambda self, value: setattr(tls, name, value))
+
+        interp.InterpreterBuilder.grid_idx = thread_local("grid_idx")
+        interp.InterpreterBuilder.grid_dim = thread_local("grid_dim")
+        interp._patch_lang = patch_lang
+        interp.GridExecutor.__call__ = grid_call
+        interp.GridExecutor._restore_args_dev = restore_args_dev
+        _interp_state["installed"] = True

@@ -1,0 +1,108 @@
+"""Collectives microbenchmark, nccl-tests style: size, count, time, algbw, busbw per op.
+
+Runs on the ranks of a launched job (torchrun) or on ``--nproc`` CPU ranks it spawns itself.
+Time per call: CUDA events on GPU; a barrier then ``perf_counter`` on CPU. The reported time is
+the slowest rank's median, as a collective is only done when its last rank is.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..comm import collectives as C
+from .metrics import algbw_gbps, busbw_gbps, summarize
+
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+COLUMNS = [("op", "op", ""), ("bytes", "size(B)", "d"), ("count", "count", "d"), ("dtype", "type", ""),
+           ("time_us", "time(us)", ".1f"), ("algbw_gbps", "algbw(GB/s)", ".3f"), ("busbw_gbps", "busbw(GB/s)", ".3f")]
+
+
+@dataclass(frozen=True)
+class CollectivesConfig:
+    ops: tuple = OPS
+    sizes: tuple = (1 << 10,)
+    dtype: str = "float32"
+    iters: int = 20
+    warmup: int = 5
+
+    def validate(self) -> None:
+        bad = [op for op in self.ops if op not in OPS]
+        if bad or not self.ops:
+            raise ValueError(f"ops={list(self.ops)}: expected a non-empty subset of {list(OPS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: expected one of {list(DTYPES)}")
+        if self.iters < 1 or self.warmup < 0:
+            raise ValueError(f"iters={self.iters}, warmup={self.warmup}: expected iters >= 1, warmup >= 0")
+
+
+def _call(op: str, count: int, world: int, dtype: torch.dtype, device: torch.device, group):
+    """A closure running ``op`` once on a full buffer of ``count`` elements (nccl-tests sizing:
+    the size is the gathered output / the scattered input / the reduced buffer)."""
+    full = torch.ones(count, dtype=dtype, device=device)
+    shard = torch.ones(count // world, dtype=dtype, device=device)
+    return {
+        "all_gather": lambda: C.all_gather(shard, group),
+        "reduce_scatter": lambda: C.reduce_scatter(full, group),
+        "all_reduce": lambda: C.all_reduce(full, group),
+        "all_to_all": lambda: C.all_to_all(full, group),
+    }[op]
+
+
+def _time_calls(fn, iters: int, warmup: int, device: torch.device, group) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier(group=group)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()  # gloo's synchronous collectives return when this rank's part is done
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def run_collectives(config: CollectivesConfig, group=None) -> list[dict]:
+    """Measure every (op, size); every rank returns the same rows (times: slowest rank's)."""
+    config.validate()
+    group = group or dist.group.WORLD
+    world = dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else \
+        torch.device("cpu")
+    dtype = DTYPES[config.dtype]
+    elem = torch.empty((), dtype=dtype).element_size()
+    rows = []
+    for op in config.ops:
+        for size in config.sizes:
+            count = max(world, size // elem // world * world)  # divisible by the world, as nccl-tests
+            stats = summarize(_time_calls(_call(op, count, world, dtype, device, group), config.iters,
+                                          config.warmup, device, group))
+            worst = torch.tensor([stats["median_s"], stats["min_s"], stats["max_s"]], dtype=torch.float64,
+                                 device=device)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+            median, fastest, slowest = worst.tolist()
+            nbytes = count * elem
+            rows.append({"op": op, "bytes": nbytes, "count": count, "dtype": config.dtype, "world_size": world,
+                         "backend": dist.get_backend(group), "time_us": median * 1e6, "min_us": fastest * 1e6,
+                         "max_us": slowest * 1e6, "algbw_gbps": algbw_gbps(nbytes, median),
+                         "busbw_gbps": busbw_gbps(op, nbytes, median, world)})
+    return rows
+
+
+def rank_main(config_dict: dict) -> list[dict]:
+    """Entry point on each spawned rank (picklable: a module-level function of plain data)."""
+    return run_collectives(CollectivesConfig(**config_dict))
+
+
+def config_dict(config: CollectivesConfig) -> dict:
+    return asdict(config)

@@ -1,0 +1,67 @@
+"""Tables on stdout and rows appended to CSV, each row carrying where and when it was measured."""
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment(device: str) -> dict[str, str]:
+    """Hardware and software a row was measured on. GPU fields come from NVML and stay empty
+    on a CPU run, so a CPU figure can never be mistaken for a GPU one."""
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:  # pragma: no cover - triton is an install requirement
+        triton_version = ""
+    gpu_name = driver = ""
+    if device == "cuda":
+        from ..profiling.inventory import gpu_inventory
+
+        inv = gpu_inventory()
+        gpus = inv.get("gpus") or [{}]
+        gpu_name, driver = gpus[0].get("name", ""), inv.get("driver", "")
+    return {
+        "device": device if device == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
+        "gpu_name": gpu_name, "driver": driver, "torch": torch.__version__, "triton": triton_version,
+        "commit": git_commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """``columns``: (key, header, format spec). Right-aligned, one header line, like nccl-tests."""
+    cells = [[format(row[key], spec) if spec else str(row[key]) for key, _, spec in columns] for row in rows]
+    widths = [max(len(header), *(len(c[i]) for c in cells)) if cells else len(header)
+              for i, (_, header, _) in enumerate(columns)]
+    lines = ["  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(cell, widths)) for cell in cells]
+    return "\n".join(lines)
+
+
+def append_csv(path: str | os.PathLike, rows: list[dict]) -> None:
+    """Append rows, writing the header only when the file is new or empty."""
+    if not rows:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)

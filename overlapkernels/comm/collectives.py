@@ -1,0 +1,41 @@
+"""Raw collectives on flat tensors: ``(out, work)`` forms for async use, names stable across torch
+versions (via ``_compat``). The autograd wrappers of later ops are built on these."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .._compat import all_gather_single, reduce_scatter_single
+from ..parallel import resolve_group
+
+
+def all_gather(x: torch.Tensor, group=None, *, async_op: bool = False):
+    """Concatenation of every rank's ``x`` along dim 0 -> ``(out, work or None)``."""
+    group = resolve_group(group)
+    out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+    return out, all_gather_single(out, x.contiguous(), group=group, async_op=async_op)
+
+
+def reduce_scatter(x: torch.Tensor, group=None, *, async_op: bool = False):
+    """Rank r gets the sum over ranks of chunk r of ``x`` (dim 0) -> ``(out, work or None)``."""
+    group = resolve_group(group)
+    world = dist.get_world_size(group)
+    if x.shape[0] % world:
+        raise ValueError(f"reduce_scatter: x.shape[0]={x.shape[0]} is not divisible by the group size {world}")
+    out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
+    return out, reduce_scatter_single(out, x.contiguous(), op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce(x: torch.Tensor, group=None, *, async_op: bool = False):
+    """In-place sum over ranks -> ``(x, work or None)``."""
+    return x, dist.all_reduce(x, op=dist.ReduceOp.SUM, group=resolve_group(group), async_op=async_op)
+
+
+def all_to_all(x: torch.Tensor, group=None, *, async_op: bool = False):
+    """Chunk j of rank i's ``x`` (dim 0) becomes chunk i of rank j's output -> ``(out, work or None)``."""
+    group = resolve_group(group)
+    world = dist.get_world_size(group)
+    if x.shape[0] % world:
+        raise ValueError(f"all_to_all: x.shape[0]={x.shape[0]} is not divisible by the group size {world}")
+    out = torch.empty_like(x)
+    return out, dist.all_to_all_single(out, x.contiguous(), group=group, async_op=async_op)

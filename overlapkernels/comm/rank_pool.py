@@ -1,0 +1,210 @@
+"""The gloo process world: N CPU ranks kept alive and reused across many calls.
+
+Spawning a rank costs a torch import (seconds on 2 cores), so tests and the CLI's ``--nproc``
+start one pool per world size and send it picklable functions. Every call has a hard timeout: a
+rank that blocks (a collective a peer never joins, a spin that never ends) costs one call, not
+the whole run. Workers die with their parent (PR_SET_PDEATHSIG), so nothing is left orphaned.
+
+The ranks see the same environment torchrun gives (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT) and rendezvous on a TCPStore that the parent hosts, as torchrun's agent does, so the
+code under test goes through the same ``init_default_process_group`` as production.
+"""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import signal
+import time
+import traceback
+from datetime import timedelta
+
+DEFAULT_CALL_TIMEOUT_S = 120.0
+# After one rank has failed, how long the others get to finish before the pool is torn down.
+FAILURE_GRACE_S = 10.0
+
+
+class RankError(RuntimeError):
+    """One or more ranks raised; the message carries each failing rank's traceback."""
+
+
+class RankTimeout(TimeoutError):
+    """Ranks did not finish within the call's timeout; the pool was killed and will respawn."""
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: daemon processes still go when the parent exits cleanly
+        pass
+
+
+def _worker_main(rank: int, world_size: int, port: int, backend: str, conn, pg_timeout_s: float,
+                 threads: int) -> None:
+    _die_with_parent()
+    os.environ.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        # every rank connects as a client to the parent's store, as under torchrun
+        "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": str(threads),
+    })
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        from overlapkernels.parallel import init_default_process_group
+
+        init_default_process_group(backend, timeout=timedelta(seconds=pg_timeout_s))
+        conn.send(("ready", None))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            reply = ("ok", fn(*args, **kwargs))
+        except BaseException:
+            reply = ("error", traceback.format_exc())
+        try:
+            conn.send(reply)
+        except Exception:  # the result did not pickle
+            conn.send(("error", traceback.format_exc()))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """``RankPool(4).run(fn, *args)`` -> ``[fn(*args) on rank 0, ..., on rank 3]``.
+
+    ``fn`` must be picklable (a module-level function). A raising rank turns into ``RankError``
+    with its traceback; a call past ``timeout`` seconds into ``RankTimeout``, after which the pool
+    is killed and respawned on the next call.
+    """
+
+    def __init__(self, world_size: int, *, backend: str = "gloo", timeout: float = DEFAULT_CALL_TIMEOUT_S,
+                 threads_per_rank: int = 1):
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size={world_size!r}: expected an integer >= 1")
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout = timeout
+        self.threads_per_rank = threads_per_rank
+        self._procs: list = []
+        self._conns: list = []
+        self._store = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def _start(self) -> None:
+        import torch.distributed as dist
+
+        # A fresh store per generation: keys of a killed generation must not leak into the next.
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=self.timeout))
+        ctx = mp.get_context("spawn")
+        for rank in range(self.world_size):
+            parent_conn, child_conn = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, daemon=True, name=f"ok-rank{rank}",
+                               args=(rank, self.world_size, self._store.port, self.backend, child_conn,
+                                     self.timeout, self.threads_per_rank))
+            proc.start()
+            child_conn.close()
+            self._procs.append(proc)
+            self._conns.append(parent_conn)
+        try:
+            self._collect("start-up", self.timeout)
+        except BaseException:
+            self._kill()
+            raise
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        deadline = time.monotonic() + 5.0
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        self._kill()
+
+    def _kill(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self._procs:
+            proc.join()
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns, self._store = [], [], None
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- calls ---------------------------------------------------------------------------------
+    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
+        if not self._procs:
+            self._start()
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        name = getattr(fn, "__qualname__", repr(fn))
+        return self._collect(name, timeout or self.timeout)
+
+    def _death_note(self, rank: int) -> str:
+        self._procs[rank].join(1.0)  # its pipe closed: the exit code follows within moments
+        return f"process died with exit code {self._procs[rank].exitcode}"
+
+    def _collect(self, what: str, timeout: float) -> list:
+        deadline = time.monotonic() + timeout
+        results: dict[int, object] = {}
+        errors: dict[int, str] = {}
+        waiting = {conn: rank for rank, conn in enumerate(self._conns)}
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            ready = mpc.wait(list(waiting) + list(sentinels), timeout=remaining)
+            for obj in ready:
+                if obj in waiting:
+                    rank = waiting.pop(obj)
+                    try:
+                        status, value = obj.recv()
+                    except EOFError:
+                        status, value = "error", self._death_note(rank)
+                    if status == "error":
+                        errors[rank] = value
+                    else:
+                        results[rank] = value
+                elif obj in sentinels:
+                    rank = sentinels.pop(obj)
+                    conn = self._conns[rank]
+                    if conn in waiting and not conn.poll():
+                        waiting.pop(conn)
+                        errors[rank] = self._death_note(rank)
+            if errors:
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        stuck = sorted(waiting.values())
+        if stuck or errors:
+            # a stuck rank may be blocked in a collective forever, a dead one broke the group:
+            # either way the next call starts a fresh generation
+            if stuck or any(not p.is_alive() for p in self._procs):
+                self._kill()
+            report = "".join(f"\n--- rank {r} of {self.world_size} ---\n{tb}" for r, tb in sorted(errors.items()))
+            if errors:
+                hung = f"; ranks {stuck} did not finish" if stuck else ""
+                raise RankError(f"{what}: ranks {sorted(errors)} failed{hung}{report}")
+            raise RankTimeout(f"{what}: ranks {stuck} of {self.world_size} did not finish within "
+                              f"{timeout:g} s; the pool was killed and will respawn on the next call")
+        return [results[r] for r in range(self.world_size)]

@@ -1,0 +1,160 @@
+"""ctypes loader of the CUDA library built from ../csrc (``make cuda``).
+
+Loaded lazily on first use: ``import overlapkernels`` works with no GPU, no nvcc and no built
+library. Functions take torch tensors, check them, and pass raw device pointers plus the current
+stream (``torch.cuda.current_stream().cuda_stream``) to the C ABI in csrc/ok_cuda.h.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from .errors import CudaLibraryError, SignalTimeoutError
+
+LIB_NAME = "liboverlapkernels_cuda.so"
+ABI_VERSION = 1          # must match OK_CUDA_ABI_VERSION in csrc/ok_cuda.h
+MAX_REDUCE_SRCS = 64     # OK_MAX_REDUCE_SRCS
+EXPORTS = ("ok_abi_version", "ok_error_string", "ok_signal_set", "ok_signal_wait", "ok_reduce_sum")
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_ERR_WAIT_TIMEOUT = 1
+BUILD_HINT = ("build it with `make cuda` (needs nvcc), or reinstall with nvcc on PATH: "
+              "`OVERLAPKERNELS_BUILD_CUDA=1 pip install .`")
+
+# op ids travel through the int32 error record; names make the host-side message readable
+_op_names: list[str] = []
+_lock = threading.Lock()
+_lib = None
+
+
+def library_path() -> Path:
+    """Where the library is looked for: $OVERLAPKERNELS_CUDA_LIB, else inside the package."""
+    env = os.environ.get("OVERLAPKERNELS_CUDA_LIB")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "_lib" / LIB_NAME
+
+
+def is_built() -> bool:
+    return library_path().exists()
+
+
+def load() -> ctypes.CDLL:
+    """The loaded library; raises ``CudaLibraryError`` saying how to build it when absent."""
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        path = library_path()
+        if not path.exists():
+            raise CudaLibraryError(f"the overlapkernels CUDA library is not built ({path} missing); {BUILD_HINT}")
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise CudaLibraryError(f"cannot load {path}: {exc}; {BUILD_HINT}") from exc
+        missing = [name for name in EXPORTS if not hasattr(lib, name)]
+        if missing:
+            raise CudaLibraryError(f"{path} does not export {missing}; rebuild it: {BUILD_HINT}")
+        c = ctypes
+        lib.ok_abi_version.restype = c.c_int
+        lib.ok_error_string.argtypes, lib.ok_error_string.restype = [c.c_int], c.c_char_p
+        lib.ok_signal_set.argtypes = [c.c_void_p, c.c_uint32, c.c_void_p]
+        lib.ok_signal_wait.argtypes = [c.c_void_p, c.c_uint32, c.c_uint64, c.c_void_p, c.c_int32, c.c_int32,
+                                       c.c_int32, c.c_void_p]
+        lib.ok_reduce_sum.argtypes = [c.c_void_p, c.POINTER(c.c_void_p), c.c_int32, c.c_int64, c.c_int32,
+                                      c.c_void_p]
+        for fn in ("ok_signal_set", "ok_signal_wait", "ok_reduce_sum"):
+            getattr(lib, fn).restype = c.c_int
+        if lib.ok_abi_version() != ABI_VERSION:
+            raise CudaLibraryError(f"{path} has ABI version {lib.ok_abi_version()}, this package expects "
+                                   f"{ABI_VERSION}; rebuild it: {BUILD_HINT}")
+        _lib = lib
+        return lib
+
+
+def _check(lib, err: int, what: str) -> None:
+    if err:
+        raise CudaLibraryError(f"{what}: CUDA error {err}: {lib.ok_error_string(err).decode()}")
+
+
+def _require_cuda(what: str, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+            where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{what}: {name} must be a CUDA tensor, got {where}")
+
+
+def _stream(stream) -> int:
+    return (stream or torch.cuda.current_stream()).cuda_stream
+
+
+def _flag_arg(what: str, flag: torch.Tensor) -> None:
+    if flag.dtype not in (torch.int32, torch.uint32) or flag.numel() != 1:
+        raise ValueError(f"{what}: flag must be a 1-element int32 tensor (a view into a signal pad), got "
+                         f"{flag.dtype} x {flag.numel()}")
+
+
+def op_id(op: str) -> int:
+    """A small integer for ``op`` that survives the trip through a device error record."""
+    with _lock:
+        if op not in _op_names:
+            _op_names.append(op)
+        return _op_names.index(op)
+
+
+def signal_set(flag: torch.Tensor, value: int, *, stream=None) -> None:
+    """Stream-ordered ``flag = value`` (release, system scope)."""
+    lib = load()
+    _require_cuda("signal_set", flag=flag)
+    _flag_arg("signal_set", flag)
+    _check(lib, lib.ok_signal_set(flag.data_ptr(), value, _stream(stream)), "signal_set")
+
+
+def signal_wait(flag: torch.Tensor, expected: int, *, error_record: torch.Tensor, op: str, rank: int, chunk: int,
+                timeout_s: float = 60.0, stream=None) -> None:
+    """Stream-ordered wait until ``flag >= expected``; on timeout fills ``error_record`` (int32 [4])
+    instead of hanging; ``check_error_record`` raises from it."""
+    lib = load()
+    _require_cuda("signal_wait", flag=flag, error_record=error_record)
+    _flag_arg("signal_wait", flag)
+    if error_record.dtype != torch.int32 or error_record.numel() < 4:
+        raise ValueError(f"signal_wait: error_record must be int32 with >= 4 elements, got "
+                         f"{error_record.dtype} x {error_record.numel()}")
+    err = lib.ok_signal_wait(flag.data_ptr(), expected, int(timeout_s * 1e9), error_record.data_ptr(), op_id(op),
+                             rank, chunk, _stream(stream))
+    _check(lib, err, "signal_wait")
+
+
+def check_error_record(error_record: torch.Tensor) -> None:
+    """Raise ``SignalTimeoutError`` if a wait wrote ``error_record`` (synchronises with the device)."""
+    code, rank, chunk, op = (int(v) for v in error_record[:4].tolist())
+    if code == _ERR_WAIT_TIMEOUT:
+        name = _op_names[op] if 0 <= op < len(_op_names) else f"op#{op}"
+        raise SignalTimeoutError(f"{name}: rank {rank} timed out waiting for the signal of chunk {chunk}")
+    if code:
+        raise SignalTimeoutError(f"unknown error record {error_record[:4].tolist()}")
+
+
+def reduce_sum(dst: torch.Tensor, srcs, *, stream=None) -> torch.Tensor:
+    """``dst = srcs[0] + srcs[1] + ...`` with fp32 accumulation in list order (fp32/fp16/bf16).
+
+    ``srcs`` may live on peers (peer-mapped pointers); ``dst`` may be ``srcs[0]``.
+    """
+    lib = load()
+    srcs = list(srcs)
+    if not 1 <= len(srcs) <= MAX_REDUCE_SRCS:
+        raise ValueError(f"reduce_sum: expected 1..{MAX_REDUCE_SRCS} sources, got {len(srcs)}")
+    _require_cuda("reduce_sum", dst=dst, **{f"srcs[{i}]": s for i, s in enumerate(srcs)})
+    if dst.dtype not in _DTYPE_CODES:
+        raise ValueError(f"reduce_sum: dst dtype {dst.dtype} not supported; expected one of {list(_DTYPE_CODES)}")
+    for i, s in enumerate(srcs):
+        if s.dtype != dst.dtype or s.numel() != dst.numel() or not s.is_contiguous():
+            raise ValueError(f"reduce_sum: srcs[{i}] is {s.dtype} x {s.numel()} (contiguous={s.is_contiguous()}); "
+                             f"expected contiguous {dst.dtype} x {dst.numel()} like dst")
+    if not dst.is_contiguous():
+        raise ValueError("reduce_sum: dst must be contiguous")
+    ptrs = (ctypes.c_void_p * len(srcs))(*[s.data_ptr() for s in srcs])
+    err = lib.ok_reduce_sum(dst.data_ptr(), ptrs, len(srcs), dst.numel(), _DTYPE_CODES[dst.dtype], _stream(stream))
+    _check(lib, err, "reduce_sum")
+    return dst

@@ -1,0 +1,114 @@
+"""Parallel state: one DeviceMesh with axes ("dp", "pp", "cp", "tp"), tp innermost.
+
+tp is the fastest-varying axis, so consecutive ranks form a TP group (ranks 0,1 | 2,3 for tp=2 on
+4 ranks) and TP traffic stays inside an NVLink node, as in Megatron. No global state: callers keep
+the returned ``ParallelDims`` and pass it (or its groups) on.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+AXES = ("dp", "pp", "cp", "tp")
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes, ranks and process groups of the four parallel axes of this rank."""
+
+    mesh: "torch.distributed.device_mesh.DeviceMesh"
+    dp_size: int
+    pp_size: int
+    cp_size: int
+    tp_size: int
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.pp_size * self.cp_size * self.tp_size
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        return self.mesh.get_group(_check_axis(axis))
+
+    def axis_rank(self, axis: str) -> int:
+        return self.mesh.get_local_rank(_check_axis(axis))
+
+    dp_group = property(lambda self: self.group("dp"))
+    pp_group = property(lambda self: self.group("pp"))
+    cp_group = property(lambda self: self.group("cp"))
+    tp_group = property(lambda self: self.group("tp"))
+    dp_rank = property(lambda self: self.axis_rank("dp"))
+    pp_rank = property(lambda self: self.axis_rank("pp"))
+    cp_rank = property(lambda self: self.axis_rank("cp"))
+    tp_rank = property(lambda self: self.axis_rank("tp"))
+
+
+def _check_axis(axis: str) -> str:
+    if axis not in AXES:
+        raise ValueError(f"axis={axis!r} is not a mesh axis; expected one of {AXES}")
+    return axis
+
+
+def resolve_sizes(world_size: int, *, tp: int, cp: int, pp: int, dp: int) -> dict[str, int]:
+    """Validate the axis sizes against ``world_size``; ``dp=-1`` takes what is left."""
+    for name, size in (("tp", tp), ("cp", cp), ("pp", pp)):
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name}={size!r}: every axis size must be an integer >= 1")
+    if not isinstance(dp, int) or (dp < 1 and dp != -1):
+        raise ValueError(f"dp={dp!r}: expected an integer >= 1, or -1 for 'the remaining ranks'")
+    inner = tp * cp * pp
+    if dp == -1:
+        if world_size % inner:
+            raise ValueError(
+                f"tp*cp*pp = {tp}*{cp}*{pp} = {inner} does not divide world size {world_size}")
+        dp = world_size // inner
+    if inner * dp != world_size:
+        raise ValueError(
+            f"tp*cp*pp*dp = {tp}*{cp}*{pp}*{dp} = {inner * dp} != world size {world_size}")
+    return {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_default_process_group(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+    """Initialise the default group from torchrun's environment, or as a 1-rank world without it."""
+    if dist.is_initialized():
+        return
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:  # a single process with no launcher: a world of one, no sockets needed
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def init_parallel(tp: int = 1, cp: int = 1, pp: int = 1, dp: int = -1, backend: str | None = None) -> ParallelDims:
+    """Create the ("dp", "pp", "cp", "tp") mesh; initialises the default group when needed.
+
+    Sizes are checked against the world size before any rank communicates, so a bad layout
+    raises the same ``ValueError`` on every rank instead of hanging some of them.
+    """
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    sizes = resolve_sizes(world_size, tp=tp, cp=cp, pp=pp, dp=dp)
+    init_default_process_group(backend)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, tuple(sizes[a] for a in AXES), mesh_dim_names=AXES)
+    return ParallelDims(mesh=mesh, dp_size=sizes["dp"], pp_size=sizes["pp"], cp_size=sizes["cp"], tp_size=sizes["tp"])
+
+
+def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """``group=None`` means the default (world) group everywhere in the API."""
+    return dist.group.WORLD if group is None else group

@@ -1,0 +1,61 @@
+"""overlapkernels: communication/computation overlap kernels for TP, SP and CP training.
+
+``pip install .`` also builds the CUDA library from csrc/ when nvcc is found (never probing
+GPUs): ``OVERLAPKERNELS_SKIP_CUDA=1`` skips it; a failed build is fatal only with
+``OVERLAPKERNELS_BUILD_CUDA=1``, otherwise the package installs without it (pure-torch and Triton
+paths still work, and CUDA-library features say how to build it).
+"""
+import importlib.util
+import os
+from pathlib import Path
+
+from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).resolve().parent
+
+
+def _csrc_builder():
+    spec = importlib.util.spec_from_file_location("_ok_csrc_build", ROOT / "csrc" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class BuildPyWithCuda(build_py):
+    def run(self):
+        super().run()
+        if os.environ.get("OVERLAPKERNELS_SKIP_CUDA") == "1":
+            return
+        required = os.environ.get("OVERLAPKERNELS_BUILD_CUDA") == "1"
+        builder = _csrc_builder()
+        if builder.nvcc_path() is None:
+            if required:
+                raise RuntimeError("OVERLAPKERNELS_BUILD_CUDA=1 but nvcc was not found")
+            print("overlapkernels: nvcc not found, installing without the CUDA library")
+            return
+        # editable installs load the package from the source tree, so the library goes there
+        pkg_root = ROOT if getattr(self, "editable_mode", False) else Path(self.build_lib)
+        try:
+            builder.build(pkg_root / "overlapkernels" / "_lib", force=not getattr(self, "editable_mode", False))
+        except RuntimeError as exc:
+            if required:
+                raise
+            print(f"overlapkernels: CUDA library build failed, installing without it:\n{exc}")
+
+
+setup(
+    name="overlapkernels",
+    version="0.1.0",
+    description="Matmuls fused with all-gather / reduce-scatter, ring attention and parallel layers "
+                "that hide communication behind computation on NVLink GPU nodes",
+    long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["overlapkernels", "overlapkernels.*"]),
+    install_requires=["torch>=2.4", "triton", "nvidia-ml-py"],
+    extras_require={"test": ["pytest>=7", "pytest-timeout"], "bench": ["matplotlib", "rich"]},
+    entry_points={"console_scripts": ["overlapkernels=overlapkernels.cli:main"]},
+    cmdclass={"build_py": BuildPyWithCuda},
+)

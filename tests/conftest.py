@@ -1,0 +1,42 @@
+"""Shared test set-up: the Triton interpreter on CPU, seeds, the gpu marker, rank pools."""
+import os
+
+import torch
+
+# Before any kernel module is imported: @triton.jit decides at definition time whether it
+# builds an interpreted function.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from overlapkernels.comm.rank_pool import RankPool  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (make gpu-check)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    """``rank_pool(n)``: the session's gloo pool of n CPU ranks, spawned on first use."""
+    pools: dict[int, RankPool] = {}
+
+    def get(world_size: int) -> RankPool:
+        if world_size not in pools:
+            pools[world_size] = RankPool(world_size, timeout=120.0)
+        return pools[world_size]
+
+    yield get
+    for pool in pools.values():
+        pool.close()

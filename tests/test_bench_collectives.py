@@ -1,0 +1,93 @@
+"""Collectives benchmark: the busbw formulas, size parsing, CSV rows, a smoke run (no timing asserts)."""
+import csv
+import subprocess
+import sys
+
+import pytest
+
+from overlapkernels.bench import metrics
+from overlapkernels.bench.collectives import CollectivesConfig, config_dict, rank_main
+from overlapkernels.bench.report import append_csv, format_table
+
+
+@pytest.mark.parametrize("op, n, factor", [
+    ("all_gather", 2, 0.5), ("all_gather", 8, 0.875), ("reduce_scatter", 4, 0.75), ("all_to_all", 8, 0.875),
+    ("all_reduce", 2, 1.0), ("all_reduce", 4, 1.5), ("all_reduce", 8, 1.75), ("all_gather", 1, 0.0),
+])
+def test_busbw_is_nccl_tests_definition(op, n, factor):
+    # 4 GB in 2 s: algbw 2 GB/s (10^9 bytes), busbw = algbw * factor
+    assert metrics.algbw_gbps(4_000_000_000, 2.0) == 2.0
+    assert metrics.busbw_gbps(op, 4_000_000_000, 2.0, n) == pytest.approx(2.0 * factor, rel=1e-15)
+
+
+def test_busbw_rejects_unknown_op_and_world():
+    with pytest.raises(ValueError, match="op='broadcast'"):
+        metrics.busbw_gbps("broadcast", 1, 1.0, 2)
+    with pytest.raises(ValueError, match="world_size=0"):
+        metrics.busbw_gbps("all_gather", 1, 1.0, 0)
+
+
+def test_sizes():
+    assert metrics.parse_size("64M") == 64 << 20 and metrics.parse_size("1k") == 1024
+    assert metrics.parse_size("512") == 512 and metrics.parse_size("2GB") == 2 << 30
+    assert metrics.parse_size_range("1K:8K") == [1024, 2048, 4096, 8192]
+    assert metrics.parse_size_range("1K:5K") == [1024, 2048, 4096]
+    assert metrics.parse_size_range("4M") == [4 << 20]
+    for bad in ("1X", "", "-4", "8K:1K"):
+        with pytest.raises(ValueError, match="size"):
+            metrics.parse_size_range(bad)
+
+
+def test_overlap_efficiency_is_flux_definition():
+    assert metrics.overlap_efficiency(t_method=1.0, t_baseline=1.5, t_gemm=1.0) == 1.0  # comm fully hidden
+    assert metrics.overlap_efficiency(t_method=1.5, t_baseline=1.5, t_gemm=1.0) == 0.0  # no overlap
+    assert metrics.overlap_efficiency(t_method=1.25, t_baseline=1.5, t_gemm=1.0) == 0.5
+    assert metrics.overlap_efficiency(t_method=2.0, t_baseline=1.5, t_gemm=1.0) == -1.0  # slower than baseline
+
+
+def test_table_and_csv(tmp_path):
+    rows = [{"op": "all_gather", "bytes": 1024, "t": 1.23456}, {"op": "all_reduce", "bytes": 2048, "t": 10.5}]
+    table = format_table(rows, [("op", "op", ""), ("bytes", "size(B)", "d"), ("t", "time(us)", ".1f")])
+    assert table.splitlines() == ["        op  size(B)  time(us)", "all_gather     1024       1.2",
+                                  "all_reduce     2048      10.5"]
+    path = tmp_path / "out.csv"
+    append_csv(path, rows[:1])
+    append_csv(path, rows[1:])
+    with path.open() as f:
+        read = list(csv.DictReader(f))
+    assert [r["op"] for r in read] == ["all_gather", "all_reduce"] and read[1]["bytes"] == "2048"
+
+
+def test_run_collectives_on_gloo_ranks(rank_pool):
+    config = CollectivesConfig(sizes=(1000, 4096), iters=2, warmup=1)
+    per_rank = rank_pool(4).run(rank_main, config_dict(config))
+    rows = per_rank[0]
+    assert [(r["op"], r["bytes"]) for r in rows] == [(op, b) for op in config.ops for b in (992, 4096)]
+    for row in rows:
+        assert row["count"] % 4 == 0 and row["world_size"] == 4 and row["backend"] == "gloo"
+        assert 0 < row["min_us"] <= row["time_us"] <= row["max_us"]
+        assert row["busbw_gbps"] == pytest.approx(metrics.busbw_gbps(row["op"], row["bytes"], row["time_us"] / 1e6, 4))
+    # every rank reports the slowest rank's figures
+    assert all([r["time_us"] for r in rows] == [r["time_us"] for r in other] for other in per_rank)
+
+
+def test_bad_config_is_rejected_before_spawning():
+    with pytest.raises(ValueError, match=r"ops=\['all_gather', 'scatter'\]"):
+        CollectivesConfig(ops=("all_gather", "scatter")).validate()
+    out = subprocess.run([sys.executable, "-m", "overlapkernels", "bench", "collectives", "--ops", "bcast"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "overlapkernels: error: ops=['bcast']" in out.stderr
+
+
+def test_cli_spawns_ranks_and_appends_csv(tmp_path):
+    path = tmp_path / "rows.csv"
+    out = subprocess.run([sys.executable, "-m", "overlapkernels", "bench", "collectives", "--nproc", "2",
+                          "--sizes", "1K:2K", "--iters", "1", "--warmup", "0", "--ops", "all_gather,all_reduce",
+                          "--csv", str(path)], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert "busbw(GB/s)" in out.stdout and "2 ranks, backend gloo, cpu" in out.stdout
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["op"], r["bytes"]) for r in rows] == [("all_gather", "1024"), ("all_gather", "2048"),
+                                                      ("all_reduce", "1024"), ("all_reduce", "2048")]
+    assert all(r["device"].startswith("cpu") and r["gpu_name"] == "" and r["torch"] and r["commit"] for r in rows)

@@ -1,0 +1,126 @@
+"""The C-ABI CUDA library: it builds, loads and exports its symbols here; numerics on a GPU."""
+import ctypes
+import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from overlapkernels.kernels import cuda as cuda_lib
+from overlapkernels.kernels.errors import CudaLibraryError, SignalTimeoutError
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+
+
+def _builder():
+    spec = importlib.util.spec_from_file_location("ok_csrc_build", ROOT / "csrc" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def built_lib(tmp_path_factory):
+    """A fresh build into a temporary folder, so the test proves the sources compile."""
+    return _builder().build(tmp_path_factory.mktemp("lib"), force=True, verbose=False)
+
+
+@pytest.fixture
+def use_lib(monkeypatch):
+    def use(path):
+        monkeypatch.setenv("OVERLAPKERNELS_CUDA_LIB", str(path))
+        monkeypatch.setattr(cuda_lib, "_lib", None)
+    yield use
+    cuda_lib._lib = None
+
+
+@needs_nvcc
+def test_builds_and_exports_exactly_the_c_abi(built_lib):
+    out = subprocess.run(["nm", "-D", "--defined-only", str(built_lib)], capture_output=True, text=True, check=True)
+    exported = {line.split()[-1] for line in out.stdout.splitlines() if " T " in line}
+    assert exported == set(cuda_lib.EXPORTS)  # -fvisibility=hidden keeps everything else private
+
+
+@needs_nvcc
+def test_loads_without_a_gpu_and_reports_cuda_errors(built_lib, use_lib):
+    use_lib(built_lib)
+    lib = cuda_lib.load()
+    assert lib.ok_abi_version() == cuda_lib.ABI_VERSION
+    if not torch.cuda.is_available():
+        # a launch with no driver/GPU returns an error code; the wrapper turns it into text
+        err = lib.ok_signal_set(None, 1, None)
+        assert err != 0
+        with pytest.raises(CudaLibraryError, match="signal_set: CUDA error"):
+            cuda_lib._check(lib, err, "signal_set")
+
+
+def test_missing_library_says_how_to_build(use_lib, tmp_path):
+    use_lib(tmp_path / "nope.so")
+    assert not cuda_lib.is_built()
+    with pytest.raises(CudaLibraryError, match=r"not built .*make cuda"):
+        cuda_lib.reduce_sum(torch.zeros(4), [torch.zeros(4)])
+
+
+@needs_nvcc
+def test_cpu_tensors_are_rejected_by_name(built_lib, use_lib):
+    use_lib(built_lib)
+    with pytest.raises(ValueError, match=r"reduce_sum: dst must be a CUDA tensor, got cpu"):
+        cuda_lib.reduce_sum(torch.zeros(4), [torch.zeros(4)])
+    with pytest.raises(ValueError, match=r"expected 1..64 sources, got 0"):
+        cuda_lib.reduce_sum(torch.zeros(4), [])
+
+
+def test_error_record_names_op_rank_and_chunk():
+    record = torch.tensor([1, 3, 5, cuda_lib.op_id("ok/ag_matmul")], dtype=torch.int32)
+    with pytest.raises(SignalTimeoutError, match="ok/ag_matmul: rank 3 timed out waiting for the signal of chunk 5"):
+        cuda_lib.check_error_record(record)
+    cuda_lib.check_error_record(torch.zeros(4, dtype=torch.int32))  # no error: silent
+
+
+# ---------------------------------------------------------------- GPU numerics (make gpu-check)
+
+def _reference_sum(srcs):
+    acc = torch.zeros_like(srcs[0], dtype=torch.float32)
+    for s in srcs:  # the library's fixed order, in fp32
+        acc += s.float()
+    return acc.to(srcs[0].dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("numel, offset", [(1, 0), (4099, 0), (1 << 20, 0), (4099, 1)])
+@pytest.mark.parametrize("num_srcs", [1, 2, 8])
+def test_reduce_sum_matches_fp32_ordered_sum(dtype, numel, offset, num_srcs):
+    # offset 1 misaligns every buffer: the scalar path must give the same bits as the vector one
+    srcs = [torch.randn(numel + offset, device="cuda").to(dtype)[offset:] for _ in range(num_srcs)]
+    dst = torch.full((numel + offset,), float("nan"), device="cuda", dtype=dtype)[offset:]
+    cuda_lib.reduce_sum(dst, srcs)
+    torch.testing.assert_close(dst, _reference_sum(srcs), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_reduce_sum_in_place_and_planted_error():
+    srcs = [torch.randn(1000, device="cuda") for _ in range(4)]
+    expected = _reference_sum(srcs)
+    cuda_lib.reduce_sum(srcs[0], srcs)
+    torch.testing.assert_close(srcs[0], expected, atol=0, rtol=0)
+    srcs[0][17] += 1e-3  # a planted error must not pass the exact check
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(srcs[0], expected, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_signal_set_then_wait_and_timeout():
+    pad = torch.zeros(4, dtype=torch.int32, device="cuda")
+    record = torch.zeros(4, dtype=torch.int32, device="cuda")
+    cuda_lib.signal_set(pad[1:2], 7)
+    cuda_lib.signal_wait(pad[1:2], 7, error_record=record, op="ok/test", rank=0, chunk=1, timeout_s=5.0)
+    torch.cuda.synchronize()
+    cuda_lib.check_error_record(record)
+    assert pad.tolist() == [0, 7, 0, 0]
+    cuda_lib.signal_wait(pad[2:3], 1, error_record=record, op="ok/test", rank=2, chunk=9, timeout_s=0.05)
+    with pytest.raises(SignalTimeoutError, match="ok/test: rank 2 timed out waiting for the signal of chunk 9"):
+        cuda_lib.check_error_record(record)

@@ -1,0 +1,86 @@
+"""`overlapkernels info`: exits 0 without a GPU; the NVML path checked against a fake NVML."""
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+from overlapkernels.profiling.inventory import format_inventory, gpu_inventory, inventory
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "overlapkernels", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_info_without_gpu_exits_zero():
+    out = _cli("info")
+    assert out.returncode == 0, out.stderr
+    assert "torch" in out.stdout and "triton" in out.stdout and "gloo=yes" in out.stdout
+    assert "cuda library" in out.stdout
+    if "GPU           none" not in out.stdout:  # on a GPU machine the GPU lines are there instead
+        assert "GPU 0" in out.stdout
+    data = json.loads(_cli("info", "--json").stdout)
+    assert data["software"]["backends"]["gloo"] is True
+    assert isinstance(data["gpu"]["available"], bool)
+
+
+class FakeNVML:
+    """Two H200s joined by 18 NVLink-4 links, one GPU reachable over PCIe only; queries a real
+    NVML may refuse (field values on GPU 2) raise NotSupported."""
+    NVML_NVLINK_MAX_LINKS = 18
+    NVML_FEATURE_ENABLED = 1
+    NVML_CLOCK_SM, NVML_CLOCK_MEM = 1, 2
+    NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON = 90
+    bus = ["00000000:18:00.0", "00000000:2A:00.0", "00000000:3A:00.0"]
+
+    class NotSupported(Exception):
+        pass
+
+    def nvmlInit(self): pass
+    def nvmlShutdown(self): pass
+    def nvmlDeviceGetCount(self): return 3
+    def nvmlDeviceGetHandleByIndex(self, i): return i
+    def nvmlDeviceGetName(self, h): return b"NVIDIA H200" if h < 2 else "NVIDIA L4"
+    def nvmlDeviceGetMemoryInfo(self, h): return SimpleNamespace(total=141 * 2**30)
+    def nvmlDeviceGetMaxClockInfo(self, h, kind): return 1980 if kind == 1 else 3201
+    def nvmlDeviceGetPciInfo(self, h): return SimpleNamespace(busId=self.bus[h].encode())
+    def nvmlSystemGetDriverVersion(self): return "580.65"
+    def nvmlSystemGetCudaDriverVersion(self): return 13000
+
+    def nvmlDeviceGetNvLinkState(self, h, link):
+        if h == 2:
+            raise self.NotSupported()
+        return 1
+
+    def nvmlDeviceGetNvLinkVersion(self, h, link): return 4
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, h, link): return SimpleNamespace(busId=self.bus[1 - h])
+
+    def nvmlDeviceGetFieldValues(self, h, fields):
+        return [SimpleNamespace(nvmlReturn=0, value=SimpleNamespace(uiVal=53125))]
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, a, b): return 50
+
+
+def test_gpu_inventory_with_fake_nvml():
+    inv = gpu_inventory(FakeNVML())
+    assert inv["available"] and inv["driver"] == "580.65" and len(inv["gpus"]) == 3
+    h200 = inv["gpus"][0]
+    assert h200["name"] == "NVIDIA H200" and h200["memory_bytes"] == 141 * 2**30
+    assert h200["nvlink"]["active_links"] == 18 and h200["nvlink"]["versions"] == [4]
+    assert h200["nvlink"]["link_speed_mbps"] == 53125
+    assert inv["gpus"][2]["nvlink"]["active_links"] == 0
+    assert inv["topology"] == [["X", "NV18", "SYS"], ["NV18", "X", "SYS"], ["SYS", "SYS", "X"]]
+    text = format_inventory({**inventory(FakeNVML())})
+    assert "GPU 0         NVIDIA H200, 141 GiB, SM max 1980 MHz, NVLink 18 links v4 @ 53.1 Gb/s" in text
+    assert "GPU 2         NVIDIA L4, 141 GiB, SM max 1980 MHz, no active NVLink" in text
+    assert "\n  GPU1         NV18      X    SYS\n" in text
+
+
+def test_gpu_inventory_without_driver():
+    class NoDriver:
+        def nvmlInit(self):
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    inv = gpu_inventory(NoDriver())
+    assert inv == {"available": False, "reason": "no NVIDIA driver/GPU visible to NVML (NVML Shared Library Not Found)",
+                   "gpus": []}
+    assert "GPU           none: no NVIDIA driver" in format_inventory(inventory(NoDriver()))

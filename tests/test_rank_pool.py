@@ -1,0 +1,70 @@
+"""The gloo rank pool: results per rank, tracebacks in the report, hard timeouts, no orphans."""
+import multiprocessing
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from overlapkernels.comm.rank_pool import RankError, RankPool, RankTimeout
+
+
+def _rank_and_sum():
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), float(t), os.environ["LOCAL_RANK"]
+
+
+def test_runs_on_every_rank(rank_pool):
+    assert rank_pool(2).run(_rank_and_sum) == [(0, 2, 3.0, "0"), (1, 2, 3.0, "1")]
+    assert rank_pool(4).run(_rank_and_sum) == [(r, 4, 10.0, str(r)) for r in range(4)]
+
+
+def _fail_on_rank_1(message):
+    if dist.get_rank() == 1:
+        raise ZeroDivisionError(message)
+    return "fine"
+
+
+def test_failing_rank_traceback_is_reported(rank_pool):
+    pool = rank_pool(2)
+    with pytest.raises(RankError) as info:
+        pool.run(_fail_on_rank_1, "planted failure 42")
+    text = str(info.value)
+    assert "ranks [1] failed" in text and "--- rank 1 of 2 ---" in text
+    assert "ZeroDivisionError: planted failure 42" in text and "_fail_on_rank_1" in text
+    assert pool.run(_rank_and_sum)[1][2] == 3.0  # the pool is still usable
+
+
+def _block_forever_on_rank_1():
+    if dist.get_rank() == 1:
+        dist.recv(torch.empty(1), src=0)  # rank 0 never sends: blocks until killed
+    return dist.get_rank()
+
+
+def _exit_on_rank_0():
+    if dist.get_rank() == 0:
+        os._exit(3)
+    return "alive"
+
+
+def test_timeout_and_death_are_failures_not_hangs():
+    seen = []  # every generation of rank processes this pool started
+    with RankPool(2, timeout=60.0) as pool:
+        seen += [pool.run(os.getpid)]
+        with pytest.raises(RankTimeout, match=r"ranks \[1\] of 2 did not finish within 3 s"):
+            pool.run(_block_forever_on_rank_1, timeout=3.0)
+        assert pool.run(_rank_and_sum)[0][2] == 3.0  # respawned after the kill
+        seen += [pool.run(os.getpid)]
+        with pytest.raises(RankError, match="rank 0 of 2 ---\nprocess died with exit code 3"):
+            pool.run(_exit_on_rank_0, timeout=30.0)
+        seen += [pool.run(os.getpid)]  # respawned after the death
+    pids = [pid for generation in seen for pid in generation]
+    assert len(set(pids)) == 6
+    children = {p.pid for p in multiprocessing.active_children()}
+    assert not children & set(pids), "a rank process outlived its pool"
+
+
+def test_bad_world_size():
+    with pytest.raises(ValueError, match="world_size=0"):
+        RankPool(0)

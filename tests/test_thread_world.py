@@ -1,0 +1,140 @@
+"""The thread world: N ranks as threads, a real Triton all-gather through peer pointers and flags."""
+import threading
+import time
+
+import pytest
+import torch
+
+from overlapkernels.comm.rank_pool import RankError, RankTimeout
+from overlapkernels.comm.thread_world import ThreadWorld
+from overlapkernels.kernels.errors import SignalTimeoutError
+from overlapkernels.kernels.triton import all_gather as ag
+
+STRAGGLER_DELAY_S = 0.3  # the straggler publishes late: peers must wait on its flag, not race it
+
+
+def shard_of(rank, call, shape, dtype):
+    """Distinct, exactly representable values per (rank, call, element)."""
+    n = torch.Size(shape).numel()
+    return (torch.arange(n, dtype=torch.float32) + 100 * rank + 10000 * call).to(dtype).reshape(shape)
+
+
+def _all_gather_on_rank(ctx, shape, dtype, calls, straggler, block):
+    n = torch.Size(shape).numel()
+    # poisoned: a chunk read before its owner published shows up as NaN / garbage
+    buf = ctx.alloc_symmetric((ctx.world_size * n,), dtype, fill=float("nan"))
+    signals = ctx.alloc_symmetric((2 * ctx.world_size,), torch.int32)
+    gather = ag.PeerAllGather(buf, signals, n, block=block)
+    outs = []
+    for call in range(calls):
+        if ctx.rank == straggler:
+            time.sleep(STRAGGLER_DELAY_S)  # models a slow rank, not a wait for the test's sake
+        outs.append(gather(shard_of(ctx.rank, call, shape, dtype)))
+    return outs
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("shape, dtype", [((37,), torch.float32), ((3, 5), torch.float16)])
+def test_all_gather_exact_with_straggler(world, shape, dtype):
+    straggler = world - 1
+    results = ThreadWorld(world).run(_all_gather_on_rank, shape, dtype, 3, straggler, 16)
+    for rank, outs in enumerate(results):
+        for call, out in enumerate(outs):
+            expected = torch.cat([shard_of(r, call, shape, dtype) for r in range(world)])
+            assert out.dtype == dtype and out.shape == expected.shape
+            assert torch.equal(out, expected), (rank, call)
+
+
+def _all_gather_without_waiting(ctx, n, straggler):
+    """The pull kernel with epoch 0 - every ready-flag check passes at once: a planted race."""
+    buf = ctx.alloc_symmetric((ctx.world_size * n,), torch.float32, fill=float("nan"))
+    signals = ctx.alloc_symmetric((2 * ctx.world_size,), torch.int32)
+    shard = shard_of(ctx.rank, 0, (n,), torch.float32)
+    out = torch.empty(ctx.world_size * n)
+    err = torch.zeros(4, dtype=torch.int32)
+    if ctx.rank == straggler:
+        time.sleep(STRAGGLER_DELAY_S)
+    common = dict(RANK=ctx.rank, WORLD=ctx.world_size, BLOCK=16)
+    ag._ag_publish_kernel[(n // 16 + 1,)](shard, buf.peer_ptrs, signals.peer_ptrs, err, n, 0, 10, **common)
+    if ctx.rank != straggler:
+        ag._ag_pull_kernel[(n // 16 + 1, ctx.world_size)](buf.peer_ptrs, signals.peer_ptrs, out, err, n, 0, 10,
+                                                         **common)
+    ctx.barrier()
+    return out
+
+
+def test_planted_race_is_caught():
+    """Without the ready-flag wait, a straggler's chunk is read before it exists; the exact
+    comparison used above must see that."""
+    world, n = 2, 20
+    out = ThreadWorld(world).run(_all_gather_without_waiting, n, 1)[0]
+    expected = torch.cat([shard_of(r, 0, (n,), torch.float32) for r in range(world)])
+    assert torch.equal(out[:n], expected[:n])
+    assert not torch.equal(out, expected)
+
+
+def _all_gather_with_a_missing_rank(ctx, missing):
+    n = 8
+    buf = ctx.alloc_symmetric((ctx.world_size * n,), torch.float32)
+    signals = ctx.alloc_symmetric((2 * ctx.world_size,), torch.int32)
+    gather = ag.PeerAllGather(buf, signals, n, block=8, max_spins=50)
+    if ctx.rank == missing:
+        return "skipped the call"
+    gather(torch.ones(n))
+
+
+def test_missing_rank_times_out_naming_rank_and_chunk():
+    with pytest.raises(RankError) as info:
+        ThreadWorld(2).run(_all_gather_with_a_missing_rank, 1)
+    text = str(info.value)
+    assert "SignalTimeoutError: ok/all_gather: rank 0 gave up after 50 polls waiting for chunk 1 from rank 1" in text
+
+
+def _bad_shard(ctx):
+    buf = ctx.alloc_symmetric((ctx.world_size * 4,), torch.float32)
+    signals = ctx.alloc_symmetric((2 * ctx.world_size,), torch.int32)
+    gather = ag.PeerAllGather(buf, signals, 4)
+    with pytest.raises(ValueError, match=r"shard: expected 4 elements of torch.float32, got 5 of torch.float32"):
+        gather(torch.ones(5))
+    with pytest.raises(ValueError, match="buf has 8 elements; expected world_size\\*chunk_numel = 2\\*3"):
+        ag.PeerAllGather(buf, signals, 3)
+    return True
+
+
+def test_bad_input_is_rejected_before_any_signal():
+    assert ThreadWorld(2).run(_bad_shard) == [True, True]
+
+
+def _symmetric_views(ctx):
+    sym = ctx.alloc_symmetric((3,), torch.float32)
+    sym.local.fill_(ctx.rank)
+    ctx.barrier()
+    return [float(sym.peer(r)[0]) for r in range(ctx.world_size)], sym.peer_ptrs.tolist()
+
+
+def test_alloc_symmetric_gives_every_rank_the_same_peers():
+    results = ThreadWorld(3).run(_symmetric_views)
+    assert all(views == [0.0, 1.0, 2.0] for views, _ in results)
+    assert len({tuple(ptrs) for _, ptrs in results}) == 1
+
+
+def test_thread_world_reports_errors_and_timeouts():
+    def fail(ctx):
+        if ctx.rank == 1:
+            raise KeyError("planted")
+        ctx.barrier()  # aborted by the failing rank instead of hanging
+
+    with pytest.raises(RankError, match="(?s)ranks \\[0, 1\\] failed.*KeyError: 'planted'.*BrokenBarrierError"):
+        ThreadWorld(2).run(fail)
+
+    release = threading.Event()
+
+    def stuck(ctx):
+        if ctx.rank == 0:
+            release.wait(30)
+
+    try:
+        with pytest.raises(RankTimeout, match=r"thread ranks \[0\] of 2 still running after 0.5 s"):
+            ThreadWorld(2).run(stuck, timeout=0.5)
+    finally:
+        release.set()
