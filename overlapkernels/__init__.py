@@ -1,5 +1,8 @@
 """overlapkernels: communication hidden behind computation, inside the kernels."""
+from .ops import (StrictOverlapError, all_gather_matmul, matmul_reduce_scatter, overlap_stats, reset_overlap_stats,
+                  strict_overlap)
 from .parallel import ParallelDims, init_parallel
 
 __version__ = "0.1.0"
-__all__ = ["ParallelDims", "init_parallel", "__version__"]
+__all__ = ["ParallelDims", "init_parallel", "all_gather_matmul", "matmul_reduce_scatter", "overlap_stats",
+           "reset_overlap_stats", "strict_overlap", "StrictOverlapError", "__version__"]

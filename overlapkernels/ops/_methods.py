@@ -1,0 +1,57 @@
+"""Routes a resolved method to its implementation, on 2-D operands."""
+from __future__ import annotations
+
+from . import _collective_methods as coll
+from ._validate import is_peer_world
+from .dispatch import PEER_MEMORY_METHODS
+
+
+def _check_world(method: str, group) -> None:
+    peer = is_peer_world(group)
+    if method in PEER_MEMORY_METHODS and not peer:
+        raise ValueError(f"method={method!r} needs peer memory: CUDA tensors on one NVLink node (not yet wired to "
+                         "process groups) or a thread-world group (CPU tests); use 'decomposed' or 'baseline'")
+    if peer and method not in PEER_MEMORY_METHODS:
+        raise ValueError(f"method={method!r} needs a process group; a thread-world group runs 'symm' or 'fused'")
+
+
+def ag_matmul(a_shard, bs, group, method):
+    """-> (a_full [W*m, K], [a_full @ b for b in bs])"""
+    _check_world(method, group)
+    if method in PEER_MEMORY_METHODS:
+        from . import _peer_methods
+
+        return _peer_methods.ag_matmul(a_shard, bs, group, method)
+    impl = coll.ag_matmul_baseline if method == "baseline" else coll.ag_matmul_decomposed
+    return impl(a_shard, bs, group)
+
+
+def matmul_rs(a, b, group, method):
+    """-> sum over ranks of (a @ b), chunk ``rank`` of dim 0"""
+    _check_world(method, group)
+    if method in PEER_MEMORY_METHODS:
+        from . import _peer_methods
+
+        return _peer_methods.matmul_rs(a, b, group, method)
+    impl = coll.matmul_rs_baseline if method == "baseline" else coll.matmul_rs_decomposed
+    return impl(a, b, group)
+
+
+def ag_wgrad(a_shard, grad_outs, group, method):
+    """-> [gather(a_shard).T @ g for g in grad_outs]"""
+    _check_world(method, group)
+    if method in PEER_MEMORY_METHODS:
+        a_full, _ = ag_matmul(a_shard, [], group, method)
+        return [a_full.T @ g for g in grad_outs]
+    return coll.ag_wgrad(a_shard, grad_outs, group, method)
+
+
+def reduce_scatter(x, group):
+    """-> sum over ranks of ``x``, chunk ``rank`` of dim 0 (no matmul to overlap with)."""
+    if is_peer_world(group):
+        from . import _peer_methods
+
+        return _peer_methods.reduce_scatter(x, group)
+    from ..comm.collectives import reduce_scatter as rs
+
+    return rs(x, group)[0]

@@ -1,0 +1,63 @@
+"""Argument checks shared by the fused ops; all run before any rank communicates."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..parallel import resolve_group
+
+
+def group_size(group) -> int:
+    """World size of a ProcessGroup, or of a peer-memory world handle (thread world rank)."""
+    if hasattr(group, "alloc_symmetric"):
+        return group.world_size
+    return dist.get_world_size(resolve_group(group))
+
+
+def is_peer_world(group) -> bool:
+    return hasattr(group, "alloc_symmetric")
+
+
+def check_tensor(name: str, value, min_dim: int = 1) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dims, got shape {tuple(value.shape)}")
+    return value
+
+
+def check_weights(b, a: torch.Tensor, a_name: str) -> tuple[list, bool]:
+    """``b`` as a list of [K, N] tensors matching ``a``; the bool says whether it was a single one."""
+    single = isinstance(b, torch.Tensor)
+    if not single and not (isinstance(b, (list, tuple)) and b):
+        raise TypeError(f"b must be a [K, N] tensor or a non-empty list/tuple of them, got {type(b).__name__}"
+                        + (" (empty)" if isinstance(b, (list, tuple)) else ""))
+    bs = [b] if single else list(b)
+    k = a.shape[-1]
+    for i, w in enumerate(bs):
+        name = "b" if single else f"b[{i}]"
+        check_tensor(name, w)
+        if w.dim() != 2:
+            raise ValueError(f"{name} must be 2-D [K, N], got shape {tuple(w.shape)}")
+        if w.shape[0] != k:
+            raise ValueError(f"{name}.shape[0]={w.shape[0]} does not match {a_name}.shape[-1]={k} (the contracted "
+                             "dim K)")
+        if w.dtype != a.dtype:
+            raise ValueError(f"{name}.dtype={w.dtype} does not match {a_name}.dtype={a.dtype}")
+        if w.device != a.device:
+            raise ValueError(f"{name} is on {w.device} but {a_name} is on {a.device}; expected one device")
+    return bs, single
+
+
+def check_dim(name: str, dim, tensor: torch.Tensor, tensor_name: str) -> int:
+    """Normalise a non-negative/negative dim that must not be the contracted (last) one."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{name} must be an int, got {type(dim).__name__}")
+    nd = tensor.dim()
+    if not -nd <= dim < nd:
+        raise ValueError(f"{name}={dim} is out of range for {tensor_name} with {nd} dims")
+    dim %= nd
+    if dim == nd - 1:
+        raise ValueError(f"{name}={dim} is the last dim of {tensor_name}, which the matmul contracts; expected one "
+                         f"of 0..{nd - 2}")
+    return dim

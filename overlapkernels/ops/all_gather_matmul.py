@@ -1,0 +1,101 @@
+"""All-gather + matmul: the column-parallel forward under sequence parallelism."""
+from __future__ import annotations
+
+import torch
+
+from ..parallel import resolve_group
+from . import _methods
+from ._validate import check_dim, check_tensor, check_weights, group_size, is_peer_world
+from .dispatch import check_method, choose
+
+OP = "all_gather_matmul"
+
+
+def resolve(op: str, method: str, group, x2d: torch.Tensor, world: int) -> str:
+    """The method one call runs (``auto`` resolved by the dispatch rules and recorded)."""
+    return choose(op, method, world_size=world, rows_per_rank=x2d.shape[0],
+                  step_bytes=x2d.numel() * x2d.element_size(), device=x2d.device,
+                  peer_memory=is_peer_world(group)).method
+
+
+class AllGatherMatmul(torch.autograd.Function):
+    """``a_full = gather(a_shard)``; ``out_i = a_full @ b_i`` (Megatron's g operator fused with the GEMM).
+
+    | tensor     | shape        | forward            | dgrad (backward)                          | wgrad                      |
+    |------------|--------------|--------------------|-------------------------------------------|----------------------------|
+    | a_shard    | [m, K]       | gathered, W ranks  | RS(sum_i grad_out_i @ b_i.T): GEMM + RS   |                            |
+    | b_i        | [K, N_i]     | out_i = a_full@b_i |                                           | a_full.T @ grad_out_i      |
+    | a_full     | [W*m, K]     | returned           | its grad is reduce-scattered too          |                            |
+    | out_i      | [W*m, N_i]   |                    |                                           |                            |
+
+    dgrad runs ``matmul_reduce_scatter`` (the dual op, overlapped); wgrad re-gathers the shard
+    around the ring with per-chunk accumulation unless ``save_gathered`` kept ``a_full``.
+    """
+
+    @staticmethod
+    def forward(ctx, a_shard, group, method_requested, method, save_gathered, *bs):
+        a_full, outs = _methods.ag_matmul(a_shard, list(bs), group, method)
+        ctx.group, ctx.method_requested, ctx.method = group, method_requested, method
+        ctx.save_gathered = save_gathered
+        ctx.save_for_backward(a_full if save_gathered else a_shard, *bs)
+        ctx.set_materialize_grads(False)
+        return (a_full, *outs)
+
+    @staticmethod
+    def backward(ctx, grad_a_full, *grad_outs):
+        saved, *bs = ctx.saved_tensors
+        group, world = ctx.group, group_size(ctx.group)
+        used = [i for i, g in enumerate(grad_outs) if g is not None]
+        grad_a = grad_bs = None
+        if ctx.needs_input_grad[0] and used:
+            from .matmul_reduce_scatter import OP as RS_OP
+
+            g = torch.cat([grad_outs[i] for i in used], dim=1) if len(used) > 1 else grad_outs[used[0]]
+            bt = torch.cat([bs[i].T for i in used], dim=0) if len(used) > 1 else bs[used[0]].T
+            method = ctx.method if ctx.method_requested != "auto" else resolve(RS_OP, "auto", group, g, world)
+            grad_a = _methods.matmul_rs(g, bt, group, method)
+        if ctx.needs_input_grad[0] and grad_a_full is not None:  # the caller used the gathered input
+            rs = _methods.reduce_scatter(grad_a_full, group)
+            grad_a = rs if grad_a is None else grad_a + rs
+        wanted = [i for i in used if ctx.needs_input_grad[5 + i]]
+        if wanted:
+            grad_bs = [None] * len(bs)
+            if ctx.save_gathered:
+                results = [saved.T @ grad_outs[i] for i in wanted]
+            else:
+                results = _methods.ag_wgrad(saved, [grad_outs[i] for i in wanted], group, ctx.method)
+            for i, grad in zip(wanted, results):
+                grad_bs[i] = grad
+        return (grad_a, None, None, None, None, *(grad_bs or [None] * len(bs)))
+
+
+def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, return_gathered=False, method="auto",
+                      save_gathered=False):
+    """``torch.cat(all_gather(a_shard), dim=gather_dim) @ b``, with the gather hidden behind the GEMM.
+
+    ``a_shard`` [..., K] (2+ dims, same shape on every rank); ``b`` a [K, N] tensor or a list of
+    them sharing one gather (QKV, gate/up) -> a tensor or a list. ``return_gathered=True`` returns
+    ``(gathered_a, out)``. ``save_gathered=True`` keeps the gathered input for the weight gradient
+    instead of re-gathering it in backward (more memory, less communication).
+    """
+    check_tensor("a_shard", a_shard, min_dim=2)
+    bs, single = check_weights(b, a_shard, "a_shard")
+    gather_dim = check_dim("gather_dim", gather_dim, a_shard, "a_shard")
+    method = check_method(method)
+    if not isinstance(return_gathered, bool):
+        raise TypeError(f"return_gathered must be a bool, got {type(return_gathered).__name__}")
+    group = group if is_peer_world(group) else resolve_group(group)
+    world = group_size(group)
+
+    x = a_shard.movedim(gather_dim, 0)
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    chosen = resolve(OP, method, group, x2d, world)
+    a_full, *outs = AllGatherMatmul.apply(x2d, group, method, chosen, bool(save_gathered), *bs)
+
+    def restore(t2d):  # [W*m, n] -> the layout of a_shard, gathered along gather_dim
+        return t2d.view(world * lead[0], *lead[1:], t2d.shape[-1]).movedim(0, gather_dim)
+
+    outs = [restore(o) for o in outs]
+    result = outs[0] if single else outs
+    return (restore(a_full), result) if return_gathered else result

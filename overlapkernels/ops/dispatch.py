@@ -1,0 +1,121 @@
+"""Which method runs a fused op, and the record of what ran and why.
+
+Every rule of ``method="auto"`` lives in ``choose``; each decision carries a reason that
+``overlap_stats().reasons`` and the ``overlapkernels.ops`` debug log show, so a fusion that was
+not applied is never silent. ``strict_overlap()`` turns a fallback to ``baseline`` on an eligible
+call (more than one rank) into an error.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("overlapkernels.ops")
+
+METHODS = ("auto", "baseline", "decomposed", "symm", "fused")
+PEER_MEMORY_METHODS = ("symm", "fused")
+
+# --- auto thresholds, from our own CPU measurements (benchmarks/results/) ----------------------
+# gloo: below this many bytes per ring message, per-step latency (a few ms with several ranks
+# per core) outweighs what overlapping the matmul saves, so one collective + one matmul wins.
+GLOO_MIN_STEP_BYTES = 256 << 10
+# CUDA: a per-rank M below this leaves each chunk's GEMM too small to hide a transfer behind
+# (wave quantisation); peers report the same regime (flux, torch async-TP need M >= 1-2K).
+CUDA_MIN_ROWS_PER_RANK = 1024
+
+
+class StrictOverlapError(RuntimeError):
+    """``strict_overlap()`` is active and an eligible call would have run unoverlapped."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    method: str
+    reason: str
+
+
+class OverlapStats(dict):
+    """``{(op, method): count}``; ``.reasons`` maps the same keys to ``{reason: count}``."""
+
+    def __init__(self, counts, reasons):
+        super().__init__(counts)
+        self.reasons = reasons
+
+
+_lock = threading.Lock()
+_counts: Counter = Counter()
+_reasons: dict = {}
+_strict = contextvars.ContextVar("overlapkernels_strict_overlap", default=False)
+
+
+def overlap_stats(reset: bool = False) -> OverlapStats:
+    """Calls per (op, method) since start or the last reset, with the reasons for each choice."""
+    with _lock:
+        stats = OverlapStats(dict(_counts), {k: dict(v) for k, v in _reasons.items()})
+        if reset:
+            _counts.clear()
+            _reasons.clear()
+    return stats
+
+
+def reset_overlap_stats() -> None:
+    overlap_stats(reset=True)
+
+
+@contextlib.contextmanager
+def strict_overlap():
+    """Inside, an eligible call for which ``auto`` picks ``baseline`` raises instead."""
+    token = _strict.set(True)
+    try:
+        yield
+    finally:
+        _strict.reset(token)
+
+
+def record(op: str, choice: Choice) -> None:
+    with _lock:
+        _counts[(op, choice.method)] += 1
+        _reasons.setdefault((op, choice.method), Counter())[choice.reason] += 1
+    log.debug("%s: method=%s (%s)", op, choice.method, choice.reason)
+
+
+def check_method(method) -> str:
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}: expected one of {list(METHODS)}")
+    return method
+
+
+def choose(op: str, method: str, *, world_size: int, rows_per_rank: int, step_bytes: int, device: torch.device,
+           peer_memory: bool) -> Choice:
+    """Resolve ``method`` for one call. ``rows_per_rank`` is M per chunk; ``step_bytes`` the size of
+    one ring message; ``peer_memory`` whether the group offers symmetric buffers (thread world)."""
+    if method != "auto":
+        choice = Choice(method, "requested")
+    elif world_size == 1:
+        choice = Choice("baseline", "world size 1: nothing to overlap")
+    elif peer_memory:
+        choice = Choice("fused", "peer-memory world: persistent Triton GEMM waiting on chunk signals")
+    elif device.type == "cuda":
+        if rows_per_rank < CUDA_MIN_ROWS_PER_RANK:
+            choice = Choice("baseline", f"{rows_per_rank} rows per rank < {CUDA_MIN_ROWS_PER_RANK}: chunk GEMMs too "
+                                        "small to hide a transfer")
+        else:
+            choice = Choice("decomposed", "CUDA, large M: ring P2P overlapped with chunk GEMMs (not yet measured on "
+                                          "GPU by this project; rule from peers' reports)")
+    elif step_bytes < GLOO_MIN_STEP_BYTES:
+        choice = Choice("baseline", f"gloo ring message {step_bytes} B < {GLOO_MIN_STEP_BYTES} B: per-step "
+                                    "latency exceeds the overlap gain (CPU benchmark)")
+    else:
+        choice = Choice("decomposed", f"gloo ring message {step_bytes} B >= {GLOO_MIN_STEP_BYTES} B: async P2P "
+                                      "overlaps the CPU matmul")
+    if _strict.get() and method == "auto" and world_size > 1 and choice.method == "baseline":
+        raise StrictOverlapError(f"{op}: strict_overlap() is active but the call would run unoverlapped "
+                                 f"(method={method!r} -> baseline: {choice.reason})")
+    record(op, choice)
+    return choice

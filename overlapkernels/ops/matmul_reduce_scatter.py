@@ -1,0 +1,75 @@
+"""Matmul + reduce-scatter: the row-parallel forward under sequence parallelism."""
+from __future__ import annotations
+
+import torch
+
+from ..parallel import resolve_group
+from . import _methods
+from ._collective_methods import accumulation_dtype
+from ._validate import check_dim, check_tensor, check_weights, group_size, is_peer_world
+from .dispatch import check_method, choose
+
+OP = "matmul_reduce_scatter"
+
+
+class MatmulReduceScatter(torch.autograd.Function):
+    """``out = RS_sum(a @ b)``: rank r keeps rows [r*m, (r+1)*m) of the sum over ranks (Megatron's
+    reduce-scatter g-bar operator fused with the GEMM).
+
+    | tensor | shape      | forward                  | dgrad (backward)                      | wgrad               |
+    |--------|------------|--------------------------|---------------------------------------|---------------------|
+    | a      | [W*m, K]   | partial a @ b per rank   | gather(grad_out) @ b.T: AG + GEMM     |                     |
+    | b      | [K, N]     |                          |                                       | a.T @ gather(g_out) |
+    | out    | [m, N]     | reduced chunk r          |                                       |                     |
+
+    dgrad runs ``all_gather_matmul`` (the dual op, overlapped) and keeps the gathered gradient,
+    which wgrad reuses, so backward communicates once.
+    """
+
+    @staticmethod
+    def forward(ctx, a, b, group, method_requested, method):
+        ctx.group, ctx.method_requested, ctx.method = group, method_requested, method
+        ctx.save_for_backward(a, b)
+        return _methods.matmul_rs(a, b, group, method)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from .all_gather_matmul import OP as AG_OP
+        from .all_gather_matmul import resolve
+
+        a, b = ctx.saved_tensors
+        group = ctx.group
+        grad_out = grad_out.contiguous()
+        method = ctx.method if ctx.method_requested != "auto" else resolve(AG_OP, "auto", group, grad_out,
+                                                                            group_size(group))
+        weights = [b.T] if ctx.needs_input_grad[0] else []
+        grad_full, outs = _methods.ag_matmul(grad_out, weights, group, method)
+        grad_a = outs[0] if weights else None
+        grad_b = a.T @ grad_full if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b, None, None, None
+
+
+def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, method="auto"):
+    """``reduce_scatter_sum(a @ b, dim=scatter_dim)``: rank r keeps chunk r, with the reduction
+    hidden behind the GEMM. ``a`` [..., K] (2+ dims); ``b`` [K, N]; ``a.shape[scatter_dim]``
+    divisible by the group size."""
+    check_tensor("a", a, min_dim=2)
+    if isinstance(b, (list, tuple)):
+        raise TypeError(f"b must be a single [K, N] tensor, got {type(b).__name__}")
+    check_weights(b, a, "a")
+    scatter_dim = check_dim("scatter_dim", scatter_dim, a, "a")
+    method = check_method(method)
+    group = group if is_peer_world(group) else resolve_group(group)
+    world = group_size(group)
+    if a.shape[scatter_dim] % world:
+        raise ValueError(f"a.shape[scatter_dim={scatter_dim}]={a.shape[scatter_dim]} is not divisible by the group "
+                         f"size {world}")
+    x = a.movedim(scatter_dim, 0)
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    m = x2d.shape[0] // world
+    step_bytes = m * b.shape[1] * torch.empty((), dtype=accumulation_dtype(a.dtype)).element_size()
+    chosen = choose(OP, method, world_size=world, rows_per_rank=m, step_bytes=step_bytes,
+                    device=a.device, peer_memory=is_peer_world(group)).method
+    out2d = MatmulReduceScatter.apply(x2d, b, group, method, chosen)
+    return out2d.view(lead[0] // world, *lead[1:], b.shape[1]).movedim(0, scatter_dim)

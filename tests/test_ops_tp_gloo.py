@@ -1,0 +1,240 @@
+"""all_gather_matmul / matmul_reduce_scatter on gloo ranks vs a dense single-process reference.
+
+Every rank rebuilds the whole problem from one seed (its own and its peers' inputs), so it can
+compute the unsharded reference itself. Inputs of small integers make every sum exact in any
+order: those cases compare bitwise (atol=0), outputs and gradients alike.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+import overlapkernels as ok
+
+WORLDS = [2, 4]
+METHODS = ["baseline", "decomposed", "auto"]
+TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (2e-5, 2e-5)}  # (atol, rtol) for random inputs
+
+
+def _make(shape, dtype, seed, exact):
+    g = torch.Generator().manual_seed(seed)
+    if exact:
+        return torch.randint(0, 2, shape, generator=g).to(dtype)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _compare(name, got, want, exact, dtype):
+    atol, rtol = (0.0, 0.0) if exact else TOL[dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+# ----------------------------------------------------------------------------- all_gather_matmul
+AG_CASES = [  # (shard shape, gather_dim, weight widths)
+    ((7, 33), 0, [5]),
+    ((7, 3, 33), 0, [4, 9, 1]),
+    ((3, 7, 33), 1, [6]),
+    ((2, 7, 3, 33), -2, [2, 3]),
+]
+
+
+def _ag_case_on_rank(method, shard_shape, gather_dim, widths, dtype, exact, save_gathered, as_list):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    k = shard_shape[-1]
+    gd = gather_dim % len(shard_shape)
+    shards = [_make(shard_shape, dtype, 100 + r, exact) for r in range(world)]
+    weights = [[_make((k, n), dtype, 200 + 10 * r + i, exact) for i, n in enumerate(widths)] for r in range(world)]
+    a_full = torch.cat(shards, dim=gd)
+    grads_out = [[_make((*a_full.shape[:-1], n), dtype, 300 + 10 * r + i, exact) for i, n in enumerate(widths)]
+                 for r in range(world)]
+
+    a_shard = shards[rank].clone().requires_grad_()
+    bs = [w.clone().requires_grad_() for w in weights[rank]]
+    b_arg = bs if (as_list or len(bs) > 1) else bs[0]
+    gathered, outs = ok.all_gather_matmul(a_shard, b_arg, gather_dim=gather_dim, return_gathered=True,
+                                          method=method, save_gathered=save_gathered)
+    assert isinstance(outs, list) == isinstance(b_arg, list)  # a tensor in, a tensor out
+    outs = outs if isinstance(outs, list) else [outs]
+    _compare("gathered", gathered, a_full, True, dtype)  # a gather never rounds
+    for i, out in enumerate(outs):
+        _compare(f"out[{i}]", out, a_full @ weights[rank][i], exact, dtype)
+    torch.autograd.backward(outs, grads_out[rank])
+
+    # reference gradients: d a_full = sum over ranks and weights of g @ b.T; our chunk along gd
+    grad_a_full = sum(g @ w.T for r in range(world) for g, w in zip(grads_out[r], weights[r]))
+    _compare("grad a_shard", a_shard.grad, grad_a_full.chunk(world, dim=gd)[rank], exact, dtype)
+    for i, b in enumerate(bs):
+        want = a_full.reshape(-1, k).T @ grads_out[rank][i].reshape(-1, widths[i])
+        _compare(f"grad b[{i}]", b.grad, want, exact, dtype)
+    return True
+
+
+def _ag_all_cases_on_rank(method):
+    for shape, gd, widths in AG_CASES:
+        for save in (False, True):
+            _ag_case_on_rank(method, shape, gd, widths, torch.float64, True, save, False)
+    _ag_case_on_rank(method, (7, 33), 0, [5, 3], torch.float64, False, False, True)
+    _ag_case_on_rank(method, (7, 2, 33), 0, [5], torch.float32, False, False, False)
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("method", METHODS)
+def test_all_gather_matmul_matches_dense(rank_pool, world, method):
+    assert rank_pool(world).run(_ag_all_cases_on_rank, method) == [True] * world
+
+
+# ------------------------------------------------------------------------- matmul_reduce_scatter
+RS_CASES = [  # (per-rank rows multiple, rest shape, scatter_dim, K, N)
+    ((7,), 0, 33, 5),
+    ((7, 2), 0, 33, 4),
+    ((2, 7), 1, 33, 6),
+]
+
+
+def _rs_case_on_rank(method, lead_per_rank, scatter_dim, k, n, dtype, exact):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lead = list(lead_per_rank)
+    lead[scatter_dim] *= world
+    a_all = [_make((*lead, k), dtype, 400 + r, exact) for r in range(world)]
+    b_all = [_make((k, n), dtype, 500 + r, exact) for r in range(world)]
+    out_shape = list(lead)
+    out_shape[scatter_dim] //= world
+    g_all = [_make((*out_shape, n), dtype, 600 + r, exact) for r in range(world)]
+
+    a = a_all[rank].clone().requires_grad_()
+    b = b_all[rank].clone().requires_grad_()
+    out = ok.matmul_reduce_scatter(a, b, scatter_dim=scatter_dim, method=method)
+    full = sum(x @ w for x, w in zip(a_all, b_all))
+    _compare("out", out, full.chunk(world, dim=scatter_dim)[rank], exact, dtype)
+    out.backward(g_all[rank])
+    g_full = torch.cat(g_all, dim=scatter_dim)
+    _compare("grad a", a.grad, g_full @ b_all[rank].T, exact, dtype)
+    _compare("grad b", b.grad, a_all[rank].reshape(-1, k).T @ g_full.reshape(-1, n), exact, dtype)
+    return True
+
+
+def _rs_all_cases_on_rank(method):
+    for lead, sd, k, n in RS_CASES:
+        _rs_case_on_rank(method, lead, sd, k, n, torch.float64, True)
+    _rs_case_on_rank(method, (7,), 0, 33, 5, torch.float64, False)
+    _rs_case_on_rank(method, (7, 2), 0, 33, 5, torch.float32, False)
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("method", METHODS)
+def test_matmul_reduce_scatter_matches_dense(rank_pool, world, method):
+    assert rank_pool(world).run(_rs_all_cases_on_rank, method) == [True] * world
+
+
+# ---------------------------------------------------------------------------------- planted error
+def _planted_error_on_rank():
+    """A one-ulp-scale error in one rank's chunk must fail the comparisons used above."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    a = _make((world * 7, 33), torch.float64, 7, False)
+    b = _make((33, 5), torch.float64, 8, False)
+    out = ok.matmul_reduce_scatter(a, b, method="decomposed")
+    want = (a @ b * world).chunk(world)[rank]  # every rank holds the same a and b
+    _compare("out", out, want, False, torch.float64)
+    caught = []
+    for exact in (False, True):
+        bad = out.clone()
+        bad[3, 2] += 1e-9 * max(1.0, abs(float(bad[3, 2])))
+        try:
+            _compare("out", bad, want, exact, torch.float64)
+            caught.append(False)
+        except AssertionError:
+            caught.append(True)
+    return caught
+
+
+def test_planted_error_is_caught(rank_pool):
+    assert rank_pool(2).run(_planted_error_on_rank) == [[True, True]] * 2
+
+
+# ------------------------------------------------------------------------- auto, stats, strict mode
+def _auto_and_strict_on_rank():
+    ok.reset_overlap_stats()
+    small = torch.ones(4, 8, dtype=torch.float64)
+    big = torch.ones(64, 512, dtype=torch.float64)  # 256 KiB ring messages: decomposed pays off on gloo
+    w_small, w_big = torch.ones(8, 3, dtype=torch.float64), torch.ones(512, 3, dtype=torch.float64)
+    ok.all_gather_matmul(small, w_small)
+    ok.all_gather_matmul(big, w_big)
+    ok.all_gather_matmul(small, w_small, method="decomposed")
+    stats = ok.overlap_stats()
+    try:
+        with ok.strict_overlap():
+            ok.all_gather_matmul(big, w_big)  # fine: overlapped
+            ok.all_gather_matmul(small, w_small, method="baseline")  # explicit: not a fallback
+            ok.all_gather_matmul(small, w_small)
+        strict_error = None
+    except ok.StrictOverlapError as exc:
+        strict_error = str(exc)
+    return dict(stats), {k: list(v) for k, v in stats.reasons.items()}, strict_error
+
+
+def test_auto_records_choice_and_strict_mode_raises(rank_pool):
+    for counts, reasons, strict_error in rank_pool(2).run(_auto_and_strict_on_rank):
+        assert counts == {("all_gather_matmul", "baseline"): 1, ("all_gather_matmul", "decomposed"): 2}
+        assert any("gloo ring message 256 B <" in r for r in reasons[("all_gather_matmul", "baseline")])
+        assert "requested" in reasons[("all_gather_matmul", "decomposed")]
+        assert strict_error and "all_gather_matmul: strict_overlap() is active" in strict_error
+        assert "gloo ring message 256 B" in strict_error
+
+
+# ----------------------------------------------------------------------------------- bad input
+BAD_AG = [
+    (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(9, 3)), ValueError,
+     r"b.shape\[0\]=9 does not match a_shard.shape\[-1\]=8 \(the contracted dim K\)"),
+    (lambda: ok.all_gather_matmul(torch.ones(4, 8), [torch.ones(8, 3), torch.ones(7, 3)]), ValueError,
+     r"b\[1\].shape\[0\]=7 does not match"),
+    (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3), gather_dim=1), ValueError,
+     r"gather_dim=1 is the last dim of a_shard"),
+    (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3), gather_dim=-1), ValueError,
+     r"gather_dim=1 is the last dim"),
+    (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3), gather_dim=2), ValueError,
+     r"gather_dim=2 is out of range for a_shard with 2 dims"),
+    (lambda: ok.all_gather_matmul(torch.ones(8), torch.ones(8, 3)), ValueError,
+     r"a_shard must have at least 2 dims, got shape \(8,\)"),
+    (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3, dtype=torch.float64)), ValueError,
+     r"b.dtype=torch.float64 does not match a_shard.dtype=torch.float32"),
+    (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3, device="meta")), ValueError,
+     r"b is on meta but a_shard is on cpu"),
+    (lambda: ok.all_gather_matmul([[1.0]], torch.ones(1, 3)), TypeError, r"a_shard must be a torch.Tensor, got list"),
+    (lambda: ok.all_gather_matmul(torch.ones(4, 8), "w"), TypeError, r"b must be a \[K, N\] tensor or a non-empty"),
+    (lambda: ok.all_gather_matmul(torch.ones(4, 8), []), TypeError, r"non-empty list/tuple of them, got list \(empty\)"),
+    (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3), gather_dim=0.0), TypeError,
+     r"gather_dim must be an int, got float"),
+    (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3), method="flux"), ValueError,
+     r"method='flux': expected one of \['auto', 'baseline', 'decomposed', 'symm', 'fused'\]"),
+    (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3), method="fused"), ValueError,
+     r"method='fused' needs peer memory"),
+    (lambda: ok.matmul_reduce_scatter(torch.ones(5, 8), torch.ones(8, 3)), ValueError,
+     r"a.shape\[scatter_dim=0\]=5 is not divisible by the group size 2"),
+    (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 3), scatter_dim=1), ValueError,
+     r"scatter_dim=1 is the last dim of a"),
+    (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(7, 3)), ValueError,
+     r"b.shape\[0\]=7 does not match a.shape\[-1\]=8"),
+    (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), [torch.ones(8, 3)]), TypeError,
+     r"b must be a single \[K, N\] tensor, got list"),
+    (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8, dtype=torch.float16), torch.ones(8, 3)), ValueError,
+     r"b.dtype=torch.float32 does not match a.dtype=torch.float16"),
+]
+
+
+def _bad_inputs_on_rank():
+    import re
+
+    for i, (call, exc_type, pattern) in enumerate(BAD_AG):
+        try:
+            call()
+        except exc_type as exc:
+            assert re.search(pattern, str(exc)), (i, str(exc))
+        else:
+            raise AssertionError(f"case {i}: no {exc_type.__name__}")
+    total = torch.ones(1)
+    dist.all_reduce(total)  # no rank communicated before raising: the group is still in step
+    return int(total)
+
+
+def test_bad_input_raises_before_communicating(rank_pool):
+    assert rank_pool(2).run(_bad_inputs_on_rank) == [2, 2]
