@@ -20,45 +20,71 @@ def _launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _bench_collectives(args) -> int:
-    from .bench.collectives import COLUMNS, CollectivesConfig, config_dict, rank_main
-    from .bench.metrics import parse_size_range
-    from .bench.report import append_csv, environment, format_table
-
-    config = CollectivesConfig(ops=tuple(o.strip() for o in args.ops.split(",")) if args.ops != "all" else
-                               CollectivesConfig.ops, sizes=tuple(parse_size_range(args.sizes)),
-                               dtype=args.dtype, iters=args.iters, warmup=args.warmup)
-    config.validate()  # before any rank is started or communicates
+def _run_ranks(rank_main, config: dict, args) -> tuple[list[dict] | None, str]:
+    """Run ``rank_main(config)`` on the launched ranks (torchrun) or on ``--nproc`` spawned CPU
+    ranks -> (rank 0's rows, or None on other ranks; device type)."""
     if _launched():
         import torch.distributed as dist
 
         from .parallel import init_default_process_group
 
         init_default_process_group()
-        rows = rank_main(config_dict(config))
-        if dist.get_rank() != 0:
-            return 0
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    else:
-        if args.nproc < 1:
-            raise SystemExit(f"--nproc {args.nproc}: expected >= 1")
-        from .comm.rank_pool import RankPool
+        rows = rank_main(config)
+        return (rows if dist.get_rank() == 0 else None), ("cuda" if dist.get_backend() == "nccl" else "cpu")
+    if args.nproc < 1:
+        raise ValueError(f"--nproc {args.nproc}: expected >= 1")
+    from .comm.rank_pool import RankPool
 
-        threads = max(1, (os.cpu_count() or 1) // args.nproc)
-        with RankPool(args.nproc, timeout=args.timeout, threads_per_rank=threads) as pool:
-            rows = pool.run(rank_main, config_dict(config))[0]
-        device = "cpu"
+    threads = max(1, (os.cpu_count() or 1) // args.nproc)
+    with RankPool(args.nproc, timeout=args.timeout, threads_per_rank=threads) as pool:
+        return pool.run(rank_main, config)[0], "cpu"
+
+
+def _report(rows: list[dict], device: str, columns, title: str, args) -> int:
+    from .bench.report import append_csv, environment, format_table
+
     env = environment(device)
     rows = [{**row, **env} for row in rows]
     first = rows[0]
-    print(f"# collectives: {first['world_size']} ranks, backend {first['backend']}, {env['device']}"
-          f"{' ' + env['gpu_name'] if env['gpu_name'] else ''}; torch {env['torch']}; median of {config.iters} "
-          f"calls after {config.warmup} warm-up; busbw as nccl-tests")
-    print(format_table(rows, COLUMNS))
+    print(f"# {title}: {first['world_size']} ranks, backend {first['backend']}, {env['device']}"
+          f"{' ' + env['gpu_name'] if env['gpu_name'] else ''}; torch {env['torch']}; median of {args.iters} "
+          f"calls after {args.warmup} warm-up")
+    print(format_table(rows, columns))
     if args.csv:
         append_csv(args.csv, rows)
         print(f"# appended {len(rows)} rows to {args.csv}")
     return 0
+
+
+def _bench_collectives(args) -> int:
+    from .bench.collectives import COLUMNS, CollectivesConfig, config_dict, rank_main
+    from .bench.metrics import parse_size_range
+
+    config = CollectivesConfig(ops=tuple(o.strip() for o in args.ops.split(",")) if args.ops != "all" else
+                               CollectivesConfig.ops, sizes=tuple(parse_size_range(args.sizes)),
+                               dtype=args.dtype, iters=args.iters, warmup=args.warmup)
+    config.validate()  # before any rank is started or communicates
+    rows, device = _run_ranks(rank_main, config_dict(config), args)
+    return 0 if rows is None else _report(rows, device, COLUMNS, "collectives (busbw as nccl-tests)", args)
+
+
+def _bench_tp_op(args) -> int:
+    from .bench import tp_ops
+
+    scale = 1 if _launched() and _cuda_available() else tp_ops.CPU_SCALE
+    config = tp_ops.TpOpsConfig(op=args.kind, shapes=tuple(tp_ops.parse_shapes(args.shapes, args.kind, scale)),
+                                methods=tuple(m.strip() for m in args.methods.split(",")), dtype=args.dtype,
+                                iters=args.iters, warmup=args.warmup)
+    config.validate(None if _launched() else args.nproc)
+    rows, device = _run_ranks(tp_ops.rank_main, tp_ops.config_dict(config), args)
+    title = f"{args.kind} (E = 1 - (T - T_gemm)/(T_baseline - T_gemm))"
+    return 0 if rows is None else _report(rows, device, tp_ops.COLUMNS, title, args)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,13 +101,26 @@ def build_parser() -> argparse.ArgumentParser:
                       "all_gather,reduce_scatter,all_reduce,all_to_all (default: all)")
     coll.add_argument("--sizes", default="1K:64M", help="MIN:MAX bytes, doubling (default 1K:64M)")
     coll.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16 | float64")
-    coll.add_argument("--nproc", type=int, default=4, help="CPU ranks to spawn when not under torchrun")
-    coll.add_argument("--iters", type=int, default=20)
-    coll.add_argument("--warmup", type=int, default=5)
-    coll.add_argument("--timeout", type=float, default=3600.0, help="seconds before spawned ranks are killed")
-    coll.add_argument("--csv", help="append result rows (with hardware, versions, commit, date) to this CSV")
+    _rank_args(coll, iters=20, warmup=5)
     coll.set_defaults(func=_bench_collectives)
+    for kind, what in (("ag-matmul", "all_gather_matmul"), ("matmul-rs", "matmul_reduce_scatter")):
+        tp = kinds.add_parser(kind, help=f"{what}: every method on Llama-3 TP layer shapes")
+        tp.add_argument("--shapes", default="llama3-8b", help="llama3-8b, llama3-70b or MxKxN, comma-separated "
+                        "(unsharded layer dims; presets scaled 8x down on CPU)")
+        tp.add_argument("--methods", default="baseline,decomposed", help="comma-separated: baseline, decomposed, "
+                        "symm, fused, auto")
+        tp.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16 | float64")
+        _rank_args(tp, iters=10, warmup=2)
+        tp.set_defaults(func=_bench_tp_op)
     return parser
+
+
+def _rank_args(parser, *, iters: int, warmup: int) -> None:
+    parser.add_argument("--nproc", type=int, default=4, help="CPU ranks to spawn when not under torchrun")
+    parser.add_argument("--iters", type=int, default=iters)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before spawned ranks are killed")
+    parser.add_argument("--csv", help="append result rows (with hardware, versions, commit, date) to this CSV")
 
 
 def main(argv=None) -> int:

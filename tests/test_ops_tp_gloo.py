@@ -155,7 +155,7 @@ def test_planted_error_is_caught(rank_pool):
 def _auto_and_strict_on_rank():
     ok.reset_overlap_stats()
     small = torch.ones(4, 8, dtype=torch.float64)
-    big = torch.ones(64, 512, dtype=torch.float64)  # 256 KiB ring messages: decomposed pays off on gloo
+    big = torch.ones(128, 512, dtype=torch.float64)  # 512 KiB ring messages, 0.75 flop/B: decomposed pays off
     w_small, w_big = torch.ones(8, 3, dtype=torch.float64), torch.ones(512, 3, dtype=torch.float64)
     ok.all_gather_matmul(small, w_small)
     ok.all_gather_matmul(big, w_big)

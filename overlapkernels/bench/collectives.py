@@ -6,7 +6,6 @@ the slowest rank's median, as a collective is only done when its last rank is.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -14,6 +13,7 @@ import torch.distributed as dist
 
 from ..comm import collectives as C
 from .metrics import algbw_gbps, busbw_gbps, summarize
+from .timing import slowest_rank, time_calls
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -52,26 +52,6 @@ def _call(op: str, count: int, world: int, dtype: torch.dtype, device: torch.dev
     }[op]
 
 
-def _time_calls(fn, iters: int, warmup: int, device: torch.device, group) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier(group=group)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()  # gloo's synchronous collectives return when this rank's part is done
-            times.append(time.perf_counter() - t0)
-    return times
-
-
 def run_collectives(config: CollectivesConfig, group=None) -> list[dict]:
     """Measure every (op, size); every rank returns the same rows (times: slowest rank's)."""
     config.validate()
@@ -85,12 +65,9 @@ def run_collectives(config: CollectivesConfig, group=None) -> list[dict]:
     for op in config.ops:
         for size in config.sizes:
             count = max(world, size // elem // world * world)  # divisible by the world, as nccl-tests
-            stats = summarize(_time_calls(_call(op, count, world, dtype, device, group), config.iters,
-                                          config.warmup, device, group))
-            worst = torch.tensor([stats["median_s"], stats["min_s"], stats["max_s"]], dtype=torch.float64,
-                                 device=device)
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-            median, fastest, slowest = worst.tolist()
+            stats = slowest_rank(summarize(time_calls(_call(op, count, world, dtype, device, group), config.iters,
+                                                      config.warmup, device, group)), device, group)
+            median, fastest, slowest = stats["median_s"], stats["min_s"], stats["max_s"]
             nbytes = count * elem
             rows.append({"op": op, "bytes": nbytes, "count": count, "dtype": config.dtype, "world_size": world,
                          "backend": dist.get_backend(group), "time_us": median * 1e6, "min_us": fastest * 1e6,

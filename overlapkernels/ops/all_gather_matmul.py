@@ -11,11 +11,12 @@ from .dispatch import check_method, choose
 OP = "all_gather_matmul"
 
 
-def resolve(op: str, method: str, group, x2d: torch.Tensor, world: int) -> str:
-    """The method one call runs (``auto`` resolved by the dispatch rules and recorded)."""
-    return choose(op, method, world_size=world, rows_per_rank=x2d.shape[0],
-                  step_bytes=x2d.numel() * x2d.element_size(), device=x2d.device,
-                  peer_memory=is_peer_world(group)).method
+def resolve(method: str, group, x2d: torch.Tensor, n_total: int, world: int) -> str:
+    """The method one all-gather + matmul call runs (``auto`` resolved and recorded). One ring step
+    moves a chunk [m, K] and multiplies it by [K, n_total]."""
+    m, k = x2d.shape
+    return choose(OP, method, world_size=world, rows_per_rank=m, step_bytes=m * k * x2d.element_size(),
+                  step_flops=2 * m * k * n_total, device=x2d.device, peer_memory=is_peer_world(group)).method
 
 
 class AllGatherMatmul(torch.autograd.Function):
@@ -48,11 +49,11 @@ class AllGatherMatmul(torch.autograd.Function):
         used = [i for i, g in enumerate(grad_outs) if g is not None]
         grad_a = grad_bs = None
         if ctx.needs_input_grad[0] and used:
-            from .matmul_reduce_scatter import OP as RS_OP
+            from .matmul_reduce_scatter import resolve as rs_resolve
 
             g = torch.cat([grad_outs[i] for i in used], dim=1) if len(used) > 1 else grad_outs[used[0]]
             bt = torch.cat([bs[i].T for i in used], dim=0) if len(used) > 1 else bs[used[0]].T
-            method = ctx.method if ctx.method_requested != "auto" else resolve(RS_OP, "auto", group, g, world)
+            method = ctx.method if ctx.method_requested != "auto" else rs_resolve("auto", group, g, bt, world)
             grad_a = _methods.matmul_rs(g, bt, group, method)
         if ctx.needs_input_grad[0] and grad_a_full is not None:  # the caller used the gathered input
             rs = _methods.reduce_scatter(grad_a_full, group)
@@ -90,7 +91,7 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, return_gathered=F
     x = a_shard.movedim(gather_dim, 0)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
-    chosen = resolve(OP, method, group, x2d, world)
+    chosen = resolve(method, group, x2d, sum(w.shape[1] for w in bs), world)
     a_full, *outs = AllGatherMatmul.apply(x2d, group, method, chosen, bool(save_gathered), *bs)
 
     def restore(t2d):  # [W*m, n] -> the layout of a_shard, gathered along gather_dim

@@ -21,10 +21,15 @@ log = logging.getLogger("overlapkernels.ops")
 METHODS = ("auto", "baseline", "decomposed", "symm", "fused")
 PEER_MEMORY_METHODS = ("symm", "fused")
 
-# --- auto thresholds, from our own CPU measurements (benchmarks/results/) ----------------------
-# gloo: below this many bytes per ring message, per-step latency (a few ms with several ranks
-# per core) outweighs what overlapping the matmul saves, so one collective + one matmul wins.
-GLOO_MIN_STEP_BYTES = 256 << 10
+# --- auto thresholds, from our own measurements (benchmarks/results/cpu_tp_ops.md) ------------
+# gloo (2 CPU cores, 2-4 ranks): the smallest ring message we measured decomposed at; below it
+# per-step latency (ms with several ranks per core) outweighs what overlapping saves.
+GLOO_MIN_STEP_BYTES = 512 << 10
+# gloo: decomposed wins while each ring step carries at most this many GEMM flops per byte sent;
+# above it the matmul dominates and chunking it costs more than the hidden transfer saves
+# (all-gather: 1.5x faster at 64 flop/B, 0.92x at 192 flop/B; matmul + reduce-scatter: faster at
+# every intensity measured, up to 448 flop/B, since gloo's reduce-scatter is slow).
+GLOO_MAX_FLOPS_PER_BYTE = {"all_gather_matmul": 128, "matmul_reduce_scatter": 512}
 # CUDA: a per-rank M below this leaves each chunk's GEMM too small to hide a transfer behind
 # (wave quantisation); peers report the same regime (flux, torch async-TP need M >= 1-2K).
 CUDA_MIN_ROWS_PER_RANK = 1024
@@ -91,10 +96,12 @@ def check_method(method) -> str:
     return method
 
 
-def choose(op: str, method: str, *, world_size: int, rows_per_rank: int, step_bytes: int, device: torch.device,
-           peer_memory: bool) -> Choice:
-    """Resolve ``method`` for one call. ``rows_per_rank`` is M per chunk; ``step_bytes`` the size of
-    one ring message; ``peer_memory`` whether the group offers symmetric buffers (thread world)."""
+def choose(op: str, method: str, *, world_size: int, rows_per_rank: int, step_bytes: int, step_flops: int,
+           device: torch.device, peer_memory: bool) -> Choice:
+    """Resolve ``method`` for one call. ``rows_per_rank``: M of one chunk; ``step_bytes`` /
+    ``step_flops``: one ring message and the GEMM work that can hide it; ``peer_memory``: whether
+    the group offers symmetric buffers (thread world)."""
+    intensity = step_flops / max(step_bytes, 1)
     if method != "auto":
         choice = Choice(method, "requested")
     elif world_size == 1:
@@ -111,9 +118,12 @@ def choose(op: str, method: str, *, world_size: int, rows_per_rank: int, step_by
     elif step_bytes < GLOO_MIN_STEP_BYTES:
         choice = Choice("baseline", f"gloo ring message {step_bytes} B < {GLOO_MIN_STEP_BYTES} B: per-step "
                                     "latency exceeds the overlap gain (CPU benchmark)")
+    elif intensity > GLOO_MAX_FLOPS_PER_BYTE[op]:
+        choice = Choice("baseline", f"gloo, {intensity:.0f} GEMM flop per byte sent > {GLOO_MAX_FLOPS_PER_BYTE[op]}: "
+                                    "compute-bound, chunking costs more than it hides (CPU benchmark)")
     else:
-        choice = Choice("decomposed", f"gloo ring message {step_bytes} B >= {GLOO_MIN_STEP_BYTES} B: async P2P "
-                                      "overlaps the CPU matmul")
+        choice = Choice("decomposed", f"gloo ring message {step_bytes} B, {intensity:.0f} flop/B: async P2P "
+                                      "overlaps the CPU matmul (CPU benchmark)")
     if _strict.get() and method == "auto" and world_size > 1 and choice.method == "baseline":
         raise StrictOverlapError(f"{op}: strict_overlap() is active but the call would run unoverlapped "
                                  f"(method={method!r} -> baseline: {choice.reason})")

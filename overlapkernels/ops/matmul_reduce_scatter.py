@@ -12,6 +12,15 @@ from .dispatch import check_method, choose
 OP = "matmul_reduce_scatter"
 
 
+def resolve(method: str, group, a2d: torch.Tensor, b: torch.Tensor, world: int) -> str:
+    """The method one matmul + reduce-scatter call runs (``auto`` resolved and recorded). One ring
+    step computes a chunk [m, K] @ [K, N] and sends the running sum [m, N] (fp32 for 16-bit)."""
+    m, k, n = a2d.shape[0] // world, a2d.shape[1], b.shape[1]
+    elem = torch.empty((), dtype=accumulation_dtype(a2d.dtype)).element_size()
+    return choose(OP, method, world_size=world, rows_per_rank=m, step_bytes=m * n * elem, step_flops=2 * m * k * n,
+                  device=a2d.device, peer_memory=is_peer_world(group)).method
+
+
 class MatmulReduceScatter(torch.autograd.Function):
     """``out = RS_sum(a @ b)``: rank r keeps rows [r*m, (r+1)*m) of the sum over ranks (Megatron's
     reduce-scatter g-bar operator fused with the GEMM).
@@ -34,14 +43,13 @@ class MatmulReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from .all_gather_matmul import OP as AG_OP
-        from .all_gather_matmul import resolve
+        from .all_gather_matmul import resolve as ag_resolve
 
         a, b = ctx.saved_tensors
         group = ctx.group
         grad_out = grad_out.contiguous()
-        method = ctx.method if ctx.method_requested != "auto" else resolve(AG_OP, "auto", group, grad_out,
-                                                                            group_size(group))
+        method = ctx.method if ctx.method_requested != "auto" else ag_resolve("auto", group, grad_out, b.shape[0],
+                                                                               group_size(group))
         weights = [b.T] if ctx.needs_input_grad[0] else []
         grad_full, outs = _methods.ag_matmul(grad_out, weights, group, method)
         grad_a = outs[0] if weights else None
@@ -67,9 +75,6 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, method="auto"):
     x = a.movedim(scatter_dim, 0)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
-    m = x2d.shape[0] // world
-    step_bytes = m * b.shape[1] * torch.empty((), dtype=accumulation_dtype(a.dtype)).element_size()
-    chosen = choose(OP, method, world_size=world, rows_per_rank=m, step_bytes=step_bytes,
-                    device=a.device, peer_memory=is_peer_world(group)).method
+    chosen = resolve(method, group, x2d, b, world)
     out2d = MatmulReduceScatter.apply(x2d, b, group, method, chosen)
     return out2d.view(lead[0] // world, *lead[1:], b.shape[1]).movedim(0, scatter_dim)

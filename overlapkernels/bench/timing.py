@@ -1,0 +1,37 @@
+"""Timing of one collective-bearing call across ranks: CUDA events on GPU, perf_counter on CPU."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def time_calls(fn, iters: int, warmup: int, device: torch.device, group=None) -> list[float]:
+    """Seconds per call of ``fn`` on this rank, each call started together (barrier first)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier(group=group)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()  # gloo calls return when this rank's part is done
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def slowest_rank(stats: dict, device: torch.device, group=None) -> dict:
+    """Per-rank {median_s, min_s, max_s} -> the maximum over ranks of each (a collective is done
+    when its last rank is)."""
+    keys = sorted(stats)
+    worst = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+    return dict(zip(keys, worst.tolist()))
