@@ -87,7 +87,7 @@ def test_missing_rank_times_out_naming_rank_and_chunk():
     with pytest.raises(RankError) as info:
         ThreadWorld(2).run(_all_gather_with_a_missing_rank, 1)
     text = str(info.value)
-    assert "SignalTimeoutError: ok/all_gather: rank 0 gave up after 50 polls waiting for chunk 1 from rank 1" in text
+    assert "SignalTimeoutError: ok/all_gather: rank 0 timed out waiting for chunk 1 from rank 1 (call 1)" in text
 
 
 def _bad_shard(ctx):

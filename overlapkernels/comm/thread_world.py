@@ -7,6 +7,7 @@ on ``tl.atomic_*`` flags that another rank's kernel sets.
 """
 from __future__ import annotations
 
+import queue
 import threading
 import time
 import traceback
@@ -26,10 +27,33 @@ class ThreadRank:
         self.rank = rank
         self.world_size = world.world_size
         self.device = torch.device("cpu")
+        self.timeout = world.timeout  # device-side waits give up after this many seconds
         self._alloc_seq = 0
+        self._workspaces: dict = {}
+        self._side = None
+
+    def workspace(self, key, factory):
+        """Buffers kept across calls (symmetric ones, epoch counters); ``factory(self)`` builds them
+        on first use. Collective when the factory allocates: all ranks ask for the same keys in the
+        same order, as they make the same op calls."""
+        if key not in self._workspaces:
+            self._workspaces[key] = factory(self)
+        return self._workspaces[key]
+
+    def side_stream(self) -> "SideStream":
+        """This rank's copy engine: work submitted here runs in order, concurrently with the rank."""
+        if self._side is None:
+            self._side = SideStream(f"ok-thread-rank{self.rank}-copy")
+        return self._side
 
     def barrier(self) -> None:
-        self.world._barrier.wait(timeout=self.world.timeout)
+        try:
+            self.world._barrier.wait(timeout=self.world.timeout)
+        except threading.BrokenBarrierError:
+            if self.world._failed.is_set():
+                raise  # reported after the failing rank's own error
+            raise RankTimeout(f"thread rank {self.rank}: barrier timed out after {self.world.timeout:g} s; a rank "
+                              "did not arrive (finished early or stuck)") from None
 
     def alloc_symmetric(self, shape, dtype: torch.dtype, *, fill=0) -> SymmetricTensor:
         """Collective: every rank calls it in the same order and gets its view of one allocation."""
@@ -39,6 +63,46 @@ class ThreadRank:
         self.barrier()  # like a symmetric-memory rendezvous: nobody uses it before all have it
         ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
         return SymmetricTensor(self.rank, self.world_size, buffers[self.rank], ptrs, tuple(buffers))
+
+
+class SideStream:
+    """A thread that runs submitted callables in order: the thread world's stand-in for a CUDA
+    side stream driving the copy engine. ``synchronize`` waits and re-raises the first error."""
+
+    def __init__(self, name: str):
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, done = self._queue.get()
+            if fn is None:
+                done.set()
+                return
+            try:
+                if self._error is None:
+                    fn()
+            except BaseException as exc:  # reported by synchronize, on the rank's thread
+                self._error = exc
+            finally:
+                done.set()
+
+    def submit(self, fn) -> threading.Event:
+        done = threading.Event()
+        self._queue.put((fn, done))
+        return done
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        if not self.submit(lambda: None).wait(timeout):
+            raise TimeoutError(f"{self._thread.name}: side stream still busy after {timeout} s")
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        self._queue.put((None, threading.Event()))
 
 
 class ThreadWorld:
@@ -52,6 +116,7 @@ class ThreadWorld:
         self._barrier = threading.Barrier(world_size)
         self._lock = threading.Lock()
         self._allocs: dict[int, list] = {}
+        self._failed = threading.Event()  # a rank raised: barrier breaks are consequences
         make_triton_interpreter_threadsafe()
 
     def _shared_allocation(self, seq: int, shape: tuple, dtype: torch.dtype, fill) -> tuple:
@@ -66,19 +131,25 @@ class ThreadWorld:
 
     def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
         self._barrier.reset()
+        self._failed.clear()
         results: list = [None] * self.world_size
         errors: dict[int, str] = {}
         secondary: set[int] = set()
 
         def body(rank: int) -> None:
+            ctx = ThreadRank(self, rank)
             try:
-                results[rank] = fn(ThreadRank(self, rank), *args, **kwargs)
+                results[rank] = fn(ctx, *args, **kwargs)
             except threading.BrokenBarrierError:  # a consequence, reported after the cause
                 secondary.add(rank)
                 errors[rank] = "(barrier aborted because another rank failed)\n" + traceback.format_exc()
             except BaseException:
                 errors[rank] = traceback.format_exc()
+                self._failed.set()
                 self._barrier.abort()  # peers waiting on a barrier fail fast instead of hanging
+            finally:
+                if ctx._side is not None:
+                    ctx._side.close()
 
         threads = [threading.Thread(target=body, args=(r,), name=f"ok-thread-rank{r}", daemon=True)
                    for r in range(self.world_size)]

@@ -19,9 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import SignalTimeoutError
-from .signals import (ERR_CONSUMED_TIMEOUT, ERR_READY_TIMEOUT, peer_ptr, record_error, set_flag, signal_ptr,
-                      wait_geq)
+from .signals import (ERR_CONSUMED_TIMEOUT, ERR_READY_TIMEOUT, peer_ptr, raise_if_timed_out, record_error, set_flag,
+                      signal_ptr, wait_geq)
 
 DEFAULT_MAX_SPINS = 1 << 26
 
@@ -35,6 +34,7 @@ def _ag_publish_kernel(shard_ptr, buf_table_ptr, sig_table_ptr, err_ptr, chunk_n
             seen = wait_geq(my_sig + WORLD + reader, consumed_target, max_spins)
             if seen < consumed_target:
                 record_error(err_ptr, ERR_CONSUMED_TIMEOUT, RANK, RANK, reader)
+    tl.debug_barrier()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < chunk_numel
     my_buf = peer_ptr(buf_table_ptr, RANK, shard_ptr)
@@ -55,10 +55,12 @@ def _ag_pull_kernel(buf_table_ptr, sig_table_ptr, out_ptr, err_ptr, chunk_numel,
         seen = wait_geq(signal_ptr(sig_table_ptr, RANK) + src, epoch, max_spins)
         if seen < epoch:
             record_error(err_ptr, ERR_READY_TIMEOUT, RANK, src, src)
+    tl.debug_barrier()  # every thread's loads below come after the acquire above
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < chunk_numel
     chunk = peer_ptr(buf_table_ptr, src, out_ptr) + src * chunk_numel
     tl.store(out_ptr + src * chunk_numel + offs, tl.load(chunk + offs, mask=mask), mask=mask)
+    tl.debug_barrier()  # all threads' loads are done before the release below
     if src != RANK:  # release: our loads of src's chunk are done before src may overwrite it
         tl.atomic_add(signal_ptr(sig_table_ptr, src) + WORLD + RANK, 1, sem="release", scope="sys")
 
@@ -102,17 +104,5 @@ class PeerAllGather:
         _ag_signal_kernel[(1,)](sig_ptrs, self.epoch, **common)
         _ag_pull_kernel[(self.num_blocks, self.world_size)](self.buf.peer_ptrs, sig_ptrs, out, err, self.chunk_numel,
                                                             self.epoch, self.max_spins, BLOCK=self.block, **common)
-        raise_if_timed_out(err, "ok/all_gather", self.epoch, self.max_spins)
+        raise_if_timed_out(err, "ok/all_gather", self.epoch)
         return out.view(self.world_size * shard.shape[0], *shard.shape[1:]) if shard.dim() else out
-
-
-def raise_if_timed_out(err: torch.Tensor, op: str, epoch: int, max_spins: int) -> None:
-    code, rank, chunk, peer = (int(v) for v in err.tolist())  # a host sync: reporting, not the hot path
-    if code == ERR_READY_TIMEOUT.value:
-        raise SignalTimeoutError(f"{op}: rank {rank} gave up after {max_spins} polls waiting for chunk {chunk} "
-                                 f"from rank {peer} (call {epoch}); is rank {peer} alive and in the same call?")
-    if code == ERR_CONSUMED_TIMEOUT.value:
-        raise SignalTimeoutError(f"{op}: rank {rank} gave up after {max_spins} polls waiting for rank {peer} "
-                                 f"to finish reading chunk {chunk} of call {epoch - 1}")
-    if code:
-        raise SignalTimeoutError(f"{op}: unknown error record {err.tolist()}")

@@ -2,14 +2,32 @@
 
 Flags are int32 and only grow (an epoch or a count), so a signal pad is never reset between calls
 and a late reader cannot mistake the previous call's flag for this one's. Every wait gives up
-after ``max_spins`` polls and leaves an error record that the host turns into an exception.
+after ``max_spins`` polls and leaves an error record (int32 [4] = code, rank, chunk, peer) that
+``raise_if_timed_out`` turns into an exception naming the op, rank, chunk and peer.
+
+The ``@triton.jit`` helpers are inlined into kernels; ``wait_flag`` / ``set_peer_flag`` /
+``add_peer_flag`` launch one-program kernels, stream-ordered like any other launch.
 """
+import torch
 import triton
 import triton.language as tl
 
-# error record: int32 [4] = (code, rank, chunk, peer); code 0 means no error
+from ..errors import SignalTimeoutError
+
 ERR_READY_TIMEOUT = tl.constexpr(1)     # waited for a peer to publish a chunk
-ERR_CONSUMED_TIMEOUT = tl.constexpr(2)  # waited for a peer to finish reading our previous chunk
+ERR_CONSUMED_TIMEOUT = tl.constexpr(2)  # waited for a peer to finish reading / reducing our previous data
+ERR_PARTIAL_TIMEOUT = tl.constexpr(3)   # waited for a peer's partial sum of our chunk
+
+# Interpreted polls are ~10-50 us each, compiled ones well under 1 us: converting a timeout in
+# seconds with these rates gives a wait at least that long on either.
+POLLS_PER_SECOND = {"interpreter": 20_000, "gpu": 2_000_000}
+
+
+def max_spins_for(timeout_s: float, device: torch.device) -> int:
+    import os
+
+    kind = "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" or device.type == "cpu" else "gpu"
+    return max(1, int(timeout_s * POLLS_PER_SECOND[kind]))
 
 
 @triton.jit
@@ -48,3 +66,60 @@ def record_error(err_ptr, code, rank, chunk, peer):
         tl.store(err_ptr + 1, rank)
         tl.store(err_ptr + 2, chunk)
         tl.store(err_ptr + 3, peer)
+
+
+@triton.jit
+def _wait_kernel(flag_ptr, target, err_ptr, max_spins, code, rank, chunk, peer):
+    if wait_geq(flag_ptr, target, max_spins) < target:
+        record_error(err_ptr, code, rank, chunk, peer)
+
+
+@triton.jit
+def _update_peer_flag_kernel(table_ptr, peer, index, value, ADD: tl.constexpr):
+    flag = signal_ptr(table_ptr, peer) + index
+    if ADD:
+        tl.atomic_add(flag, value, sem="release", scope="sys")
+    else:
+        set_flag(flag, value)
+
+
+@triton.jit
+def _set_flag_kernel(flag_ptr, value):
+    set_flag(flag_ptr, value)
+
+
+def set_flag_now(flag: torch.Tensor, value: int) -> None:
+    """Stream-ordered ``flag = value`` (release) on a local 1-element int32 view."""
+    _set_flag_kernel[(1,)](flag, value)
+
+
+def wait_flag(flag: torch.Tensor, target: int, err: torch.Tensor, max_spins: int, *, code, rank: int, chunk: int,
+              peer: int) -> None:
+    """Stream-ordered wait until ``flag`` (a 1-element int32 view) >= ``target``."""
+    _wait_kernel[(1,)](flag, target, err, max_spins, code.value, rank, chunk, peer)
+
+
+def set_peer_flag(pads, peer: int, index: int, value: int) -> None:
+    """``pads.peer(peer)[index] = value`` (release) through the peer-pointer table."""
+    _update_peer_flag_kernel[(1,)](pads.peer_ptrs, peer, index, value, ADD=False)
+
+
+def add_peer_flag(pads, peer: int, index: int, value: int) -> None:
+    """``pads.peer(peer)[index] += value`` (release) through the peer-pointer table."""
+    _update_peer_flag_kernel[(1,)](pads.peer_ptrs, peer, index, value, ADD=True)
+
+
+def raise_if_timed_out(err: torch.Tensor, op: str, epoch: int) -> None:
+    """Raise ``SignalTimeoutError`` from an error record (a host sync: reporting, not the hot path)."""
+    code, rank, chunk, peer = (int(v) for v in err.tolist())
+    where = f"(call {epoch}); is rank {peer} alive and in the same call?"
+    if code == ERR_READY_TIMEOUT.value:
+        raise SignalTimeoutError(f"{op}: rank {rank} timed out waiting for chunk {chunk} from rank {peer} {where}")
+    if code == ERR_CONSUMED_TIMEOUT.value:
+        raise SignalTimeoutError(f"{op}: rank {rank} timed out waiting for rank {peer} to release chunk {chunk} "
+                                 f"of call {epoch - 1} {where}")
+    if code == ERR_PARTIAL_TIMEOUT.value:
+        raise SignalTimeoutError(f"{op}: rank {rank} timed out waiting for rank {peer}'s partial of chunk {chunk} "
+                                 f"{where}")
+    if code:
+        raise SignalTimeoutError(f"{op}: unknown error record {err.tolist()}")

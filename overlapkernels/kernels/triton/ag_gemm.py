@@ -1,0 +1,56 @@
+"""Fused all-gather + GEMM: a persistent Triton GEMM whose tiles wait for their A chunk.
+
+The gathered A [W*m, K] is filled chunk by chunk by a copy engine (a side stream; a side thread
+in the thread world) that sets ``arrived[c] = epoch`` once chunk c is in place. Tiles are ordered
+by ring step, starting at the local chunk, which needs no wait, so the GEMM starts at once and
+each later tile waits (acquire) only for its own chunk.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .signals import ERR_READY_TIMEOUT, record_error, wait_geq
+from .tile_gemm import check_gemm_operands, dot_precision, num_programs, tile_dot
+
+
+@triton.jit
+def _ag_gemm_kernel(a_ptr, b_ptr, c_ptr, arrived_ptr, err_ptr, rows_per_chunk, N, K, epoch, max_spins,
+                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_chunk = tl.cdiv(rows_per_chunk, BLOCK_M) * tiles_n
+    for tile in range(tl.program_id(0), WORLD * per_chunk, tl.num_programs(0)):
+        chunk = (RANK + tile // per_chunk) % WORLD
+        t = tile % per_chunk
+        if chunk != RANK:
+            if wait_geq(arrived_ptr + chunk, epoch, max_spins) < epoch:
+                record_error(err_ptr, ERR_READY_TIMEOUT, RANK, chunk, chunk)
+        tl.debug_barrier()  # every thread's A loads come after the acquire
+        rows_in = (t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows_in < rows_per_chunk
+        rows = chunk * rows_per_chunk + rows_in
+        cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        acc = tile_dot(a_ptr, b_ptr, rows, row_mask, cols, col_mask, K, stride_am, stride_ak, stride_bk, stride_bn,
+                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & col_mask[None, :])
+
+
+def ag_gemm(a_full: torch.Tensor, b: torch.Tensor, out: torch.Tensor, arrived: torch.Tensor, err: torch.Tensor, *,
+            rank: int, world_size: int, epoch: int, max_spins: int, block_m: int = 64, block_n: int = 64,
+            block_k: int = 32) -> torch.Tensor:
+    """``out = a_full @ b``, tile by tile as chunks of ``a_full`` arrive (``arrived[c] >= epoch``)."""
+    check_gemm_operands(a_full, b, out)
+    rows_per_chunk = a_full.shape[0] // world_size
+    n, k = b.shape[1], b.shape[0]
+    tiles = world_size * triton.cdiv(rows_per_chunk, block_m) * triton.cdiv(n, block_n)
+    _ag_gemm_kernel[(num_programs(a_full.device, tiles),)](
+        a_full, b, out, arrived, err, rows_per_chunk, n, k, epoch, max_spins,
+        a_full.stride(0), a_full.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        RANK=rank, WORLD=world_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION=dot_precision(a_full.dtype))
+    return out

@@ -1,0 +1,58 @@
+"""Fused GEMM + reduce-scatter: a persistent Triton GEMM whose epilogue stores each tile of the
+partial product straight into the owner's symmetric buffer and counts it in the owner's pad.
+
+Rank r's partial of chunk d lands in rank d's ``slots[r]``; rank d's ``pads[r]`` counts the tiles
+of it that have landed (release after a CTA barrier, so every thread's stores are visible). Tiles
+start at chunk r + 1 and end with r's own chunk, so remote stores go out first. The owner waits
+for all W counts and sums its slots in fixed rank order (bitwise reproducible).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .signals import peer_ptr, signal_ptr
+from .tile_gemm import check_gemm_operands, dot_precision, num_programs, tile_dot
+
+
+@triton.jit
+def _gemm_rs_kernel(a_ptr, b_ptr, slots_table_ptr, pads_table_ptr, rows_per_chunk, N, K,
+                    stride_am, stride_ak, stride_bk, stride_bn,
+                    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_chunk = tl.cdiv(rows_per_chunk, BLOCK_M) * tiles_n
+    for tile in range(tl.program_id(0), WORLD * per_chunk, tl.num_programs(0)):
+        owner = (RANK + 1 + tile // per_chunk) % WORLD
+        t = tile % per_chunk
+        rows_in = (t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows_in < rows_per_chunk
+        cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        acc = tile_dot(a_ptr, b_ptr, owner * rows_per_chunk + rows_in, row_mask, cols, col_mask, K,
+                       stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        slot = peer_ptr(slots_table_ptr, owner, a_ptr) + RANK * rows_per_chunk * N  # owner's slots: [W, m, N]
+        tl.store(slot + rows_in[:, None] * N + cols[None, :], acc.to(a_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & col_mask[None, :])
+        tl.debug_barrier()  # all threads' stores are issued before the release below
+        tl.atomic_add(signal_ptr(pads_table_ptr, owner) + RANK, 1, sem="release", scope="sys")
+
+
+def gemm_rs_tiles(rows_per_chunk: int, n: int, block_m: int, block_n: int) -> int:
+    """Tiles per chunk: the count each owner waits for from each rank."""
+    return triton.cdiv(rows_per_chunk, block_m) * triton.cdiv(n, block_n)
+
+
+def gemm_rs(a: torch.Tensor, b: torch.Tensor, slots, pads, *, rank: int, world_size: int, block_m: int = 64,
+            block_n: int = 64, block_k: int = 32) -> None:
+    """Scatter ``a @ b``'s chunks into the owners' ``slots`` (symmetric [W, m, N]) and count them in
+    the owners' ``pads`` (symmetric int32, counts at [0, W))."""
+    check_gemm_operands(a, b, slots.local)
+    rows_per_chunk, n = a.shape[0] // world_size, b.shape[1]
+    tiles = world_size * gemm_rs_tiles(rows_per_chunk, n, block_m, block_n)
+    _gemm_rs_kernel[(num_programs(a.device, tiles),)](
+        a, b, slots.peer_ptrs, pads.peer_ptrs, rows_per_chunk, n, b.shape[0],
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        RANK=rank, WORLD=world_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION=dot_precision(a.dtype))

@@ -1,0 +1,168 @@
+"""``symm`` and ``fused`` on a peer-memory world: symmetric buffers, signal pads, a copy engine.
+
+The world (``group``) offers ``rank``, ``world_size``, ``device``, ``timeout``, collective
+``alloc_symmetric``, ``workspace`` and a ``side_stream`` (the copy engine). The thread world
+provides it on CPU, where every kernel runs under the Triton interpreter: that is how CI proves
+these algorithms. Workspaces persist per (op, method, shape, dtype); their flags only grow, so
+nothing is reset between calls. Every wait gives up after the world's timeout and the op raises
+``SignalTimeoutError`` naming the rank, chunk and peer.
+
+All-gather + matmul, call e on rank r (pads: ready[0:W], released[W:2W]):
+  1. wait until every peer released r's slot of call e-1, copy a_shard into it, set ready[r] = e
+     in every peer's pad;
+  2. copy engine, ring order r+1, r+2, ...: wait ready[c] >= e, pull chunk c into the local
+     gathered A, count the read in c's released[r], set the local arrived[c] = e;
+  3. symm: per chunk (local first) wait arrived[c], then a GEMM (cuBLAS on GPU);
+     fused: one persistent Triton GEMM whose tiles wait on arrived[c] themselves.
+Matmul + reduce-scatter (pads: counts[0:W], released[W:2W]):
+  1. wait until every owner d released its slots of call e-1;
+  2. symm: partial of chunk d = a[d] @ b, pushed by the copy engine into d's slots[r];
+     fused: the Triton GEMM's epilogue stores each tile into d's slots[r]; both count in d's pad;
+  3. wait for all W counts, sum slots[0..W-1] in that fixed order in fp32, release our slots.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from ..kernels.triton import signals as sig
+from ..kernels.triton.ag_gemm import ag_gemm
+from ..kernels.triton.all_gather import _ag_publish_kernel, _ag_signal_kernel
+from ..kernels.triton.gemm_rs import gemm_rs, gemm_rs_tiles
+from ._collective_methods import accumulation_dtype
+
+PUBLISH_BLOCK = 256
+GEMM_BLOCKS = dict(block_m=64, block_n=64, block_k=32)
+
+
+class _Workspace:
+    def __init__(self, world, slots_shape, dtype):
+        w = world.world_size
+        poison = float("nan") if dtype.is_floating_point else 0  # a read before a write shows up
+        self.slots = world.alloc_symmetric(slots_shape, dtype, fill=poison)
+        self.pads = world.alloc_symmetric((2 * w,), torch.int32)
+        self.arrived = torch.zeros(w, dtype=torch.int32, device=world.device)
+        self.epoch = 0
+
+
+def _workspace(world, kind: str, method: str, slots_shape: tuple, dtype) -> _Workspace:
+    key = (kind, method, slots_shape, dtype)
+    return world.workspace(key, lambda w: _Workspace(w, slots_shape, dtype))
+
+
+def _op_name(op: str, method: str) -> str:
+    return f"ok/{op}[{method}]"
+
+
+def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
+    r, w = world.rank, world.world_size
+    m, k = a_shard.shape
+    ws = _workspace(world, "ag", method, (w, m, k), a_shard.dtype)
+    ws.epoch += 1
+    epoch, err = ws.epoch, torch.zeros(4, dtype=torch.int32, device=a_shard.device)
+    spins = sig.max_spins_for(world.timeout, a_shard.device)
+    shard = a_shard.contiguous()
+
+    # 1. publish (each reader counts one read per chunk, so call e-1 is released at count e-1)
+    blocks = -(-shard.numel() // PUBLISH_BLOCK)
+    _ag_publish_kernel[(blocks,)](shard, ws.slots.peer_ptrs, ws.pads.peer_ptrs, err, shard.numel(), epoch - 1, spins,
+                                  RANK=r, WORLD=w, BLOCK=PUBLISH_BLOCK)
+    _ag_signal_kernel[(1,)](ws.pads.peer_ptrs, epoch, RANK=r, WORLD=w)
+    a_full = torch.empty(w, m, k, dtype=shard.dtype, device=shard.device)
+    a_full[r].copy_(shard)
+
+    # 2. the copy engine pulls the other chunks in ring order
+    def pull(src):
+        sig.wait_flag(ws.pads.local[src:src + 1], epoch, err, spins, code=sig.ERR_READY_TIMEOUT, rank=r, chunk=src,
+                      peer=src)
+        a_full[src].copy_(ws.slots.peer(src)[src])
+        sig.add_peer_flag(ws.pads, src, w + r, 1)
+        sig.set_flag_now(ws.arrived[src:src + 1], epoch)
+
+    side = world.side_stream()
+    for step in range(1, w):
+        side.submit(partial(pull, (r + step) % w))
+
+    # 3. compute as chunks arrive
+    a_flat = a_full.view(w * m, k)
+    outs = [torch.empty(w * m, b.shape[1], dtype=shard.dtype, device=shard.device) for b in bs]
+    if method == "fused":
+        for b, out in zip(bs, outs):
+            ag_gemm(a_flat, b, out, ws.arrived, err, rank=r, world_size=w, epoch=epoch, max_spins=spins,
+                    **GEMM_BLOCKS)
+    else:
+        for step in range(w):
+            c = (r + step) % w
+            if c != r:
+                sig.wait_flag(ws.arrived[c:c + 1], epoch, err, spins, code=sig.ERR_READY_TIMEOUT, rank=r, chunk=c,
+                              peer=c)
+            for b, out in zip(bs, outs):
+                torch.matmul(a_full[c], b, out=out[c * m:(c + 1) * m])
+    side.synchronize()
+    sig.raise_if_timed_out(err, _op_name("all_gather_matmul", method), epoch)
+    return a_flat, outs
+
+
+def _reduce_scatter_partials(world, method: str, dtype, m: int, n: int, device, fill_slots) -> torch.Tensor:
+    """Common body of matmul + reduce-scatter and plain reduce-scatter: ``fill_slots(ws)`` puts this
+    rank's partials into the owners' slots and returns how many count units each owner waits for."""
+    r, w = world.rank, world.world_size
+    ws = _workspace(world, "rs", method, (w, m, n), dtype)
+    ws.epoch += 1
+    epoch, err = ws.epoch, torch.zeros(4, dtype=torch.int32, device=device)
+    spins = sig.max_spins_for(world.timeout, device)
+    for owner in range(w):  # 1. may we overwrite our slot at every owner?
+        if owner != r:
+            sig.wait_flag(ws.pads.local[w + owner:w + owner + 1], epoch - 1, err, spins,
+                          code=sig.ERR_CONSUMED_TIMEOUT, rank=r, chunk=owner, peer=owner)
+    units = fill_slots(ws, err)  # 2.
+    for q in range(w):  # 3. every rank's partial of our chunk is here
+        sig.wait_flag(ws.pads.local[q:q + 1], epoch * units, err, spins, code=sig.ERR_PARTIAL_TIMEOUT, rank=r,
+                      chunk=r, peer=q)
+    world.side_stream().synchronize()
+    sig.raise_if_timed_out(err, _op_name("matmul_reduce_scatter", method), epoch)
+    acc = torch.zeros(m, n, dtype=accumulation_dtype(dtype), device=device)
+    for q in range(w):  # fixed order: bitwise reproducible whatever order partials arrived in
+        acc += ws.slots.local[q]
+    out = acc.to(dtype)
+    for q in range(w):  # 4. release our slots for the next call
+        if q != r:
+            sig.set_peer_flag(ws.pads, q, w + r, epoch)
+    return out
+
+
+def _push_partials(world, ws, partial_of) -> int:
+    """symm: the copy engine pushes each partial into its owner's slot, farthest-first order."""
+    r, w = world.rank, world.world_size
+    side = world.side_stream()
+
+    def push(owner, value):
+        ws.slots.peer(owner)[r].copy_(value)
+        sig.add_peer_flag(ws.pads, owner, r, 1)
+
+    for step in range(w):
+        owner = (r + 1 + step) % w
+        side.submit(partial(push, owner, partial_of(owner)))  # the next GEMM overlaps this push
+    return 1
+
+
+def matmul_rs(a: torch.Tensor, b: torch.Tensor, world, method: str) -> torch.Tensor:
+    w = world.world_size
+    m, n = a.shape[0] // w, b.shape[1]
+
+    def fill(ws, err):
+        if method == "fused":
+            gemm_rs(a, b, ws.slots, ws.pads, rank=world.rank, world_size=w, **GEMM_BLOCKS)
+            return gemm_rs_tiles(m, n, GEMM_BLOCKS["block_m"], GEMM_BLOCKS["block_n"])
+        return _push_partials(world, ws, lambda owner: a[owner * m:(owner + 1) * m] @ b)
+
+    return _reduce_scatter_partials(world, method, a.dtype, m, n, a.device, fill)
+
+
+def reduce_scatter(x: torch.Tensor, world) -> torch.Tensor:
+    """Sum over ranks of ``x``, chunk ``rank`` of dim 0, through the symm protocol (no GEMM)."""
+    w = world.world_size
+    m = x.shape[0] // w
+    return _reduce_scatter_partials(world, "symm", x.dtype, m, x.shape[1], x.device,
+                                    lambda ws, err: _push_partials(world, ws, lambda d: x[d * m:(d + 1) * m]))

@@ -1,0 +1,141 @@
+"""symm and fused in the thread world (Triton interpreter): the peer-memory algorithms of
+all_gather_matmul / matmul_reduce_scatter vs a dense reference, with stragglers, poisoned
+buffers, repeated calls, autograd, and the timeout path."""
+import time
+
+import pytest
+import torch
+
+import overlapkernels as ok
+from overlapkernels.comm.rank_pool import RankError
+from overlapkernels.comm.thread_world import ThreadWorld
+from overlapkernels.kernels.triton.ag_gemm import ag_gemm
+
+METHODS = ["symm", "fused"]
+WORLDS = [2, 4]
+STRAGGLER_DELAY_S = 0.2  # models a slow rank: peers must wait on its signals, not race it
+
+
+def _ints(shape, dtype, seed):
+    return torch.randint(0, 2, shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _rands(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _forward_cases_on_rank(ctx, method, dtype, straggler):
+    r, w = ctx.rank, ctx.world_size
+    for call in range(3):  # repeated calls reuse the workspace: epochs, released slots
+        if r == straggler:
+            time.sleep(STRAGGLER_DELAY_S)
+        shards = [_ints((7, 33), dtype, 10 * call + q) for q in range(w)]
+        bs = [_ints((33, 5), dtype, 100 + call), _ints((33, 3), dtype, 200 + call)]
+        gathered, outs = ok.all_gather_matmul(shards[r], bs, ctx, return_gathered=True, method=method)
+        a_full = torch.cat(shards)
+        assert torch.equal(gathered, a_full), call
+        for out, b in zip(outs, bs):  # 0/1 inputs, K = 33: exact in any order, fp16 included
+            assert out.dtype == dtype and torch.equal(out, (a_full.float() @ b.float()).to(dtype)), call
+        a_all = [_ints((w * 7, 33), dtype, 300 + 10 * call + q) for q in range(w)]
+        b_all = [_ints((33, 6), dtype, 400 + 10 * call + q) for q in range(w)]
+        out = ok.matmul_reduce_scatter(a_all[r], b_all[r], ctx, method=method)
+        want = sum(x.float() @ y.float() for x, y in zip(a_all, b_all)).chunk(w)[r].to(dtype)
+        assert torch.equal(out, want), call
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_exact_with_straggler_and_poisoned_buffers(world, method, dtype):
+    # workspaces start NaN-poisoned: a chunk read before it was written would show up here
+    assert ThreadWorld(world, timeout=60).run(_forward_cases_on_rank, method, dtype, world - 1) == [True] * world
+
+
+def _autograd_on_rank(ctx, method):
+    r, w = ctx.rank, ctx.world_size
+    # all-gather + matmul, 3-D input gathered along dim 1, gradient of a, b and the gathered input
+    shards = [_rands((2, 3, 16), q) for q in range(w)]
+    weights = [_rands((16, 8), 50 + q) for q in range(w)]
+    grads = [_rands((2, 3 * w, 8), 60 + q) for q in range(w)]
+    a = shards[r].clone().requires_grad_()
+    b = weights[r].clone().requires_grad_()
+    out = ok.all_gather_matmul(a, b, ctx, gather_dim=1, method=method)
+    out.backward(grads[r])
+    a_full = torch.cat(shards, dim=1)
+    torch.testing.assert_close(out, a_full @ weights[r], atol=1e-5, rtol=1e-5)
+    want_a = sum(g @ wt.T for g, wt in zip(grads, weights)).chunk(w, dim=1)[r]
+    torch.testing.assert_close(a.grad, want_a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b.grad, a_full.reshape(-1, 16).T @ grads[r].reshape(-1, 8), atol=1e-5, rtol=1e-5)
+
+    # matmul + reduce-scatter
+    a_all = [_rands((w * 5, 16), 70 + q) for q in range(w)]
+    b_all = [_rands((16, 4), 80 + q) for q in range(w)]
+    g_all = [_rands((5, 4), 90 + q) for q in range(w)]
+    a2 = a_all[r].clone().requires_grad_()
+    b2 = b_all[r].clone().requires_grad_()
+    out2 = ok.matmul_reduce_scatter(a2, b2, ctx, method=method)
+    out2.backward(g_all[r])
+    torch.testing.assert_close(out2, sum(x @ y for x, y in zip(a_all, b_all)).chunk(w)[r], atol=1e-5, rtol=1e-5)
+    g_full = torch.cat(g_all)
+    torch.testing.assert_close(a2.grad, g_full @ b_all[r].T, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b2.grad, a_all[r].T @ g_full, atol=1e-5, rtol=1e-5)
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("method", METHODS)
+def test_autograd_matches_dense(world, method):
+    assert ThreadWorld(world, timeout=60).run(_autograd_on_rank, method) == [True] * world
+
+
+def _auto_on_rank(ctx):
+    ok.reset_overlap_stats() if ctx.rank == 0 else None
+    ctx.barrier()
+    out = ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 2), ctx)
+    ctx.barrier()
+    return torch.equal(out, torch.full((4 * ctx.world_size, 2), 8.0))
+
+
+def test_auto_picks_fused_in_a_peer_world():
+    assert ThreadWorld(2).run(_auto_on_rank) == [True, True]
+    assert ok.overlap_stats()[("all_gather_matmul", "fused")] == 2
+
+
+def _missing_rank_on_rank(ctx, op, method):
+    def call():
+        if op == "ag":
+            ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 2), ctx, method=method)
+        else:
+            ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 2), ctx, method=method)
+
+    call()  # both ranks: the workspace exists, flags are at call 1
+    if ctx.rank == 0:
+        call()  # rank 1 never joins call 2
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("op, message", [
+    ("ag", "all_gather_matmul[{m}]: rank 0 timed out waiting for chunk 1 from rank 1 (call 2)"),
+    ("rs", "matmul_reduce_scatter[{m}]: rank 0 timed out waiting for rank 1's partial of chunk 0 (call 2)"),
+])
+def test_a_rank_that_never_signals_times_out_naming_the_chunk(method, op, message):
+    with pytest.raises(RankError) as info:
+        ThreadWorld(2, timeout=0.2).run(_missing_rank_on_rank, op, method, timeout=60)
+    assert "SignalTimeoutError: ok/" + message.format(m=method) in str(info.value)
+
+
+def test_planted_missing_wait_is_caught():
+    """The fused GEMM reads chunks only after their arrived flag. Pre-set flags with chunks not yet
+    copied (poisoned): the exact comparison must fail, so the tests above would catch a missing
+    or misplaced wait. With the flags honest and nobody copying, it times out instead."""
+    w, m = 2, 7
+    a_full = torch.full((w * m, 33), float("nan"))
+    a_full[:m] = _ints((m, 33), torch.float32, 1)
+    b = _ints((33, 5), torch.float32, 2)
+    out = torch.empty(w * m, 5)
+    err = torch.zeros(4, dtype=torch.int32)
+    ag_gemm(a_full, b, out, torch.ones(w, dtype=torch.int32), err, rank=0, world_size=w, epoch=1, max_spins=10)
+    assert torch.equal(out[:m], a_full[:m] @ b) and out[m:].isnan().all()
+    ag_gemm(a_full, b, out, torch.zeros(w, dtype=torch.int32), err, rank=0, world_size=w, epoch=1, max_spins=10)
+    assert err.tolist() == [1, 0, 1, 1]  # ready timeout, rank 0, chunk 1, peer 1
