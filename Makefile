@@ -1,21 +1,25 @@
 # `make demo` and `make test` work on a fresh clone of a CPU machine: they create .venv when no
 # virtualenv is active, install torch only when it is missing (pinned to the CPU build on this
 # machine's disk; a user's CUDA torch is never replaced), install the package with its extras
-# and build csrc/ when nvcc is on PATH.
+# and build csrc/ when nvcc is on PATH. A python3 that is itself a virtualenv's (VIRTUAL_ENV set,
+# or sys.prefix != sys.base_prefix, as on images that put a venv first on PATH) is used as is,
+# and pip runs only when something is missing, so an offline GPU box with torch needs no network.
 SHELL := /bin/bash
 PYTHON ?= python3
 TORCH_PIN := torch==2.13.0
-PY := $(if $(VIRTUAL_ENV),python,$(CURDIR)/.venv/bin/python)
+IN_VENV := $(shell [ -n "$$VIRTUAL_ENV" ] || $(PYTHON) -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)' \
+             2>/dev/null && echo yes)
+PY := $(if $(IN_VENV),$(PYTHON),$(CURDIR)/.venv/bin/python)
 STAMP := .setup-stamp
+DEPS_IMPORT := import overlapkernels, pytest, pytest_timeout, triton, pynvml
 PYTEST_ARGS ?=
 
 .PHONY: setup demo test cuda gpu-check clean
 
 setup:
-	@if [ -z "$$VIRTUAL_ENV" ] && [ ! -x .venv/bin/python ]; then $(PYTHON) -m venv .venv; fi
+	@if [ -z "$(IN_VENV)" ] && [ ! -x .venv/bin/python ]; then $(PYTHON) -m venv .venv; fi
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH_PIN)
-	@if [ ! -f $(STAMP) ] || [ setup.py -nt $(STAMP) ] || \
-	    ! $(PY) -c "import overlapkernels, pytest, pytest_timeout, triton, pynvml" 2>/dev/null; then \
+	@if ! $(PY) -c "$(DEPS_IMPORT)" 2>/dev/null || { [ -z "$(IN_VENV)" ] && [ setup.py -nt $(STAMP) ]; }; then \
 	  OVERLAPKERNELS_SKIP_CUDA=1 $(PY) -m pip install -q -e ".[test,bench]" && touch $(STAMP); fi
 	@if command -v nvcc >/dev/null 2>&1; then $(PY) csrc/build.py >/dev/null; \
 	  else echo "nvcc not on PATH: skipping the CUDA library (make cuda builds it)"; fi
@@ -31,10 +35,13 @@ test: setup
 cuda:
 	$(PY) csrc/build.py
 
-# On a CUDA machine: build csrc, then the GPU tests (later issues add the one-GPU benchmarks).
+# On a CUDA machine: build csrc, run the GPU tests, then the one-GPU benchmarks (results to
+# benchmarks/results/gpu-check.csv with device, versions, commit and date).
 gpu-check: setup cuda
 	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA GPU visible')"
+	$(PY) -m overlapkernels info
 	$(PY) -m pytest -m gpu -v $(PYTEST_ARGS)
+	$(PY) benchmarks/bench_fused_gemm.py --csv benchmarks/results/gpu-check.csv
 
 clean:
 	rm -rf build dist *.egg-info overlapkernels/_lib $(STAMP)

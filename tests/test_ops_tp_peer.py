@@ -16,28 +16,28 @@ WORLDS = [2, 4]
 STRAGGLER_DELAY_S = 0.2  # models a slow rank: peers must wait on its signals, not race it
 
 
-def _ints(shape, dtype, seed):
-    return torch.randint(0, 2, shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+def _ints(shape, dtype, seed, device="cpu"):
+    return torch.randint(0, 2, shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
 
 
-def _rands(shape, seed):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+def _rands(shape, seed, device="cpu"):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 def _forward_cases_on_rank(ctx, method, dtype, straggler):
-    r, w = ctx.rank, ctx.world_size
+    r, w, dev = ctx.rank, ctx.world_size, ctx.device
     for call in range(3):  # repeated calls reuse the workspace: epochs, released slots
         if r == straggler:
             time.sleep(STRAGGLER_DELAY_S)
-        shards = [_ints((7, 33), dtype, 10 * call + q) for q in range(w)]
-        bs = [_ints((33, 5), dtype, 100 + call), _ints((33, 3), dtype, 200 + call)]
+        shards = [_ints((7, 33), dtype, 10 * call + q, dev) for q in range(w)]
+        bs = [_ints((33, 5), dtype, 100 + call, dev), _ints((33, 3), dtype, 200 + call, dev)]
         gathered, outs = ok.all_gather_matmul(shards[r], bs, ctx, return_gathered=True, method=method)
         a_full = torch.cat(shards)
         assert torch.equal(gathered, a_full), call
         for out, b in zip(outs, bs):  # 0/1 inputs, K = 33: exact in any order, fp16 included
             assert out.dtype == dtype and torch.equal(out, (a_full.float() @ b.float()).to(dtype)), call
-        a_all = [_ints((w * 7, 33), dtype, 300 + 10 * call + q) for q in range(w)]
-        b_all = [_ints((33, 6), dtype, 400 + 10 * call + q) for q in range(w)]
+        a_all = [_ints((w * 7, 33), dtype, 300 + 10 * call + q, dev) for q in range(w)]
+        b_all = [_ints((33, 6), dtype, 400 + 10 * call + q, dev) for q in range(w)]
         out = ok.matmul_reduce_scatter(a_all[r], b_all[r], ctx, method=method)
         want = sum(x.float() @ y.float() for x, y in zip(a_all, b_all)).chunk(w)[r].to(dtype)
         assert torch.equal(out, want), call
@@ -53,11 +53,11 @@ def test_exact_with_straggler_and_poisoned_buffers(world, method, dtype):
 
 
 def _autograd_on_rank(ctx, method):
-    r, w = ctx.rank, ctx.world_size
+    r, w, dev = ctx.rank, ctx.world_size, ctx.device
     # all-gather + matmul, 3-D input gathered along dim 1, gradient of a, b and the gathered input
-    shards = [_rands((2, 3, 16), q) for q in range(w)]
-    weights = [_rands((16, 8), 50 + q) for q in range(w)]
-    grads = [_rands((2, 3 * w, 8), 60 + q) for q in range(w)]
+    shards = [_rands((2, 3, 16), q, dev) for q in range(w)]
+    weights = [_rands((16, 8), 50 + q, dev) for q in range(w)]
+    grads = [_rands((2, 3 * w, 8), 60 + q, dev) for q in range(w)]
     a = shards[r].clone().requires_grad_()
     b = weights[r].clone().requires_grad_()
     out = ok.all_gather_matmul(a, b, ctx, gather_dim=1, method=method)
@@ -69,9 +69,9 @@ def _autograd_on_rank(ctx, method):
     torch.testing.assert_close(b.grad, a_full.reshape(-1, 16).T @ grads[r].reshape(-1, 8), atol=1e-5, rtol=1e-5)
 
     # matmul + reduce-scatter
-    a_all = [_rands((w * 5, 16), 70 + q) for q in range(w)]
-    b_all = [_rands((16, 4), 80 + q) for q in range(w)]
-    g_all = [_rands((5, 4), 90 + q) for q in range(w)]
+    a_all = [_rands((w * 5, 16), 70 + q, dev) for q in range(w)]
+    b_all = [_rands((16, 4), 80 + q, dev) for q in range(w)]
+    g_all = [_rands((5, 4), 90 + q, dev) for q in range(w)]
     a2 = a_all[r].clone().requires_grad_()
     b2 = b_all[r].clone().requires_grad_()
     out2 = ok.matmul_reduce_scatter(a2, b2, ctx, method=method)

@@ -1,13 +1,14 @@
-"""The thread world: N ranks as N threads of one process (CPU tests of peer-memory kernels).
+"""The thread world: N ranks as N threads of one process (tests of peer-memory kernels).
 
-Every rank's buffers are plain CPU tensors of one address space, so the int64 peer-pointer
+On CPU every rank's buffers are plain tensors of one address space, so the int64 peer-pointer
 tables that kernels get are real, and Triton kernels run on them under ``TRITON_INTERPRET=1``
 exactly as they would on peer-mapped GPU memory: loads and stores through the table, spin-waits
-on ``tl.atomic_*`` flags that another rank's kernel sets.
+on ``tl.atomic_*`` flags that another rank's kernel sets. With ``device="cuda"`` it is the
+one-GPU world: the N ranks share one GPU, each on its own stream (so one rank's spin-wait never
+blocks another's signal), and the same compiled kernels run for real.
 """
 from __future__ import annotations
 
-import queue
 import threading
 import time
 import traceback
@@ -16,6 +17,7 @@ import torch
 
 from .._compat import make_triton_interpreter_threadsafe
 from .rank_pool import RankError, RankTimeout
+from .side_stream import CudaSideStream, ThreadSideStream
 from .symmetric import SymmetricTensor
 
 
@@ -26,7 +28,8 @@ class ThreadRank:
         self.world = world
         self.rank = rank
         self.world_size = world.world_size
-        self.device = torch.device("cpu")
+        self.device = world.device
+        self.ranks_per_device = world.world_size if world.device.type == "cuda" else 1
         self.timeout = world.timeout  # device-side waits give up after this many seconds
         self._alloc_seq = 0
         self._workspaces: dict = {}
@@ -40,10 +43,11 @@ class ThreadRank:
             self._workspaces[key] = factory(self)
         return self._workspaces[key]
 
-    def side_stream(self) -> "SideStream":
+    def side_stream(self):
         """This rank's copy engine: work submitted here runs in order, concurrently with the rank."""
         if self._side is None:
-            self._side = SideStream(f"ok-thread-rank{self.rank}-copy")
+            self._side = (CudaSideStream(self.device) if self.device.type == "cuda"
+                          else ThreadSideStream(f"ok-thread-rank{self.rank}-copy"))
         return self._side
 
     def barrier(self) -> None:
@@ -61,68 +65,32 @@ class ThreadRank:
         self._alloc_seq += 1
         buffers = self.world._shared_allocation(seq, tuple(shape), dtype, fill)
         self.barrier()  # like a symmetric-memory rendezvous: nobody uses it before all have it
-        ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+        ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=self.device)
         return SymmetricTensor(self.rank, self.world_size, buffers[self.rank], ptrs, tuple(buffers))
-
-
-class SideStream:
-    """A thread that runs submitted callables in order: the thread world's stand-in for a CUDA
-    side stream driving the copy engine. ``synchronize`` waits and re-raises the first error."""
-
-    def __init__(self, name: str):
-        self._queue: queue.Queue = queue.Queue()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            fn, done = self._queue.get()
-            if fn is None:
-                done.set()
-                return
-            try:
-                if self._error is None:
-                    fn()
-            except BaseException as exc:  # reported by synchronize, on the rank's thread
-                self._error = exc
-            finally:
-                done.set()
-
-    def submit(self, fn) -> threading.Event:
-        done = threading.Event()
-        self._queue.put((fn, done))
-        return done
-
-    def synchronize(self, timeout: float | None = None) -> None:
-        if not self.submit(lambda: None).wait(timeout):
-            raise TimeoutError(f"{self._thread.name}: side stream still busy after {timeout} s")
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-    def close(self) -> None:
-        self._queue.put((None, threading.Event()))
 
 
 class ThreadWorld:
     """``ThreadWorld(4).run(fn, *args)`` runs ``fn(ThreadRank, *args)`` on 4 threads -> 4 results."""
 
-    def __init__(self, world_size: int, *, timeout: float = 60.0):
+    def __init__(self, world_size: int, *, timeout: float = 60.0, device="cpu"):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size={world_size!r}: expected an integer >= 1")
         self.world_size = world_size
         self.timeout = timeout
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._barrier = threading.Barrier(world_size)
         self._lock = threading.Lock()
         self._allocs: dict[int, list] = {}
         self._failed = threading.Event()  # a rank raised: barrier breaks are consequences
-        make_triton_interpreter_threadsafe()
+        if self.device.type == "cpu":
+            make_triton_interpreter_threadsafe()
 
     def _shared_allocation(self, seq: int, shape: tuple, dtype: torch.dtype, fill) -> tuple:
         with self._lock:
             if seq not in self._allocs:
-                self._allocs[seq] = [tuple(torch.full(shape, fill, dtype=dtype) for _ in range(self.world_size)), 0]
+                self._allocs[seq] = [tuple(torch.full(shape, fill, dtype=dtype, device=self.device) for _ in range(self.world_size)), 0]
             entry = self._allocs[seq]
             entry[1] += 1
             if entry[1] == self.world_size:  # the last rank to arrive drops the world's reference
@@ -139,7 +107,14 @@ class ThreadWorld:
         def body(rank: int) -> None:
             ctx = ThreadRank(self, rank)
             try:
-                results[rank] = fn(ctx, *args, **kwargs)
+                if self.device.type == "cuda":  # one stream per rank: ranks run concurrently on the GPU
+                    torch.cuda.set_device(self.device)
+                    stream = torch.cuda.Stream(self.device)
+                    with torch.cuda.stream(stream):
+                        results[rank] = fn(ctx, *args, **kwargs)
+                    stream.synchronize()
+                else:
+                    results[rank] = fn(ctx, *args, **kwargs)
             except threading.BrokenBarrierError:  # a consequence, reported after the cause
                 secondary.add(rank)
                 errors[rank] = "(barrier aborted because another rank failed)\n" + traceback.format_exc()

@@ -1,7 +1,7 @@
 """``symm`` and ``fused`` on a peer-memory world: symmetric buffers, signal pads, a copy engine.
 
-The world (``group``) offers ``rank``, ``world_size``, ``device``, ``timeout``, collective
-``alloc_symmetric``, ``workspace`` and a ``side_stream`` (the copy engine). The thread world
+The world (``group``) offers ``rank``, ``world_size``, ``device``, ``ranks_per_device``,
+``timeout``, collective ``alloc_symmetric``, ``workspace`` and a ``side_stream`` (the copy engine). The thread world
 provides it on CPU, where every kernel runs under the Triton interpreter: that is how CI proves
 these algorithms. Workspaces persist per (op, method, shape, dtype); their flags only grow, so
 nothing is reset between calls. Every wait gives up after the world's timeout and the op raises
@@ -28,11 +28,10 @@ import torch
 
 from ..kernels.triton import signals as sig
 from ..kernels.triton.ag_gemm import ag_gemm
-from ..kernels.triton.all_gather import _ag_publish_kernel, _ag_signal_kernel
+from ..kernels.triton.all_gather import _ag_signal_kernel
 from ..kernels.triton.gemm_rs import gemm_rs, gemm_rs_tiles
 from ._collective_methods import accumulation_dtype
 
-PUBLISH_BLOCK = 256
 GEMM_BLOCKS = dict(block_m=64, block_n=64, block_k=32)
 
 
@@ -64,10 +63,14 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
     spins = sig.max_spins_for(world.timeout, a_shard.device)
     shard = a_shard.contiguous()
 
-    # 1. publish (each reader counts one read per chunk, so call e-1 is released at count e-1)
-    blocks = -(-shard.numel() // PUBLISH_BLOCK)
-    _ag_publish_kernel[(blocks,)](shard, ws.slots.peer_ptrs, ws.pads.peer_ptrs, err, shard.numel(), epoch - 1, spins,
-                                  RANK=r, WORLD=w, BLOCK=PUBLISH_BLOCK)
+    # 1. publish: once every reader released our slot of call e-1 (one count per read), fill it and
+    # tell everyone. One-program waits, not a waiting copy kernel: spinning blocks must stay few
+    # (they hold SMs that peers' kernels may need when ranks share a GPU).
+    for reader in range(w):
+        if reader != r:
+            sig.wait_flag(ws.pads.local[w + reader:w + reader + 1], epoch - 1, err, spins,
+                          code=sig.ERR_CONSUMED_TIMEOUT, rank=r, chunk=r, peer=reader)
+    ws.slots.local[r].copy_(shard)
     _ag_signal_kernel[(1,)](ws.pads.peer_ptrs, epoch, RANK=r, WORLD=w)
     a_full = torch.empty(w, m, k, dtype=shard.dtype, device=shard.device)
     a_full[r].copy_(shard)
@@ -90,7 +93,7 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
     if method == "fused":
         for b, out in zip(bs, outs):
             ag_gemm(a_flat, b, out, ws.arrived, err, rank=r, world_size=w, epoch=epoch, max_spins=spins,
-                    **GEMM_BLOCKS)
+                    ranks_per_device=world.ranks_per_device, **GEMM_BLOCKS)
     else:
         for step in range(w):
             c = (r + step) % w
@@ -153,7 +156,8 @@ def matmul_rs(a: torch.Tensor, b: torch.Tensor, world, method: str) -> torch.Ten
 
     def fill(ws, err):
         if method == "fused":
-            gemm_rs(a, b, ws.slots, ws.pads, rank=world.rank, world_size=w, **GEMM_BLOCKS)
+            gemm_rs(a, b, ws.slots, ws.pads, rank=world.rank, world_size=w, ranks_per_device=world.ranks_per_device,
+                    **GEMM_BLOCKS)
             return gemm_rs_tiles(m, n, GEMM_BLOCKS["block_m"], GEMM_BLOCKS["block_n"])
         return _push_partials(world, ws, lambda owner: a[owner * m:(owner + 1) * m] @ b)
 

@@ -42,13 +42,13 @@ def _ag_gemm_kernel(a_ptr, b_ptr, c_ptr, arrived_ptr, err_ptr, rows_per_chunk, N
 
 def ag_gemm(a_full: torch.Tensor, b: torch.Tensor, out: torch.Tensor, arrived: torch.Tensor, err: torch.Tensor, *,
             rank: int, world_size: int, epoch: int, max_spins: int, block_m: int = 64, block_n: int = 64,
-            block_k: int = 32) -> torch.Tensor:
+            block_k: int = 32, ranks_per_device: int = 1) -> torch.Tensor:
     """``out = a_full @ b``, tile by tile as chunks of ``a_full`` arrive (``arrived[c] >= epoch``)."""
     check_gemm_operands(a_full, b, out)
     rows_per_chunk = a_full.shape[0] // world_size
     n, k = b.shape[1], b.shape[0]
     tiles = world_size * triton.cdiv(rows_per_chunk, block_m) * triton.cdiv(n, block_n)
-    _ag_gemm_kernel[(num_programs(a_full.device, tiles),)](
+    _ag_gemm_kernel[(num_programs(a_full.device, tiles, ranks_per_device),)](
         a_full, b, out, arrived, err, rows_per_chunk, n, k, epoch, max_spins,
         a_full.stride(0), a_full.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         RANK=rank, WORLD=world_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,

@@ -45,13 +45,13 @@ def gemm_rs_tiles(rows_per_chunk: int, n: int, block_m: int, block_n: int) -> in
 
 
 def gemm_rs(a: torch.Tensor, b: torch.Tensor, slots, pads, *, rank: int, world_size: int, block_m: int = 64,
-            block_n: int = 64, block_k: int = 32) -> None:
+            block_n: int = 64, block_k: int = 32, ranks_per_device: int = 1) -> None:
     """Scatter ``a @ b``'s chunks into the owners' ``slots`` (symmetric [W, m, N]) and count them in
     the owners' ``pads`` (symmetric int32, counts at [0, W))."""
     check_gemm_operands(a, b, slots.local)
     rows_per_chunk, n = a.shape[0] // world_size, b.shape[1]
     tiles = world_size * gemm_rs_tiles(rows_per_chunk, n, block_m, block_n)
-    _gemm_rs_kernel[(num_programs(a.device, tiles),)](
+    _gemm_rs_kernel[(num_programs(a.device, tiles, ranks_per_device),)](
         a, b, slots.peer_ptrs, pads.peer_ptrs, rows_per_chunk, n, b.shape[0],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         RANK=rank, WORLD=world_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,

@@ -4,6 +4,9 @@ import triton
 import triton.language as tl
 
 
+RESERVED_SMS = 4  # left free for the copy stream's wait/signal kernels
+
+
 @triton.jit
 def tile_dot(a_ptr, b_ptr, rows, row_mask, cols, col_mask, K, stride_am, stride_ak, stride_bk, stride_bn,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -27,10 +30,15 @@ def dot_precision(dtype: torch.dtype):
     return None
 
 
-def num_programs(device: torch.device, tiles: int) -> int:
-    """Persistent grid: one program per SM on a GPU; two in the interpreter (enough to interleave)."""
+def num_programs(device: torch.device, tiles: int, ranks_per_device: int = 1) -> int:
+    """Persistent grid: one program per SM on a GPU, less a reserve, shared among the ranks on that
+    GPU; two in the interpreter (enough to interleave).
+
+    Why the reserve: the GEMM's tiles spin until the copy stream's flag kernels run; if the GEMM
+    held every SM those kernels could never be scheduled (deadlock)."""
     if device.type == "cuda":
-        return max(1, min(tiles, torch.cuda.get_device_properties(device).multi_processor_count))
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(tiles, (sms - RESERVED_SMS) // ranks_per_device))
     return max(1, min(tiles, 2))
 
 

@@ -1,0 +1,58 @@
+"""The fused all-gather GEMM with every chunk already arrived (world 1) vs torch.mm: the GEMM
+core's own speed, the ceiling of method="fused". GPU only.
+
+    python benchmarks/bench_fused_gemm.py [--m 8192 --n 8192 --k 1024] [--csv benchmarks/results/gpu.csv]
+"""
+import argparse
+import sys
+
+import torch
+import triton.testing
+
+from overlapkernels.bench.report import append_csv, environment, format_table
+from overlapkernels.kernels.triton.ag_gemm import ag_gemm
+
+CONFIGS = [dict(block_m=128, block_n=128, block_k=64), dict(block_m=128, block_n=256, block_k=64),
+           dict(block_m=64, block_n=128, block_k=64), dict(block_m=128, block_n=128, block_k=32)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--m", type=int, default=8192)
+    parser.add_argument("--n", type=int, default=8192)
+    parser.add_argument("--k", type=int, default=1024)
+    parser.add_argument("--csv")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_fused_gemm: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    a = torch.randn(args.m, args.k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(args.k, args.n, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(args.m, args.n, device="cuda", dtype=torch.bfloat16)
+    arrived = torch.ones(1, dtype=torch.int32, device="cuda")
+    err = torch.zeros(4, dtype=torch.int32, device="cuda")
+    flops = 2 * args.m * args.n * args.k
+    t_mm = triton.testing.do_bench(lambda: torch.mm(a, b), warmup=50, rep=300) / 1e3
+    rows = [{"kernel": "torch.mm", "config": "cuBLAS", "time_us": t_mm * 1e6, "tflops": flops / t_mm / 1e12,
+             "vs_mm": 1.0}]
+    ref = a.float() @ b.float()
+    for cfg in CONFIGS:
+        run = lambda: ag_gemm(a, b, out, arrived, err, rank=0, world_size=1, epoch=1, max_spins=1, **cfg)  # noqa: E731
+        run()
+        torch.testing.assert_close(out.float(), ref, atol=0.5, rtol=2e-2)  # never report a wrong kernel's speed
+        t = triton.testing.do_bench(run, warmup=50, rep=300) / 1e3
+        rows.append({"kernel": "ag_gemm", "config": "x".join(str(v) for v in cfg.values()), "time_us": t * 1e6,
+                     "tflops": flops / t / 1e12, "vs_mm": t_mm / t})
+    env = environment("cuda")
+    rows = [{**r, "M": args.m, "N": args.n, "K": args.k, "dtype": "bfloat16", **env} for r in rows]
+    print(f"# fused GEMM core vs torch.mm, {args.m}x{args.n}x{args.k} bf16 on {env['gpu_name']} "
+          f"(torch {env['torch']}, triton {env['triton']}, commit {env['commit']})")
+    print(format_table(rows, [("kernel", "kernel", ""), ("config", "BMxBNxBK", ""), ("time_us", "time(us)", ".1f"),
+                              ("tflops", "TFLOP/s", ".1f"), ("vs_mm", "vs torch.mm", ".3f")]))
+    if args.csv:
+        append_csv(args.csv, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Copy-engine streams: work submitted runs in order, concurrently with the submitting rank.
+
+``ThreadSideStream`` (CPU thread world): a thread. ``CudaSideStream``: a CUDA stream; copies
+submitted to it are cudaMemcpyAsync, i.e. the copy engine, not SMs. Both have ``submit(fn)`` and
+``synchronize()``, after which the rank's work is ordered after everything submitted.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+
+class ThreadSideStream:
+    """A thread that runs submitted callables in order: the thread world's stand-in for a CUDA
+    side stream driving the copy engine. ``synchronize`` waits and re-raises the first error."""
+
+    def __init__(self, name: str):
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, done = self._queue.get()
+            if fn is None:
+                done.set()
+                return
+            try:
+                if self._error is None:
+                    fn()
+            except BaseException as exc:  # reported by synchronize, on the rank's thread
+                self._error = exc
+            finally:
+                done.set()
+
+    def submit(self, fn) -> threading.Event:
+        done = threading.Event()
+        self._queue.put((fn, done))
+        return done
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        if not self.submit(lambda: None).wait(timeout):
+            raise TimeoutError(f"{self._thread.name}: side stream still busy after {timeout} s")
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        self._queue.put((None, threading.Event()))
+
+
+class CudaSideStream:
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device)
+
+    def submit(self, fn) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream())  # sees everything the rank did so far
+        with torch.cuda.stream(self.stream):
+            fn()
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        torch.cuda.current_stream().wait_stream(self.stream)  # stream order, no host sync
+
+    def close(self) -> None:
+        pass

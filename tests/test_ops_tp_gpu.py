@@ -1,0 +1,50 @@
+"""One-GPU world (N ranks as threads sharing one GPU, one stream each): symm and fused compiled
+for real, in bf16 vs torch. Run by `make gpu-check`."""
+import pytest
+import torch
+
+import overlapkernels as ok
+from overlapkernels.comm.thread_world import ThreadWorld
+from test_ops_tp_peer import _autograd_on_rank, _forward_cases_on_rank
+
+pytestmark = pytest.mark.gpu
+METHODS = ["symm", "fused"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("method", METHODS)
+def test_exact_bf16_with_straggler(world, method):
+    assert ThreadWorld(world, device="cuda").run(_forward_cases_on_rank, method, torch.bfloat16, world - 1) == \
+        [True] * world
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("method", METHODS)
+def test_autograd_fp32(world, method):
+    assert ThreadWorld(world, device="cuda").run(_autograd_on_rank, method) == [True] * world
+
+
+def _bf16_random_on_rank(ctx, method, m, k, n):
+    r, w = ctx.rank, ctx.world_size
+    gen = torch.Generator().manual_seed(1234)
+    shards = [torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16) for _ in range(w)]
+    b = torch.randn(k, n, generator=gen).to("cuda", torch.bfloat16)
+    out = ok.all_gather_matmul(shards[r], b, ctx, method=method)
+    want = (torch.cat(shards).float() @ b.float())
+    torch.testing.assert_close(out.float(), want, atol=1e-1, rtol=1e-2)
+    a_all = [torch.randn(w * m, k, generator=gen).to("cuda", torch.bfloat16) for _ in range(w)]
+    out2 = ok.matmul_reduce_scatter(a_all[r], b, ctx, method=method)
+    want2 = sum(x.float() @ b.float() for x in a_all).chunk(w)[r]
+    torch.testing.assert_close(out2.float(), want2, atol=2e-1, rtol=2e-2)
+    bad = out2.float().clone()
+    bad[1, 1] = bad[1, 1] * 1.05 + 1.0  # planted: the tolerance must catch it
+    try:
+        torch.testing.assert_close(bad, want2, atol=2e-1, rtol=2e-2)
+        return False
+    except AssertionError:
+        return True
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_bf16_random_close_to_fp32_reference(method):
+    assert ThreadWorld(4, device="cuda").run(_bf16_random_on_rank, method, 256, 512, 384) == [True] * 4
