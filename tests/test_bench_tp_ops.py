@@ -1,0 +1,48 @@
+"""ag-matmul / matmul-rs benchmark: shape presets, validation, a smoke run on CPU (no timing asserts)."""
+import math
+import subprocess
+import sys
+
+import pytest
+
+from overlapkernels.bench import tp_ops
+
+
+def test_llama_presets_and_parsing():
+    shapes = tp_ops.layer_shapes("llama3-8b")
+    assert shapes == {"qkv": (8192, 4096, 6144), "fc1": (8192, 4096, 28672), "attn_out": (8192, 4096, 4096),
+                      "fc2": (8192, 14336, 4096)}
+    assert tp_ops.layer_shapes("llama3-8b", 8)["fc2"] == (1024, 1792, 512)
+    assert tp_ops.parse_shapes("llama3-70b", "matmul-rs", 1) == [("llama3-70b/attn_out", (8192, 8192, 8192)),
+                                                                  ("llama3-70b/fc2", (8192, 28672, 8192))]
+    assert tp_ops.parse_shapes("64x32x16", "ag-matmul", 8) == [("64x32x16", (64, 32, 16))]
+    with pytest.raises(ValueError, match="shape 'huge': expected a model"):
+        tp_ops.parse_shapes("huge", "ag-matmul", 1)
+
+
+def test_validation_names_the_problem():
+    with pytest.raises(ValueError, match="M and N must be divisible by the world size 4"):
+        tp_ops.TpOpsConfig(op="ag-matmul", shapes=(("s", (6, 8, 8)),)).validate(4)
+    with pytest.raises(ValueError, match="M and K must be divisible"):
+        tp_ops.TpOpsConfig(op="matmul-rs", shapes=(("s", (8, 6, 8)),)).validate(4)
+    with pytest.raises(ValueError, match="methods=\\['cutlass'\\]"):
+        tp_ops.TpOpsConfig(methods=("cutlass",)).validate()
+
+
+@pytest.mark.parametrize("op", ["ag-matmul", "matmul-rs"])
+def test_smoke_run_on_gloo_ranks(rank_pool, op):
+    config = tp_ops.TpOpsConfig(op=op, shapes=(("tiny", (16, 8, 12)),), methods=("baseline", "decomposed", "auto"),
+                                iters=2, warmup=1)
+    rows = rank_pool(2).run(tp_ops.rank_main, tp_ops.config_dict(config))[0]
+    assert [r["method"] for r in rows] == ["baseline", "decomposed", "auto"]
+    for row in rows:
+        assert row["time_us"] > 0 and row["gemm_us"] > 0 and row["tflops"] > 0 and row["world_size"] == 2
+    base = rows[0]
+    assert base["speedup"] == 1.0
+    assert base["efficiency"] == 0.0 or math.isnan(base["efficiency"])  # NaN when the GEMM alone was not faster
+
+
+def test_cli_rejects_bad_shape_before_spawning():
+    out = subprocess.run([sys.executable, "-m", "overlapkernels", "bench", "ag-matmul", "--nproc", "3",
+                          "--shapes", "16x8x12"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "must be divisible by the world size 3" in out.stderr
