@@ -18,6 +18,7 @@ class SymmetricTensor:
     local: torch.Tensor        # this rank's buffer
     peer_ptrs: torch.Tensor    # int64 [world_size]: data_ptr of every rank's buffer
     peers: tuple               # every rank's buffer as a tensor, where this process can see it
+    handle: object = None      # keeps the peer mappings alive (torch symmetric memory)
 
     def peer(self, rank: int) -> torch.Tensor:
         return self.peers[rank]

@@ -50,6 +50,12 @@ class ThreadRank:
                           else ThreadSideStream(f"ok-thread-rank{self.rank}-copy"))
         return self._side
 
+    def check_errors(self, err: torch.Tensor, op: str, epoch: int) -> None:
+        """Raise at once if a device-side wait of this call timed out (a test world: sync is fine)."""
+        from ..kernels.triton.signals import raise_if_timed_out
+
+        raise_if_timed_out(err, op, epoch)
+
     def barrier(self) -> None:
         try:
             self.world._barrier.wait(timeout=self.world.timeout)

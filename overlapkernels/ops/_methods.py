@@ -6,40 +6,48 @@ from ._validate import is_peer_world
 from .dispatch import PEER_MEMORY_METHODS
 
 
-def _check_world(method: str, group) -> None:
-    peer = is_peer_world(group)
-    if method in PEER_MEMORY_METHODS and not peer:
-        raise ValueError(f"method={method!r} needs peer memory: CUDA tensors on one NVLink node (not yet wired to "
-                         "process groups) or a thread-world group (CPU tests); use 'decomposed' or 'baseline'")
-    if peer and method not in PEER_MEMORY_METHODS:
-        raise ValueError(f"method={method!r} needs a process group; a thread-world group runs 'symm' or 'fused'")
+def _peer_world(method: str, group, device):
+    """The world a peer-memory method runs in: the group itself (thread world), or a CUDA process
+    group's symmetric-memory world. Errors say what is missing, before anything communicates."""
+    if is_peer_world(group):
+        if method not in PEER_MEMORY_METHODS:
+            raise ValueError(f"method={method!r} needs a process group; a thread-world group runs 'symm' or 'fused'")
+        return group
+    if method not in PEER_MEMORY_METHODS:
+        return None
+    from ..comm.process_world import process_peer_world, symmetric_memory_unavailable_reason
+
+    reason = symmetric_memory_unavailable_reason(device)
+    if reason:
+        raise ValueError(f"method={method!r} needs peer memory (CUDA tensors on one NVLink node, or a thread-world "
+                         f"group in CPU tests): {reason}; use 'decomposed' or 'baseline'")
+    return process_peer_world(group, device)
 
 
 def ag_matmul(a_shard, bs, group, method):
     """-> (a_full [W*m, K], [a_full @ b for b in bs])"""
-    _check_world(method, group)
-    if method in PEER_MEMORY_METHODS:
+    world = _peer_world(method, group, a_shard.device)
+    if world is not None:
         from . import _peer_methods
 
-        return _peer_methods.ag_matmul(a_shard, bs, group, method)
+        return _peer_methods.ag_matmul(a_shard, bs, world, method)
     impl = coll.ag_matmul_baseline if method == "baseline" else coll.ag_matmul_decomposed
     return impl(a_shard, bs, group)
 
 
 def matmul_rs(a, b, group, method):
     """-> sum over ranks of (a @ b), chunk ``rank`` of dim 0"""
-    _check_world(method, group)
-    if method in PEER_MEMORY_METHODS:
+    world = _peer_world(method, group, a.device)
+    if world is not None:
         from . import _peer_methods
 
-        return _peer_methods.matmul_rs(a, b, group, method)
+        return _peer_methods.matmul_rs(a, b, world, method)
     impl = coll.matmul_rs_baseline if method == "baseline" else coll.matmul_rs_decomposed
     return impl(a, b, group)
 
 
 def ag_wgrad(a_shard, grad_outs, group, method):
     """-> [gather(a_shard).T @ g for g in grad_outs]"""
-    _check_world(method, group)
     if method in PEER_MEMORY_METHODS:
         a_full, _ = ag_matmul(a_shard, [], group, method)
         return [a_full.T @ g for g in grad_outs]
@@ -48,7 +56,7 @@ def ag_wgrad(a_shard, grad_outs, group, method):
 
 def reduce_scatter(x, group):
     """-> sum over ranks of ``x``, chunk ``rank`` of dim 0 (no matmul to overlap with)."""
-    if is_peer_world(group):
+    if is_peer_world(group):  # (process groups take the collective: there is no GEMM to hide it behind)
         from . import _peer_methods
 
         return _peer_methods.reduce_scatter(x, group)

@@ -1,10 +1,13 @@
 """``symm`` and ``fused`` on a peer-memory world: symmetric buffers, signal pads, a copy engine.
 
 The world (``group``) offers ``rank``, ``world_size``, ``device``, ``ranks_per_device``,
-``timeout``, collective ``alloc_symmetric``, ``workspace`` and a ``side_stream`` (the copy engine). The thread world
-provides it on CPU, where every kernel runs under the Triton interpreter: that is how CI proves
-these algorithms. Workspaces persist per (op, method, shape, dtype); their flags only grow, so
-nothing is reset between calls. Every wait gives up after the world's timeout and the op raises
+``timeout``, collective ``alloc_symmetric``, ``workspace``, a ``side_stream`` (the copy engine)
+and ``check_errors`` (at once in the thread world; a call late, without host syncs, in the
+process world). The thread world provides it on CPU, where every kernel runs under the Triton
+interpreter: that is how CI proves these algorithms; with ``device="cuda"`` it runs them
+compiled on one GPU; ``comm.process_world`` serves CUDA process groups on one NVLink node.
+Workspaces persist per (op, method, shape, dtype); their flags only grow, so nothing is reset
+between calls. Every wait gives up after the world's timeout and the op raises
 ``SignalTimeoutError`` naming the rank, chunk and peer.
 
 All-gather + matmul, call e on rank r (pads: ready[0:W], released[W:2W]):
@@ -103,7 +106,7 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
             for b, out in zip(bs, outs):
                 torch.matmul(a_full[c], b, out=out[c * m:(c + 1) * m])
     side.synchronize()
-    sig.raise_if_timed_out(err, _op_name("all_gather_matmul", method), epoch)
+    world.check_errors(err, _op_name("all_gather_matmul", method), epoch)
     return a_flat, outs
 
 
@@ -124,7 +127,7 @@ def _reduce_scatter_partials(world, method: str, dtype, m: int, n: int, device, 
         sig.wait_flag(ws.pads.local[q:q + 1], epoch * units, err, spins, code=sig.ERR_PARTIAL_TIMEOUT, rank=r,
                       chunk=r, peer=q)
     world.side_stream().synchronize()
-    sig.raise_if_timed_out(err, _op_name("matmul_reduce_scatter", method), epoch)
+    world.check_errors(err, _op_name("matmul_reduce_scatter", method), epoch)
     acc = torch.zeros(m, n, dtype=accumulation_dtype(dtype), device=device)
     for q in range(w):  # fixed order: bitwise reproducible whatever order partials arrived in
         acc += ws.slots.local[q]

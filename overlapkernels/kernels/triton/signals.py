@@ -123,3 +123,36 @@ def raise_if_timed_out(err: torch.Tensor, op: str, epoch: int) -> None:
                                  f"{where}")
     if code:
         raise SignalTimeoutError(f"{op}: unknown error record {err.tolist()}")
+
+
+class DeferredErrorCheck:
+    """Error records checked without a host sync on the hot path (CUDA): each record is copied to
+    pinned memory behind an event, and a later call raises once that event has completed. The
+    cost: a timed-out call returns before its error is known; the next call (or ``flush``)
+    raises it."""
+
+    def __init__(self):
+        self._pending: list = []
+
+    def submit(self, err: torch.Tensor, op: str, epoch: int) -> None:
+        if err.device.type != "cuda":
+            raise_if_timed_out(err, op, epoch)
+            return
+        host = torch.empty(4, dtype=torch.int32, pin_memory=True)
+        host.copy_(err, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((event, host, op, epoch))
+        self.poll()
+
+    def poll(self) -> None:
+        while self._pending and self._pending[0][0].query():
+            _, host, op, epoch = self._pending.pop(0)
+            raise_if_timed_out(host, op, epoch)
+
+    def flush(self) -> None:
+        """Wait for every pending record and raise the first error."""
+        while self._pending:
+            event, host, op, epoch = self._pending.pop(0)
+            event.synchronize()
+            raise_if_timed_out(host, op, epoch)
