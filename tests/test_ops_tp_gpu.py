@@ -48,3 +48,31 @@ def _bf16_random_on_rank(ctx, method, m, k, n):
 @pytest.mark.parametrize("method", METHODS)
 def test_bf16_random_close_to_fp32_reference(method):
     assert ThreadWorld(4, device="cuda").run(_bf16_random_on_rank, method, 256, 512, 384) == [True] * 4
+
+
+def _process_world_on_rank(method):
+    """Two processes sharing cuda:0 (gloo for control), buffers from torch symmetric memory."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+    torch.cuda.set_device(0)
+    r, w = dist.get_rank(), dist.get_world_size()
+    for call in range(2):
+        gen = torch.Generator().manual_seed(call)
+        shards = [torch.randint(0, 2, (64, 96), generator=gen).to("cuda", torch.bfloat16) for _ in range(w)]
+        b = torch.randint(0, 2, (96, 40), generator=gen).to("cuda", torch.bfloat16)
+        out = ok.all_gather_matmul(shards[r], b, method=method)
+        assert torch.equal(out, (torch.cat(shards).float() @ b.float()).to(torch.bfloat16)), call
+        a_all = [torch.randint(0, 2, (w * 32, 96), generator=gen).to("cuda", torch.bfloat16) for _ in range(w)]
+        out2 = ok.matmul_reduce_scatter(a_all[r], b, method=method)
+        want = sum(x.float() @ b.float() for x in a_all).chunk(w)[r].to(torch.bfloat16)
+        assert torch.equal(out2, want), call
+    torch.cuda.synchronize()
+    return True
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_process_world_two_processes_one_gpu(rank_pool, method):
+    assert rank_pool(2).run(_process_world_on_rank, method) == [True, True]
