@@ -97,9 +97,14 @@ def _auto_on_rank(ctx):
     return torch.equal(out, torch.full((4 * ctx.world_size, 2), 8.0))
 
 
-def test_auto_picks_fused_in_a_peer_world():
-    assert ThreadWorld(2).run(_auto_on_rank) == [True, True]
-    assert ok.overlap_stats()[("all_gather_matmul", "fused")] == 2
+def test_auto_picks_fused_in_a_peer_world(caplog):
+    with caplog.at_level("DEBUG", logger="overlapkernels.ops"):
+        assert ThreadWorld(2).run(_auto_on_rank) == [True, True]
+    stats = ok.overlap_stats()
+    assert stats[("all_gather_matmul", "fused")] == 2
+    reason = "peer-memory world: persistent Triton GEMM waiting on chunk signals"
+    assert stats.reasons[("all_gather_matmul", "fused")] == {reason: 2}
+    assert f"all_gather_matmul: method=fused ({reason})" in caplog.text  # the debug log says why, too
 
 
 def _missing_rank_on_rank(ctx, op, method):
