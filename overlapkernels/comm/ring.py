@@ -26,10 +26,14 @@ class Ring:
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank % self.world_size)
 
-    def exchange(self, send: torch.Tensor, to: int, recv: torch.Tensor, frm: int) -> list:
-        """Start sending ``send`` to group rank ``to`` and receiving ``recv`` from ``frm``."""
-        ops = [dist.P2POp(dist.isend, send, self.global_rank(to), self.group),
-               dist.P2POp(dist.irecv, recv, self.global_rank(frm), self.group)]
+    def exchange(self, send, to: int, recv, frm: int, *, tag: int = 0) -> list:
+        """Start sending ``send`` (a tensor or a list) to group rank ``to`` and receiving ``recv``
+        from ``frm``. Concurrent exchanges between the same ranks need distinct tags (gloo matches
+        messages by tag)."""
+        sends = [send] if isinstance(send, torch.Tensor) else list(send)
+        recvs = [recv] if isinstance(recv, torch.Tensor) else list(recv)
+        ops = [dist.P2POp(dist.isend, t, self.global_rank(to), self.group, tag) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, self.global_rank(frm), self.group, tag) for t in recvs]
         return dist.batch_isend_irecv(ops)
 
 

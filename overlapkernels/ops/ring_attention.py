@@ -1,0 +1,214 @@
+"""Ring attention for context parallelism: local queries, key/value blocks passed around a ring.
+
+Step s of P: attend the local queries to the block of rank (r - s) % P while the next block
+travels (batch_isend_irecv, double buffered), and fold the result into running (out, lse) with
+the overflow-safe sigmoid merge. Causal blocks are cut into contiguous position segments (two per
+rank under zigzag): hidden segment pairs are skipped, partly visible ones masked by position.
+Only the H_kv key/value heads travel (GQA is never expanded on the wire).
+
+Backward recomputes each block with the final (out, lse) and delta = rowsum(dO * O). dQ adds up
+locally; each block's dK/dV partial sum travels with the block and, after a last hop, reaches
+its owner, summed in ring order (fixed, so results never depend on timing).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..comm.ring import Ring, wait_all
+from ..kernels import attention_ref
+from ..parallel import resolve_group
+from .sequence_shard import check_layout, segments
+
+FORMATS = ("bshd", "sbhd")
+KV_TAG, GRAD_TAG = 0, 1  # two exchanges may be in flight between the same ranks
+
+
+def _backend(name: str):
+    if name == "triton":
+        from ..kernels.triton import flash_attn
+
+        return flash_attn
+    return attention_ref
+
+
+def _visibility(q_start, q_len, k_start, k_len, causal) -> str:
+    """How much of a key segment a query segment sees: 'none', 'full' or 'partial'."""
+    if not causal or k_start + k_len - 1 <= q_start:
+        return "full"
+    if k_start > q_start + q_len - 1:
+        return "none"
+    return "partial"
+
+
+def _block_pairs(layout, world, rank, src, length, causal):
+    """(query segment, key segment, causal-mask needed) for the block of rank ``src``."""
+    for q_off, q_start, q_len in segments(layout, world, rank, length):
+        for k_off, k_start, k_len in segments(layout, world, src, length):
+            vis = _visibility(q_start, q_len, k_start, k_len, causal)
+            if vis != "none":
+                yield (q_off, q_start, q_len), (k_off, k_start, k_len), vis == "partial"
+
+
+def _kv_for_step(k_cur, v_cur, k_own, v_own, step):
+    """The K/V block to use at ``step``: the one that just arrived (tests swap this to plant the
+    stale-KV bug - using step 0's block - and check that they catch it)."""
+    return k_cur, v_cur
+
+
+def ring_forward(q, k, v, group, causal, scale, layout, backend):
+    """q [B, H, S, D], k/v [B, H_kv, S, D] contiguous -> out, lse in the accumulation dtype."""
+    ring, kern = Ring.of(group), _backend(backend)
+    r, world, length = ring.rank, ring.world_size, q.shape[2]
+    acc = attention_ref.acc_dtype(q.dtype)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    bufs = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(2)]  # never overwrite the caller's k/v
+    k_cur, v_cur = k, v
+    for step in range(world):
+        pending = None
+        if step + 1 < world:
+            nxt = bufs[step % 2]
+            pending = ring.exchange([k_cur, v_cur], r + 1, list(nxt), r - 1, tag=KV_TAG)
+        kb, vb = _kv_for_step(k_cur, v_cur, k, v, step)
+        for (qo, qs, ql), (ko, ks, kl), masked in _block_pairs(layout, world, r, (r - step) % world, length, causal):
+            o, l = kern.block_forward(q[:, :, qo:qo + ql], kb[:, :, ko:ko + kl], vb[:, :, ko:ko + kl], scale,
+                                      q_start=qs, k_start=ks, causal=masked)
+            out[:, :, qo:qo + ql], lse[:, :, qo:qo + ql] = attention_ref.merge(
+                out[:, :, qo:qo + ql], lse[:, :, qo:qo + ql], o.to(acc), l.to(acc))
+        if pending:
+            wait_all(pending)
+            k_cur, v_cur = nxt
+    return out, lse
+
+
+def ring_backward(q, k, v, out, lse, dout, dlse, group, causal, scale, layout, backend):
+    ring, kern = Ring.of(group), _backend(backend)
+    r, world, length = ring.rank, ring.world_size, q.shape[2]
+    acc = attention_ref.acc_dtype(q.dtype)
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)
+    if dlse is not None:  # d lse_i / d s_ij = p_ij: folds into delta
+        delta = delta - dlse.to(acc)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    kv_bufs = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(2)]
+    grad_bufs = [(torch.empty(k.shape, dtype=acc, device=k.device), torch.empty(v.shape, dtype=acc, device=v.device))
+                 for _ in range(2)]
+    k_cur, v_cur = k, v
+    grad_pending = None
+    for step in range(world):
+        kv_pending = None
+        if step + 1 < world:
+            nxt = kv_bufs[step % 2]
+            kv_pending = ring.exchange([k_cur, v_cur], r + 1, list(nxt), r - 1, tag=KV_TAG)
+        kb, vb = _kv_for_step(k_cur, v_cur, k, v, step)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        for (qo, qs, ql), (ko, ks, kl), masked in _block_pairs(layout, world, r, (r - step) % world, length, causal):
+            dq_b, dk_b, dv_b = kern.block_backward(q[:, :, qo:qo + ql], kb[:, :, ko:ko + kl], vb[:, :, ko:ko + kl],
+                                                   dout[:, :, qo:qo + ql], lse[:, :, qo:qo + ql],
+                                                   delta[:, :, qo:qo + ql], scale, q_start=qs, k_start=ks,
+                                                   causal=masked)
+            dq[:, :, qo:qo + ql] += dq_b
+            dk[:, :, ko:ko + kl] += dk_b
+            dv[:, :, ko:ko + kl] += dv_b
+        if world == 1:
+            return dq, dk, dv
+        if grad_pending:  # the block's partial sums from the ranks before us
+            wait_all(grad_pending)
+            dk += grad_bufs[step % 2][0]
+            dv += grad_bufs[step % 2][1]
+        # pass them on; after the last step this hop delivers each block's sum to its owner
+        grad_pending = ring.exchange([dk, dv], r + 1, list(grad_bufs[(step + 1) % 2]), r - 1, tag=GRAD_TAG)
+        if kv_pending:
+            wait_all(kv_pending)
+            k_cur, v_cur = nxt
+    wait_all(grad_pending)
+    dk_own, dv_own = grad_bufs[world % 2]
+    return dq, dk_own, dv_own
+
+
+class RingAttention(torch.autograd.Function):
+    """``softmax(scale q k^T + mask) v`` of the local queries over the whole ring's keys.
+
+    | tensor | shape          | forward                         | backward                                  |
+    |--------|----------------|---------------------------------|-------------------------------------------|
+    | q      | [B, H, S, D]   | stays local                     | dQ accumulated locally (fp32)             |
+    | k, v   | [B, H_kv, S, D]| travel the ring, P-1 hops       | dK/dV partial sums travel P hops to owner |
+    | out    | [B, H, S, D]   | merged over blocks (fp32)       | delta = rowsum(dO * O)                    |
+    | lse    | [B, H, S]      | fp32                            | its gradient folds into delta             |
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, layout, backend):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse = ring_forward(q, k, v, group, causal, scale, layout, backend)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group, causal, scale, layout, backend)
+        ctx.set_materialize_grads(False)
+        return out, lse.float() if lse.dtype != torch.float64 else lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = ring_backward(q, k, v, out, lse, dout.contiguous(), dlse, *ctx.args)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def _to_bhsd(x, qkv_format):
+    return x.transpose(1, 2) if qkv_format == "bshd" else x.permute(1, 2, 0, 3)
+
+
+def _from_bhsd(x, qkv_format):
+    return x.transpose(1, 2) if qkv_format == "bshd" else x.permute(2, 0, 1, 3)
+
+
+def _validate(q, k, v, qkv_format, layout, softmax_scale):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D ({qkv_format}), got shape {tuple(t.shape)}")
+    if qkv_format not in FORMATS:
+        raise ValueError(f"qkv_format={qkv_format!r}: expected one of {list(FORMATS)}")
+    check_layout(layout)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}.dtype={t.dtype} does not match q.dtype={q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    seq, batch = (1, 0) if qkv_format == "bshd" else (0, 1)
+    if (q.shape[batch], q.shape[seq], q.shape[3]) != (k.shape[batch], k.shape[seq], k.shape[3]):
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} ({qkv_format}) must agree in batch, local "
+                         "sequence length and head dim")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"q has {q.shape[2]} heads, k/v {k.shape[2]}: the query heads must be a multiple of the "
+                         "key/value heads (GQA/MQA)")
+    if layout == "zigzag" and q.shape[seq] % 2:
+        raise ValueError(f"local sequence length {q.shape[seq]} is odd: zigzag needs S divisible by 2 x the group "
+                         "size")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale={softmax_scale!r}: expected a positive number or None")
+
+
+def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, layout="contiguous",
+                   qkv_format="bshd", return_lse=False):
+    """Attention of this rank's queries over the whole sequence spread across ``group``.
+
+    q [B, S_local, H, D], k/v [B, S_local, H_kv, D] (``"sbhd"``: sequence first), each rank holding
+    its part as ``shard_sequence(..., layout=layout)`` lays it out. Returns out like q, and with
+    ``return_lse`` also the fp32 log-sum-exp [B, H, S_local] (-inf for rows that see no key).
+    """
+    _validate(q, k, v, qkv_format, layout, softmax_scale)
+    group = resolve_group(group)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    backend = "triton" if q.is_cuda else "torch"
+    out, lse = RingAttention.apply(_to_bhsd(q, qkv_format), _to_bhsd(k, qkv_format), _to_bhsd(v, qkv_format),
+                                   group, bool(causal), scale, layout, backend)
+    out = _from_bhsd(out, qkv_format)
+    return (out, lse) if return_lse else out

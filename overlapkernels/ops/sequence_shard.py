@@ -1,0 +1,96 @@
+"""Sequence layouts of a context-parallel group: which part of the sequence each rank holds.
+
+``contiguous``: rank r holds block r of P. ``zigzag``: the sequence is cut in 2P chunks and rank r
+holds chunks r and 2P-1-r, so under a causal mask every rank has the same amount of work.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm.collectives import all_gather, reduce_scatter
+from ..parallel import resolve_group
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def check_layout(layout) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: expected one of {list(LAYOUTS)}")
+    return layout
+
+
+def segments(layout: str, world: int, rank: int, local_len: int) -> list[tuple[int, int, int]]:
+    """(offset in the local sequence, global start position, length) of each contiguous piece."""
+    if layout == "contiguous":
+        return [(0, rank * local_len, local_len)]
+    half = local_len // 2
+    return [(0, rank * half, half), (half, (2 * world - 1 - rank) * half, half)]
+
+
+def _chunk_order(layout: str, world: int) -> list[int]:
+    """Global chunk indices in the order ranks 0..P-1 hold them (2P chunks for zigzag)."""
+    if layout == "contiguous":
+        return list(range(world))
+    return [c for r in range(world) for c in (r, 2 * world - 1 - r)]
+
+
+def _split_count(layout: str, world: int) -> int:
+    return world if layout == "contiguous" else 2 * world
+
+
+def _check(x, dim, layout, world, name):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim!r} is not a dim of {name} with shape {tuple(x.shape)}")
+    return dim % x.dim(), check_layout(layout)
+
+
+def shard_sequence(x, group=None, *, dim=1, layout="zigzag"):
+    """This rank's part of the full sequence ``x`` (same on every rank), laid out as ``layout``."""
+    group = resolve_group(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    dim, layout = _check(x, dim, layout, world, "x")
+    parts = _split_count(layout, world)
+    if x.shape[dim] % parts:
+        raise ValueError(f"x.shape[{dim}]={x.shape[dim]} is not divisible by {parts} "
+                         f"({'2 x ' if layout == 'zigzag' else ''}the group size {world}, layout={layout!r})")
+    chunks = x.chunk(parts, dim=dim)
+    mine = _chunk_order(layout, world)[rank * (parts // world):(rank + 1) * (parts // world)]
+    return torch.cat([chunks[c] for c in mine], dim=dim)
+
+
+class _Unshard(torch.autograd.Function):
+    """Gather every rank's part and put the chunks back in sequence order. Backward: each rank's
+    part of the gradient, summed over ranks (the gathered tensor may feed different losses)."""
+
+    @staticmethod
+    def forward(ctx, x_local, group, dim, layout):
+        world = dist.get_world_size(group)
+        ctx.group, ctx.dim, ctx.layout = group, dim, layout
+        gathered, _ = all_gather(x_local.movedim(dim, 0).contiguous(), group)  # rank-major chunks
+        parts = _split_count(layout, world)
+        chunks = gathered.chunk(parts, dim=0)
+        full = [None] * parts
+        for pos, c in enumerate(_chunk_order(layout, world)):
+            full[c] = chunks[pos]
+        return torch.cat(full, dim=0).movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        world = dist.get_world_size(ctx.group)
+        chunks = grad.movedim(ctx.dim, 0).chunk(_split_count(ctx.layout, world), dim=0)
+        rank_major = torch.cat([chunks[c] for c in _chunk_order(ctx.layout, world)], dim=0).contiguous()
+        local, _ = reduce_scatter(rank_major, ctx.group)
+        return local.movedim(0, ctx.dim), None, None, None
+
+
+def unshard_sequence(x_local, group=None, *, dim=1, layout="zigzag"):
+    """Gather the parts that ``shard_sequence`` laid out and reorder them into the full sequence."""
+    group = resolve_group(group)
+    world = dist.get_world_size(group)
+    dim, layout = _check(x_local, dim, layout, world, "x_local")
+    if layout == "zigzag" and x_local.shape[dim] % 2:
+        raise ValueError(f"x_local.shape[{dim}]={x_local.shape[dim]} is odd; a zigzag part holds two equal chunks")
+    return _Unshard.apply(x_local, group, dim, layout)

@@ -1,0 +1,198 @@
+"""ring_attention on gloo ranks vs F.scaled_dot_product_attention on the full sequence (fp64):
+outputs, lse and the gradients of q, k, v, for every layout, mask, GQA/MQA and format."""
+import importlib
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import overlapkernels as ok
+ra = importlib.import_module("overlapkernels.ops.ring_attention")  # the module (the package re-exports the function)
+
+ATOL = RTOL = 1e-10  # fp64: every difference is reduction order
+
+
+def _full_reference(q, k, v, causal, scale):
+    """SDPA over the whole sequence (bshd in, bshd out) and the exact log-sum-exp."""
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    group = q.shape[2] // k.shape[2]
+    kt, vt = kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1)
+    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale).transpose(1, 2)
+    s = qt @ kt.transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return out, torch.logsumexp(s, dim=-1)
+
+
+def _case_on_rank(layout, causal, heads, kv_heads, fmt, with_lse, scale=None, batch=2, dim=8, per_rank=6):
+    world = dist.get_world_size()
+    seq = per_rank * world
+    g = torch.Generator().manual_seed(1000 + 7 * heads + kv_heads + int(causal))
+    q = torch.randn(batch, seq, heads, dim, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(batch, seq, kv_heads, dim, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(batch, seq, kv_heads, dim, generator=g, dtype=torch.float64, requires_grad=True)
+    d_out = torch.randn(batch, seq, heads, dim, generator=g, dtype=torch.float64)
+    d_lse = torch.randn(batch, heads, seq, generator=g, dtype=torch.float64)
+    sc = scale if scale is not None else dim ** -0.5
+    out_ref, lse_ref = _full_reference(q, k, v, causal, sc)
+    loss = (out_ref * d_out).sum() + ((lse_ref * d_lse).sum() if with_lse else 0)
+    loss.backward()
+
+    def local(x, d=1):  # this rank's part, laid out like the inputs
+        return ok.shard_sequence(x.detach(), dim=d, layout=layout)
+
+    seq_dim = 1 if fmt == "bshd" else 0
+
+    def fmt_in(x):
+        x = local(x)
+        return (x if fmt == "bshd" else x.transpose(0, 1).contiguous()).requires_grad_()
+
+    ql, kl, vl = fmt_in(q), fmt_in(k), fmt_in(v)
+    out, lse = ok.ring_attention(ql, kl, vl, causal=causal, softmax_scale=scale, layout=layout, qkv_format=fmt,
+                                 return_lse=True)
+    d_out_local = local(d_out) if fmt == "bshd" else local(d_out).transpose(0, 1)
+    loss_local = (out * d_out_local).sum() + ((lse * local(d_lse, 2)).sum() if with_lse else 0)
+    loss_local.backward()
+
+    def back(x):
+        return x if fmt == "bshd" else x.transpose(0, 1)
+
+    checks = {"out": (back(out), local(out_ref)), "lse": (lse, local(lse_ref, 2)),
+              "dq": (back(ql.grad), local(q.grad)), "dk": (back(kl.grad), local(k.grad)),
+              "dv": (back(vl.grad), local(v.grad))}
+    for name, (got, want) in checks.items():
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert out.shape == ql.shape and lse.dtype == torch.float64 and seq_dim in (0, 1)
+    return True
+
+
+CASES = [
+    ("zigzag", True, 4, 4, "bshd", False), ("contiguous", True, 4, 4, "bshd", False),
+    ("contiguous", False, 4, 4, "bshd", False), ("zigzag", False, 4, 4, "bshd", False),
+    ("zigzag", True, 4, 2, "bshd", False),  # GQA
+    ("contiguous", True, 4, 1, "bshd", True),  # MQA, gradient through lse too
+    ("zigzag", True, 4, 2, "sbhd", True),
+]
+
+
+def _all_cases_on_rank():
+    for case in CASES:
+        _case_on_rank(*case)
+    _case_on_rank("zigzag", True, 2, 1, "bshd", False, scale=0.3)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_matches_sdpa_on_the_full_sequence(rank_pool, world):
+    assert rank_pool(world).run(_all_cases_on_rank) == [True] * world
+
+
+def _stale_kv_on_rank(plant):
+    """Regression for a bug class seen in other ring implementations: using step 0's K/V at every
+    step. The planted version must fail the same comparison the real one passes."""
+    original = ra._kv_for_step
+    if plant:
+        ra._kv_for_step = lambda k_cur, v_cur, k_own, v_own, step: (k_own, v_own)
+    try:
+        _case_on_rank("zigzag", True, 4, 2, "bshd", False)
+        return "passed"
+    except AssertionError as exc:
+        return str(exc).split(":")[0]  # which tensor the comparison caught
+    finally:
+        ra._kv_for_step = original
+
+
+def test_each_step_uses_its_own_rotated_kv(rank_pool):
+    assert rank_pool(2).run(_stale_kv_on_rank, False) == ["passed", "passed"]
+    failures = rank_pool(2).run(_stale_kv_on_rank, True)
+    assert all(f in ("out", "lse", "dq", "dk", "dv") for f in failures), failures
+
+
+def _shard_roundtrip_on_rank():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x = torch.arange(2 * 4 * world * 3, dtype=torch.float64).reshape(2, 4 * world, 3)
+    zig = ok.shard_sequence(x, layout="zigzag")
+    chunk = x.shape[1] // (2 * world)
+    want = torch.cat([x[:, rank * chunk:(rank + 1) * chunk], x[:, (2 * world - 1 - rank) * chunk:
+                                                                (2 * world - rank) * chunk]], dim=1)
+    assert torch.equal(zig, want)
+    assert torch.equal(ok.shard_sequence(x, layout="contiguous"), x.chunk(world, dim=1)[rank])
+    for layout in ("zigzag", "contiguous"):
+        part = ok.shard_sequence(x, layout=layout).requires_grad_()
+        full = ok.unshard_sequence(part, layout=layout)
+        assert torch.equal(full, x)
+        (full * (rank + 1)).sum().backward()  # each rank's loss weights the full tensor differently
+        assert torch.equal(part.grad, torch.full_like(part, sum(range(1, world + 1))))
+    assert torch.equal(ok.unshard_sequence(ok.shard_sequence(x.transpose(0, 1), dim=0), dim=0), x.transpose(0, 1))
+    return True
+
+
+def test_shard_and_unshard_sequence(rank_pool):
+    assert rank_pool(4).run(_shard_roundtrip_on_rank) == [True] * 4
+
+
+BAD = [
+    (lambda q, k, v: ok.ring_attention(q, k, v, layout="ring"), ValueError,
+     r"layout='ring': expected one of \['contiguous', 'zigzag'\]"),
+    (lambda q, k, v: ok.ring_attention(q, k, v, qkv_format="bhsd"), ValueError, r"qkv_format='bhsd': expected one of"),
+    (lambda q, k, v: ok.ring_attention(q, k.expand(2, 6, 3, 8), v.expand(2, 6, 3, 8)), ValueError,
+     r"q has 4 heads, k/v 3: the query heads must be a multiple of the key/value heads"),
+    (lambda q, k, v: ok.ring_attention(q, k.float(), v), ValueError, r"k.dtype=torch.float32 does not match q.dtype"),
+    (lambda q, k, v: ok.ring_attention(q, k, v.expand(2, 6, 2, 8)), ValueError, r"k and v must have one shape"),
+    (lambda q, k, v: ok.ring_attention(q[:, :5], k[:, :5], v[:, :5], layout="zigzag"), ValueError,
+     r"local sequence length 5 is odd: zigzag needs S divisible by 2 x the group size"),
+    (lambda q, k, v: ok.ring_attention(q, k[:, :4], v[:, :4]), ValueError,
+     r"must agree in batch, local sequence length and head dim"),
+    (lambda q, k, v: ok.ring_attention(q[0], k, v), ValueError, r"q must be 4-D \(bshd\), got shape \(6, 4, 8\)"),
+    (lambda q, k, v: ok.ring_attention(q, k, v, softmax_scale=-1.0), ValueError, r"softmax_scale=-1.0"),
+    (lambda q, k, v: ok.ring_attention(q.numpy(), k, v), TypeError, r"q must be a torch.Tensor, got ndarray"),
+    (lambda q, k, v: ok.shard_sequence(torch.ones(2, 7), layout="zigzag"), ValueError,
+     r"x.shape\[1\]=7 is not divisible by 4 \(2 x the group size 2, layout='zigzag'\)"),
+    (lambda q, k, v: ok.shard_sequence(torch.ones(2, 7), layout="contiguous"), ValueError,
+     r"x.shape\[1\]=7 is not divisible by 2 \(the group size 2"),
+    (lambda q, k, v: ok.shard_sequence(torch.ones(2, 8), dim=2), ValueError, r"dim=2 is not a dim of x"),
+    (lambda q, k, v: ok.unshard_sequence(torch.ones(2, 3)), ValueError, r"x_local.shape\[1\]=3 is odd"),
+]
+
+
+def _bad_inputs_on_rank():
+    q = torch.ones(2, 6, 4, 8, dtype=torch.float64)
+    k = v = torch.ones(2, 6, 1, 8, dtype=torch.float64)
+    for i, (call, exc_type, pattern) in enumerate(BAD):
+        try:
+            call(q, k, v)
+        except exc_type as exc:
+            assert re.search(pattern, str(exc)), (i, str(exc))
+        else:
+            raise AssertionError(f"case {i}: no {exc_type.__name__}")
+    total = torch.ones(1)
+    dist.all_reduce(total)  # nobody communicated before raising
+    return int(total)
+
+
+def test_bad_input_raises_before_communicating(rank_pool):
+    assert rank_pool(2).run(_bad_inputs_on_rank) == [2, 2]
+
+
+def test_group_of_one_is_plain_attention():
+    """A 1-rank world in this process: the ring degenerates to one block."""
+    import os
+
+    env = {k: os.environ.pop(k, None) for k in ("RANK", "WORLD_SIZE")}
+    created = not dist.is_initialized()
+    try:
+        if created:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        group = dist.new_group([0])
+        g = torch.Generator().manual_seed(3)
+        q, k, v = (torch.randn(1, 5, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+        for causal in (False, True):
+            out = ok.ring_attention(q, k, v, group, causal=causal)
+            want, _ = _full_reference(q, k, v, causal, 4 ** -0.5)
+            torch.testing.assert_close(out, want, atol=ATOL, rtol=RTOL)
+    finally:
+        if created:
+            dist.destroy_process_group()
+        os.environ.update({k: v for k, v in env.items() if v is not None})
