@@ -1,0 +1,210 @@
+"""Flash attention in Triton: forward with log-sum-exp, backward (dQ; dK/dV), for ring blocks.
+
+Same contract as ``kernels.attention_ref``: q [B, H, Lq, D], k/v [B, H_kv, Lk, D] (last dim
+contiguous), queries at positions q_start.., keys at k_start..; ``causal`` masks keys after the
+query. Query head h reads kv head h // (H / H_kv). Outputs are fp32 (the ring merges in fp32);
+rows that see no key give out = 0 and lse = -inf, never NaN. Backward takes the *final* lse and
+delta = rowsum(dO * O), as ring attention recomputes every block against the merged result.
+Softmax runs in base 2 (exp2 with log2(e) folded into the scale), the usual flash trick.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .tile_gemm import dot_precision
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _visible(offs_m, offs_n, Lq, Lk, q_start, k_start, CAUSAL: tl.constexpr):
+    valid = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
+    if CAUSAL:
+        valid = valid & ((q_start + offs_m)[:, None] >= (k_start + offs_n)[None, :])
+    return valid
+
+
+@triton.jit
+def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+                      sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, so_b, so_h, so_s, sl_b, sl_h,
+                      H, GROUP, Lq, Lk, D, q_start, k_start, scale_log2,
+                      CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    d_mask = offs_d < D
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_s + offs_d[None, :],
+                mask=(offs_m[:, None] < Lq) & d_mask[None, :], other=0.0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    hi = Lk
+    if CAUSAL:  # keys after this block's last query are hidden from all of its rows
+        hi = tl.minimum(Lk, tl.maximum(q_start + (pid_m + 1) * BLOCK_M - k_start, 0))
+    kv_base = b * sk_b + hk * sk_h
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n[:, None] < Lk) & d_mask[None, :]
+        k = tl.load(k_ptr + kv_base + offs_n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_base + offs_n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(_visible(offs_m, offs_n, Lq, Lk, q_start, k_start, CAUSAL), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    seen = l_i > 0
+    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(out_ptr + b * so_b + h * so_h + offs_m[:, None] * so_s + offs_d[None, :], out,
+             mask=(offs_m[:, None] < Lq) & d_mask[None, :])
+    tl.store(lse_ptr + b * sl_b + h * sl_h + offs_m, lse, mask=offs_m < Lq)
+
+
+@triton.jit
+def _probs(q, k, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, CAUSAL: tl.constexpr,
+           DOT_PRECISION: tl.constexpr):
+    """P = exp(scale q k^T - lse) of one tile, 0 where masked or where the row saw nothing."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    lse2 = lse * 1.4426950408889634
+    keep = _visible(offs_m, offs_n, Lq, Lk, q_start, k_start, CAUSAL) & (lse2 != float("-inf"))[:, None]
+    return tl.where(keep, tl.exp2(s - tl.where(keep, lse2[:, None], 0.0)), 0.0)
+
+
+@triton.jit
+def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                           sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sl_b, sl_h, sdk_b, sdk_h, sdk_s,
+                           H_KV, GROUP, Lq, Lk, D, q_start, k_start, scale, scale_log2,
+                           CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    pid_n, bh = tl.program_id(0), tl.program_id(1)
+    b, hk = bh // H_KV, bh % H_KV
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    d_mask = offs_d < D
+    kv_mask = (offs_n[:, None] < Lk) & d_mask[None, :]
+    kv_off = b * sk_b + hk * sk_h + offs_n[:, None] * sk_s + offs_d[None, :]
+    k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    lo = 0
+    if CAUSAL:  # queries before this block's first key see none of it
+        lo = tl.maximum(k_start + pid_n * BLOCK_N - q_start, 0) // BLOCK_M * BLOCK_M
+    for g in range(0, GROUP):  # every query head that reads this kv head (GQA)
+        h = hk * GROUP + g
+        for m0 in range(lo, Lq, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            q_mask = (offs_m[:, None] < Lq) & d_mask[None, :]
+            q_off = b * sq_b + h * sq_h + offs_m[:, None] * sq_s + offs_d[None, :]
+            q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
+            do = tl.load(do_ptr + q_off, mask=q_mask, other=0.0)
+            lse = tl.load(lse_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=float("-inf"))
+            delta = tl.load(delta_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=0.0)
+            p = _probs(q, k, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, CAUSAL, DOT_PRECISION)
+            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
+    out_off = b * sdk_b + hk * sdk_h + offs_n[:, None] * sdk_s + offs_d[None, :]
+    tl.store(dk_ptr + out_off, dk * scale, mask=kv_mask)
+    tl.store(dv_ptr + out_off, dv, mask=kv_mask)
+
+
+@triton.jit
+def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+                         sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sl_b, sl_h, sdq_b, sdq_h, sdq_s,
+                         H, GROUP, Lq, Lk, D, q_start, k_start, scale, scale_log2,
+                         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    d_mask = offs_d < D
+    q_mask = (offs_m[:, None] < Lq) & d_mask[None, :]
+    q_off = b * sq_b + h * sq_h + offs_m[:, None] * sq_s + offs_d[None, :]
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
+    do = tl.load(do_ptr + q_off, mask=q_mask, other=0.0)
+    lse = tl.load(lse_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=float("-inf"))
+    delta = tl.load(delta_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=0.0)
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    hi = Lk
+    if CAUSAL:
+        hi = tl.minimum(Lk, tl.maximum(q_start + (pid_m + 1) * BLOCK_M - k_start, 0))
+    kv_base = b * sk_b + hk * sk_h
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n[:, None] < Lk) & d_mask[None, :]
+        k = tl.load(k_ptr + kv_base + offs_n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_base + offs_n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0)
+        p = _probs(q, k, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, CAUSAL, DOT_PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    tl.store(dq_ptr + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_s + offs_d[None, :], dq * scale, mask=q_mask)
+
+
+def _check(q, k, v):
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"flash attention (Triton): dtype {q.dtype} not supported; expected float32, float16 or "
+                         "bfloat16 (the torch backend takes float64)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"flash attention (Triton): {name} needs a contiguous last dim, got strides {t.stride()}")
+
+
+def _config(q, k):
+    head_dim = max(16, triton.next_power_of_2(q.shape[-1]))
+    block = 64 if q.is_cuda else 16  # the interpreter is slow: small tiles
+    return dict(BLOCK_M=block, BLOCK_N=block, HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype))
+
+
+def block_forward(q, k, v, scale: float, *, q_start: int = 0, k_start: int = 0, causal: bool = False):
+    """-> out [B, H, Lq, D] fp32, lse [B, H, Lq] fp32."""
+    _check(q, k, v)
+    b, h, lq, d = q.shape
+    out = torch.empty(b, h, lq, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
+    cfg = _config(q, k)
+    grid = (triton.cdiv(lq, cfg["BLOCK_M"]), b * h)
+    _flash_fwd_kernel[grid](q, k, v, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+                            k.stride(2), out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+                            h, h // k.shape[1], lq, k.shape[2], d, q_start, k_start, scale * LOG2E,
+                            CAUSAL=causal, **cfg)
+    return out, lse
+
+
+def block_backward(q, k, v, dout, lse, delta, scale: float, *, q_start: int = 0, k_start: int = 0,
+                   causal: bool = False):
+    """-> dq [B, H, Lq, D], dk, dv [B, H_kv, Lk, D], fp32."""
+    _check(q, k, v)
+    b, h, lq, d = q.shape
+    h_kv, lk = k.shape[1], k.shape[2]
+    dout = dout.to(q.dtype)
+    if dout.stride() != q.stride():
+        dout = dout.contiguous() if q.is_contiguous() else torch.empty_like(q).copy_(dout)
+    lse, delta = lse.float().contiguous(), delta.float().contiguous()
+    dq = torch.empty(b, h, lq, d, dtype=torch.float32, device=q.device)
+    dk = torch.empty(b, h_kv, lk, d, dtype=torch.float32, device=q.device)
+    dv = torch.empty_like(dk)
+    cfg = _config(q, k)
+    common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), lse.stride(0),
+              lse.stride(1))
+    _flash_bwd_dkdv_kernel[(triton.cdiv(lk, cfg["BLOCK_N"]), b * h_kv)](
+        q, k, v, dout, lse, delta, dk, dv, *common, dk.stride(0), dk.stride(1), dk.stride(2),
+        h_kv, h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E, CAUSAL=causal, **cfg)
+    _flash_bwd_dq_kernel[(triton.cdiv(lq, cfg["BLOCK_M"]), b * h)](
+        q, k, v, dout, lse, delta, dq, *common, dq.stride(0), dq.stride(1), dq.stride(2),
+        h, h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E, CAUSAL=causal, **cfg)
+    return dq, dk, dv

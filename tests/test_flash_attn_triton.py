@@ -1,0 +1,116 @@
+"""The Triton flash-attention kernels alone vs the torch reference (interpreter on CPU; compiled
+with -m gpu), and ring attention running on them."""
+import importlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from overlapkernels.kernels import attention_ref as ref
+from overlapkernels.kernels.triton import flash_attn as fa
+
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3)}
+# (causal, q_start, k_start): plain, causal diagonal, ring offsets, a block with empty rows
+# (queries 0..3 precede every key), a block fully in the past
+OFFSETS = [(False, 0, 0), (True, 0, 0), (True, 7, 3), (True, 0, 4), (True, 40, 0)]
+
+
+def _inputs(dtype, heads=4, kv_heads=2, lq=20, lk=18, dim=12, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, heads, lq, dim, generator=g)
+    k = torch.randn(2, kv_heads, lk, dim, generator=g)
+    v = torch.randn(2, kv_heads, lk, dim, generator=g)
+    do = torch.randn(2, heads, lq, dim, generator=g)
+    return [t.to(device, dtype) for t in (q, k, v, do)]
+
+
+def _close(name, got, want, dtype):
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got, want.to(got.dtype), atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("causal, q_start, k_start", OFFSETS)
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_kernels_match_reference(dtype, causal, q_start, k_start, kv_heads):
+    q, k, v, do = _inputs(dtype, kv_heads=kv_heads)
+    args = dict(q_start=q_start, k_start=k_start, causal=causal)
+    out, lse = fa.block_forward(q, k, v, 0.3, **args)
+    out_ref, lse_ref = ref.block_forward(q, k, v, 0.3, **args)
+    assert not out.isnan().any() and torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+    _close("out", out, out_ref, dtype)
+    _close("lse", lse, lse_ref, dtype)
+    if causal and k_start > q_start:  # rows that see no key: exactly 0 and -inf
+        empty = slice(0, k_start - q_start)
+        assert torch.equal(out[:, :, empty], torch.zeros_like(out[:, :, empty]))
+        assert torch.isneginf(lse[:, :, empty]).all()
+    delta = (do.float() * out_ref).sum(-1)
+    grads = fa.block_backward(q, k, v, do, lse_ref, delta, 0.3, **args)
+    grads_ref = ref.block_backward(q, k, v, do, lse_ref, delta, 0.3, **args)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert not got.isnan().any(), name
+        _close(name, got, want, dtype)
+
+
+def test_planted_error_is_caught():
+    q, k, v, _ = _inputs(torch.float32)
+    out, _ = fa.block_forward(q, k, v, 0.3)
+    want, _ = ref.block_forward(q, k, v, 0.3)
+    _close("out", out, want, torch.float32)
+    out[1, 2, 3, 4] += 1e-3
+    with pytest.raises(AssertionError):
+        _close("out", out, want, torch.float32)
+
+
+def test_float64_is_refused_with_a_pointer_to_the_torch_backend():
+    q, k, v, _ = _inputs(torch.float64)
+    with pytest.raises(ValueError, match="dtype torch.float64 not supported.*the torch backend takes float64"):
+        fa.block_forward(q, k, v, 0.3)
+
+
+def _ring_on_triton_on_rank(layout, causal):
+    """RingAttention with the Triton backend (interpreter) vs SDPA on the full sequence."""
+    ra = importlib.import_module("overlapkernels.ops.ring_attention")
+    import overlapkernels as ok
+
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(5)
+    seq, heads, kv_heads, dim = 4 * world, 2, 1, 8
+    q, k, v = (torch.randn(1, n, seq, dim, generator=g, requires_grad=True) for n in (heads, kv_heads, kv_heads))
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=causal)
+    do = torch.randn(want.shape, generator=g)
+    want.backward(do)
+
+    def local(x):
+        return ok.shard_sequence(x.detach(), dim=2, layout=layout)
+
+    ql, kl, vl = (local(x).requires_grad_() for x in (q, k, v))
+    out, _ = ra.RingAttention.apply(ql, kl, vl, dist.group.WORLD, causal, dim ** -0.5, layout, "triton")
+    out.backward(local(do))
+    for name, got, ref_t in (("out", out, want), ("dq", ql.grad, q.grad), ("dk", kl.grad, k.grad),
+                             ("dv", vl.grad, v.grad)):
+        torch.testing.assert_close(got, local(ref_t), atol=2e-5, rtol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("layout, causal", [("zigzag", True), ("contiguous", False)])
+def test_ring_on_triton_kernels(rank_pool, layout, causal):
+    assert rank_pool(2).run(_ring_on_triton_on_rank, layout, causal) == [True, True]
+
+
+# --------------------------------------------------------------------------- GPU (make gpu-check)
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_kernels_vs_sdpa(causal):
+    q, k, v, do = _inputs(torch.bfloat16, heads=8, kv_heads=2, lq=300, lk=300, dim=128, device="cuda")
+    out, lse = fa.block_forward(q, k, v, 128 ** -0.5, causal=causal)
+    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)))
+    want = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
+    torch.testing.assert_close(out, want.float(), atol=2e-2, rtol=2e-2)
+    want.backward(do)
+    delta = (do.float() * out).sum(-1)
+    dq, dk, dv = fa.block_backward(q, k, v, do, lse, delta, 128 ** -0.5, causal=causal)
+    torch.testing.assert_close(dq, qr.grad.float(), atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(dk, kr.grad.float().reshape(2, 2, 4, 300, 128).sum(2), atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(dv, vr.grad.float().reshape(2, 2, 4, 300, 128).sum(2), atol=5e-2, rtol=5e-2)
