@@ -42,6 +42,7 @@ gpu-check: setup cuda
 	$(PY) -m overlapkernels info
 	$(PY) -m pytest -m gpu -v $(PYTEST_ARGS)
 	$(PY) benchmarks/bench_fused_gemm.py --csv benchmarks/results/gpu-check.csv
+	$(PY) benchmarks/bench_flash_attn.py --csv benchmarks/results/gpu-check.csv
 
 clean:
 	rm -rf build dist *.egg-info overlapkernels/_lib $(STAMP)

@@ -81,6 +81,19 @@ def _bench_tp_op(args) -> int:
     return 0 if rows is None else _report(rows, device, tp_ops.COLUMNS, title, args)
 
 
+def _bench_ring(args) -> int:
+    from .bench import ring_attention as rb
+
+    cfg = rb.RingConfig(batch=args.batch, seq=args.seq, heads=args.heads, kv_heads=args.kv_heads,
+                        head_dim=args.head_dim, dtype=args.dtype, iters=args.iters, warmup=args.warmup,
+                        layouts=tuple(args.layouts.split(",")), causal=(True, False) if args.causal == "both" else
+                        (args.causal == "true",))
+    cfg.validate(None if _launched() else args.nproc)
+    rows, device = _run_ranks(rb.rank_main, rb.config_dict(cfg), args)
+    title = "ring attention (E = 1 - (T_ring - T_compute)/(T_allgather - T_compute), forward)"
+    return 0 if rows is None else _report(rows, device, rb.COLUMNS, title, args)
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -112,6 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
         tp.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16 | float64")
         _rank_args(tp, iters=10, warmup=2)
         tp.set_defaults(func=_bench_tp_op)
+    ring = kinds.add_parser("ring-attention", help="ring attention vs all-gather-K/V, zigzag vs contiguous")
+    ring.add_argument("--seq", type=int, default=2048, help="whole sequence length (split over the ranks)")
+    ring.add_argument("--batch", type=int, default=1)
+    ring.add_argument("--heads", type=int, default=8)
+    ring.add_argument("--kv-heads", type=int, default=2)
+    ring.add_argument("--head-dim", type=int, default=64)
+    ring.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16 | float64")
+    ring.add_argument("--layouts", default="contiguous,zigzag")
+    ring.add_argument("--causal", default="both", choices=["both", "true", "false"])
+    _rank_args(ring, iters=5, warmup=1)
+    ring.set_defaults(func=_bench_ring)
     return parser
 
 

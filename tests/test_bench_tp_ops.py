@@ -46,3 +46,15 @@ def test_cli_rejects_bad_shape_before_spawning():
     out = subprocess.run([sys.executable, "-m", "overlapkernels", "bench", "ag-matmul", "--nproc", "3",
                           "--shapes", "16x8x12"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "must be divisible by the world size 3" in out.stderr
+
+
+def test_ring_attention_bench_smoke(rank_pool):
+    from overlapkernels.bench import ring_attention as rb
+
+    cfg = rb.RingConfig(seq=16, heads=2, kv_heads=1, head_dim=4, iters=1, warmup=0, layouts=("zigzag",),
+                        causal=(True,))
+    rows = rank_pool(2).run(rb.rank_main, rb.config_dict(cfg))[0]
+    assert len(rows) == 1 and rows[0]["layout"] == "zigzag" and rows[0]["world_size"] == 2
+    assert all(rows[0][k] > 0 for k in ("fwd_allgather_us", "fwd_ring_us", "compute_us", "fwd_bwd_ring_us"))
+    with pytest.raises(ValueError, match="seq=10 must be divisible by 2 x the world size 4"):
+        rb.RingConfig(seq=10).validate(4)

@@ -57,13 +57,26 @@ def _kv_for_step(k_cur, v_cur, k_own, v_own, step):
     return k_cur, v_cur
 
 
+def _empty_result(q):
+    acc = attention_ref.acc_dtype(q.dtype)
+    return (torch.zeros(q.shape, dtype=acc, device=q.device),
+            torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device))
+
+
+def _attend_block(out, lse, q, kb, vb, kern, scale, layout, world, rank, src, causal):
+    """Fold the attention of the local queries to rank ``src``'s K/V block into (out, lse)."""
+    for (qo, qs, ql), (ko, ks, kl), masked in _block_pairs(layout, world, rank, src, q.shape[2], causal):
+        o, l = kern.block_forward(q[:, :, qo:qo + ql], kb[:, :, ko:ko + kl], vb[:, :, ko:ko + kl], scale,
+                                  q_start=qs, k_start=ks, causal=masked)
+        out[:, :, qo:qo + ql], lse[:, :, qo:qo + ql] = attention_ref.merge(
+            out[:, :, qo:qo + ql], lse[:, :, qo:qo + ql], o.to(out.dtype), l.to(lse.dtype))
+
+
 def ring_forward(q, k, v, group, causal, scale, layout, backend):
     """q [B, H, S, D], k/v [B, H_kv, S, D] contiguous -> out, lse in the accumulation dtype."""
     ring, kern = Ring.of(group), _backend(backend)
-    r, world, length = ring.rank, ring.world_size, q.shape[2]
-    acc = attention_ref.acc_dtype(q.dtype)
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    r, world = ring.rank, ring.world_size
+    out, lse = _empty_result(q)
     bufs = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(2)]  # never overwrite the caller's k/v
     k_cur, v_cur = k, v
     for step in range(world):
@@ -72,14 +85,28 @@ def ring_forward(q, k, v, group, causal, scale, layout, backend):
             nxt = bufs[step % 2]
             pending = ring.exchange([k_cur, v_cur], r + 1, list(nxt), r - 1, tag=KV_TAG)
         kb, vb = _kv_for_step(k_cur, v_cur, k, v, step)
-        for (qo, qs, ql), (ko, ks, kl), masked in _block_pairs(layout, world, r, (r - step) % world, length, causal):
-            o, l = kern.block_forward(q[:, :, qo:qo + ql], kb[:, :, ko:ko + kl], vb[:, :, ko:ko + kl], scale,
-                                      q_start=qs, k_start=ks, causal=masked)
-            out[:, :, qo:qo + ql], lse[:, :, qo:qo + ql] = attention_ref.merge(
-                out[:, :, qo:qo + ql], lse[:, :, qo:qo + ql], o.to(acc), l.to(acc))
+        _attend_block(out, lse, q, kb, vb, kern, scale, layout, world, r, (r - step) % world, causal)
         if pending:
             wait_all(pending)
             k_cur, v_cur = nxt
+    return out, lse
+
+
+def allgather_kv_forward(q, k, v, group, causal, scale, layout, backend, *, communicate=True):
+    """The unoverlapped baseline: all-gather K and V, then attend to every block. With
+    ``communicate=False`` it attends to the local block P times: the same compute, no traffic
+    (T_compute of the overlap efficiency)."""
+    ring, kern = Ring.of(group), _backend(backend)
+    r, world = ring.rank, ring.world_size
+    if communicate:
+        from ..comm.collectives import all_gather
+
+        k_all, _ = all_gather(k.unsqueeze(0), group)
+        v_all, _ = all_gather(v.unsqueeze(0), group)
+    out, lse = _empty_result(q)
+    for src in range(world):
+        kb, vb = (k_all[src], v_all[src]) if communicate else (k, v)
+        _attend_block(out, lse, q, kb, vb, kern, scale, layout, world, r, src, causal)
     return out, lse
 
 

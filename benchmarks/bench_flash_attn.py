@@ -1,0 +1,61 @@
+"""Triton flash attention (forward; backward = dK/dV + dQ kernels) vs SDPA's flash backend on one
+GPU, B=1, S=8192, H=32, D=128 bf16 by default. GPU only. Outputs are checked against SDPA before
+any time is reported.
+
+    python benchmarks/bench_flash_attn.py [--seq 8192 --heads 32 --head-dim 128] [--csv F]
+"""
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from overlapkernels.bench.report import append_csv, environment, format_table
+from overlapkernels.kernels.triton import flash_attn as fa
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--csv")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_flash_attn: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    s, h, d = args.seq, args.heads, args.head_dim
+    q, k, v, do = (torch.randn(1, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    scale = d ** -0.5
+    rows = []
+    for causal in (False, True):
+        flops = 4 * h * s * s * d / (2 if causal else 1)
+        out, lse = fa.block_forward(q, k, v, scale, causal=causal)
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        torch.testing.assert_close(out, want.float(), atol=2e-2, rtol=2e-2)
+        delta = (do.float() * out).sum(-1)
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            t_sdpa = triton.testing.do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)) / 1e3
+            qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
+            t_sdpa_bwd = triton.testing.do_bench(lambda: torch.autograd.grad(o, (qr, kr, vr), do, retain_graph=True)) / 1e3
+        t_fwd = triton.testing.do_bench(lambda: fa.block_forward(q, k, v, scale, causal=causal)) / 1e3
+        t_bwd = triton.testing.do_bench(lambda: fa.block_backward(q, k, v, do, lse, delta, scale, causal=causal)) / 1e3
+        for name, t, t_ref, f in (("forward", t_fwd, t_sdpa, flops), ("backward", t_bwd, t_sdpa_bwd, 2.5 * flops)):
+            rows.append({"pass": name, "causal": causal, "ours_us": t * 1e6, "sdpa_us": t_ref * 1e6,
+                         "ours_tflops": f / t / 1e12, "sdpa_tflops": f / t_ref / 1e12, "vs_sdpa": t_ref / t})
+    env = environment("cuda")
+    rows = [{**r, "seq": s, "heads": h, "head_dim": d, "dtype": "bfloat16", **env} for r in rows]
+    print(f"# Triton flash attention vs SDPA (flash), B=1 S={s} H={h} D={d} bf16 on {env['gpu_name']} "
+          f"(torch {env['torch']}, triton {env['triton']}, commit {env['commit']})")
+    print(format_table(rows, [("pass", "pass", ""), ("causal", "causal", ""), ("ours_us", "ours(us)", ".0f"),
+                              ("sdpa_us", "sdpa(us)", ".0f"), ("ours_tflops", "ours TFLOP/s", ".1f"),
+                              ("sdpa_tflops", "sdpa TFLOP/s", ".1f"), ("vs_sdpa", "vs sdpa", ".3f")]))
+    if args.csv:
+        append_csv(args.csv, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

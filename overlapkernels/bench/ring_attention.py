@@ -1,0 +1,103 @@
+"""Ring attention benchmark: ring vs the all-gather-K/V baseline, zigzag vs contiguous.
+
+Per (layout, causal): forward time of the all-gather baseline and of the ring, forward+backward of
+the ring, the compute alone (every block attended without traffic) and the overlap efficiency
+E = 1 - (T_ring - T_compute) / (T_allgather - T_compute). Times are the slowest rank's median.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from .metrics import overlap_efficiency, summarize
+from .timing import slowest_rank, time_calls
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+COLUMNS = [("layout", "layout", ""), ("causal", "causal", ""), ("seq", "S", "d"), ("fwd_allgather_us", "AG fwd(us)", ".0f"),
+           ("fwd_ring_us", "ring fwd(us)", ".0f"), ("compute_us", "compute(us)", ".0f"),
+           ("fwd_bwd_ring_us", "ring f+b(us)", ".0f"), ("speedup", "vs AG", ".3f"), ("efficiency", "E", ".2f"),
+           ("tflops_fwd", "TFLOP/s fwd", ".4f")]
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    batch: int = 1
+    seq: int = 2048          # the whole sequence; each rank holds seq / world
+    heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 64
+    dtype: str = "float32"
+    layouts: tuple = ("contiguous", "zigzag")
+    causal: tuple = (True, False)
+    iters: int = 5
+    warmup: int = 1
+
+    def validate(self, world: int | None = None) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: expected one of {list(DTYPES)}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
+        if world and self.seq % (2 * world):
+            raise ValueError(f"seq={self.seq} must be divisible by 2 x the world size {world} (zigzag)")
+
+
+def _flops(cfg: RingConfig, world: int, causal: bool) -> float:
+    """This rank's attention matmul flops for one forward (4 B H S_local S D, halved when causal)."""
+    f = 4 * cfg.batch * cfg.heads * (cfg.seq // world) * cfg.seq * cfg.head_dim
+    return f / 2 if causal else f
+
+
+def run_ring(cfg: RingConfig, group=None) -> list[dict]:
+    import overlapkernels as ok
+
+    ra = importlib.import_module("overlapkernels.ops.ring_attention")
+    group = group or dist.group.WORLD
+    world = dist.get_world_size(group)
+    cfg.validate(world)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else \
+        torch.device("cpu")
+    dtype = DTYPES[cfg.dtype]
+    backend = "triton" if device.type == "cuda" else "torch"
+    local = cfg.seq // world
+    scale = 1 / math.sqrt(cfg.head_dim)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    q = torch.randn(cfg.batch, cfg.heads, local, cfg.head_dim, generator=g).to(device, dtype)
+    k, v = (torch.randn(cfg.batch, cfg.kv_heads, local, cfg.head_dim, generator=g).to(device, dtype) for _ in range(2))
+    rows = []
+    for layout in cfg.layouts:
+        for causal in cfg.causal:
+            def timed(fn):
+                return slowest_rank(summarize(time_calls(fn, cfg.iters, cfg.warmup, device, group)), device,
+                                    group)["median_s"]
+
+            with torch.no_grad():
+                t_ag = timed(lambda: ra.allgather_kv_forward(q, k, v, group, causal, scale, layout, backend))
+                t_ring = timed(lambda: ra.ring_forward(q, k, v, group, causal, scale, layout, backend))
+                t_comp = timed(lambda: ra.allgather_kv_forward(q, k, v, group, causal, scale, layout, backend,
+                                                               communicate=False))
+            qg, kg, vg = (t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v))
+
+            def fwd_bwd():
+                out = ok.ring_attention(qg, kg, vg, group, causal=causal, layout=layout)
+                out.backward(torch.ones_like(out))
+
+            t_fb = timed(fwd_bwd)
+            rows.append({"layout": layout, "causal": causal, "seq": cfg.seq, "batch": cfg.batch, "heads": cfg.heads,
+                         "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "dtype": cfg.dtype, "world_size": world,
+                         "backend": dist.get_backend(group), "fwd_allgather_us": t_ag * 1e6, "fwd_ring_us": t_ring * 1e6,
+                         "compute_us": t_comp * 1e6, "fwd_bwd_ring_us": t_fb * 1e6, "speedup": t_ag / t_ring,
+                         "efficiency": overlap_efficiency(t_ring, t_ag, t_comp),
+                         "tflops_fwd": _flops(cfg, world, causal) / t_ring / 1e12})
+    return rows
+
+
+def rank_main(config: dict) -> list[dict]:
+    return run_ring(RingConfig(**config))
+
+
+def config_dict(cfg: RingConfig) -> dict:
+    return asdict(cfg)
