@@ -114,3 +114,36 @@ def test_bf16_kernels_vs_sdpa(causal):
     torch.testing.assert_close(dq, qr.grad.float(), atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(dk, kr.grad.float().reshape(2, 2, 4, 300, 128).sum(2), atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(dv, vr.grad.float().reshape(2, 2, 4, 300, 128).sum(2), atol=5e-2, rtol=5e-2)
+
+
+def _ring_bf16_one_gpu_on_rank(layout):
+    """Two processes sharing cuda:0, gloo moving K/V through host memory: the ring on the compiled
+    Triton kernels in bf16 vs SDPA on the full sequence."""
+    import overlapkernels as ok
+
+    torch.cuda.set_device(0)
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(9)
+    seq, heads, kv_heads, dim = 128 * world, 8, 2, 64
+    q, k, v = (torch.randn(2, seq, n, dim, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+               for n in (heads, kv_heads, kv_heads))
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(4, 1),
+                                          v.transpose(1, 2).repeat_interleave(4, 1), is_causal=True).transpose(1, 2)
+    do = torch.randn(want.shape, generator=g).to("cuda", torch.bfloat16)
+    want.backward(do)
+
+    def local(x):
+        return ok.shard_sequence(x.detach(), layout=layout)
+
+    ql, kl, vl = (local(x).requires_grad_() for x in (q, k, v))
+    out = ok.ring_attention(ql, kl, vl, causal=True, layout=layout)
+    out.backward(local(do))
+    for got, ref_t in ((out, want), (ql.grad, q.grad), (kl.grad, k.grad), (vl.grad, v.grad)):
+        torch.testing.assert_close(got.float(), local(ref_t).float(), atol=5e-2, rtol=5e-2)
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ring_bf16_two_ranks_one_gpu(rank_pool, layout):
+    assert rank_pool(2).run(_ring_bf16_one_gpu_on_rank, layout) == [True, True]

@@ -13,15 +13,31 @@ import torch
 import torch.distributed as dist
 
 
+class _StagedWork:
+    """gloo moves only host memory: CUDA tensors go through CPU copies, and the receiving copy
+    back to the device happens in ``wait`` (used when N ranks share one GPU with gloo control)."""
+
+    def __init__(self, works, copies):
+        self.works, self.copies = works, copies
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        for dst, staged in self.copies:
+            dst.copy_(staged)
+        return True
+
+
 @dataclass(frozen=True)
 class Ring:
     group: dist.ProcessGroup
     rank: int          # rank within the group
     world_size: int
+    host_only: bool = False  # the backend can move only CPU tensors (gloo)
 
     @classmethod
     def of(cls, group: dist.ProcessGroup) -> "Ring":
-        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), dist.get_backend(group) == "gloo")
 
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank % self.world_size)
@@ -32,9 +48,15 @@ class Ring:
         messages by tag)."""
         sends = [send] if isinstance(send, torch.Tensor) else list(send)
         recvs = [recv] if isinstance(recv, torch.Tensor) else list(recv)
+        copies = []
+        if self.host_only and any(t.device.type != "cpu" for t in sends + recvs):
+            sends = [t.cpu() for t in sends]
+            staged = [torch.empty(t.shape, dtype=t.dtype) for t in recvs]
+            copies, recvs = list(zip(recvs, staged)), staged
         ops = [dist.P2POp(dist.isend, t, self.global_rank(to), self.group, tag) for t in sends]
         ops += [dist.P2POp(dist.irecv, t, self.global_rank(frm), self.group, tag) for t in recvs]
-        return dist.batch_isend_irecv(ops)
+        works = dist.batch_isend_irecv(ops)
+        return [_StagedWork(works, copies)] if copies else works
 
 
 def wait_all(works) -> None:
