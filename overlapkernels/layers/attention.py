@@ -1,0 +1,80 @@
+"""Self-attention with heads split over TP, optional ring attention over a CP group, RoPE."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from ..ops.dispatch import check_method
+from ..ops.ring_attention import ring_attention
+from ..ops.sequence_shard import check_layout, segments
+from ..parallel import resolve_group
+from .linear import RowParallelLinear, _MegatronExtraState, column_parallel, divide, sharded_parameter
+
+
+def rope(x, positions, base: float = 10000.0):
+    """Rotary embedding (Llama's rotate-half form) of x [S, B, H, D] at global ``positions`` [S]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d))
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None, None, :].to(x.dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None, None, :].to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class ParallelSelfAttention(_MegatronExtraState, nn.Module):
+    """Causal self-attention. QKV is column-parallel with one shared gather (H/P query heads and
+    H_kv/P key/value heads per rank), the output projection row-parallel. With ``cp_group`` the
+    sequence is also split over context-parallel ranks (laid out as ``cp_layout``) and attention
+    runs as ``ring_attention``; RoPE uses global positions either way."""
+
+    def __init__(self, hidden, num_heads, num_kv_heads=None, group=None, *, cp_group=None, cp_layout="zigzag",
+                 sequence_parallel=False, method="auto", rope_base=10000.0, dtype=None, device=None,
+                 init_method=None):
+        super().__init__()
+        self.group = resolve_group(group)
+        tp = dist.get_world_size(self.group)
+        num_kv_heads = num_kv_heads or num_heads
+        if hidden % num_heads:
+            raise ValueError(f"hidden={hidden} is not divisible by num_heads={num_heads}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self.heads = divide(num_heads, tp, "num_heads")
+        self.kv_heads = divide(num_kv_heads, tp, "num_kv_heads")
+        self.head_dim = hidden // num_heads
+        self.cp_group, self.cp_layout = cp_group, check_layout(cp_layout)
+        self.sequence_parallel, self.method, self.rope_base = sequence_parallel, check_method(method), rope_base
+        d = self.head_dim
+        self.q_weight = sharded_parameter((num_heads * d, hidden), 0, self.group, init_method, dtype, device)
+        self.k_weight = sharded_parameter((num_kv_heads * d, hidden), 0, self.group, init_method, dtype, device)
+        self.v_weight = sharded_parameter((num_kv_heads * d, hidden), 0, self.group, init_method, dtype, device)
+        self.out = RowParallelLinear(hidden, hidden, self.group, bias=False, sequence_parallel=sequence_parallel,
+                                     method=method, dtype=dtype, device=device, init_method=init_method)
+
+    def positions(self, local_len: int, device) -> torch.Tensor:
+        """Global positions of this rank's tokens (two segments each under zigzag CP)."""
+        if self.cp_group is None:
+            return torch.arange(local_len, device=device)
+        world, rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
+        return torch.cat([torch.arange(start, start + n, device=device)
+                          for _, start, n in segments(self.cp_layout, world, rank, local_len)])
+
+    def forward(self, x):
+        q, k, v = column_parallel(x, [self.q_weight, self.k_weight, self.v_weight], [None] * 3, self.group,
+                                  sequence_parallel=self.sequence_parallel, method=self.method)
+        s, b = q.shape[:2]
+        q = q.view(s, b, self.heads, self.head_dim)
+        k = k.view(s, b, self.kv_heads, self.head_dim)
+        v = v.view(s, b, self.kv_heads, self.head_dim)
+        pos = self.positions(s, x.device)
+        q, k = rope(q, pos, self.rope_base), rope(k, pos, self.rope_base)
+        if self.cp_group is not None:
+            ctx = ring_attention(q, k, v, self.cp_group, causal=True, layout=self.cp_layout, qkv_format="sbhd")
+        else:
+            group = self.heads // self.kv_heads
+            qt, kt, vt = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+            kt, vt = kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1)
+            ctx = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).permute(2, 0, 1, 3)
+        return self.out(ctx.reshape(s, b, self.heads * self.head_dim))

@@ -1,0 +1,26 @@
+"""A pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+from __future__ import annotations
+
+from torch import nn
+
+from .attention import ParallelSelfAttention
+from .mlp import ParallelMLP
+from .norm import RMSNorm
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, hidden, num_heads, num_kv_heads, ffn_hidden, group=None, *, cp_group=None,
+                 cp_layout="zigzag", sequence_parallel=False, method="auto", dtype=None, device=None,
+                 init_method=None):
+        super().__init__()
+        self.attn_norm = RMSNorm(hidden, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        self.attn = ParallelSelfAttention(hidden, num_heads, num_kv_heads, group, cp_group=cp_group,
+                                          cp_layout=cp_layout, sequence_parallel=sequence_parallel, method=method,
+                                          dtype=dtype, device=device, init_method=init_method)
+        self.mlp_norm = RMSNorm(hidden, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        self.mlp = ParallelMLP(hidden, ffn_hidden, group, sequence_parallel=sequence_parallel, method=method,
+                               dtype=dtype, device=device, init_method=init_method)
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))

@@ -1,0 +1,40 @@
+"""Vocabulary-parallel embedding (Megatron's VocabParallelEmbedding, same weight layout)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..ops.tp_regions import reduce_from_tp_region, reduce_scatter_first_dim
+from ..parallel import resolve_group
+from .linear import _MegatronExtraState, divide, sharded_parameter
+
+
+class VocabParallelEmbedding(_MegatronExtraState, nn.Module):
+    """weight [V/P, E]: rank r holds token ids [r V/P, (r+1) V/P). tokens [B, S] -> [B, S, E], or with
+    ``sequence_parallel`` [S/P, B, E] (reduce-scattered along the sequence, as Megatron does)."""
+
+    def __init__(self, num_embeddings, embedding_dim, group=None, *, sequence_parallel=False, dtype=None,
+                 device=None, init_method=None):
+        super().__init__()
+        self.group = resolve_group(group)
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        per_rank = divide(num_embeddings, world, "num_embeddings")
+        self.vocab_start_index, self.vocab_end_index = rank * per_rank, (rank + 1) * per_rank
+        self.sequence_parallel = sequence_parallel
+        self.weight = sharded_parameter((num_embeddings, embedding_dim), 0, self.group, init_method, dtype, device)
+
+    def forward(self, tokens):
+        if tokens.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"tokens must be an integer tensor, got {tokens.dtype}")
+        outside = (tokens < self.vocab_start_index) | (tokens >= self.vocab_end_index)
+        local_ids = (tokens - self.vocab_start_index).masked_fill(outside, 0)
+        out = self.weight[local_ids].masked_fill(outside.unsqueeze(-1), 0.0)  # other ranks own these rows
+        if self.sequence_parallel:
+            seq_first = out.transpose(0, 1).contiguous()
+            if seq_first.shape[0] % dist.get_world_size(self.group):
+                raise ValueError(f"sequence length {seq_first.shape[0]} is not divisible by the tensor-parallel size "
+                                 f"{dist.get_world_size(self.group)} (sequence_parallel=True)")
+            return reduce_scatter_first_dim(seq_first, self.group)
+        return reduce_from_tp_region(out, self.group)

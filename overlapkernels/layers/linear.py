@@ -1,0 +1,138 @@
+"""Megatron-style tensor-parallel linears on the overlapped ops, [seq, batch, hidden] layout.
+
+Weights follow ``megatron.core.tensor_parallel`` exactly (column: [out/P, in], partition dim 0;
+row: [out, in/P], partition dim 1; same attributes and state-dict keys, ``_extra_state``
+included), so per-rank state dicts interchange. Initialisation builds the full weight with
+``init_method`` and keeps this rank's slice: every TP size starts from the same dense weights
+(all ranks must share the RNG state, as with Megatron's CPU initialisation).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..ops.all_gather_matmul import all_gather_matmul
+from ..ops.dispatch import check_method
+from ..ops.matmul_reduce_scatter import matmul_reduce_scatter
+from ..ops.tp_regions import copy_to_tp_region, gather_last_dim, reduce_from_tp_region, split_last_dim
+from ..parallel import resolve_group
+
+
+def default_init(weight: torch.Tensor) -> None:
+    nn.init.normal_(weight, mean=0.0, std=0.02)  # Megatron's init_method_normal(0.02)
+
+
+def divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"{what}={total} is not divisible by the tensor-parallel size {parts}")
+    return total // parts
+
+
+def sharded_parameter(full_shape, partition_dim: int, group, init_method, dtype, device) -> nn.Parameter:
+    """This rank's slice of a full weight made by ``init_method``, tagged the way Megatron tags it."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    full = torch.empty(full_shape, dtype=torch.float32)
+    (init_method or default_init)(full)
+    local = full.chunk(world, dim=partition_dim)[rank]
+    param = nn.Parameter(local.to(device=device, dtype=dtype or torch.get_default_dtype()).contiguous())
+    mark_tensor_parallel(param, partition_dim)
+    return param
+
+
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> None:
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = 1
+
+
+def column_parallel(x, weights, biases, group, *, sequence_parallel: bool, method: str):
+    """``x @ w.T (+ b)`` for each weight of one column-parallel group sharing a single gather
+    (QKV, gate/up). SP: x [S/P, B, in] through ``all_gather_matmul``; else x [S, B, in] through
+    Megatron's f (identity forward, all-reduce backward)."""
+    if sequence_parallel:
+        outs = all_gather_matmul(x, [w.t() for w in weights], group, gather_dim=0, method=method)
+    else:
+        x = copy_to_tp_region(x, group)
+        outs = [torch.matmul(x, w.t()) for w in weights]
+    return [o if b is None else o + b for o, b in zip(outs, biases)]
+
+
+class _MegatronExtraState:
+    """Megatron modules carry an ``_extra_state`` entry (for TransformerEngine); accept and emit
+    it so state dicts interchange both ways."""
+
+    def get_extra_state(self):
+        return None
+
+    def set_extra_state(self, state):
+        pass
+
+
+class ColumnParallelLinear(_MegatronExtraState, nn.Module):
+    """Y = X A^T + b with A split by rows (output features) over the TP group."""
+
+    def __init__(self, in_features, out_features, group=None, *, bias=True, gather_output=False,
+                 sequence_parallel=False, method="auto", dtype=None, device=None, init_method=None):
+        super().__init__()
+        self.group = resolve_group(group)
+        world = dist.get_world_size(self.group)
+        self.in_features, self.out_features = in_features, out_features
+        self.output_size_per_partition = divide(out_features, world, "out_features")
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.method = check_method(method)
+        if sequence_parallel and gather_output:
+            raise ValueError("gather_output=True with sequence_parallel=True is not supported (as in Megatron)")
+        self.weight = sharded_parameter((out_features, in_features), 0, self.group, init_method, dtype, device)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=self.weight.dtype,
+                                                 device=self.weight.device))
+            mark_tensor_parallel(self.bias, 0)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x):
+        (out,) = column_parallel(x, [self.weight], [self.bias], self.group, sequence_parallel=self.sequence_parallel,
+                                 method=self.method)
+        return gather_last_dim(out, self.group) if self.gather_output else out
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"({self.output_size_per_partition} per rank), sequence_parallel={self.sequence_parallel}, "
+                f"method={self.method!r}")
+
+
+class RowParallelLinear(_MegatronExtraState, nn.Module):
+    """Y = X A^T + b with A split by columns (input features); b added once, after the reduction."""
+
+    def __init__(self, in_features, out_features, group=None, *, bias=True, input_is_parallel=True,
+                 sequence_parallel=False, method="auto", dtype=None, device=None, init_method=None):
+        super().__init__()
+        self.group = resolve_group(group)
+        world = dist.get_world_size(self.group)
+        self.in_features, self.out_features = in_features, out_features
+        self.input_size_per_partition = divide(in_features, world, "in_features")
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.method = check_method(method)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel=True needs input_is_parallel=True (as in Megatron)")
+        self.weight = sharded_parameter((out_features, in_features), 1, self.group, init_method, dtype, device)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=self.weight.dtype, device=self.weight.device))
+            # under SP each rank adds the bias to its own rows: its gradient is partial per rank
+            self.bias.sequence_parallel = sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = split_last_dim(x, self.group)
+        if self.sequence_parallel:
+            out = matmul_reduce_scatter(x, self.weight.t(), self.group, scatter_dim=0, method=self.method)
+        else:
+            out = reduce_from_tp_region(torch.matmul(x, self.weight.t()), self.group)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features} ({self.input_size_per_partition} per rank), "
+                f"out_features={self.out_features}, sequence_parallel={self.sequence_parallel}, method={self.method!r}")

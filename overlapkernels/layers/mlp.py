@@ -1,0 +1,32 @@
+"""SwiGLU MLP: gate and up projections share one all-gather, down is row-parallel."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from ..ops.dispatch import check_method
+from ..parallel import resolve_group
+from .linear import RowParallelLinear, _MegatronExtraState, column_parallel, divide, sharded_parameter
+
+
+class ParallelMLP(_MegatronExtraState, nn.Module):
+    """down(silu(x W_gate^T) * (x W_up^T)); W_gate, W_up [ffn/P, hidden] per rank, W_down [hidden, ffn/P].
+    x and the output are [S/P, B, hidden] with sequence parallelism, [S, B, hidden] without."""
+
+    def __init__(self, hidden, ffn_hidden, group=None, *, sequence_parallel=False, method="auto", dtype=None,
+                 device=None, init_method=None):
+        super().__init__()
+        self.group = resolve_group(group)
+        divide(ffn_hidden, dist.get_world_size(self.group), "ffn_hidden")
+        self.sequence_parallel, self.method = sequence_parallel, check_method(method)
+        self.gate_weight = sharded_parameter((ffn_hidden, hidden), 0, self.group, init_method, dtype, device)
+        self.up_weight = sharded_parameter((ffn_hidden, hidden), 0, self.group, init_method, dtype, device)
+        self.down = RowParallelLinear(ffn_hidden, hidden, self.group, bias=False, sequence_parallel=sequence_parallel,
+                                      method=method, dtype=dtype, device=device, init_method=init_method)
+
+    def forward(self, x):
+        gate, up = column_parallel(x, [self.gate_weight, self.up_weight], [None, None], self.group,
+                                   sequence_parallel=self.sequence_parallel, method=self.method)
+        return self.down(F.silu(gate) * up)

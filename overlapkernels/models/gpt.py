@@ -1,0 +1,150 @@
+"""A small GPT built from the parallel layers: TP (+SP) inside blocks, CP over the sequence.
+
+Layout: tokens [B, S] -> hidden [S(/TP under SP)(/CP), B, hidden] -> logits [S_local, B, V/TP].
+``loss`` takes the full batch on every rank and keeps this rank's part of the sequence (zigzag
+over CP); its value is the global mean token loss on every rank, its gradient this rank's share,
+so ``sync_grads`` (SP grads over TP, everything over CP) gives the gradient of the whole batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..layers import ColumnParallelLinear, RMSNorm, TransformerBlock, VocabParallelEmbedding
+from ..layers.norm import allreduce_sequence_parallel_grads
+from ..ops.cross_entropy import vocab_parallel_cross_entropy
+from ..ops.sequence_shard import shard_sequence
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int
+    hidden: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden: int
+    max_seq_len: int
+    sequence_parallel: bool = True
+    method: str = "auto"
+    cp_layout: str = "zigzag"
+    ignore_index: int = -100
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig, dims, *, dtype=None, device=None):
+        super().__init__()
+        self.config, self.dims = config, dims
+        tp = dims.tp_group
+        self.cp_group = dims.cp_group if dims.cp_size > 1 else None
+        sp = config.sequence_parallel and dims.tp_size > 1
+        self.sequence_parallel = sp
+        kw = dict(dtype=dtype, device=device)
+        self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden, tp, sequence_parallel=sp, **kw)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(config.hidden, config.num_heads, config.num_kv_heads, config.ffn_hidden, tp,
+                             cp_group=self.cp_group, cp_layout=config.cp_layout, sequence_parallel=sp,
+                             method=config.method, **kw)
+            for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden, sequence_parallel=sp, **kw)
+        self.lm_head = ColumnParallelLinear(config.hidden, config.vocab_size, tp, bias=False, sequence_parallel=sp,
+                                            method=config.method, **kw)
+
+    def local_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a [B, S] batch along the sequence (all of it without CP)."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [B, S], got shape {tuple(tokens.shape)}")
+        seq, cp, tp = tokens.shape[1], self.dims.cp_size, self.dims.tp_size
+        if seq > self.config.max_seq_len:
+            raise ValueError(f"sequence length {seq} > max_seq_len={self.config.max_seq_len}")
+        pieces = 1 if self.cp_group is None else cp * (2 if self.config.cp_layout == "zigzag" else 1)
+        local = seq // cp if self.cp_group is not None else seq
+        if seq % pieces or (self.sequence_parallel and local % tp):
+            raise ValueError(f"sequence length {seq} cannot be split: it must be divisible by {pieces} "
+                             f"(CP size {cp}, layout {self.config.cp_layout!r}) and the per-rank length {local} by "
+                             f"the TP size {tp} under sequence parallelism")
+        if self.cp_group is None:
+            return tokens
+        return shard_sequence(tokens, self.cp_group, dim=1, layout=self.config.cp_layout)
+
+    def forward(self, tokens_local: torch.Tensor) -> torch.Tensor:
+        """[B, S_local] token ids -> logits shard [S_local, B, V/TP]."""
+        x = self.embed(tokens_local)
+        if not self.sequence_parallel:
+            x = x.transpose(0, 1)  # [S, B, hidden]
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean token loss of the whole batch (same value on every rank)."""
+        tokens_local, targets_local = self.local_tokens(tokens), self.local_tokens(targets)
+        logits = self.forward(tokens_local)
+        per_token = vocab_parallel_cross_entropy(logits, targets_local.transpose(0, 1), self.dims.tp_group,
+                                                 ignore_index=self.config.ignore_index)
+        local_sum = per_token.sum()
+        count = (targets_local != self.config.ignore_index).sum().to(local_sum.dtype)
+        if self.cp_group is None:
+            return local_sum / count.clamp(min=1)
+        totals = torch.stack([local_sum.detach(), count])
+        dist.all_reduce(totals, group=self.cp_group)
+        global_sum, global_count = totals
+        # value: the global mean; gradient: this rank's share of it
+        return (local_sum + (global_sum - local_sum.detach())) / global_count.clamp(min=1)
+
+    def sync_grads(self) -> None:
+        """After backward: SP-partial gradients summed over TP, then every gradient over CP."""
+        if self.sequence_parallel:
+            allreduce_sequence_parallel_grads(self, self.dims.tp_group)
+        if self.cp_group is not None:
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.cp_group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+
+def shard_dense_state_dict(model: nn.Module, dense: dict, group=None) -> dict:
+    """This rank's state dict from a dense (TP=1) one: tensor-parallel parameters are cut along
+    their ``partition_dim`` over the TP group (``group``, else ``model.dims.tp_group``); the rest
+    is copied. Works for any module built from the parallel layers."""
+    out = {}
+    group = group if group is not None else _tp_group_of(model)
+    params = dict(model.named_parameters())
+    for name, value in model.state_dict().items():
+        if name not in params:  # buffers, Megatron's _extra_state: as the dense model has them
+            out[name] = dense.get(name, value)
+            continue
+        param, full = params[name], dense[name]
+        if getattr(param, "tensor_model_parallel", False):
+            full = full.chunk(dist.get_world_size(group), dim=param.partition_dim)[dist.get_rank(group)]
+        if full.shape != param.shape:
+            raise ValueError(f"{name}: dense shape {tuple(dense[name].shape)} does not shard to {tuple(param.shape)}")
+        out[name] = full.clone()
+    return out
+
+
+def gather_dense_state_dict(model: nn.Module, group=None, *, grads: bool = False) -> dict:
+    """The dense (TP=1) state dict - or, with ``grads``, the dense gradients - on every rank."""
+    out = {}
+    group = group if group is not None else _tp_group_of(model)
+    for name, param in model.named_parameters():
+        t = (param.grad if grads else param).detach()
+        if getattr(param, "tensor_model_parallel", False) and dist.get_world_size(group) > 1:
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            t = torch.cat(parts, dim=param.partition_dim)
+        out[name] = t.clone()
+    return out
+
+
+def _tp_group_of(model):
+    dims = getattr(model, "dims", None)
+    if dims is None:
+        raise ValueError("model has no .dims (ParallelDims): build it as GPT(config, dims)")
+    return dims.tp_group

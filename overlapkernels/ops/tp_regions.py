@@ -1,0 +1,122 @@
+"""Megatron's tensor-parallel region operators (f, g and their sequence-parallel twins).
+
+| op                        | forward                          | backward                         | Megatron name                              |
+|---------------------------|----------------------------------|----------------------------------|--------------------------------------------|
+| copy_to_tp_region         | identity                         | all-reduce                       | f, copy_to_tensor_model_parallel_region    |
+| reduce_from_tp_region     | all-reduce                       | identity                         | g, reduce_from_tensor_model_parallel_region|
+| gather_last_dim           | all-gather along the last dim    | keep this rank's slice           | gather_from_tensor_model_parallel_region   |
+| split_last_dim            | keep this rank's slice           | all-gather along the last dim    | scatter_to_tensor_model_parallel_region    |
+| reduce_scatter_first_dim  | reduce-scatter along dim 0       | all-gather along dim 0           | reduce_scatter_to_sequence_parallel_region |
+| gather_first_dim          | all-gather along dim 0           | reduce-scatter along dim 0       | gather_from_sequence_parallel_region       |
+
+The fused ops (all_gather_matmul, matmul_reduce_scatter) replace the last two wherever a GEMM
+follows or precedes them; these stay for the places with no GEMM to hide behind.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm import collectives as C
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.all_reduce(grad.contiguous(), ctx.group)[0], None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return C.all_reduce(x.contiguous().clone(), group)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _gather_last(x, group):
+    out, _ = C.all_gather(x.movedim(-1, 0).contiguous(), group)
+    return out.movedim(0, -1)
+
+
+def _split_last(x, group):
+    return x.chunk(_size(group), dim=-1)[dist.get_rank(group)].contiguous()
+
+
+class _GatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.group), None
+
+
+class _SplitLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.group), None
+
+
+class _ReduceScatterFirstDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return C.reduce_scatter(x, group)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.all_gather(grad.contiguous(), ctx.group)[0], None
+
+
+class _GatherFirstDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return C.all_gather(x.contiguous(), group)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.reduce_scatter(grad.contiguous(), ctx.group)[0], None
+
+
+def copy_to_tp_region(x, group):
+    return _CopyToTP.apply(x, group) if _size(group) > 1 else x
+
+
+def reduce_from_tp_region(x, group):
+    return _ReduceFromTP.apply(x, group) if _size(group) > 1 else x
+
+
+def gather_last_dim(x, group):
+    return _GatherLastDim.apply(x, group) if _size(group) > 1 else x
+
+
+def split_last_dim(x, group):
+    return _SplitLastDim.apply(x, group) if _size(group) > 1 else x
+
+
+def reduce_scatter_first_dim(x, group):
+    return _ReduceScatterFirstDim.apply(x, group) if _size(group) > 1 else x
+
+
+def gather_first_dim(x, group):
+    return _GatherFirstDim.apply(x, group) if _size(group) > 1 else x

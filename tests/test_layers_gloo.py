@@ -1,0 +1,193 @@
+"""Parallel layers vs their dense twins (the same class on a 1-rank group, same dense weights):
+outputs, input gradients and (gathered) weight gradients, with and without sequence parallelism,
+for every collective method. fp64 throughout."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import overlapkernels as ok
+from overlapkernels.layers import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear,
+                                   TransformerBlock, VocabParallelEmbedding, allreduce_sequence_parallel_grads)
+from overlapkernels.models import gather_dense_state_dict, shard_dense_state_dict
+
+TOL = dict(atol=1e-11, rtol=1e-11)
+F64 = torch.float64
+
+
+def _close(name, got, want):
+    torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def _twins(make, tp_group, one_group):
+    """(dense module on a 1-rank group, parallel module with the dense weights sharded in)."""
+    torch.manual_seed(0)
+    dense = make(one_group)
+    with torch.no_grad():
+        for p in dense.parameters():  # biases start at 0: randomise everything so every term is tested
+            p.copy_(_randn(*p.shape, seed=p.numel()) * 0.3)
+    par = make(tp_group)
+    par.load_state_dict(shard_dense_state_dict(par, dense.state_dict(), tp_group), strict=True)
+    return dense, par
+
+
+def _run_pair(dense, par, x_full, x_local, g_full, g_local, *, out_local_of, x_grad_local_of, tp_group):
+    xd = x_full.clone().requires_grad_()
+    xp = x_local.clone().requires_grad_()
+    yd, yp = dense(xd), par(xp)
+    _close("out", yp, out_local_of(yd.detach()))
+    (yd * g_full).sum().backward()
+    (yp * g_local).sum().backward()
+    allreduce_sequence_parallel_grads(par, tp_group)
+    _close("input grad", xp.grad, x_grad_local_of(xd.grad))
+    dense_grads = {n: p.grad for n, p in dense.named_parameters()}
+    for name, grad in gather_dense_state_dict(par, tp_group, grads=True).items():
+        _close(f"grad {name}", grad, dense_grads[name])
+
+
+def _groups():
+    world = dist.get_world_size()
+    return ok.init_parallel(tp=world).tp_group, ok.init_parallel().tp_group, world, dist.get_rank()
+
+
+def _linears_on_rank(method):
+    tp, one, world, rank = _groups()
+    s, b, n_in, n_out = 3 * world, 2, 10, 4 * world
+    x, g_col, g_row = _randn(s, b, n_in, seed=1), _randn(s, b, n_out, seed=2), _randn(s, b, n_out, seed=3)
+    rows = slice(rank * s // world, (rank + 1) * s // world)
+    cols = slice(rank * n_out // world, (rank + 1) * n_out // world)
+    for sp in (False, True):
+        dense, par = _twins(lambda grp: ColumnParallelLinear(n_in, n_out, grp, sequence_parallel=sp and grp is tp,
+                                                             method=method, dtype=F64), tp, one)
+        _run_pair(dense, par, x, x[rows] if sp else x, g_col, g_col[..., cols], tp_group=tp,
+                  out_local_of=lambda y: y[..., cols], x_grad_local_of=lambda gx: gx[rows] if sp else gx)
+        dense, par = _twins(lambda grp: RowParallelLinear(n_out, n_in, grp, sequence_parallel=sp and grp is tp,
+                                                          method=method, dtype=F64), tp, one)
+        xr = _randn(s, b, n_out, seed=4)
+        gr = _randn(s, b, n_in, seed=5)
+        _run_pair(dense, par, xr, xr[..., cols], gr, gr[rows] if sp else gr, tp_group=tp,
+                  out_local_of=lambda y: y[rows] if sp else y, x_grad_local_of=lambda gx: gx[..., cols])
+    # gather_output and input_is_parallel=False (Megatron's other two modes)
+    dense, par = _twins(lambda grp: ColumnParallelLinear(n_in, n_out, grp, gather_output=True, method=method,
+                                                         dtype=F64), tp, one)
+    _run_pair(dense, par, x, x, g_col, g_col, tp_group=tp, out_local_of=lambda y: y, x_grad_local_of=lambda gx: gx)
+    dense, par = _twins(lambda grp: RowParallelLinear(n_out, n_in, grp, input_is_parallel=False, method=method,
+                                                      dtype=F64), tp, one)
+    xr, gr = _randn(s, b, n_out, seed=6), _randn(s, b, n_in, seed=7)
+    _run_pair(dense, par, xr, xr, gr, gr, tp_group=tp, out_local_of=lambda y: y, x_grad_local_of=lambda gx: gx)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("method", ["baseline", "decomposed", "auto"])
+def test_linears_match_dense(rank_pool, world, method):
+    assert rank_pool(world).run(_linears_on_rank, method) == [True] * world
+
+
+def _blocks_on_rank(method):
+    tp, one, world, rank = _groups()
+    s, b, hidden = 2 * world, 2, 8 * world
+    rows = slice(rank * s // world, (rank + 1) * s // world)
+    x, g = _randn(s, b, hidden, seed=11), _randn(s, b, hidden, seed=12)
+    makers = {
+        "mlp": lambda grp, sp: ParallelMLP(hidden, 4 * world, grp, sequence_parallel=sp, method=method, dtype=F64),
+        "attention": lambda grp, sp: ParallelSelfAttention(hidden, 2 * world, world, grp, sequence_parallel=sp,
+                                                           method=method, dtype=F64),
+        "block": lambda grp, sp: TransformerBlock(hidden, 2 * world, world, 4 * world, grp, sequence_parallel=sp,
+                                                  method=method, dtype=F64),
+    }
+    for name, make in makers.items():
+        for sp in (False, True):
+            dense, par = _twins(lambda grp: make(grp, sp and grp is tp), tp, one)
+            try:
+                _run_pair(dense, par, x, x[rows] if sp else x, g, g[rows] if sp else g, tp_group=tp,
+                          out_local_of=lambda y: y[rows] if sp else y,
+                          x_grad_local_of=lambda gx: gx[rows] if sp else gx)
+            except AssertionError as exc:
+                raise AssertionError(f"{name}, sequence_parallel={sp}: {exc}") from None
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("method", ["baseline", "decomposed"])
+def test_mlp_attention_block_match_dense(rank_pool, world, method):
+    assert rank_pool(world).run(_blocks_on_rank, method) == [True] * world
+
+
+def _embedding_and_loss_on_rank():
+    tp, one, world, rank = _groups()
+    vocab, dim, b, s = 6 * world, 5, 2, 2 * world
+    tokens = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(3))
+    for sp in (False, True):
+        dense, par = _twins(lambda grp: VocabParallelEmbedding(vocab, dim, grp, sequence_parallel=sp and grp is tp,
+                                                               dtype=F64), tp, one)
+        yd, yp = dense(tokens), par(tokens)
+        want = F.embedding(tokens, dense.weight)
+        _close("dense twin", yd, want)
+        _close("embedding", yp, want.transpose(0, 1).chunk(world)[rank] if sp else want)
+        g = _randn(*yp.shape, seed=4)
+        yp.backward(g)
+        full_g = (ok.unshard_sequence(g, tp, dim=0, layout="contiguous").transpose(0, 1) if sp else g)
+        want_grad = torch.zeros(vocab, dim, dtype=F64).index_add_(0, tokens.reshape(-1), full_g.reshape(-1, dim))
+        _close("embedding grad", par.weight.grad, want_grad.chunk(world)[rank])
+    # vocabulary-parallel cross-entropy vs F.cross_entropy, ignore_index and label smoothing
+    logits = _randn(3, 4, vocab, seed=5)
+    target = torch.randint(0, vocab, (3, 4), generator=torch.Generator().manual_seed(6))
+    target[0, 1] = target[2, 3] = -100
+    for smoothing in (0.0, 0.1):
+        full = logits.clone().requires_grad_()
+        want = F.cross_entropy(full.reshape(-1, vocab), target.reshape(-1), reduction="none",
+                               label_smoothing=smoothing).reshape(3, 4)
+        shard = logits.chunk(world, -1)[rank].clone().requires_grad_()
+        got = ok.vocab_parallel_cross_entropy(shard, target, tp, label_smoothing=smoothing)
+        _close(f"loss (smoothing {smoothing})", got, want)
+        w = _randn(3, 4, seed=7)
+        (want * w).sum().backward()
+        (got * w).sum().backward()
+        _close(f"logits grad (smoothing {smoothing})", shard.grad, full.grad.chunk(world, -1)[rank])
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_embedding_and_cross_entropy_match_dense(rank_pool, world):
+    assert rank_pool(world).run(_embedding_and_loss_on_rank) == [True] * world
+
+
+def _bad_layers_on_rank():
+    import re
+
+    tp, _, world, _ = _groups()
+    cases = [
+        (lambda: ColumnParallelLinear(4, 3, tp), r"out_features=3 is not divisible by the tensor-parallel size 2"),
+        (lambda: RowParallelLinear(3, 4, tp), r"in_features=3 is not divisible by the tensor-parallel size 2"),
+        (lambda: ColumnParallelLinear(4, 4, tp, gather_output=True, sequence_parallel=True), r"gather_output=True"),
+        (lambda: RowParallelLinear(4, 4, tp, input_is_parallel=False, sequence_parallel=True),
+         r"needs input_is_parallel=True"),
+        (lambda: VocabParallelEmbedding(7, 4, tp), r"num_embeddings=7 is not divisible"),
+        (lambda: ParallelSelfAttention(8, 2, 1, tp), r"num_kv_heads=1 is not divisible by the tensor-parallel size 2"),
+        (lambda: ParallelSelfAttention(8, 3, 1, tp), r"hidden=8 is not divisible by num_heads=3"),
+        (lambda: ParallelMLP(8, 5, tp), r"ffn_hidden=5 is not divisible"),
+        (lambda: ColumnParallelLinear(4, 4, tp, method="fast"), r"method='fast'"),
+        (lambda: ok.vocab_parallel_cross_entropy(torch.ones(2, 3), torch.zeros(3, dtype=torch.long), tp),
+         r"target shape \(3,\) must equal logits_shard.shape\[:-1\] \(2,\)"),
+        (lambda: RowParallelLinear(4, 4, tp, sequence_parallel=True)(torch.ones(3, 1, 2)),
+         r"a.shape\[scatter_dim=0\]=3 is not divisible by the group size 2"),
+    ]
+    for i, (make, pattern) in enumerate(cases):
+        try:
+            make()
+        except ValueError as exc:
+            assert re.search(pattern, str(exc)), (i, str(exc))
+        else:
+            raise AssertionError(f"case {i}: no ValueError")
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return int(total)
+
+
+def test_bad_layer_arguments(rank_pool):
+    assert rank_pool(2).run(_bad_layers_on_rank) == [2, 2]
