@@ -55,7 +55,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["overlapkernels", "overlapkernels.*"]),
     install_requires=["torch>=2.4", "triton", "nvidia-ml-py"],
-    extras_require={"test": ["pytest>=7", "pytest-timeout"], "bench": ["matplotlib", "rich"]},
+    extras_require={"test": ["pytest>=7", "pytest-timeout", "megatron-core==0.16.1"], "bench": ["matplotlib", "rich"]},
     entry_points={"console_scripts": ["overlapkernels=overlapkernels.cli:main"]},
     cmdclass={"build_py": BuildPyWithCuda},
 )

@@ -39,3 +39,16 @@ def all_to_all(x: torch.Tensor, group=None, *, async_op: bool = False):
         raise ValueError(f"all_to_all: x.shape[0]={x.shape[0]} is not divisible by the group size {world}")
     out = torch.empty_like(x)
     return out, dist.all_to_all_single(out, x.contiguous(), group=group, async_op=async_op)
+
+
+def all_reduce_coalesced(tensors: list, group=None) -> None:
+    """Sum each tensor over ranks in place, as one all-reduce of a flat buffer (one launch and one
+    latency instead of one per tensor, e.g. for many small gradients)."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=resolve_group(group))
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()

@@ -8,10 +8,9 @@ sums those over the TP group after backward, as Megatron does. Parameters that n
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..parallel import resolve_group
+from ..comm.collectives import all_reduce_coalesced
 
 
 class RMSNorm(nn.Module):
@@ -38,12 +37,5 @@ def allreduce_sequence_parallel_grads(module: nn.Module, group=None) -> int:
     """Sum the gradients of every parameter marked ``sequence_parallel`` over ``group`` (one
     coalesced all-reduce). Returns how many parameters it touched."""
     grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if not grads:
-        return 0
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=resolve_group(group))
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    all_reduce_coalesced(grads, group)
     return len(grads)

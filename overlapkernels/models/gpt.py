@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.collectives import all_reduce_coalesced
 from ..layers import ColumnParallelLinear, RMSNorm, TransformerBlock, VocabParallelEmbedding
 from ..layers.norm import allreduce_sequence_parallel_grads
 from ..ops.cross_entropy import vocab_parallel_cross_entropy
@@ -100,13 +101,7 @@ class GPT(nn.Module):
         if self.sequence_parallel:
             allreduce_sequence_parallel_grads(self, self.dims.tp_group)
         if self.cp_group is not None:
-            grads = [p.grad for p in self.parameters() if p.grad is not None]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.cp_group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            all_reduce_coalesced([p.grad for p in self.parameters() if p.grad is not None], self.cp_group)
 
 
 def shard_dense_state_dict(model: nn.Module, dense: dict, group=None) -> dict:

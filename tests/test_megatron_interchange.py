@@ -1,0 +1,66 @@
+"""State dicts interchange with megatron-core's tensor-parallel linears (gloo, no SP): the same
+per-rank state dict gives the same outputs and gradients. Skipped when megatron-core is absent
+(`pip install "megatron-core==0.16.1"` runs on the CPU machine)."""
+import importlib.util
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import overlapkernels as ok
+from overlapkernels.layers import ColumnParallelLinear, RowParallelLinear
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
+
+
+def _megatron_linears_on_rank():
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    tp = parallel_state.get_tensor_model_parallel_group()
+    cfg = ModelParallelConfig(tensor_model_parallel_size=world, use_cpu_initialization=True, params_dtype=torch.float64,
+                              perform_initialization=True)
+    torch.manual_seed(0)
+    init = lambda w: torch.nn.init.normal_(w, std=0.5)  # noqa: E731
+    m_col = tensor_parallel.ColumnParallelLinear(6, 4 * world, config=cfg, init_method=init, bias=True,
+                                                 gather_output=False)
+    m_row = tensor_parallel.RowParallelLinear(4 * world, 6, config=cfg, init_method=init, bias=True,
+                                              input_is_parallel=True, skip_bias_add=False)
+    with torch.no_grad():
+        m_col.bias.normal_()
+        m_row.bias.normal_()
+    col = ColumnParallelLinear(6, 4 * world, tp, method="baseline", dtype=torch.float64)
+    row = RowParallelLinear(4 * world, 6, tp, method="baseline", dtype=torch.float64)
+    results = {}
+    for name, ours, theirs in (("column", col, m_col), ("row", row, m_row)):
+        sd = theirs.state_dict()
+        assert set(sd) == set(ours.state_dict()), (name, sorted(sd), sorted(ours.state_dict()))
+        ours.load_state_dict(sd)  # Megatron -> ours, _extra_state included
+        theirs.load_state_dict(ours.state_dict())  # and back
+        for p_ours, (pname, p_theirs) in zip(ours.parameters(), theirs.named_parameters()):
+            assert getattr(p_theirs, "partition_dim", None) == getattr(p_ours, "partition_dim", None), (name, pname)
+        results[name] = (ours, theirs)
+    x = torch.randn(5, 2, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for ours, theirs in (results["column"], results["row"]):
+        xin = x if ours is col else torch.randn(5, 2, 4, dtype=torch.float64,
+                                                generator=torch.Generator().manual_seed(2 + rank))
+        xo, xt = xin.clone().requires_grad_(), xin.clone().requires_grad_()
+        yo = ours(xo)
+        yt, bias = theirs(xt)
+        yt = yt if bias is None else yt + bias
+        torch.testing.assert_close(yo, yt, atol=1e-12, rtol=1e-12)
+        g = torch.randn(yo.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+        yo.backward(g)
+        yt.backward(g)
+        torch.testing.assert_close(xo.grad, xt.grad, atol=1e-12, rtol=1e-12)
+        for po, pt in zip(ours.parameters(), theirs.parameters()):
+            torch.testing.assert_close(po.grad, pt.main_grad if getattr(pt, "main_grad", None) is not None
+                                       else pt.grad, atol=1e-12, rtol=1e-12)
+    return True
+
+
+def test_megatron_state_dicts_interchange(rank_pool):
+    assert rank_pool(2).run(_megatron_linears_on_rank) == [True, True]
