@@ -94,6 +94,17 @@ def _bench_ring(args) -> int:
     return 0 if rows is None else _report(rows, device, rb.COLUMNS, title, args)
 
 
+def _bench_layers(args) -> int:
+    from .bench import layers as lb
+
+    cfg = lb.LayersConfig(seq=args.seq, batch=args.batch, hidden=args.hidden, heads=args.heads,
+                          kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden, dtype=args.dtype,
+                          methods=tuple(args.methods.split(",")), iters=args.iters, warmup=args.warmup)
+    cfg.validate(None if _launched() else args.nproc)
+    rows, device = _run_ranks(lb.rank_main, lb.config_dict(cfg), args)
+    return 0 if rows is None else _report(rows, device, lb.COLUMNS, "transformer block fwd+bwd, TP + SP", args)
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -136,6 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
     ring.add_argument("--causal", default="both", choices=["both", "true", "false"])
     _rank_args(ring, iters=5, warmup=1)
     ring.set_defaults(func=_bench_ring)
+    lay = kinds.add_parser("layers", help="one transformer block fwd+bwd: baseline vs decomposed vs auto")
+    lay.add_argument("--seq", type=int, default=1024)
+    lay.add_argument("--batch", type=int, default=1)
+    lay.add_argument("--hidden", type=int, default=512)
+    lay.add_argument("--heads", type=int, default=8)
+    lay.add_argument("--kv-heads", type=int, default=4)
+    lay.add_argument("--ffn-hidden", type=int, default=1792)
+    lay.add_argument("--dtype", default="float32")
+    lay.add_argument("--methods", default="baseline,decomposed,auto")
+    _rank_args(lay, iters=5, warmup=1)
+    lay.set_defaults(func=_bench_layers)
     return parser
 
 

@@ -58,3 +58,14 @@ def test_ring_attention_bench_smoke(rank_pool):
     assert all(rows[0][k] > 0 for k in ("fwd_allgather_us", "fwd_ring_us", "compute_us", "fwd_bwd_ring_us"))
     with pytest.raises(ValueError, match="seq=10 must be divisible by 2 x the world size 4"):
         rb.RingConfig(seq=10).validate(4)
+
+
+def test_layers_bench_smoke(rank_pool):
+    from overlapkernels.bench import layers as lb
+
+    cfg = lb.LayersConfig(seq=8, hidden=16, heads=4, kv_heads=2, ffn_hidden=32, iters=1, warmup=0)
+    rows = rank_pool(2).run(lb.rank_main, lb.config_dict(cfg))[0]
+    assert [r["method"] for r in rows] == ["baseline", "decomposed", "auto"]
+    assert rows[0]["ran"] == "all_gather_matmul: baseline x4, matmul_reduce_scatter: baseline x4"
+    assert rows[1]["ran"] == "all_gather_matmul: decomposed x4, matmul_reduce_scatter: decomposed x4"
+    assert all(r["time_us"] > 0 for r in rows)

@@ -53,7 +53,7 @@ class AllGatherMatmul(torch.autograd.Function):
 
             g = torch.cat([grad_outs[i] for i in used], dim=1) if len(used) > 1 else grad_outs[used[0]]
             bt = torch.cat([bs[i].T for i in used], dim=0) if len(used) > 1 else bs[used[0]].T
-            method = ctx.method if ctx.method_requested != "auto" else rs_resolve("auto", group, g, bt, world)
+            method = rs_resolve(ctx.method_requested, group, g, bt, world)  # recorded in overlap_stats too
             grad_a = _methods.matmul_rs(g, bt, group, method)
         if ctx.needs_input_grad[0] and grad_a_full is not None:  # the caller used the gathered input
             rs = _methods.reduce_scatter(grad_a_full, group)

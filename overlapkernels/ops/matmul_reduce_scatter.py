@@ -37,7 +37,7 @@ class MatmulReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, b, group, method_requested, method):
-        ctx.group, ctx.method_requested, ctx.method = group, method_requested, method
+        ctx.group, ctx.method_requested = group, method_requested
         ctx.save_for_backward(a, b)
         return _methods.matmul_rs(a, b, group, method)
 
@@ -48,8 +48,7 @@ class MatmulReduceScatter(torch.autograd.Function):
         a, b = ctx.saved_tensors
         group = ctx.group
         grad_out = grad_out.contiguous()
-        method = ctx.method if ctx.method_requested != "auto" else ag_resolve("auto", group, grad_out, b.shape[0],
-                                                                               group_size(group))
+        method = ag_resolve(ctx.method_requested, group, grad_out, b.shape[0], group_size(group))  # recorded too
         weights = [b.T] if ctx.needs_input_grad[0] else []
         grad_full, outs = _methods.ag_matmul(grad_out, weights, group, method)
         grad_a = outs[0] if weights else None
