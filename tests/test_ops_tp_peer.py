@@ -140,7 +140,7 @@ def test_planted_missing_wait_is_caught():
     b = _ints((33, 5), torch.float32, 2)
     out = torch.empty(w * m, 5)
     err = torch.zeros(4, dtype=torch.int32)
-    ag_gemm(a_full, b, out, torch.ones(w, dtype=torch.int32), err, rank=0, world_size=w, epoch=1, max_spins=10)
+    ag_gemm(a_full, b, out, torch.ones(w, dtype=torch.int64), err, rank=0, world_size=w, epoch=1, max_spins=10)
     assert torch.equal(out[:m], a_full[:m] @ b) and out[m:].isnan().all()
-    ag_gemm(a_full, b, out, torch.zeros(w, dtype=torch.int32), err, rank=0, world_size=w, epoch=1, max_spins=10)
+    ag_gemm(a_full, b, out, torch.zeros(w, dtype=torch.int64), err, rank=0, world_size=w, epoch=1, max_spins=10)
     assert err.tolist() == [1, 0, 1, 1]  # ready timeout, rank 0, chunk 1, peer 1

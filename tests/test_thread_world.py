@@ -23,7 +23,7 @@ def _all_gather_on_rank(ctx, shape, dtype, calls, straggler, block):
     n = torch.Size(shape).numel()
     # poisoned: a chunk read before its owner published shows up as NaN / garbage
     buf = ctx.alloc_symmetric((ctx.world_size * n,), dtype, fill=float("nan"))
-    signals = ctx.alloc_symmetric((2 * ctx.world_size,), torch.int32)
+    signals = ctx.alloc_symmetric((2 * ctx.world_size,), torch.int64)
     gather = ag.PeerAllGather(buf, signals, n, block=block)
     outs = []
     for call in range(calls):
@@ -46,19 +46,18 @@ def test_all_gather_exact_with_straggler(world, shape, dtype):
 
 
 def _all_gather_without_waiting(ctx, n, straggler):
-    """The pull kernel with epoch 0 - every ready-flag check passes at once: a planted race."""
+    """The same steps as PeerAllGather minus the ready-flag waits: a planted race."""
     buf = ctx.alloc_symmetric((ctx.world_size * n,), torch.float32, fill=float("nan"))
-    signals = ctx.alloc_symmetric((2 * ctx.world_size,), torch.int32)
-    shard = shard_of(ctx.rank, 0, (n,), torch.float32)
+    signals = ctx.alloc_symmetric((2 * ctx.world_size,), torch.int64)
+    gather = ag.PeerAllGather(buf, signals, n, block=16)
     out = torch.empty(ctx.world_size * n)
-    err = torch.zeros(4, dtype=torch.int32)
     if ctx.rank == straggler:
         time.sleep(STRAGGLER_DELAY_S)
-    common = dict(RANK=ctx.rank, WORLD=ctx.world_size, BLOCK=16)
-    ag._ag_publish_kernel[(n // 16 + 1,)](shard, buf.peer_ptrs, signals.peer_ptrs, err, n, 0, 10, **common)
+    shard = shard_of(ctx.rank, 0, (n,), torch.float32)
+    ag._ag_publish_kernel[(gather.num_blocks,)](shard, buf.peer_ptrs, n, RANK=ctx.rank, BLOCK=16)
     if ctx.rank != straggler:
-        ag._ag_pull_kernel[(n // 16 + 1, ctx.world_size)](buf.peer_ptrs, signals.peer_ptrs, out, err, n, 0, 10,
-                                                         **common)
+        for src in range(ctx.world_size):
+            gather.pull(out, src)
     ctx.barrier()
     return out
 
@@ -76,7 +75,7 @@ def test_planted_race_is_caught():
 def _all_gather_with_a_missing_rank(ctx, missing):
     n = 8
     buf = ctx.alloc_symmetric((ctx.world_size * n,), torch.float32)
-    signals = ctx.alloc_symmetric((2 * ctx.world_size,), torch.int32)
+    signals = ctx.alloc_symmetric((2 * ctx.world_size,), torch.int64)
     gather = ag.PeerAllGather(buf, signals, n, block=8, max_spins=50)
     if ctx.rank == missing:
         return "skipped the call"
@@ -92,7 +91,7 @@ def test_missing_rank_times_out_naming_rank_and_chunk():
 
 def _bad_shard(ctx):
     buf = ctx.alloc_symmetric((ctx.world_size * 4,), torch.float32)
-    signals = ctx.alloc_symmetric((2 * ctx.world_size,), torch.int32)
+    signals = ctx.alloc_symmetric((2 * ctx.world_size,), torch.int64)
     gather = ag.PeerAllGather(buf, signals, 4)
     with pytest.raises(ValueError, match=r"shard: expected 4 elements of torch.float32, got 5 of torch.float32"):
         gather(torch.ones(5))

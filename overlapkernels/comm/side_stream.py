@@ -36,7 +36,8 @@ class ThreadSideStream:
             finally:
                 done.set()
 
-    def submit(self, fn) -> threading.Event:
+    def submit(self, fn, keep_alive=()) -> threading.Event:
+        """``keep_alive``: tensors ``fn`` reads (the closure holds them here anyway)."""
         done = threading.Event()
         self._queue.put((fn, done))
         return done
@@ -54,10 +55,18 @@ class ThreadSideStream:
 
 class CudaSideStream:
     def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device)
+        # High priority, as Flux's copy stream: copies get ahead of queued compute, and torch's
+        # high-priority pool is not the low-priority one ProcessGroupNCCL draws its streams from,
+        # so a spin-wait here never shares a stream with a collective it might be waiting behind.
+        self.stream = torch.cuda.Stream(device, priority=-1)
 
-    def submit(self, fn) -> None:
-        self.stream.wait_stream(torch.cuda.current_stream())  # sees everything the rank did so far
+    def submit(self, fn, keep_alive=()) -> None:
+        """Run ``fn`` on the side stream after everything the rank enqueued so far. Tensors in
+        ``keep_alive`` (made on the rank's stream, read here) are not reused by the allocator until
+        the side stream is done with them."""
+        self.stream.wait_stream(torch.cuda.current_stream())
+        for t in keep_alive:
+            t.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
             fn()
 

@@ -70,6 +70,8 @@ class ThreadRank:
         seq = self._alloc_seq
         self._alloc_seq += 1
         buffers = self.world._shared_allocation(seq, tuple(shape), dtype, fill)
+        if self.device.type == "cuda":  # the fill must land before any peer writes a flag or partial
+            torch.cuda.synchronize(self.device)
         self.barrier()  # like a symmetric-memory rendezvous: nobody uses it before all have it
         ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=self.device)
         return SymmetricTensor(self.rank, self.world_size, buffers[self.rank], ptrs, tuple(buffers))

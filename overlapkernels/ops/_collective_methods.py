@@ -25,11 +25,13 @@ class _ComputeStreams:
     """On CUDA, chunk GEMMs alternate between the current stream and a side stream, so one chunk's
     tail overlaps the next one's head (less wave quantisation); a no-op on CPU."""
 
+    _side_streams: dict = {}  # one per device: a new pool stream per call would walk torch's stream pool
+
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.main = torch.cuda.current_stream(device)
-            self.side = torch.cuda.Stream(device)
+            self.side = self._side_streams.setdefault(device, torch.cuda.Stream(device))
             self.side.wait_stream(self.main)
 
     def step(self, s: int):

@@ -43,8 +43,8 @@ class _Workspace:
         w = world.world_size
         poison = float("nan") if dtype.is_floating_point else 0  # a read before a write shows up
         self.slots = world.alloc_symmetric(slots_shape, dtype, fill=poison)
-        self.pads = world.alloc_symmetric((2 * w,), torch.int32)
-        self.arrived = torch.zeros(w, dtype=torch.int32, device=world.device)
+        self.pads = world.alloc_symmetric((2 * w,), sig.FLAG_DTYPE)
+        self.arrived = torch.zeros(w, dtype=sig.FLAG_DTYPE, device=world.device)
         self.epoch = 0
 
 
@@ -149,7 +149,10 @@ def _push_partials(world, ws, partial_of) -> int:
 
     for step in range(w):
         owner = (r + 1 + step) % w
-        side.submit(partial(push, owner, partial_of(owner)))  # the next GEMM overlaps this push
+        value = partial_of(owner)
+        # the next GEMM overlaps this push; keep_alive stops the allocator from handing the
+        # partial's memory to that GEMM while the copy stream still reads it
+        side.submit(partial(push, owner, value), keep_alive=(value,))
     return 1
 
 

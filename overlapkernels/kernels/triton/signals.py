@@ -1,7 +1,8 @@
 """Device-side signalling shared by the peer-memory kernels: peer pointers, flags, timed waits.
 
-Flags are int32 and only grow (an epoch or a count), so a signal pad is never reset between calls
-and a late reader cannot mistake the previous call's flag for this one's. Every wait gives up
+Flags are int64 and only grow (an epoch or a count), so a signal pad is never reset between calls
+and a late reader cannot mistake the previous call's flag for this one's (int64: a per-tile count
+would wrap an int32 within a few thousand training steps). Every wait gives up
 after ``max_spins`` polls and leaves an error record (int32 [4] = code, rank, chunk, peer) that
 ``raise_if_timed_out`` turns into an exception naming the op, rank, chunk and peer.
 
@@ -13,6 +14,8 @@ import triton
 import triton.language as tl
 
 from ..errors import SignalTimeoutError
+
+FLAG_DTYPE = torch.int64  # signal pads and arrival flags
 
 ERR_READY_TIMEOUT = tl.constexpr(1)     # waited for a peer to publish a chunk
 ERR_CONSUMED_TIMEOUT = tl.constexpr(2)  # waited for a peer to finish reading / reducing our previous data
@@ -38,8 +41,8 @@ def peer_ptr(table_ptr, peer, like_ptr):
 
 @triton.jit
 def signal_ptr(table_ptr, peer):
-    """``peer``'s int32 signal pad from an int64 address table."""
-    return tl.load(table_ptr + peer).to(tl.pointer_type(tl.int32))
+    """``peer``'s int64 signal pad from an int64 address table."""
+    return tl.load(table_ptr + peer).to(tl.pointer_type(tl.int64))
 
 
 @triton.jit
@@ -89,13 +92,14 @@ def _set_flag_kernel(flag_ptr, value):
 
 
 def set_flag_now(flag: torch.Tensor, value: int) -> None:
-    """Stream-ordered ``flag = value`` (release) on a local 1-element int32 view."""
+    """Stream-ordered ``flag = value`` (release) on a local 1-element flag view."""
     _set_flag_kernel[(1,)](flag, value)
 
 
 def wait_flag(flag: torch.Tensor, target: int, err: torch.Tensor, max_spins: int, *, code, rank: int, chunk: int,
               peer: int) -> None:
-    """Stream-ordered wait until ``flag`` (a 1-element int32 view) >= ``target``."""
+    """Stream-ordered wait until ``flag`` (a 1-element flag view) >= ``target``. One program: spinning
+    blocks hold SMs that peers' kernels may need when ranks share a GPU, so waits stay this small."""
     _wait_kernel[(1,)](flag, target, err, max_spins, code.value, rank, chunk, peer)
 
 
