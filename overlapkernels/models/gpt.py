@@ -53,6 +53,9 @@ class GPT(nn.Module):
         self.norm = RMSNorm(config.hidden, sequence_parallel=sp, **kw)
         self.lm_head = ColumnParallelLinear(config.hidden, config.vocab_size, tp, bias=False, sequence_parallel=sp,
                                             method=config.method, **kw)
+        for p in self.parameters():  # lets fsdp.shard sum these partial gradients over TP first
+            if getattr(p, "sequence_parallel", False):
+                p.sequence_parallel_group = tp
 
     def local_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's part of a [B, S] batch along the sequence (all of it without CP)."""
@@ -83,7 +86,7 @@ class GPT(nn.Module):
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean token loss of the whole batch (same value on every rank)."""
         tokens_local, targets_local = self.local_tokens(tokens), self.local_tokens(targets)
-        logits = self.forward(tokens_local)
+        logits = self(tokens_local)  # through __call__, so module hooks (fsdp) run
         per_token = vocab_parallel_cross_entropy(logits, targets_local.transpose(0, 1), self.dims.tp_group,
                                                  ignore_index=self.config.ignore_index)
         local_sum = per_token.sum()

@@ -1,0 +1,37 @@
+"""A thin FSDP: ZeRO stages 1, 2 and 3 with overlapped prefetch, mixed precision and sharded,
+atomic checkpoints (``fsdp.save`` / ``fsdp.load`` through torch.distributed.checkpoint)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ...parallel import resolve_group
+from .checkpoint import load, save
+from .sharded import ShardedModule
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def shard(model, group=None, *, stage=3, optimizer=_adamw, prefetch=1, param_dtype=None, reduce_dtype=None,
+          units=None) -> ShardedModule:
+    """Shard ``model`` over ``group`` (the dp group of a ParallelDims, or the world)."""
+    if stage not in (1, 2, 3):
+        raise ValueError(f"stage={stage!r}: expected 1, 2 or 3")
+    if not callable(optimizer):
+        raise TypeError(f"optimizer must be a callable taking the list of local shard parameters, got "
+                        f"{type(optimizer).__name__}")
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch={prefetch!r}: expected an integer >= 0")
+    for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+            raise ValueError(f"{name}={dt!r}: expected a floating torch.dtype or None")
+    group = resolve_group(group)
+    if not dist.is_initialized():
+        raise RuntimeError("fsdp.shard needs an initialised process group (ok.init_parallel())")
+    return ShardedModule(model, group, stage=stage, optimizer=optimizer, prefetch=prefetch, param_dtype=param_dtype,
+                         reduce_dtype=reduce_dtype, units=units)
+
+
+__all__ = ["shard", "save", "load", "ShardedModule"]

@@ -1,0 +1,130 @@
+"""One FSDP unit: its parameters as views of one flat buffer, sharded evenly over the group.
+
+The flat buffer (compute dtype) holds every parameter of the unit back to back, padded to a
+multiple of the group size; rank r owns elements [r*S, (r+1)*S) of it as an fp32 (or model dtype)
+master shard, the optimizer's parameter. Parameters stay the same ``nn.Parameter`` objects with
+``.data`` viewing the flat buffer, so freeing the buffer's storage (``resize_(0)``) and gathering it
+back never touches the module or the autograd graph (the trick FSDP uses).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..._compat import all_gather_single, reduce_scatter_single
+
+
+class FlatUnit:
+    def __init__(self, name: str, module: nn.Module, params: list, group, *, param_dtype, reduce_dtype):
+        self.name, self.module, self.params, self.group = name, module, params, group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        devices = {p.device for p in params}
+        dtypes = {p.dtype for p in params}
+        if len(devices) > 1 or len(dtypes) > 1:
+            raise ValueError(f"unit {name!r}: parameters must share one device and dtype, got devices "
+                             f"{sorted(map(str, devices))} and dtypes {sorted(map(str, dtypes))}")
+        self.device, self.master_dtype = devices.pop(), dtypes.pop()
+        self.param_dtype = param_dtype or self.master_dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.numel = sum(self.numels)
+        self.padded = -(-self.numel // self.world) * self.world
+        self.shard_numel = self.padded // self.world
+        full = torch.zeros(self.padded, dtype=self.master_dtype, device=self.device)
+        torch.cat([p.detach().reshape(-1) for p in params], out=full[:self.numel])
+        start = self.rank * self.shard_numel
+        self.master = nn.Parameter(full[start:start + self.shard_numel].clone())  # what the optimizer updates
+        self.master.grad = torch.zeros_like(self.master)
+        self.flat = full.to(self.param_dtype)  # the gathered buffer the parameters view
+        self._view_params()
+        self.gathered = True
+        self.pending_gather = None   # (work, staged shard) of an async gather in flight
+        self.pending_reduce = []     # (work, output) of async reduce-scatters in flight
+        self.grads_ready = 0
+
+    # -- parameters ---------------------------------------------------------------------------
+    def _view_params(self) -> None:
+        offset = 0
+        for p, shape, n in zip(self.params, self.shapes, self.numels):
+            p.data = self.flat[offset:offset + n].view(shape)
+            offset += n
+
+    @property
+    def flat_bytes(self) -> int:
+        return self.padded * self.flat.element_size()
+
+    def free(self) -> None:
+        """Drop the gathered parameters (stage 3, between uses)."""
+        self.wait_gather()
+        if self.gathered:
+            self.flat.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def gather(self, *, async_op: bool = False) -> None:
+        """Materialise the full parameters from every rank's master shard (cast to param_dtype)."""
+        if self.gathered or self.pending_gather is not None:
+            if not async_op:
+                self.wait_gather()
+            return
+        self.flat.untyped_storage().resize_(self.flat_bytes)
+        staged = self.master.detach().to(self.param_dtype)
+        work = all_gather_single(self.flat, staged, group=self.group, async_op=async_op)
+        if async_op:
+            self.pending_gather = (work, staged)
+        else:
+            self.gathered = True
+
+    def wait_gather(self) -> None:
+        if self.pending_gather is not None:
+            self.pending_gather[0].wait()
+            self.pending_gather = None
+            self.gathered = True
+
+    # -- gradients ----------------------------------------------------------------------------
+    def reduce_grads(self, *, async_op: bool) -> None:
+        """Reduce-scatter the unit's full gradients (averaged over the group) into pending shards,
+        then drop the full gradients."""
+        flat_grad = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
+        for p in self.params:  # sequence-parallel partial gradients: first summed over their TP group
+            group = getattr(p, "sequence_parallel_group", None)
+            if p.grad is not None and getattr(p, "sequence_parallel", False) and group is not None:
+                dist.all_reduce(p.grad, group=group)
+        offset = 0
+        for p, n in zip(self.params, self.numels):
+            if p.grad is not None:
+                flat_grad[offset:offset + n].copy_(p.grad.reshape(-1))
+                p.grad = None
+            offset += n
+        flat_grad.div_(self.world)  # DDP semantics: the mean over ranks
+        out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        work = reduce_scatter_single(out, flat_grad, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        self.pending_reduce.append((work, out, flat_grad))
+        self.grads_ready = 0
+
+    def finish_reduce(self) -> None:
+        """Wait for in-flight reduce-scatters and add them to the master gradient shard."""
+        for work, out, _ in self.pending_reduce:
+            if work is not None:
+                work.wait()
+            self.master.grad += out.to(self.master_dtype)
+        self.pending_reduce = []
+
+    def has_full_grads(self) -> bool:
+        return any(p.grad is not None for p in self.params)
+
+    def publish(self) -> None:
+        """After the optimizer step: the new master shards, gathered into the full parameters."""
+        if self.gathered:
+            all_gather_single(self.flat, self.master.detach().to(self.param_dtype), group=self.group)
+
+    def full_tensors(self) -> list:
+        """The unit's parameters, unsharded, in the master dtype (a collective)."""
+        full = torch.empty(self.padded, dtype=self.master_dtype, device=self.device)
+        all_gather_single(full, self.master.detach().contiguous(), group=self.group)
+        out, offset = [], 0
+        for shape, n in zip(self.shapes, self.numels):
+            out.append(full[offset:offset + n].view(shape).clone())
+            offset += n
+        return out

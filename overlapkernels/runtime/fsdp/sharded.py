@@ -1,0 +1,198 @@
+"""ZeRO stages 1-3 over FlatUnits: the hooks that gather, free and reduce at the right moments.
+
+Stage 1: optimizer state sharded; full gradients reduce-scattered at ``step``; each rank updates
+its shard, then all-gathers. Stage 2: + each unit's gradients reduce-scattered as soon as its
+backward is done (async), full gradients dropped. Stage 3: + parameters sharded: gathered just
+before a unit's forward and again before its backward, freed after each; the next ``prefetch``
+units (forward order; reverse in backward) are gathered asynchronously ahead of time.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from .flat_unit import FlatUnit
+
+
+def _unit_modules(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
+    if units is None:  # every top-level child that holds parameters
+        return [(n, m) for n, m in model.named_children() if any(True for _ in m.parameters())]
+    classes = tuple(units) if isinstance(units, (list, tuple, set)) else (units,)
+    names = {c for c in classes if isinstance(c, str)}
+    types = tuple(c for c in classes if isinstance(c, type))
+    found, claimed = [], set()
+    for name, mod in model.named_modules():
+        if mod is model or any(name.startswith(c + ".") for c in claimed):
+            continue
+        if isinstance(mod, types) or type(mod).__name__ in names:
+            found.append((name, mod))
+            claimed.add(name)
+    if not found:
+        raise ValueError(f"units={units!r}: no submodule of {type(model).__name__} matches")
+    return found
+
+
+class ShardedModule(nn.Module):
+    def __init__(self, model, group, *, stage, optimizer, prefetch, param_dtype, reduce_dtype, units):
+        super().__init__()
+        self.module, self.group, self.stage, self.prefetch = model, group, stage, prefetch
+        self._sync = True
+        self._backward_armed = False
+        self.peak_gathered_bytes = 0
+        seen, self.units = set(), []
+        for name, mod in _unit_modules(model, units):
+            params = [p for p in mod.parameters() if id(p) not in seen]
+            seen.update(map(id, params))
+            if params:
+                self.units.append(FlatUnit(name, mod, params, group, param_dtype=param_dtype,
+                                           reduce_dtype=reduce_dtype))
+        rest = [p for p in model.parameters() if id(p) not in seen]
+        self.root = FlatUnit("<root>", model, rest, group, param_dtype=param_dtype,
+                             reduce_dtype=reduce_dtype) if rest else None
+        self.all_units = self.units + ([self.root] if self.root else [])
+        self.optimizer = optimizer([u.master for u in self.all_units])
+        self._param_unit = {id(p): u for u in self.all_units for p in u.params}
+        model.register_forward_pre_hook(self._gather_root)
+        for unit in self.units:
+            unit.module.register_forward_pre_hook(self._pre_forward(unit))
+            unit.module.register_forward_hook(self._post_forward(unit))
+        for unit in self.all_units:
+            for p in unit.params:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._grad_ready)
+        if stage == 3:
+            for unit in self.units:
+                unit.free()
+        self._track()
+
+    # -- memory accounting --------------------------------------------------------------------
+    def _track(self) -> None:
+        gathered = sum(u.flat_bytes for u in self.all_units if u.gathered or u.pending_gather is not None)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
+
+    def memory_stats(self) -> dict:
+        """Bytes this rank keeps between steps (ZeRO's accounting) and the peak of gathered params."""
+        stage = self.stage
+        full_params = sum(u.flat_bytes for u in self.all_units if stage < 3 or u is self.root)
+        master = sum(u.master.numel() * u.master.element_size() for u in self.all_units)
+        full_grads = sum(u.padded * torch.empty((), dtype=u.reduce_dtype).element_size() for u in self.all_units)
+        optim = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
+                    for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+        return {"param_bytes": full_params + master, "grad_bytes": full_grads if stage == 1 else master,
+                "optim_bytes": optim, "peak_gathered_param_bytes": self.peak_gathered_bytes}
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _gather_root(self, module, args):
+        # a hook on the wrapped model, so methods that reach its forward (GPT.loss) work too
+        if self.root is not None and self.stage == 3:
+            self.root.gather()
+            self._track()
+
+    def _neighbours(self, unit, direction: int) -> list:
+        i = self.units.index(unit)
+        idx = [i + direction * k for k in range(1, self.prefetch + 1)]
+        return [self.units[j] for j in idx if 0 <= j < len(self.units)]
+
+    def _pre_forward(self, unit):
+        def hook(module, args):
+            if self.stage == 3:
+                unit.gather()
+                for nxt in self._neighbours(unit, +1):
+                    nxt.gather(async_op=True)  # overlaps this unit's forward
+                self._track()
+        return hook
+
+    def _post_forward(self, unit):
+        def hook(module, args, output):
+            if torch.is_grad_enabled():
+                for t in tree_flatten(output)[0]:
+                    if torch.is_tensor(t) and t.requires_grad:
+                        t.register_hook(self._pre_backward(unit))
+            if self.stage == 3:
+                unit.free()
+            return output
+        return hook
+
+    # -- backward -----------------------------------------------------------------------------
+    def _pre_backward(self, unit):
+        def hook(grad):
+            if not self._backward_armed:  # once per backward: flush whatever is left at its end
+                self._backward_armed = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            if self.stage == 3:
+                unit.gather()
+                for prev in self._neighbours(unit, -1):
+                    prev.gather(async_op=True)
+                self._track()
+            return grad
+        return hook
+
+    def _grad_ready(self, param) -> None:
+        unit = self._param_unit[id(param)]
+        unit.grads_ready += 1
+        if unit.grads_ready == sum(p.requires_grad for p in unit.params):
+            self._unit_backward_done(unit)
+
+    def _unit_backward_done(self, unit) -> None:
+        if self.stage >= 2 and self._sync:
+            unit.reduce_grads(async_op=True)  # overlaps the backward of the units before it
+        unit.grads_ready = 0
+        if self.stage == 3 and unit is not self.root:
+            unit.free()
+
+    def _end_of_backward(self) -> None:
+        self._backward_armed = False
+        for unit in self.all_units:  # units some of whose parameters got no gradient
+            if self.stage >= 2 and self._sync and unit.has_full_grads():
+                unit.reduce_grads(async_op=True)
+            unit.grads_ready = 0
+            if self.stage == 3:
+                unit.free()
+        for unit in self.all_units:
+            unit.finish_reduce()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no communication) across several backward passes."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    # -- optimizer ----------------------------------------------------------------------------
+    def step(self) -> None:
+        """Optimizer step on the local shards, zero the gradients, re-publish the parameters."""
+        for unit in self.all_units:
+            if self.stage == 1 or unit.has_full_grads():  # stage 1, or grads accumulated under no_sync
+                unit.reduce_grads(async_op=False)
+            unit.finish_reduce()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        for unit in self.all_units:
+            unit.master.grad.zero_()
+            if self.stage < 3:
+                unit.publish()
+        if self.stage == 3 and self.root is not None:
+            self.root.free()
+
+    def full_state_dict(self) -> dict:
+        """Unsharded tensors under the keys of ``model.state_dict()``, on every rank."""
+        values = {}
+        for unit in self.all_units:
+            for p, full in zip(unit.params, unit.full_tensors()):
+                values[id(p)] = full
+        out = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) in values:
+                out[name] = values[id(t)]
+            else:  # buffers, and non-tensor extra state (Megatron's _extra_state)
+                out[name] = t.detach().clone() if torch.is_tensor(t) else t
+        return out
