@@ -105,6 +105,14 @@ def _bench_layers(args) -> int:
     return 0 if rows is None else _report(rows, device, lb.COLUMNS, "transformer block fwd+bwd, TP + SP", args)
 
 
+def _bench_fsdp(args) -> int:
+    from .bench import fsdp as fb
+
+    cfg = fb.FsdpConfig(layers=args.layers, width=args.width, batch=args.batch, iters=args.iters, warmup=args.warmup)
+    rows, device = _run_ranks(fb.rank_main, fb.config_dict(cfg), args)
+    return 0 if rows is None else _report(rows, device, fb.COLUMNS, "fsdp step per ZeRO stage (comm in Psi)", args)
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -158,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--methods", default="baseline,decomposed,auto")
     _rank_args(lay, iters=5, warmup=1)
     lay.set_defaults(func=_bench_layers)
+    fs = kinds.add_parser("fsdp", help="ZeRO 1/2/3 step time, prefetch depth, bytes vs 2/3 Psi")
+    fs.add_argument("--layers", type=int, default=8)
+    fs.add_argument("--width", type=int, default=512)
+    fs.add_argument("--batch", type=int, default=64)
+    _rank_args(fs, iters=3, warmup=1)
+    fs.set_defaults(func=_bench_fsdp)
     return parser
 
 

@@ -69,3 +69,14 @@ def test_layers_bench_smoke(rank_pool):
     assert rows[0]["ran"] == "all_gather_matmul: baseline x4, matmul_reduce_scatter: baseline x4"
     assert rows[1]["ran"] == "all_gather_matmul: decomposed x4, matmul_reduce_scatter: decomposed x4"
     assert all(r["time_us"] > 0 for r in rows)
+
+
+def test_fsdp_bench_smoke_and_comm_volume(rank_pool):
+    from overlapkernels.bench import fsdp as fb
+
+    cfg = fb.FsdpConfig(layers=3, width=8, batch=4, prefetches=(0, 1), iters=1, warmup=0)
+    rows = rank_pool(2).run(fb.rank_main, fb.config_dict(cfg))[0]
+    assert [(r["stage"], r["prefetch"]) for r in rows] == [(1, 0), (2, 0), (3, 0), (3, 1)]
+    for row in rows:  # bytes per step are exactly ZeRO's 2 Psi / 3 Psi
+        assert row["comm_psi"] == pytest.approx(row["theory_psi"])
+        assert row["time_us"] > 0

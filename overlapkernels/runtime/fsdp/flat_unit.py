@@ -43,6 +43,7 @@ class FlatUnit:
         self.pending_gather = None   # (work, staged shard) of an async gather in flight
         self.pending_reduce = []     # (work, output) of async reduce-scatters in flight
         self.grads_ready = 0
+        self.bytes_gathered = self.bytes_reduced = 0  # full-buffer bytes each collective covered
 
     # -- parameters ---------------------------------------------------------------------------
     def _view_params(self) -> None:
@@ -71,6 +72,7 @@ class FlatUnit:
         self.flat.untyped_storage().resize_(self.flat_bytes)
         staged = self.master.detach().to(self.param_dtype)
         work = all_gather_single(self.flat, staged, group=self.group, async_op=async_op)
+        self.bytes_gathered += self.flat_bytes
         if async_op:
             self.pending_gather = (work, staged)
         else:
@@ -100,6 +102,7 @@ class FlatUnit:
         flat_grad.div_(self.world)  # DDP semantics: the mean over ranks
         out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
         work = reduce_scatter_single(out, flat_grad, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        self.bytes_reduced += flat_grad.numel() * flat_grad.element_size()
         self.pending_reduce.append((work, out, flat_grad))
         self.grads_ready = 0
 
@@ -118,6 +121,7 @@ class FlatUnit:
         """After the optimizer step: the new master shards, gathered into the full parameters."""
         if self.gathered:
             all_gather_single(self.flat, self.master.detach().to(self.param_dtype), group=self.group)
+            self.bytes_gathered += self.flat_bytes
 
     def full_tensors(self) -> list:
         """The unit's parameters, unsharded, in the master dtype (a collective)."""

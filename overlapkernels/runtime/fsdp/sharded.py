@@ -85,6 +85,16 @@ class ShardedModule(nn.Module):
         return {"param_bytes": full_params + master, "grad_bytes": full_grads if stage == 1 else master,
                 "optim_bytes": optim, "peak_gathered_param_bytes": self.peak_gathered_bytes}
 
+    def comm_stats(self, reset: bool = False) -> dict:
+        """Bytes of full buffers all-gathered / reduce-scattered since start (or the last reset),
+        comparable with ZeRO's per-step volume: 2 Psi for stages 1-2, 3 Psi for stage 3."""
+        stats = {"gathered_bytes": sum(u.bytes_gathered for u in self.all_units),
+                 "reduced_bytes": sum(u.bytes_reduced for u in self.all_units)}
+        if reset:
+            for u in self.all_units:
+                u.bytes_gathered = u.bytes_reduced = 0
+        return stats
+
     # -- forward ------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

@@ -1,0 +1,72 @@
+"""fsdp.shard benchmark: step time per ZeRO stage and prefetch depth, and the bytes communicated
+per step against ZeRO's theory (2 Psi for stages 1-2, 3 Psi for stage 3; Psi = parameter bytes)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .metrics import summarize
+from .timing import slowest_rank, time_calls
+
+COLUMNS = [("stage", "stage", "d"), ("prefetch", "prefetch", "d"), ("time_us", "step(us)", ".0f"),
+           ("comm_psi", "comm / Psi", ".2f"), ("theory_psi", "theory", ".0f"),
+           ("param_mb", "params kept(MB)", ".2f"), ("peak_param_mb", "peak gathered(MB)", ".2f")]
+
+
+@dataclass(frozen=True)
+class FsdpConfig:
+    layers: int = 8
+    width: int = 512
+    batch: int = 64
+    stages: tuple = (1, 2, 3)
+    prefetches: tuple = (0, 1, 2)
+    iters: int = 3
+    warmup: int = 1
+
+
+def _model(cfg: FsdpConfig, device) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(cfg.width, cfg.width), nn.GELU()) for _ in range(cfg.layers)]
+                         ).to(device)
+
+
+def run_fsdp(cfg: FsdpConfig, group=None) -> list[dict]:
+    from ..runtime import fsdp
+
+    group = group or dist.group.WORLD
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else \
+        torch.device("cpu")
+    x = torch.randn(cfg.batch, cfg.width, device=device)
+    rows = []
+    for stage in cfg.stages:
+        for prefetch in (cfg.prefetches if stage == 3 else (0,)):  # prefetch only acts on stage 3
+            sharded = fsdp.shard(_model(cfg, device), group, stage=stage, prefetch=prefetch)
+
+            def step():
+                sharded(x).square().mean().backward()
+                sharded.step()
+
+            step()
+            sharded.comm_stats(reset=True)
+            t = slowest_rank(summarize(time_calls(step, cfg.iters, cfg.warmup, device, group)), device,
+                             group)["median_s"]
+            comm = sharded.comm_stats()
+            psi = sum(u.flat_bytes for u in sharded.all_units)
+            mem = sharded.memory_stats()
+            rows.append({"stage": stage, "prefetch": prefetch, "world_size": dist.get_world_size(group),
+                         "backend": dist.get_backend(group), "time_us": t * 1e6,
+                         "comm_psi": (comm["gathered_bytes"] + comm["reduced_bytes"]) / psi / (cfg.iters + cfg.warmup),
+                         "theory_psi": 3 if stage == 3 else 2, "param_mb": mem["param_bytes"] / 2**20,
+                         "peak_param_mb": mem["peak_gathered_param_bytes"] / 2**20})
+    return rows
+
+
+def rank_main(config: dict) -> list[dict]:
+    return run_fsdp(FsdpConfig(**config))
+
+
+def config_dict(cfg: FsdpConfig) -> dict:
+    return asdict(cfg)
