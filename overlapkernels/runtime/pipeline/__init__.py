@@ -1,0 +1,9 @@
+"""Pipeline parallelism: schedules as action lists, a simulator, a renderer and an executor."""
+from .render import render
+from .runner import PipelineRunner, PipelineTimeout
+from .schedule import KINDS, Action, Schedule, make_schedule
+from .simulate import ScheduleError, SimResult, simulate, validate
+from .weight_grad import WeightGradStore, enable_zero_bubble
+
+__all__ = ["make_schedule", "Action", "Schedule", "KINDS", "validate", "simulate", "SimResult", "ScheduleError",
+           "render", "PipelineRunner", "PipelineTimeout", "WeightGradStore", "enable_zero_bubble"]

@@ -1,0 +1,56 @@
+"""Text (and optionally PNG) timelines of a schedule or a simulation."""
+from __future__ import annotations
+
+from .schedule import Schedule
+from .simulate import SimResult, simulate
+
+_WIDTH = 6  # characters per unit of time
+
+
+def render(sched_or_res, path: str | None = None) -> str:
+    """A text timeline, one row per rank (unit op costs for a bare schedule). With ``path`` and
+    matplotlib installed, also a PNG there."""
+    res = sched_or_res if isinstance(sched_or_res, SimResult) else simulate(sched_or_res, t_w=1.0) \
+        if _has_split(sched_or_res) else simulate(sched_or_res)
+    unit = min((e - s for tl in res.timeline for s, e, _ in tl if e > s), default=1.0)
+    cols = int(round(res.makespan / unit))
+    lines = [f"{res.schedule.kind}: {res.schedule.num_ranks} ranks, {res.schedule.num_microbatches} microbatches"
+             f"{f', {res.schedule.num_virtual} virtual' if res.schedule.num_virtual > 1 else ''}; makespan "
+             f"{res.makespan:g}, bubble {res.bubble_fraction:.1%}, peak activations {res.peak_activations}"]
+    for r, tl in enumerate(res.timeline):
+        row = ["." * _WIDTH] * cols
+        for start, end, a in tl:
+            first, n = int(round(start / unit)), max(1, int(round((end - start) / unit)))
+            for i in range(first, min(first + n, cols)):
+                row[i] = str(a)[:_WIDTH - 1].ljust(_WIDTH)
+        lines.append(f"rank {r}: " + "".join(row))
+    if path:
+        _png(res, path)
+    return "\n".join(lines)
+
+
+def _has_split(schedule: Schedule) -> bool:
+    return any(a.op == "W" for acts in schedule.actions for a in acts)
+
+
+def _png(res: SimResult, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    colors = {"F": "tab:blue", "B": "tab:orange", "BW": "tab:orange", "W": "tab:green"}
+    fig, ax = plt.subplots(figsize=(max(6, res.makespan / 2), 0.6 * len(res.timeline) + 1))
+    for r, tl in enumerate(res.timeline):
+        for start, end, a in tl:
+            ax.barh(r, end - start, left=start, color=colors[a.op], edgecolor="black")
+            ax.text((start + end) / 2, r, f"{a.stage}.{a.microbatch}", ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(len(res.timeline)), [f"rank {r}" for r in range(len(res.timeline))])
+    ax.invert_yaxis()
+    ax.set_xlabel("time")
+    ax.set_title(f"{res.schedule.kind}: bubble {res.bubble_fraction:.1%}")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

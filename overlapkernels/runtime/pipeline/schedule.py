@@ -1,0 +1,152 @@
+"""Pipeline schedules as action lists, one per rank (the torch.distributed.pipelining IR, small).
+
+An ``Action(op, stage, microbatch)`` is "F" (forward), "B" (input gradient), "W" (weight gradient)
+or "BW" (both). Stage s lives on rank s % p; with ``num_virtual`` v each rank holds v stages
+(s = chunk * p + rank), as in Megatron's interleaved schedule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KINDS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+OPS = ("F", "B", "W", "BW")
+
+
+@dataclass(frozen=True)
+class Action:
+    op: str
+    stage: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.op}{self.stage}.{self.microbatch}"
+
+
+@dataclass
+class Schedule:
+    kind: str
+    num_ranks: int
+    num_microbatches: int
+    num_virtual: int
+    actions: list = field(default_factory=list)  # actions[rank] -> list of Action
+
+    @property
+    def num_stages(self) -> int:
+        return self.num_ranks * self.num_virtual
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.num_ranks
+
+
+def _check(kind, p, m, v):
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}: expected one of {list(KINDS)}")
+    for name, value in (("num_stages", p), ("num_microbatches", m), ("num_virtual", v)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected an integer >= 1")
+    if v != 1 and kind != "interleaved-1f1b":
+        raise ValueError(f"num_virtual={v} needs kind='interleaved-1f1b' (got {kind!r})")
+    if kind == "interleaved-1f1b" and m % p:
+        raise ValueError(f"interleaved-1f1b needs num_microbatches to be a multiple of num_stages={p} "
+                         f"(allowed: {p}, {2 * p}, {3 * p}, ...); got {m}")
+
+
+def _gpipe(p, m):
+    return [[Action("F", r, i) for i in range(m)] + [Action("BW", r, i) for i in range(m)] for r in range(p)]
+
+
+def _one_f_one_b(p, m):
+    out = []
+    for r in range(p):
+        warmup = min(p - r - 1, m)
+        acts = [Action("F", r, i) for i in range(warmup)]
+        f, b = warmup, 0
+        while f < m:  # steady state: one forward, one backward
+            acts.append(Action("F", r, f))
+            acts.append(Action("BW", r, b))
+            f, b = f + 1, b + 1
+        acts += [Action("BW", r, i) for i in range(b, m)]
+        out.append(acts)
+    return out
+
+
+def _interleaved(p, m, v):
+    """Megatron's interleaved 1F1B: forward k runs chunk (k mod pv) // p on microbatch
+    (k // pv) p + k mod p; backward k the same with chunks reversed."""
+    total = m * v
+
+    def fwd(k, r):
+        chunk = (k % (p * v)) // p
+        return Action("F", chunk * p + r, (k // (p * v)) * p + k % p)
+
+    def bwd(k, r):
+        chunk = v - 1 - (k % (p * v)) // p
+        return Action("BW", chunk * p + r, (k // (p * v)) * p + k % p)
+
+    out = []
+    for r in range(p):
+        warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
+        acts = [fwd(k, r) for k in range(warmup)]
+        for i in range(total - warmup):
+            acts += [fwd(warmup + i, r), bwd(i, r)]
+        acts += [bwd(k, r) for k in range(total - warmup, total)]
+        out.append(acts)
+    return out
+
+
+def _zb_h1(p, m):
+    """ZB-H1 (Qi et al. 2024): 1F1B's order and activation memory with B and W split, the W
+    passes moved into what would be bubbles. Built by list scheduling with unit op costs: a ready
+    B goes first, an F only within 1F1B's in-flight limit (p - r microbatches on rank r), a W only
+    when neither can run. With t_f = t_b = t_w its bubble is a third of 1F1B's (the tests check)."""
+    queue = {r: [] for r in range(p)}
+    done_f = set()
+    finish = {}
+    t_free = [0] * p
+    next_f = [0] * p
+    next_b = [0] * p
+    pending_w = {r: [] for r in range(p)}
+    remaining = p * m * 3
+    time = 0
+    while remaining:
+        progressed = False
+        for r in range(p):
+            if t_free[r] > time:
+                continue
+            choice = None
+            b_mb = next_b[r]
+            if b_mb < m and (r, b_mb) in done_f and (r == p - 1 or finish.get(("B", r + 1, b_mb), 1e9) <= time):
+                choice = Action("B", r, b_mb)
+                next_b[r] += 1
+            else:
+                f_mb = next_f[r]
+                in_flight = next_f[r] - next_b[r]
+                if f_mb < m and in_flight < p - r and (r == 0 or finish.get(("F", r - 1, f_mb), 1e9) <= time):
+                    choice = Action("F", r, f_mb)
+                    next_f[r] += 1
+                elif pending_w[r]:
+                    choice = pending_w[r].pop(0)
+            if choice is None:
+                continue
+            queue[r].append(choice)
+            finish[(choice.op, r, choice.microbatch)] = time + 1
+            if choice.op == "F":
+                done_f.add((r, choice.microbatch))
+            elif choice.op == "B":
+                pending_w[r].append(Action("W", r, choice.microbatch))
+            t_free[r] = time + 1
+            remaining -= 1
+            progressed = True
+        time += 1
+        if not progressed and time > 10 * p * m + 10:
+            raise RuntimeError("zb-h1 construction made no progress")  # cannot happen for valid p, m
+    return [queue[r] for r in range(p)]
+
+
+def make_schedule(kind: str, num_stages: int, num_microbatches: int, *, num_virtual: int = 1) -> Schedule:
+    """Action lists for ``num_stages`` pipeline ranks (each holding ``num_virtual`` stages)."""
+    _check(kind, num_stages, num_microbatches, num_virtual)
+    p, m, v = num_stages, num_microbatches, num_virtual
+    actions = {"gpipe": lambda: _gpipe(p, m), "1f1b": lambda: _one_f_one_b(p, m),
+               "interleaved-1f1b": lambda: _interleaved(p, m, v), "zb-h1": lambda: _zb_h1(p, m)}[kind]()
+    return Schedule(kind, p, m, v, actions)

@@ -1,0 +1,119 @@
+"""Simulator of pipeline schedules: makespan, bubble, per-rank busy time and peak activations.
+
+Each rank runs its actions in order; an action starts when its rank is free and its inputs exist:
+F(s, m) needs F(s-1, m); B/BW(s, m) needs F(s, m) and the input gradient of B/BW(s+1, m); W(s, m)
+needs B(s, m). Crossing ranks adds ``t_comm``. An action that can never start is a deadlock,
+reported by name. ``validate`` checks completeness and runs this.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .schedule import OPS, Schedule
+
+
+class ScheduleError(ValueError):
+    """A schedule is incomplete, misplaced or deadlocks; the message names the action."""
+
+
+@dataclass
+class SimResult:
+    schedule: Schedule
+    makespan: float
+    bubble_fraction: float
+    busy: list
+    peak_activations: list
+    timeline: list  # per rank: [(start, end, Action)]
+
+
+def _deps(action, last_stage):
+    s, m = action.stage, action.microbatch
+    if action.op == "F":
+        return [("F", s - 1, m)] if s > 0 else []
+    if action.op in ("B", "BW"):
+        deps = [("F", s, m)]
+        if s < last_stage:
+            deps.append(("grad", s + 1, m))
+        return deps
+    return [("B", s, m)]  # W
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ``ScheduleError`` naming the first problem: a misplaced, duplicated or missing action,
+    or a dependency that can never be met (deadlock)."""
+    p, m, stages = schedule.num_ranks, schedule.num_microbatches, schedule.num_stages
+    if len(schedule.actions) != p:
+        raise ScheduleError(f"{len(schedule.actions)} action lists for {p} ranks")
+    seen = set()
+    for rank, acts in enumerate(schedule.actions):
+        for a in acts:
+            if a.op not in OPS:
+                raise ScheduleError(f"rank {rank}: {a} has unknown op {a.op!r}")
+            if not (0 <= a.stage < stages and 0 <= a.microbatch < m):
+                raise ScheduleError(f"rank {rank}: {a} is outside {stages} stages x {m} microbatches")
+            if schedule.rank_of(a.stage) != rank:
+                raise ScheduleError(f"rank {rank}: {a} belongs to rank {schedule.rank_of(a.stage)}")
+            if (a.op, a.stage, a.microbatch) in seen:
+                raise ScheduleError(f"rank {rank}: {a} appears twice")
+            seen.add((a.op, a.stage, a.microbatch))
+    for s in range(stages):
+        for mb in range(m):
+            if ("F", s, mb) not in seen:
+                raise ScheduleError(f"F{s}.{mb} is missing")
+            split = ("B", s, mb) in seen or ("W", s, mb) in seen
+            if split and not (("B", s, mb) in seen and ("W", s, mb) in seen):
+                raise ScheduleError(f"stage {s} microbatch {mb}: B and W must both appear")
+            if split == (("BW", s, mb) in seen):
+                raise ScheduleError(f"stage {s} microbatch {mb}: expected either BW or both B and W")
+    simulate(schedule)
+
+
+def simulate(schedule: Schedule, *, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 0.0,
+             t_comm: float = 0.0) -> SimResult:
+    cost = {"F": t_f, "B": t_b, "W": t_w, "BW": t_b + t_w}
+    p, last = schedule.num_ranks, schedule.num_stages - 1
+    done: dict = {}  # (kind, stage, mb) -> (finish time, rank)
+    pos = [0] * p
+    free = [0.0] * p
+    timeline = [[] for _ in range(p)]
+    live = [set() for _ in range(p)]
+    peak = [0] * p
+    total = sum(len(a) for a in schedule.actions)
+    finished = 0
+    while finished < total:
+        best = None
+        for r in range(p):
+            if pos[r] >= len(schedule.actions[r]):
+                continue
+            a = schedule.actions[r][pos[r]]
+            start, ready = free[r], True
+            for dep in _deps(a, last):
+                key = dep if dep[0] != "grad" else None
+                if dep[0] == "grad":  # the input gradient comes from B or BW of the next stage
+                    key = ("B", dep[1], dep[2]) if ("B", dep[1], dep[2]) in done else ("BW", dep[1], dep[2])
+                if key not in done:
+                    ready = False
+                    break
+                t_dep, r_dep = done[key]
+                start = max(start, t_dep + (t_comm if r_dep != r else 0.0))
+            if ready and (best is None or start < best[0]):
+                best = (start, r, a)
+        if best is None:
+            blocked = [str(schedule.actions[r][pos[r]]) for r in range(p) if pos[r] < len(schedule.actions[r])]
+            raise ScheduleError(f"deadlock: no action can start; next on each rank: {', '.join(blocked)}")
+        start, r, a = best
+        end = start + cost[a.op]
+        done[(a.op, a.stage, a.microbatch)] = (end, r)
+        timeline[r].append((start, end, a))
+        free[r] = end
+        pos[r] += 1
+        finished += 1
+        if a.op == "F":
+            live[r].add((a.stage, a.microbatch))
+            peak[r] = max(peak[r], len(live[r]))
+        elif a.op in ("B", "BW"):
+            live[r].discard((a.stage, a.microbatch))
+    makespan = max(free)
+    busy = [sum(e - s for s, e, _ in tl) for tl in timeline]
+    bubble = (makespan * p - sum(busy)) / (makespan * p) if makespan > 0 else 0.0
+    return SimResult(schedule, makespan, bubble, busy, peak, timeline)
