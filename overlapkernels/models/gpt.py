@@ -36,23 +36,40 @@ class GPTConfig:
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig, dims, *, dtype=None, device=None):
+    """The whole model, or with ``pipeline_stage=(s, n)`` stage s of n: the embedding on stage 0,
+    layers [s L/n, (s+1) L/n), the final norm and LM head on stage n-1. Parameter names are the
+    whole model's (blocks keep their global index), so dense state dicts shard onto any stage."""
+
+    def __init__(self, config: GPTConfig, dims, *, dtype=None, device=None, pipeline_stage=None):
         super().__init__()
         self.config, self.dims = config, dims
+        stage, stages = pipeline_stage or (0, 1)
+        if config.num_layers % stages or not 0 <= stage < stages:
+            raise ValueError(f"pipeline_stage={pipeline_stage}: num_layers={config.num_layers} must split evenly "
+                             f"into {stages} stages")
+        per_stage = config.num_layers // stages
+        self.first, self.last = stage == 0, stage == stages - 1
+        layer_ids = range(stage * per_stage, (stage + 1) * per_stage)
         tp = dims.tp_group
         self.cp_group = dims.cp_group if dims.cp_size > 1 else None
         sp = config.sequence_parallel and dims.tp_size > 1
         self.sequence_parallel = sp
         kw = dict(dtype=dtype, device=device)
-        self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden, tp, sequence_parallel=sp, **kw)
-        self.blocks = nn.ModuleList(
-            TransformerBlock(config.hidden, config.num_heads, config.num_kv_heads, config.ffn_hidden, tp,
-                             cp_group=self.cp_group, cp_layout=config.cp_layout, sequence_parallel=sp,
-                             method=config.method, **kw)
-            for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden, sequence_parallel=sp, **kw)
-        self.lm_head = ColumnParallelLinear(config.hidden, config.vocab_size, tp, bias=False, sequence_parallel=sp,
-                                            method=config.method, **kw)
+        if self.first:
+            self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden, tp, sequence_parallel=sp, **kw)
+        # built in order for every layer, so each layer's initial weights do not depend on the split
+        blocks = {}
+        for i in range(config.num_layers):
+            block = TransformerBlock(config.hidden, config.num_heads, config.num_kv_heads, config.ffn_hidden, tp,
+                                     cp_group=self.cp_group, cp_layout=config.cp_layout, sequence_parallel=sp,
+                                     method=config.method, **kw)
+            if i in layer_ids:
+                blocks[str(i)] = block
+        self.blocks = nn.ModuleDict(blocks)
+        if self.last:
+            self.norm = RMSNorm(config.hidden, sequence_parallel=sp, **kw)
+            self.lm_head = ColumnParallelLinear(config.hidden, config.vocab_size, tp, bias=False,
+                                                sequence_parallel=sp, method=config.method, **kw)
         for p in self.parameters():  # lets fsdp.shard sum these partial gradients over TP first
             if getattr(p, "sequence_parallel", False):
                 p.sequence_parallel_group = tp
@@ -74,14 +91,16 @@ class GPT(nn.Module):
             return tokens
         return shard_sequence(tokens, self.cp_group, dim=1, layout=self.config.cp_layout)
 
-    def forward(self, tokens_local: torch.Tensor) -> torch.Tensor:
-        """[B, S_local] token ids -> logits shard [S_local, B, V/TP]."""
-        x = self.embed(tokens_local)
-        if not self.sequence_parallel:
-            x = x.transpose(0, 1)  # [S, B, hidden]
-        for block in self.blocks:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, S_local] token ids (first stage) or hidden states -> hidden states, or the logits shard
+        [S_local, B, V/TP] (last stage)."""
+        if self.first:
+            x = self.embed(x)
+            if not self.sequence_parallel:
+                x = x.transpose(0, 1)  # [S, B, hidden]
+        for block in self.blocks.values():
             x = block(x)
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(x)) if self.last else x
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean token loss of the whole batch (same value on every rank)."""

@@ -1,0 +1,73 @@
+"""4-D training of the GPT: DP x PP x CP x TP in one mesh.
+
+Each rank builds its pipeline stage of the GPT (TP + SP inside, ring attention over CP), runs the
+schedule's microbatches through ``PipelineRunner``, sums the CP partial gradients, and takes a
+ZeRO-1 step over DP (``fsdp.shard(stage=1)``: gradients reduce-scattered and averaged once per
+step, after the last microbatch). Sequence-parallel gradients are summed over TP by fsdp itself.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..comm.collectives import all_reduce_coalesced
+from ..ops.cross_entropy import vocab_parallel_cross_entropy
+from ..ops.sequence_shard import shard_sequence
+from ..runtime import fsdp
+from ..runtime import pipeline as pp
+from .gpt import GPT, shard_dense_state_dict
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+class Trainer:
+    def __init__(self, config, dims, *, schedule: str = "1f1b", num_microbatches: int | None = None,
+                 optimizer=_adamw, dtype=torch.float32, dense_state_dict: dict | None = None):
+        self.config, self.dims = config, dims
+        self.stage = GPT(config, dims, dtype=dtype, pipeline_stage=(dims.pp_rank, dims.pp_size))
+        if dense_state_dict is not None:
+            self.stage.load_state_dict(shard_dense_state_dict(self.stage, dense_state_dict))
+        self.sharded = fsdp.shard(self.stage, dims.dp_group, stage=1, optimizer=optimizer)
+        m = num_microbatches or 2 * dims.pp_size
+        self.schedule = pp.make_schedule(schedule, dims.pp_size, m)
+        self.runner = pp.PipelineRunner(self.sharded, dims.pp_group, schedule=self.schedule, loss_fn=self._loss)
+
+    def _loss(self, logits, targets_local):
+        """This rank's share of the global mean token loss: its sum over all ranks' token count."""
+        per_token = vocab_parallel_cross_entropy(logits, targets_local.transpose(0, 1), self.dims.tp_group)
+        return per_token.sum() / (targets_local.numel() * self.dims.cp_size)
+
+    def local_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows (DP) and sequence part (CP) of a global [B, S] batch."""
+        dp, rank = self.dims.dp_size, self.dims.dp_rank
+        if x.shape[0] % dp:
+            raise ValueError(f"batch size {x.shape[0]} is not divisible by the data-parallel size {dp}")
+        x = x.chunk(dp, dim=0)[rank]
+        if self.dims.cp_size > 1:
+            x = shard_sequence(x, self.dims.cp_group, dim=1, layout=self.config.cp_layout)
+        return x
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """One optimizer step on the global batch; returns its mean token loss on every rank."""
+        t0 = time.perf_counter()
+        first, last = self.stage.first, self.stage.last
+        loss = self.runner.step(self.local_batch(tokens) if first else None,
+                                self.local_batch(targets) if last else None)
+        if self.dims.cp_size > 1:  # each CP rank saw part of the sequence: its gradient is partial
+            all_reduce_coalesced([p.grad for p in self.stage.parameters() if p.grad is not None],
+                                 self.dims.cp_group)
+        self.sharded.step()
+        value = torch.zeros((), dtype=torch.float64)
+        if loss is not None:
+            value += loss.double()
+        # the last stage's loss: summed over CP (shares), averaged over DP, sent to every PP rank
+        dist.all_reduce(value, group=self.dims.pp_group)
+        if self.dims.cp_size > 1:
+            dist.all_reduce(value, group=self.dims.cp_group)
+        dist.all_reduce(value, group=self.dims.dp_group)
+        self.last_step_s = time.perf_counter() - t0
+        return float(value) / self.dims.dp_size
