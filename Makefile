@@ -14,7 +14,7 @@ STAMP := .setup-stamp
 DEPS_IMPORT := import overlapkernels, pytest, pytest_timeout, triton, pynvml
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test cuda gpu-check clean
+.PHONY: setup demo test cuda gpu-check clean bench-collectives
 
 setup:
 	@if [ -z "$(IN_VENV)" ] && [ ! -x .venv/bin/python ]; then $(PYTHON) -m venv .venv; fi
@@ -24,8 +24,11 @@ setup:
 	@if command -v nvcc >/dev/null 2>&1; then $(PY) csrc/build.py >/dev/null; \
 	  else echo "nvcc not on PATH: skipping the CUDA library (make cuda builds it)"; fi
 
-# Until the pipeline runtime lands, the main job is the collectives benchmark on 4 CPU ranks.
+# The main job: train the small GPT on 4 CPU ranks (tp=2 x pp=2), loss beside a 1-process reference.
 demo: setup
+	$(PY) -m overlapkernels demo
+
+bench-collectives: setup
 	$(PY) -m overlapkernels bench collectives --nproc 4 --sizes 1K:4M --iters 10 --warmup 2
 
 # pytest exits non-zero (5) when no test ran, so an empty suite fails here too.

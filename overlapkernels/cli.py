@@ -113,6 +113,30 @@ def _bench_fsdp(args) -> int:
     return 0 if rows is None else _report(rows, device, fb.COLUMNS, "fsdp step per ZeRO stage (comm in Psi)", args)
 
 
+def _bench_pipeline(args) -> int:
+    from .bench import pipeline as pb
+
+    cfg = pb.PipelineBenchConfig(microbatches=args.microbatches, width=args.width, batch=args.batch, iters=args.iters)
+    rows, device = _run_ranks(pb.rank_main, pb.config_dict(cfg), args)
+    return 0 if rows is None else _report(rows, device, pb.COLUMNS, "pipeline: measured vs simulated", args)
+
+
+def _demo(args) -> int:
+    from . import demo
+
+    cfg = demo.DemoConfig(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, steps=args.steps, schedule=args.schedule)
+    from .parallel import resolve_sizes
+    from .runtime.pipeline import make_schedule
+
+    world = int(os.environ["WORLD_SIZE"]) if _launched() else args.nproc
+    resolve_sizes(world, tp=cfg.tp, cp=cfg.cp, pp=cfg.pp, dp=cfg.dp)  # bad layouts fail before any rank starts
+    make_schedule(cfg.schedule, cfg.pp, 2 * cfg.pp)
+    rows, _ = _run_ranks(demo.rank_main, demo.config_dict(cfg), args)
+    if rows is not None:
+        print(demo.format_rows(rows, cfg))
+    return 0
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -125,6 +149,17 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions, backends, GPUs, NVLink and topology")
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
     info.set_defaults(func=_info)
+
+    demo = sub.add_parser("demo", help="train the small GPT in a 4-D composition on CPU ranks (or under torchrun)")
+    demo.add_argument("--tp", type=int, default=2)
+    demo.add_argument("--pp", type=int, default=2)
+    demo.add_argument("--cp", type=int, default=1)
+    demo.add_argument("--dp", type=int, default=1)
+    demo.add_argument("--steps", type=int, default=20)
+    demo.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | zb-h1")
+    demo.add_argument("--nproc", type=int, default=4, help="CPU ranks to spawn when not under torchrun")
+    demo.add_argument("--timeout", type=float, default=600.0)
+    demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="microbenchmarks")
     kinds = bench.add_subparsers(dest="kind", required=True)
@@ -172,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
     fs.add_argument("--batch", type=int, default=64)
     _rank_args(fs, iters=3, warmup=1)
     fs.set_defaults(func=_bench_fsdp)
+    pl = kinds.add_parser("pipeline", help="each schedule: measured step vs simulated makespan, bubbles")
+    pl.add_argument("--microbatches", type=int, default=8)
+    pl.add_argument("--width", type=int, default=256)
+    pl.add_argument("--batch", type=int, default=64)
+    _rank_args(pl, iters=3, warmup=0)
+    pl.set_defaults(func=_bench_pipeline)
     return parser
 
 

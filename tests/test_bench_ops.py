@@ -80,3 +80,23 @@ def test_fsdp_bench_smoke_and_comm_volume(rank_pool):
     for row in rows:  # bytes per step are exactly ZeRO's 2 Psi / 3 Psi
         assert row["comm_psi"] == pytest.approx(row["theory_psi"])
         assert row["time_us"] > 0
+
+
+def test_pipeline_bench_smoke(rank_pool):
+    from overlapkernels.bench import pipeline as pb
+
+    cfg = pb.PipelineBenchConfig(microbatches=2, width=4, layers_per_stage=2, batch=4, iters=1)
+    rows = rank_pool(2).run(pb.rank_main, pb.config_dict(cfg))[0]
+    assert [r["kind"] for r in rows] == ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+    assert all(r["step_us"] > 0 and r["sim_us"] > 0 for r in rows)
+
+
+def test_demo_smoke(rank_pool):
+    from overlapkernels import demo
+
+    cfg = demo.DemoConfig(steps=2, reference_steps=2, batch=4, seq=8, vocab=16, hidden=16, layers=2)
+    rows = rank_pool(4).run(demo.rank_main, demo.config_dict(cfg))[0]
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:  # the 4-D run and the single-process reference agree (fp32)
+        assert row["loss"] == pytest.approx(row["reference"], rel=1e-5)
+    assert "1-proc ref" in demo.format_rows(rows, cfg)

@@ -8,6 +8,7 @@ and are cached.
 """
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch
@@ -113,6 +114,8 @@ class PipelineRunner:
         inputs_mb = inputs.chunk(m) if has_first else None
         targets_mb = targets.chunk(m) if has_last else None
         self._pending, state, stores, losses = [], {}, {}, []
+        self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0}  # time in module compute, per op kind
+        step_start = time.perf_counter()
         for a in self.schedule.actions[self.rank]:
             s, mb = a.stage, a.microbatch
             if a.op == "F":
@@ -122,6 +125,7 @@ class PipelineRunner:
                     x = state[(s - 1, mb)]["out"].detach().requires_grad_()
                 else:
                     x = self._recv_activation(s, mb).requires_grad_()
+                t_op = time.perf_counter()
                 out = self.modules[s](x)
                 if s == self.last_stage:
                     loss = self.loss_fn(out, targets_mb[mb]) / m
@@ -130,6 +134,7 @@ class PipelineRunner:
                 elif self.schedule.rank_of(s + 1) != self.rank:
                     self._send_activation(out, s, mb)
                 state[(s, mb)] = {"x": x, "out": out}
+                self.compute_s["F"] += time.perf_counter() - t_op
             elif a.op in ("B", "BW"):
                 st = state[(s, mb)]
                 if s == self.last_stage:
@@ -139,6 +144,7 @@ class PipelineRunner:
                 else:
                     shape, dtype = self._shapes[s]
                     grad = self._recv(shape, dtype, s + 1, 2, s, mb, "gradient")
+                t_op = time.perf_counter()
                 if a.op == "B":
                     stores[(s, mb)] = WeightGradStore()
                     with deferring(stores[(s, mb)]):
@@ -151,8 +157,12 @@ class PipelineRunner:
                     else:
                         self._send(st["x"].grad, s - 1, 2, s - 1, mb)
                 del state[(s, mb)]
+                self.compute_s[a.op] += time.perf_counter() - t_op
             else:  # W
+                t_op = time.perf_counter()
                 stores.pop((s, mb)).run()
+                self.compute_s["W"] += time.perf_counter() - t_op
         for work, what, stage, mb, to_stage in self._pending:  # sends: done once their peers received
             self._wait(work, f"receipt of the {what}", stage, mb, to_stage)
+        self.step_s = time.perf_counter() - step_start
         return torch.stack(losses).sum() if has_last else None

@@ -1,0 +1,75 @@
+"""Pipeline benchmark: per schedule kind, the measured step time against the simulator's makespan
+(fed with the measured per-op times), and measured vs simulated bubble."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+COLUMNS = [("kind", "kind", ""), ("microbatches", "m", "d"), ("step_us", "step(us)", ".0f"),
+           ("sim_us", "simulated(us)", ".0f"), ("ratio", "meas/sim", ".2f"), ("bubble_measured", "bubble meas.", ".1%"),
+           ("bubble_simulated", "bubble sim.", ".1%"), ("bubble_theory", "theory", ".1%")]
+
+
+@dataclass(frozen=True)
+class PipelineBenchConfig:
+    kinds: tuple = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+    microbatches: int = 8
+    width: int = 256
+    layers_per_stage: int = 4
+    batch: int = 64
+    iters: int = 3
+
+
+def run_pipeline(cfg: PipelineBenchConfig, group=None) -> list[dict]:
+    from ..runtime import pipeline as pp
+
+    group = group or dist.group.WORLD
+    p, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = []
+    for kind in cfg.kinds:
+        v = 2 if kind == "interleaved-1f1b" else 1
+        sched = pp.make_schedule(kind, p, cfg.microbatches, num_virtual=v)
+        torch.manual_seed(0)
+        layers = cfg.layers_per_stage // v
+        stages = [nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(cfg.width, cfg.width), nn.GELU())])
+                  for _ in range(v)]
+        if kind == "zb-h1":
+            for s in stages:
+                pp.enable_zero_bubble(s)
+        runner = pp.PipelineRunner(stages if v > 1 else stages[0], group, schedule=sched, loss_fn=F.mse_loss)
+        x = torch.randn(cfg.batch, cfg.width)
+        last = sched.rank_of(sched.num_stages - 1) == rank
+        times, ops = [], {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0}
+        for i in range(cfg.iters + 1):  # the first step exchanges shapes and warms up: not timed
+            dist.barrier(group=group)
+            runner.step(x if rank == 0 else None, x if last else None)
+            if i:
+                times.append(runner.step_s)
+                for k in ops:
+                    ops[k] += runner.compute_s[k]
+        step = sorted(times)[len(times) // 2]
+        n = cfg.iters * cfg.microbatches * v
+        per = torch.tensor([step, ops["F"] / n, (ops["B"] + ops["BW"]) / n, ops["W"] / n,
+                            1 - sum(runner.compute_s.values()) / runner.step_s], dtype=torch.float64)
+        dist.all_reduce(per, group=group)
+        per /= p
+        step_s, t_f, t_b, t_w, bubble = per.tolist()
+        sim = pp.simulate(sched, t_f=t_f, t_b=t_b, t_w=t_w)
+        theory = (p - 1) / (v * cfg.microbatches + p - 1)
+        rows.append({"kind": kind, "microbatches": cfg.microbatches, "world_size": p, "backend": dist.get_backend(group),
+                     "step_us": step_s * 1e6, "sim_us": sim.makespan * 1e6, "ratio": step_s / sim.makespan,
+                     "bubble_measured": bubble, "bubble_simulated": sim.bubble_fraction,
+                     "bubble_theory": theory if kind != "zb-h1" else float("nan")})
+    return rows
+
+
+def rank_main(config: dict) -> list[dict]:
+    return run_pipeline(PipelineBenchConfig(**config))
+
+
+def config_dict(cfg: PipelineBenchConfig) -> dict:
+    return asdict(cfg)
