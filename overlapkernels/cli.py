@@ -22,7 +22,15 @@ def _launched() -> bool:
 
 def _run_ranks(rank_main, config: dict, args) -> tuple[list[dict] | None, str]:
     """Run ``rank_main(config)`` on the launched ranks (torchrun) or on ``--nproc`` spawned CPU
-    ranks -> (rank 0's rows, or None on other ranks; device type)."""
+    ranks -> (rank 0's rows, or None on other ranks; device type). With ``--profile DIR`` every
+    rank writes a torch.profiler chrome trace there."""
+    trace_dir = getattr(args, "profile", None)
+    if trace_dir:
+        from functools import partial
+
+        from .profiling.trace import profiled
+
+        rank_main = partial(profiled, rank_main, trace_dir=trace_dir)
     if _launched():
         import torch.distributed as dist
 
@@ -41,7 +49,7 @@ def _run_ranks(rank_main, config: dict, args) -> tuple[list[dict] | None, str]:
 
 
 def _report(rows: list[dict], device: str, columns, title: str, args) -> int:
-    from .bench.report import append_csv, environment, format_table
+    from .bench.report import append_csv, append_jsonl, environment, format_table
 
     env = environment(device)
     rows = [{**row, **env} for row in rows]
@@ -53,6 +61,9 @@ def _report(rows: list[dict], device: str, columns, title: str, args) -> int:
     if args.csv:
         append_csv(args.csv, rows)
         print(f"# appended {len(rows)} rows to {args.csv}")
+    if getattr(args, "json_out", None):
+        append_jsonl(args.json_out, rows)
+        print(f"# appended {len(rows)} rows to {args.json_out}")
     return 0
 
 
@@ -150,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
     info.set_defaults(func=_info)
 
+    prof = sub.add_parser("profile", help="read traces")
+    prof_kinds = prof.add_subparsers(dest="kind", required=True)
+    rep = prof_kinds.add_parser("report", help="per op: comm and compute busy time, their overlap, comm hidden")
+    rep.add_argument("trace", help="a chrome trace (torch.profiler export_chrome_trace, or bench --profile)")
+    rep.add_argument("--json", action="store_true")
+    rep.set_defaults(func=_profile_report)
+
     demo = sub.add_parser("demo", help="train the small GPT in a 4-D composition on CPU ranks (or under torchrun)")
     demo.add_argument("--tp", type=int, default=2)
     demo.add_argument("--pp", type=int, default=2)
@@ -216,12 +234,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _profile_report(args) -> int:
+    from .bench.report import format_table
+    from .profiling.overlap_report import overlap_report, summarize
+
+    rows = summarize(overlap_report(args.trace))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif not rows:
+        print(f"no ok/<op> ranges in {args.trace} (was it recorded with `bench ... --profile DIR`?)")
+    else:
+        print(format_table(rows, [("op", "op", ""), ("calls", "calls", "d"), ("dur_us", "time(us)", ".0f"),
+                                  ("comm_us", "comm busy(us)", ".0f"), ("compute_us", "compute busy(us)", ".0f"),
+                                  ("both_us", "overlap(us)", ".0f"), ("hidden", "comm hidden", ".1%")]))
+    return 0
+
+
 def _rank_args(parser, *, iters: int, warmup: int) -> None:
     parser.add_argument("--nproc", type=int, default=4, help="CPU ranks to spawn when not under torchrun")
     parser.add_argument("--iters", type=int, default=iters)
     parser.add_argument("--warmup", type=int, default=warmup)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before spawned ranks are killed")
     parser.add_argument("--csv", help="append result rows (with hardware, versions, commit, date) to this CSV")
+    parser.add_argument("--json", dest="json_out", help="append result rows as JSON lines to this file")
+    parser.add_argument("--profile", metavar="DIR", help="write a torch.profiler chrome trace per rank into DIR")
 
 
 def main(argv=None) -> int:

@@ -65,3 +65,16 @@ def append_csv(path: str | os.PathLike, rows: list[dict]) -> None:
         if new:
             writer.writeheader()
         writer.writerows(rows)
+
+
+def append_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:
+    """Append rows as JSON lines (one object per row; NaN written as null)."""
+    import json
+    import math
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for row in rows:
+            clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+            f.write(json.dumps(clean) + "\n")

@@ -14,6 +14,7 @@ import torch
 
 from .._compat import all_gather_single, reduce_scatter_single
 from ..comm.ring import Ring, wait_all
+from ..profiling.ranges import span
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -51,7 +52,8 @@ def ag_matmul_baseline(a_shard: torch.Tensor, bs: list, group) -> tuple:
     return a_full, [a_full @ b for b in bs]
 
 
-def ring_all_gather(a_shard: torch.Tensor, group, on_chunk, *, alternate_streams: bool = True) -> torch.Tensor:
+def ring_all_gather(a_shard: torch.Tensor, group, on_chunk, *, alternate_streams: bool = True,
+                    name: str = "ag_matmul") -> torch.Tensor:
     """Gather ``a_shard`` around the ring, calling ``on_chunk(c, chunk_c)`` as each chunk is here.
 
     Step s handles chunk (r + s) % W while it is forwarded to rank r - 1 and chunk
@@ -68,10 +70,12 @@ def ring_all_gather(a_shard: torch.Tensor, group, on_chunk, *, alternate_streams
     for s in range(world):
         chunk = (r + s) % world
         with streams.step(s):
-            wait_all(pending)  # chunk has arrived (on CUDA: this stream waits, the host does not)
-            if s + 1 < world:
-                pending = ring.exchange(a_full[chunk], r - 1, a_full[(chunk + 1) % world], r + 1)
-            on_chunk(chunk, a_full[chunk])
+            with span(f"ok/{name}/step{s}/comm"):
+                wait_all(pending)  # chunk has arrived (on CUDA: this stream waits, the host does not)
+                if s + 1 < world:
+                    pending = ring.exchange(a_full[chunk], r - 1, a_full[(chunk + 1) % world], r + 1)
+            with span(f"ok/{name}/chunk{chunk}/compute"):
+                on_chunk(chunk, a_full[chunk])
     streams.join()
     return a_full.view(world * m, -1)
 
@@ -103,7 +107,7 @@ def ag_wgrad(a_shard: torch.Tensor, grad_outs: list, group, method: str) -> list
         for grad, g in zip(grads, grad_outs):
             grad += (chunk.T @ g[c * m:(c + 1) * m]).to(acc_dtype)
 
-    ring_all_gather(a_shard, group, accumulate, alternate_streams=False)
+    ring_all_gather(a_shard, group, accumulate, alternate_streams=False, name="ag_wgrad")
     return [grad.to(a_shard.dtype) for grad in grads]
 
 
@@ -129,12 +133,14 @@ def matmul_rs_decomposed(a: torch.Tensor, b: torch.Tensor, group) -> torch.Tenso
     recv = [a.new_empty((m, b.shape[1]), dtype=acc_dtype) for _ in range(2)]
     pending, acc = None, None
     for s in range(world):
-        partial = chunks[(r - 1 - s) % world] @ b  # overlaps the previous step's transfer
-        if s == 0:
-            acc = partial.to(acc_dtype)
-        else:
-            wait_all(pending)
-            acc = recv[s % 2] + partial.to(acc_dtype)
-        if s + 1 < world:
-            pending = ring.exchange(acc, r + 1, recv[(s + 1) % 2], r - 1)
+        with span(f"ok/matmul_rs/chunk{(r - 1 - s) % world}/compute"):
+            partial = chunks[(r - 1 - s) % world] @ b  # overlaps the previous step's transfer
+        with span(f"ok/matmul_rs/step{s}/comm"):
+            if s == 0:
+                acc = partial.to(acc_dtype)
+            else:
+                wait_all(pending)
+                acc = recv[s % 2] + partial.to(acc_dtype)
+            if s + 1 < world:
+                pending = ring.exchange(acc, r + 1, recv[(s + 1) % 2], r - 1)
     return acc.to(a.dtype)

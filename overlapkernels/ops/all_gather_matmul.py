@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..parallel import resolve_group
+from ..profiling.ranges import span
 from . import _methods
 from ._validate import check_dim, check_tensor, check_weights, group_size, is_peer_world
 from .dispatch import check_method, choose
@@ -92,7 +93,8 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, return_gathered=F
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
     chosen = resolve(method, group, x2d, sum(w.shape[1] for w in bs), world)
-    a_full, *outs = AllGatherMatmul.apply(x2d, group, method, chosen, bool(save_gathered), *bs)
+    with span(f"ok/all_gather_matmul[{chosen}]"):
+        a_full, *outs = AllGatherMatmul.apply(x2d, group, method, chosen, bool(save_gathered), *bs)
 
     def restore(t2d):  # [W*m, n] -> the layout of a_shard, gathered along gather_dim
         return t2d.view(world * lead[0], *lead[1:], t2d.shape[-1]).movedim(0, gather_dim)

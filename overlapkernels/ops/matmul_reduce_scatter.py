@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..parallel import resolve_group
+from ..profiling.ranges import span
 from . import _methods
 from ._collective_methods import accumulation_dtype
 from ._validate import check_dim, check_tensor, check_weights, group_size, is_peer_world
@@ -75,5 +76,6 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, method="auto"):
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
     chosen = resolve(method, group, x2d, b, world)
-    out2d = MatmulReduceScatter.apply(x2d, b, group, method, chosen)
+    with span(f"ok/matmul_reduce_scatter[{chosen}]"):
+        out2d = MatmulReduceScatter.apply(x2d, b, group, method, chosen)
     return out2d.view(lead[0] // world, *lead[1:], b.shape[1]).movedim(0, scatter_dim)

@@ -19,6 +19,7 @@ import torch
 from ..comm.ring import Ring, wait_all
 from ..kernels import attention_ref
 from ..parallel import resolve_group
+from ..profiling.ranges import span
 from .sequence_shard import check_layout, segments
 
 FORMATS = ("bshd", "sbhd")
@@ -85,9 +86,11 @@ def ring_forward(q, k, v, group, causal, scale, layout, backend):
             nxt = bufs[step % 2]
             pending = ring.exchange([k_cur, v_cur], r + 1, list(nxt), r - 1, tag=KV_TAG)
         kb, vb = _kv_for_step(k_cur, v_cur, k, v, step)
-        _attend_block(out, lse, q, kb, vb, kern, scale, layout, world, r, (r - step) % world, causal)
+        with span(f"ok/ring_attention/step{step}/compute"):
+            _attend_block(out, lse, q, kb, vb, kern, scale, layout, world, r, (r - step) % world, causal)
         if pending:
-            wait_all(pending)
+            with span(f"ok/ring_attention/step{step}/comm"):
+                wait_all(pending)
             k_cur, v_cur = nxt
     return out, lse
 
@@ -235,7 +238,8 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, lay
     group = resolve_group(group)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     backend = "triton" if q.is_cuda else "torch"
-    out, lse = RingAttention.apply(_to_bhsd(q, qkv_format), _to_bhsd(k, qkv_format), _to_bhsd(v, qkv_format),
-                                   group, bool(causal), scale, layout, backend)
+    with span("ok/ring_attention"):
+        out, lse = RingAttention.apply(_to_bhsd(q, qkv_format), _to_bhsd(k, qkv_format), _to_bhsd(v, qkv_format),
+                                       group, bool(causal), scale, layout, backend)
     out = _from_bhsd(out, qkv_format)
     return (out, lse) if return_lse else out
