@@ -14,7 +14,7 @@ STAMP := .setup-stamp
 DEPS_IMPORT := import overlapkernels, pytest, pytest_timeout, triton, pynvml
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test cuda gpu-check clean bench-collectives
+.PHONY: setup demo test cuda gpu-check clean bench-collectives bench-node
 
 setup:
 	@if [ -z "$(IN_VENV)" ] && [ ! -x .venv/bin/python ]; then $(PYTHON) -m venv .venv; fi
@@ -45,7 +45,15 @@ gpu-check: setup cuda
 	$(PY) -m overlapkernels info
 	$(PY) -m pytest -m gpu -v $(PYTEST_ARGS)
 	$(PY) benchmarks/bench_fused_gemm.py --csv benchmarks/results/gpu-check.csv
+	$(PY) benchmarks/bench_reduce.py --csv benchmarks/results/gpu-check.csv
+	$(PY) benchmarks/bench_one_gpu_ag_matmul.py --csv benchmarks/results/gpu-check.csv
 	$(PY) benchmarks/bench_flash_attn.py --csv benchmarks/results/gpu-check.csv
+
+# On a multi-GPU NVLink node: every bench kind under torchrun, rows to benchmarks/results/node.csv.
+NPROC ?= 8
+bench-node: setup cuda
+	torchrun --nproc-per-node $(NPROC) -m overlapkernels bench all --csv benchmarks/results/node.csv \
+	  --plot benchmarks/results/node-plots
 
 clean:
 	rm -rf build dist *.egg-info overlapkernels/_lib $(STAMP)

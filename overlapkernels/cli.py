@@ -64,6 +64,12 @@ def _report(rows: list[dict], device: str, columns, title: str, args) -> int:
     if getattr(args, "json_out", None):
         append_jsonl(args.json_out, rows)
         print(f"# appended {len(rows)} rows to {args.json_out}")
+    if getattr(args, "plot", None):
+        from .bench.plot import plot_rows
+
+        os.makedirs(args.plot, exist_ok=True)
+        png = os.path.join(args.plot, f"{args.kind}.png")
+        print(f"# plot: {png}" if plot_rows(args.kind, rows, png) else "# plot: matplotlib not installed")
     return 0
 
 
@@ -130,6 +136,25 @@ def _bench_pipeline(args) -> int:
     cfg = pb.PipelineBenchConfig(microbatches=args.microbatches, width=args.width, batch=args.batch, iters=args.iters)
     rows, device = _run_ranks(pb.rank_main, pb.config_dict(cfg), args)
     return 0 if rows is None else _report(rows, device, pb.COLUMNS, "pipeline: measured vs simulated", args)
+
+
+# every bench kind, with sizes small enough for CPU ranks when not under torchrun
+ALL_KINDS = {"collectives": ["--sizes", "1K:1M", "--iters", "5", "--warmup", "1"],
+             "ag-matmul": ["--iters", "3"], "matmul-rs": ["--iters", "3"], "ring-attention": ["--seq", "1024"],
+             "layers": ["--seq", "512", "--iters", "3"], "fsdp": [], "pipeline": []}
+
+
+def _bench_all(args) -> int:
+    common = ["--nproc", str(args.nproc)]
+    for flag in ("csv", "json_out", "plot", "profile"):
+        value = getattr(args, flag, None)
+        if value:
+            common += [f"--{'json' if flag == 'json_out' else flag}", value]
+    status = 0
+    for kind, small in ALL_KINDS.items():
+        print(f"\n## bench {kind}")
+        status |= main(["bench", kind, *common, *([] if _launched() else small)])
+    return status
 
 
 def _demo(args) -> int:
@@ -231,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--batch", type=int, default=64)
     _rank_args(pl, iters=3, warmup=0)
     pl.set_defaults(func=_bench_pipeline)
+    every = kinds.add_parser("all", help="every bench kind in turn (small sizes on CPU ranks)")
+    _rank_args(every, iters=0, warmup=0)
+    every.set_defaults(func=_bench_all)
     return parser
 
 
@@ -258,6 +286,7 @@ def _rank_args(parser, *, iters: int, warmup: int) -> None:
     parser.add_argument("--csv", help="append result rows (with hardware, versions, commit, date) to this CSV")
     parser.add_argument("--json", dest="json_out", help="append result rows as JSON lines to this file")
     parser.add_argument("--profile", metavar="DIR", help="write a torch.profiler chrome trace per rank into DIR")
+    parser.add_argument("--plot", metavar="DIR", help="write DIR/<kind>.png (needs matplotlib)")
 
 
 def main(argv=None) -> int:

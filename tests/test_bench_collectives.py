@@ -91,3 +91,18 @@ def test_cli_spawns_ranks_and_appends_csv(tmp_path):
     assert [(r["op"], r["bytes"]) for r in rows] == [("all_gather", "1024"), ("all_gather", "2048"),
                                                       ("all_reduce", "1024"), ("all_reduce", "2048")]
     assert all(r["device"].startswith("cpu") and r["gpu_name"] == "" and r["torch"] and r["commit"] for r in rows)
+
+
+def test_jsonl_rows_and_env_schema(tmp_path):
+    import json as _json
+    import math
+
+    from overlapkernels.bench.report import append_jsonl, environment
+
+    env = environment("cpu")
+    assert set(env) == {"device", "gpu_name", "driver", "nvlink", "torch", "triton", "commit", "date"}
+    assert env["device"].startswith("cpu") and env["gpu_name"] == env["nvlink"] == ""  # CPU rows say CPU
+    path = tmp_path / "rows.jsonl"
+    append_jsonl(path, [{"op": "x", "efficiency": math.nan}, {"op": "y", "efficiency": 0.5}])
+    rows = [_json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == [{"op": "x", "efficiency": None}, {"op": "y", "efficiency": 0.5}]

@@ -100,3 +100,27 @@ def test_demo_smoke(rank_pool):
     for row in rows:  # the 4-D run and the single-process reference agree (fp32)
         assert row["loss"] == pytest.approx(row["reference"], rel=1e-5)
     assert "1-proc ref" in demo.format_rows(rows, cfg)
+
+
+@pytest.mark.parametrize("kind", ["collectives", "ag-matmul", "matmul-rs", "ring-attention", "layers", "fsdp",
+                                  "pipeline"])
+def test_plots_for_every_kind(tmp_path, kind):
+    pytest.importorskip("matplotlib")
+    from overlapkernels.bench.plot import CHARTS, plot_rows
+
+    keys = {k for _, charts in [CHARTS[kind]] for c in charts for k in c[1:4]}
+    rows = [{k: (i + 1.0 if k not in ("layer", "method", "op", "layout", "kind") else f"v{i % 2}") for k in keys}
+            | {"world_size": 2, "device": "cpu"} for i in range(4)]
+    path = tmp_path / f"{kind}.png"
+    assert plot_rows(kind, rows, str(path)) and path.stat().st_size > 1000
+
+
+def test_bench_all_runs_every_kind(monkeypatch):
+    from overlapkernels import cli
+
+    calls = []
+    monkeypatch.setattr(cli, "main", lambda argv: calls.append(argv) or 0)
+    args = cli.build_parser().parse_args(["bench", "all", "--nproc", "2", "--csv", "out.csv"])
+    assert cli._bench_all(args) == 0
+    assert [c[1] for c in calls] == list(cli.ALL_KINDS)
+    assert all(c[:2] == ["bench", c[1]] and "--csv" in c and "--nproc" in c for c in calls)

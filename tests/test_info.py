@@ -84,3 +84,42 @@ def test_gpu_inventory_without_driver():
     assert inv == {"available": False, "reason": "no NVIDIA driver/GPU visible to NVML (NVML Shared Library Not Found)",
                    "gpus": []}
     assert "GPU           none: no NVIDIA driver" in format_inventory(inventory(NoDriver()))
+
+
+class FakeTelemetryNVML(FakeNVML):
+    NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX = 138, 139
+    NVML_TEMPERATURE_GPU = 0
+
+    def __init__(self):
+        self.kib = 0
+
+    def nvmlDeviceGetClockInfo(self, h, kind): return 1980
+    def nvmlDeviceGetPowerUsage(self, h): return 650_000  # mW
+    def nvmlDeviceGetTemperature(self, h, kind): return 61
+
+    def nvmlDeviceGetFieldValues(self, h, fields):
+        self.kib += 1024 * 1024  # 1 GiB more per sample
+        return [SimpleNamespace(nvmlReturn=0, value=SimpleNamespace(ullVal=self.kib)) for _ in fields]
+
+
+def test_telemetry_summary_with_fake_nvml():
+    from overlapkernels.profiling.telemetry import Telemetry
+
+    with Telemetry(0, interval_s=0.01, nvml=FakeTelemetryNVML()) as tel:
+        for _ in range(3):
+            tel._sample()  # deterministic samples on top of the thread's
+    s = tel.summary()
+    assert s["sm_clock_mhz"] == 1980 and s["power_w"] == 650.0 and s["temp_c"] == 61
+    assert s["nvlink_tx_gbps"] > 0 and s["nvlink_rx_gbps"] > 0
+
+
+def test_telemetry_without_nvml_leaves_columns_empty():
+    from overlapkernels.profiling.telemetry import COLUMNS, Telemetry
+
+    class NoDriver:
+        def nvmlInit(self):
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    with Telemetry(nvml=NoDriver()) as tel:
+        pass
+    assert tel.summary() == {c: "" for c in COLUMNS}

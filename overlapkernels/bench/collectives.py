@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from ..comm import collectives as C
 from .metrics import algbw_gbps, busbw_gbps, summarize
-from .timing import slowest_rank, time_calls
+from .progress import track
+from .timing import slowest_rank, telemetry, time_calls
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -62,17 +63,18 @@ def run_collectives(config: CollectivesConfig, group=None) -> list[dict]:
     dtype = DTYPES[config.dtype]
     elem = torch.empty((), dtype=dtype).element_size()
     rows = []
-    for op in config.ops:
-        for size in config.sizes:
-            count = max(world, size // elem // world * world)  # divisible by the world, as nccl-tests
-            stats = slowest_rank(summarize(time_calls(_call(op, count, world, dtype, device, group), config.iters,
-                                                      config.warmup, device, group)), device, group)
-            median, fastest, slowest = stats["median_s"], stats["min_s"], stats["max_s"]
-            nbytes = count * elem
-            rows.append({"op": op, "bytes": nbytes, "count": count, "dtype": config.dtype, "world_size": world,
-                         "backend": dist.get_backend(group), "time_us": median * 1e6, "min_us": fastest * 1e6,
-                         "max_us": slowest * 1e6, "algbw_gbps": algbw_gbps(nbytes, median),
-                         "busbw_gbps": busbw_gbps(op, nbytes, median, world)})
+    sweep = [(op, size) for op in config.ops for size in config.sizes]
+    for op, size in track(sweep, "collectives", enabled=dist.get_rank() == 0):
+        count = max(world, size // elem // world * world)  # divisible by the world, as nccl-tests
+        with telemetry(device) as tel:
+            stats = slowest_rank(summarize(time_calls(_call(op, count, world, dtype, device, group),
+                                                      config.iters, config.warmup, device, group)), device, group)
+        median, fastest, slowest = stats["median_s"], stats["min_s"], stats["max_s"]
+        nbytes = count * elem
+        rows.append({"op": op, "bytes": nbytes, "count": count, "dtype": config.dtype, "world_size": world,
+                     "backend": dist.get_backend(group), "time_us": median * 1e6, "min_us": fastest * 1e6,
+                     "max_us": slowest * 1e6, "algbw_gbps": algbw_gbps(nbytes, median),
+                     "busbw_gbps": busbw_gbps(op, nbytes, median, world), **tel.summary()})
     return rows
 
 

@@ -29,16 +29,21 @@ def environment(device: str) -> dict[str, str]:
         triton_version = triton.__version__
     except ImportError:  # pragma: no cover - triton is an install requirement
         triton_version = ""
-    gpu_name = driver = ""
+    gpu_name = driver = nvlink = ""
     if device == "cuda":
         from ..profiling.inventory import gpu_inventory
 
         inv = gpu_inventory()
         gpus = inv.get("gpus") or [{}]
         gpu_name, driver = gpus[0].get("name", ""), inv.get("driver", "")
+        links = gpus[0].get("nvlink") or {}
+        if links.get("active_links"):
+            nvlink = f"{links['active_links']} links v{'/'.join(map(str, links.get('versions') or [])) or '?'}"
+        elif gpus[0]:
+            nvlink = "none"
     return {
         "device": device if device == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
-        "gpu_name": gpu_name, "driver": driver, "torch": torch.__version__, "triton": triton_version,
+        "gpu_name": gpu_name, "driver": driver, "nvlink": nvlink, "torch": torch.__version__, "triton": triton_version,
         "commit": git_commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
 

@@ -35,3 +35,19 @@ def slowest_rank(stats: dict, device: torch.device, group=None) -> dict:
     worst = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
     return dict(zip(keys, worst.tolist()))
+
+
+def telemetry(device: torch.device):
+    """NVML sampling of this rank's GPU while a measurement runs (empty columns on CPU)."""
+    from ..profiling.telemetry import Telemetry
+
+    if device.type != "cuda":
+        return Telemetry(nvml=_NoNVML())
+    return Telemetry(device.index if device.index is not None else torch.cuda.current_device())
+
+
+class _NoNVML:
+    """A CPU run samples nothing: NVML would describe a GPU the run did not use."""
+
+    def nvmlInit(self):
+        raise RuntimeError("CPU run")

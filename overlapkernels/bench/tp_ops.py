@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .metrics import overlap_efficiency, summarize
-from .timing import slowest_rank, time_calls
+from .timing import slowest_rank, telemetry, time_calls
 
 # hidden, ffn, q heads, kv heads, head dim
 MODELS = {"llama3-8b": (4096, 14336, 32, 8, 128), "llama3-70b": (8192, 28672, 64, 8, 128)}
@@ -110,8 +110,9 @@ def run_tp_ops(config: TpOpsConfig, group=None) -> list[dict]:
                                   device, group)["median_s"]
             times = {}
             for method in dict.fromkeys(("baseline", *config.methods)):  # baseline first: the reference
-                stats = summarize(time_calls(lambda: fn(a, b, group, method=method), config.iters, config.warmup,
-                                             device, group))
+                with telemetry(device) as tel:
+                    stats = summarize(time_calls(lambda: fn(a, b, group, method=method), config.iters,
+                                                 config.warmup, device, group))
                 times[method] = slowest_rank(stats, device, group)["median_s"]
                 if method not in config.methods:
                     continue
@@ -120,7 +121,8 @@ def run_tp_ops(config: TpOpsConfig, group=None) -> list[dict]:
                              "time_us": times[method] * 1e6, "gemm_us": t_gemm * 1e6,
                              "tflops": 2 * gm * gk * gn / times[method] / 1e12,
                              "speedup": times["baseline"] / times[method],
-                             "efficiency": overlap_efficiency(times[method], times["baseline"], t_gemm)})
+                             "efficiency": overlap_efficiency(times[method], times["baseline"], t_gemm),
+                             **tel.summary()})
     return rows
 
 
