@@ -33,6 +33,7 @@ from ..kernels.triton import signals as sig
 from ..kernels.triton.ag_gemm import ag_gemm
 from ..kernels.triton.all_gather import _ag_signal_kernel
 from ..kernels.triton.gemm_rs import gemm_rs, gemm_rs_tiles
+from ..profiling.ranges import span
 from ._collective_methods import accumulation_dtype
 
 GEMM_BLOCKS = dict(block_m=64, block_n=64, block_k=32)
@@ -80,11 +81,12 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
 
     # 2. the copy engine pulls the other chunks in ring order
     def pull(src):
-        sig.wait_flag(ws.pads.local[src:src + 1], epoch, err, spins, code=sig.ERR_READY_TIMEOUT, rank=r, chunk=src,
-                      peer=src)
-        a_full[src].copy_(ws.slots.peer(src)[src])
-        sig.add_peer_flag(ws.pads, src, w + r, 1)
-        sig.set_flag_now(ws.arrived[src:src + 1], epoch)
+        with span(f"ok/ag_matmul/chunk{src}/comm"):
+            sig.wait_flag(ws.pads.local[src:src + 1], epoch, err, spins, code=sig.ERR_READY_TIMEOUT, rank=r,
+                          chunk=src, peer=src)
+            a_full[src].copy_(ws.slots.peer(src)[src])
+            sig.add_peer_flag(ws.pads, src, w + r, 1)
+            sig.set_flag_now(ws.arrived[src:src + 1], epoch)
 
     side = world.side_stream()
     for step in range(1, w):
@@ -94,17 +96,19 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
     a_flat = a_full.view(w * m, k)
     outs = [torch.empty(w * m, b.shape[1], dtype=shard.dtype, device=shard.device) for b in bs]
     if method == "fused":
-        for b, out in zip(bs, outs):
-            ag_gemm(a_flat, b, out, ws.arrived, err, rank=r, world_size=w, epoch=epoch, max_spins=spins,
-                    ranks_per_device=world.ranks_per_device, **GEMM_BLOCKS)
+        with span("ok/ag_matmul/fused_gemm/compute"):
+            for b, out in zip(bs, outs):
+                ag_gemm(a_flat, b, out, ws.arrived, err, rank=r, world_size=w, epoch=epoch, max_spins=spins,
+                        ranks_per_device=world.ranks_per_device, **GEMM_BLOCKS)
     else:
         for step in range(w):
             c = (r + step) % w
             if c != r:
                 sig.wait_flag(ws.arrived[c:c + 1], epoch, err, spins, code=sig.ERR_READY_TIMEOUT, rank=r, chunk=c,
                               peer=c)
-            for b, out in zip(bs, outs):
-                torch.matmul(a_full[c], b, out=out[c * m:(c + 1) * m])
+            with span(f"ok/ag_matmul/chunk{c}/compute"):
+                for b, out in zip(bs, outs):
+                    torch.matmul(a_full[c], b, out=out[c * m:(c + 1) * m])
     side.synchronize()
     world.check_errors(err, _op_name("all_gather_matmul", method), epoch)
     return a_flat, outs
@@ -144,8 +148,9 @@ def _push_partials(world, ws, partial_of) -> int:
     side = world.side_stream()
 
     def push(owner, value):
-        ws.slots.peer(owner)[r].copy_(value)
-        sig.add_peer_flag(ws.pads, owner, r, 1)
+        with span(f"ok/matmul_rs/chunk{owner}/comm"):
+            ws.slots.peer(owner)[r].copy_(value)
+            sig.add_peer_flag(ws.pads, owner, r, 1)
 
     for step in range(w):
         owner = (r + 1 + step) % w

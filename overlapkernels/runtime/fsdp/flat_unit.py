@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..._compat import all_gather_single, reduce_scatter_single
+from ...profiling.ranges import span
 
 
 class FlatUnit:
@@ -71,7 +72,8 @@ class FlatUnit:
             return
         self.flat.untyped_storage().resize_(self.flat_bytes)
         staged = self.master.detach().to(self.param_dtype)
-        work = all_gather_single(self.flat, staged, group=self.group, async_op=async_op)
+        with span(f"ok/fsdp/{self.name}/gather/comm"):
+            work = all_gather_single(self.flat, staged, group=self.group, async_op=async_op)
         self.bytes_gathered += self.flat_bytes
         if async_op:
             self.pending_gather = (work, staged)
@@ -101,7 +103,8 @@ class FlatUnit:
             offset += n
         flat_grad.div_(self.world)  # DDP semantics: the mean over ranks
         out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        work = reduce_scatter_single(out, flat_grad, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        with span(f"ok/fsdp/{self.name}/reduce_scatter/comm"):
+            work = reduce_scatter_single(out, flat_grad, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         self.bytes_reduced += flat_grad.numel() * flat_grad.element_size()
         self.pending_reduce.append((work, out, flat_grad))
         self.grads_ready = 0

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ...parallel import resolve_group
+from ...profiling.ranges import span
 from .simulate import validate
 from .weight_grad import WeightGradStore, deferring
 
@@ -117,52 +118,58 @@ class PipelineRunner:
         self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0}  # time in module compute, per op kind
         step_start = time.perf_counter()
         for a in self.schedule.actions[self.rank]:
-            s, mb = a.stage, a.microbatch
-            if a.op == "F":
-                if s == 0:
-                    x = inputs_mb[mb]
-                elif self.schedule.rank_of(s - 1) == self.rank:
-                    x = state[(s - 1, mb)]["out"].detach().requires_grad_()
-                else:
-                    x = self._recv_activation(s, mb).requires_grad_()
-                t_op = time.perf_counter()
-                out = self.modules[s](x)
-                if s == self.last_stage:
-                    loss = self.loss_fn(out, targets_mb[mb]) / m
-                    losses.append(loss.detach())
-                    out = loss
-                elif self.schedule.rank_of(s + 1) != self.rank:
-                    self._send_activation(out, s, mb)
-                state[(s, mb)] = {"x": x, "out": out}
-                self.compute_s["F"] += time.perf_counter() - t_op
-            elif a.op in ("B", "BW"):
-                st = state[(s, mb)]
-                if s == self.last_stage:
-                    grad = None
-                elif self.schedule.rank_of(s + 1) == self.rank:
-                    grad = state.pop(("grad", s, mb))
-                else:
-                    shape, dtype = self._shapes[s]
-                    grad = self._recv(shape, dtype, s + 1, 2, s, mb, "gradient")
-                t_op = time.perf_counter()
-                if a.op == "B":
-                    stores[(s, mb)] = WeightGradStore()
-                    with deferring(stores[(s, mb)]):
-                        torch.autograd.backward(st["out"], grad)
-                else:
-                    torch.autograd.backward(st["out"], grad)
-                if s > 0:
-                    if self.schedule.rank_of(s - 1) == self.rank:
-                        state[("grad", s - 1, mb)] = st["x"].grad
-                    else:
-                        self._send(st["x"].grad, s - 1, 2, s - 1, mb)
-                del state[(s, mb)]
-                self.compute_s[a.op] += time.perf_counter() - t_op
-            else:  # W
-                t_op = time.perf_counter()
-                stores.pop((s, mb)).run()
-                self.compute_s["W"] += time.perf_counter() - t_op
+            with span(f"ok/pipeline/{a}"):
+                self._run_action(a, inputs_mb, targets_mb, state, stores, losses)
         for work, what, stage, mb, to_stage in self._pending:  # sends: done once their peers received
             self._wait(work, f"receipt of the {what}", stage, mb, to_stage)
         self.step_s = time.perf_counter() - step_start
         return torch.stack(losses).sum() if has_last else None
+
+    def _run_action(self, a, inputs_mb, targets_mb, state, stores, losses) -> None:
+        """One F, B, BW or W: receive what it needs, compute, send what it made."""
+        m = self.schedule.num_microbatches
+        s, mb = a.stage, a.microbatch
+        if a.op == "F":
+            if s == 0:
+                x = inputs_mb[mb]
+            elif self.schedule.rank_of(s - 1) == self.rank:
+                x = state[(s - 1, mb)]["out"].detach().requires_grad_()
+            else:
+                x = self._recv_activation(s, mb).requires_grad_()
+            t_op = time.perf_counter()
+            out = self.modules[s](x)
+            if s == self.last_stage:
+                loss = self.loss_fn(out, targets_mb[mb]) / m
+                losses.append(loss.detach())
+                out = loss
+            elif self.schedule.rank_of(s + 1) != self.rank:
+                self._send_activation(out, s, mb)
+            state[(s, mb)] = {"x": x, "out": out}
+            self.compute_s["F"] += time.perf_counter() - t_op
+        elif a.op in ("B", "BW"):
+            st = state[(s, mb)]
+            if s == self.last_stage:
+                grad = None
+            elif self.schedule.rank_of(s + 1) == self.rank:
+                grad = state.pop(("grad", s, mb))
+            else:
+                shape, dtype = self._shapes[s]
+                grad = self._recv(shape, dtype, s + 1, 2, s, mb, "gradient")
+            t_op = time.perf_counter()
+            if a.op == "B":
+                stores[(s, mb)] = WeightGradStore()
+                with deferring(stores[(s, mb)]):
+                    torch.autograd.backward(st["out"], grad)
+            else:
+                torch.autograd.backward(st["out"], grad)
+            if s > 0:
+                if self.schedule.rank_of(s - 1) == self.rank:
+                    state[("grad", s - 1, mb)] = st["x"].grad
+                else:
+                    self._send(st["x"].grad, s - 1, 2, s - 1, mb)
+            del state[(s, mb)]
+            self.compute_s[a.op] += time.perf_counter() - t_op
+        else:  # W
+            t_op = time.perf_counter()
+            stores.pop((s, mb)).run()
+            self.compute_s["W"] += time.perf_counter() - t_op
