@@ -126,6 +126,7 @@ def _bench_fsdp(args) -> int:
     from .bench import fsdp as fb
 
     cfg = fb.FsdpConfig(layers=args.layers, width=args.width, batch=args.batch, iters=args.iters, warmup=args.warmup)
+    cfg.validate()
     rows, device = _run_ranks(fb.rank_main, fb.config_dict(cfg), args)
     return 0 if rows is None else _report(rows, device, fb.COLUMNS, "fsdp step per ZeRO stage (comm in Psi)", args)
 
@@ -134,6 +135,7 @@ def _bench_pipeline(args) -> int:
     from .bench import pipeline as pb
 
     cfg = pb.PipelineBenchConfig(microbatches=args.microbatches, width=args.width, batch=args.batch, iters=args.iters)
+    cfg.validate(None if _launched() else args.nproc)
     rows, device = _run_ranks(pb.rank_main, pb.config_dict(cfg), args)
     return 0 if rows is None else _report(rows, device, pb.COLUMNS, "pipeline: measured vs simulated", args)
 
@@ -161,12 +163,7 @@ def _demo(args) -> int:
     from . import demo
 
     cfg = demo.DemoConfig(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, steps=args.steps, schedule=args.schedule)
-    from .parallel import resolve_sizes
-    from .runtime.pipeline import make_schedule
-
-    world = int(os.environ["WORLD_SIZE"]) if _launched() else args.nproc
-    resolve_sizes(world, tp=cfg.tp, cp=cfg.cp, pp=cfg.pp, dp=cfg.dp)  # bad layouts fail before any rank starts
-    make_schedule(cfg.schedule, cfg.pp, 2 * cfg.pp)
+    cfg.validate(int(os.environ["WORLD_SIZE"]) if _launched() else args.nproc)  # before any rank starts
     rows, _ = _run_ranks(demo.rank_main, demo.config_dict(cfg), args)
     if rows is not None:
         print(demo.format_rows(rows, cfg))
@@ -257,7 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     _rank_args(pl, iters=3, warmup=0)
     pl.set_defaults(func=_bench_pipeline)
     every = kinds.add_parser("all", help="every bench kind in turn (small sizes on CPU ranks)")
-    _rank_args(every, iters=0, warmup=0)
+    every.add_argument("--nproc", type=int, default=4, help="CPU ranks to spawn when not under torchrun")
+    for flag, metavar in (("--csv", "FILE"), ("--json", "FILE"), ("--plot", "DIR"), ("--profile", "DIR")):
+        every.add_argument(flag, metavar=metavar, dest="json_out" if flag == "--json" else None)
     every.set_defaults(func=_bench_all)
     return parser
 

@@ -29,6 +29,27 @@ class DemoConfig:
     hidden: int = 64
     layers: int = 4
 
+    def validate(self, world: int) -> None:
+        """Every constraint of the composition, checked before any rank starts."""
+        from .parallel import resolve_sizes
+        from .runtime.pipeline import make_schedule
+
+        resolve_sizes(world, tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp)
+        make_schedule(self.schedule, self.pp, 2 * self.pp)
+        problems = []
+        if 2 % self.tp:
+            problems.append(f"tp={self.tp} must divide the 2 KV heads (so tp is 1 or 2)")
+        if self.layers % self.pp:
+            problems.append(f"layers={self.layers} must be divisible by pp={self.pp}")
+        if self.batch % (self.dp * 2 * self.pp):
+            problems.append(f"batch={self.batch} must be divisible by dp x microbatches = {self.dp} x {2 * self.pp}")
+        if self.cp > 1 and self.seq % (2 * self.cp):
+            problems.append(f"seq={self.seq} must be divisible by 2 x cp = {2 * self.cp} (zigzag)")
+        if (self.seq // self.cp) % self.tp:
+            problems.append(f"seq / cp = {self.seq // self.cp} must be divisible by tp={self.tp} (sequence parallel)")
+        if problems:
+            raise ValueError("demo: " + "; ".join(problems))
+
 
 def _batch(cfg: DemoConfig, step: int):
     g = torch.Generator().manual_seed(1000 + step)

@@ -260,3 +260,78 @@ def _tp_dp_on_rank():
 
 def test_tp2_by_dp2_with_the_tp_layers(rank_pool):
     assert rank_pool(4).run(_tp_dp_on_rank) == [True] * 4
+
+
+class WithFrozenAndUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(D_IN, 3)
+        self.frozen = nn.Linear(D_IN, D_IN).requires_grad_(False)
+        self.unused = nn.Linear(D_IN, 3)
+
+    def forward(self, x):
+        return self.used(self.frozen(x))
+
+
+def _frozen_unused_on_rank(stage):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
+    torch.manual_seed(0)
+    ref = WithFrozenAndUnused().double()
+    ref_opt = adamw([p for p in ref.parameters() if p.requires_grad])
+    torch.manual_seed(0)
+    sharded = fsdp.shard(WithFrozenAndUnused().double(), stage=stage, optimizer=adamw, prefetch=0)
+    for x, y in _batches(3, 2, world):
+        ref_opt.zero_grad()
+        _loss(ref(x), y).backward()
+        ref_opt.step()
+        mine = slice(rank * 2, (rank + 1) * 2)
+        _loss(sharded(x[mine]), y[mine]).backward()
+        sharded.step()
+    got = sharded.full_state_dict()
+    for name, want in ref.state_dict().items():  # frozen and unused weights untouched, as in torch
+        torch.testing.assert_close(got[name], want, atol=1e-12, rtol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_frozen_and_unused_parameters_are_left_alone(rank_pool, stage):
+    assert rank_pool(2).run(_frozen_unused_on_rank, stage) == [True, True]
+
+
+def _gpt_default_units_on_rank():
+    """GPT keeps its blocks in a ModuleDict, which is never called: its children must be the units."""
+    from overlapkernels.models import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=16, hidden=8, num_layers=2, num_heads=2, num_kv_heads=2, ffn_hidden=16,
+                       max_seq_len=8, method="baseline")
+    torch.manual_seed(0)
+    dense = GPT(config, ok.init_parallel(), dtype=torch.float64)
+    tokens = torch.randint(0, 16, (2, 8), generator=torch.Generator().manual_seed(1))
+    want = float(dense.loss(tokens, tokens))
+    torch.manual_seed(0)
+    sharded = fsdp.shard(GPT(config, ok.init_parallel(), dtype=torch.float64), stage=3, prefetch=0)
+    assert [u.name for u in sharded.units] == ["embed", "blocks.0", "blocks.1", "norm", "lm_head"]
+    got = sharded.module.loss(tokens, tokens)
+    got.backward()
+    sharded.step()
+    return abs(float(got) - want)
+
+
+def test_gpt_default_units_stage3_without_prefetch(rank_pool):
+    assert all(d < 1e-12 for d in rank_pool(2).run(_gpt_default_units_on_rank))
+
+
+def _checkpoint_after_crash_on_rank(path):
+    sharded = fsdp.shard(_net(), stage=2)
+    fsdp.save(sharded, path)
+    if dist.get_rank() == 0:  # a crash after the switch but before the old one was deleted
+        os.makedirs(path + ".old", exist_ok=True)
+    dist.barrier()
+    fsdp.save(sharded, path)  # must not trip over the leftover
+    fsdp.load(sharded, path)
+    return not os.path.exists(path + ".old")
+
+
+def test_save_after_a_crash_that_left_both_checkpoints(rank_pool, tmp_path):
+    assert rank_pool(2).run(_checkpoint_after_crash_on_rank, str(tmp_path / "c")) == [True, True]

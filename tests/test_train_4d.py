@@ -14,6 +14,7 @@ def _compose_on_rank(layout, schedule):
     g = torch.Generator().manual_seed(5)
     batches = [(torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g))
                for _ in range(2)]
+    batches[1][1][2, 3:7] = batches[1][1][5, 0] = -100  # padding: the mean is over the real tokens
     torch.manual_seed(0)
     dense = GPT(config, ok.init_parallel(), dtype=torch.float64)
     start = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in dense.state_dict().items()}
@@ -43,3 +44,17 @@ def _compose_on_rank(layout, schedule):
 def test_composition_matches_single_process(rank_pool, layout, schedule):
     results = rank_pool(4).run(_compose_on_rank, layout, schedule)
     assert all(r == results[0] for r in results)
+
+
+def _bad_batch_on_rank():
+    dims = ok.init_parallel(tp=2, pp=2)
+    trainer = Trainer(GPTConfig(**CONFIG), dims, dtype=torch.float64)
+    try:
+        trainer.step(torch.zeros(6, 8, dtype=torch.long), torch.zeros(6, 8, dtype=torch.long))
+    except ValueError as exc:  # on every rank, middle stages included, before any P2P
+        return str(exc)
+
+
+def test_bad_batch_is_refused_on_every_rank(rank_pool):
+    for message in rank_pool(4).run(_bad_batch_on_rank):
+        assert message == "batch size 6 must be divisible by dp x microbatches = 1 x 4"

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .metrics import summarize
-from .timing import slowest_rank, time_calls
+from .timing import check_counts, slowest_rank, time_calls
 
 COLUMNS = [("stage", "stage", "d"), ("prefetch", "prefetch", "d"), ("time_us", "step(us)", ".0f"),
            ("comm_psi", "comm / Psi", ".2f"), ("theory_psi", "theory", ".0f"),
@@ -26,6 +26,14 @@ class FsdpConfig:
     iters: int = 3
     warmup: int = 1
 
+    def validate(self) -> None:
+        check_counts(self.iters, self.warmup)
+        bad = [s for s in self.stages if s not in (1, 2, 3)] + [p for p in self.prefetches if p < 0]
+        if bad or min(self.layers, self.width, self.batch) < 1:
+            raise ValueError(f"stages={self.stages}, prefetches={self.prefetches}, layers={self.layers}, "
+                             f"width={self.width}, batch={self.batch}: expected stages in 1-3, prefetch >= 0, "
+                             "sizes >= 1")
+
 
 def _model(cfg: FsdpConfig, device) -> nn.Module:
     torch.manual_seed(0)
@@ -36,6 +44,7 @@ def _model(cfg: FsdpConfig, device) -> nn.Module:
 def run_fsdp(cfg: FsdpConfig, group=None) -> list[dict]:
     from ..runtime import fsdp
 
+    cfg.validate()
     group = group or dist.group.WORLD
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else \
         torch.device("cpu")

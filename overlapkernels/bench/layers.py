@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .metrics import summarize
-from .timing import slowest_rank, time_calls
+from .timing import check_counts, slowest_rank, time_calls
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 COLUMNS = [("method", "method", ""), ("seq", "S", "d"), ("hidden", "hidden", "d"), ("time_us", "fwd+bwd(us)", ".0f"),
@@ -29,6 +29,7 @@ class LayersConfig:
     warmup: int = 1
 
     def validate(self, world: int | None = None) -> None:
+        check_counts(self.iters, self.warmup)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: expected one of {list(DTYPES)}")
         if world and (self.seq % world or self.kv_heads % world or self.ffn_hidden % world):

@@ -23,12 +23,28 @@ class PipelineBenchConfig:
     batch: int = 64
     iters: int = 3
 
+    def validate(self, world: int | None = None) -> None:
+        from ..runtime.pipeline import KINDS
+
+        if self.iters < 1:
+            raise ValueError(f"iters={self.iters}: expected >= 1")
+        bad = [k for k in self.kinds if k not in KINDS]
+        if bad:
+            raise ValueError(f"kinds={list(self.kinds)}: expected a subset of {list(KINDS)}")
+        if self.batch % self.microbatches or self.layers_per_stage % 2:
+            raise ValueError(f"batch={self.batch} must be divisible by microbatches={self.microbatches}, and "
+                             f"layers_per_stage={self.layers_per_stage} even (interleaving halves it)")
+        if world and "interleaved-1f1b" in self.kinds and self.microbatches % world:
+            raise ValueError(f"microbatches={self.microbatches} must be a multiple of the world size {world} "
+                             "for interleaved-1f1b")
+
 
 def run_pipeline(cfg: PipelineBenchConfig, group=None) -> list[dict]:
     from ..runtime import pipeline as pp
 
     group = group or dist.group.WORLD
     p, rank = dist.get_world_size(group), dist.get_rank(group)
+    cfg.validate(p)
     rows = []
     for kind in cfg.kinds:
         v = 2 if kind == "interleaved-1f1b" else 1

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .metrics import overlap_efficiency, summarize
-from .timing import slowest_rank, time_calls
+from .timing import check_counts, slowest_rank, time_calls
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 COLUMNS = [("layout", "layout", ""), ("causal", "causal", ""), ("seq", "S", "d"), ("fwd_allgather_us", "AG fwd(us)", ".0f"),
@@ -37,6 +37,7 @@ class RingConfig:
     warmup: int = 1
 
     def validate(self, world: int | None = None) -> None:
+        check_counts(self.iters, self.warmup)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: expected one of {list(DTYPES)}")
         if self.heads % self.kv_heads:

@@ -7,6 +7,11 @@ import torch
 import torch.distributed as dist
 
 
+def check_counts(iters: int, warmup: int) -> None:
+    if not isinstance(iters, int) or iters < 1 or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"iters={iters!r}, warmup={warmup!r}: expected iters >= 1 and warmup >= 0")
+
+
 def time_calls(fn, iters: int, warmup: int, device: torch.device, group=None) -> list[float]:
     """Seconds per call of ``fn`` on this rank, each call started together (barrier first)."""
     for _ in range(warmup):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .metrics import overlap_efficiency, summarize
-from .timing import slowest_rank, telemetry, time_calls
+from .timing import check_counts, slowest_rank, telemetry, time_calls
 
 # hidden, ffn, q heads, kv heads, head dim
 MODELS = {"llama3-8b": (4096, 14336, 32, 8, 128), "llama3-70b": (8192, 28672, 64, 8, 128)}
@@ -65,6 +65,7 @@ class TpOpsConfig:
     warmup: int = 2
 
     def validate(self, world: int | None = None) -> None:
+        check_counts(self.iters, self.warmup)
         if self.op not in OPS:
             raise ValueError(f"op={self.op!r}: expected one of {list(OPS)}")
         if self.dtype not in DTYPES:

@@ -55,9 +55,11 @@ class GPT(nn.Module):
         sp = config.sequence_parallel and dims.tp_size > 1
         self.sequence_parallel = sp
         kw = dict(dtype=dtype, device=device)
+        # every stage builds (and draws the random weights of) the embedding and every layer, in
+        # order, and keeps its own: so initial weights never depend on the pipeline split
+        embed = VocabParallelEmbedding(config.vocab_size, config.hidden, tp, sequence_parallel=sp, **kw)
         if self.first:
-            self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden, tp, sequence_parallel=sp, **kw)
-        # built in order for every layer, so each layer's initial weights do not depend on the split
+            self.embed = embed
         blocks = {}
         for i in range(config.num_layers):
             block = TransformerBlock(config.hidden, config.num_heads, config.num_kv_heads, config.ffn_hidden, tp,
@@ -119,7 +121,9 @@ class GPT(nn.Module):
         return (local_sum + (global_sum - local_sum.detach())) / global_count.clamp(min=1)
 
     def sync_grads(self) -> None:
-        """After backward: SP-partial gradients summed over TP, then every gradient over CP."""
+        """After backward: SP-partial gradients summed over TP, then every gradient over CP.
+        Not under ``fsdp.shard``, which sums the SP-partial ones over TP itself (twice would
+        multiply them by the TP size)."""
         if self.sequence_parallel:
             allreduce_sequence_parallel_grads(self, self.dims.tp_group)
         if self.cp_group is not None:

@@ -37,24 +37,38 @@ class Trainer:
         self.runner = pp.PipelineRunner(self.sharded, dims.pp_group, schedule=self.schedule, loss_fn=self._loss)
 
     def _loss(self, logits, targets_local):
-        """This rank's share of the global mean token loss: its sum over all ranks' token count."""
-        per_token = vocab_parallel_cross_entropy(logits, targets_local.transpose(0, 1), self.dims.tp_group)
-        return per_token.sum() / (targets_local.numel() * self.dims.cp_size)
+        """This microbatch's share of the step's global mean token loss. The runner divides by the
+        number of microbatches and ZeRO averages over DP; both are undone here, so the summed
+        gradient is exactly that of (sum of token losses) / (non-ignored tokens in the batch)."""
+        per_token = vocab_parallel_cross_entropy(logits, targets_local.transpose(0, 1), self.dims.tp_group,
+                                                 ignore_index=self.config.ignore_index)
+        scale = self.schedule.num_microbatches * self.dims.dp_size / self._tokens
+        return per_token.sum() * scale
 
     def local_batch(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's rows (DP) and sequence part (CP) of a global [B, S] batch."""
-        dp, rank = self.dims.dp_size, self.dims.dp_rank
-        if x.shape[0] % dp:
-            raise ValueError(f"batch size {x.shape[0]} is not divisible by the data-parallel size {dp}")
-        x = x.chunk(dp, dim=0)[rank]
+        x = x.chunk(self.dims.dp_size, dim=0)[self.dims.dp_rank]
         if self.dims.cp_size > 1:
             x = shard_sequence(x, self.dims.cp_group, dim=1, layout=self.config.cp_layout)
         return x
 
+    def check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        """Every rank checks the global batch, so a bad one fails everywhere before any P2P (the
+        runner alone could only check it on the first and last stages)."""
+        if tokens.shape != targets.shape or tokens.dim() != 2:
+            raise ValueError(f"tokens {tuple(tokens.shape)} and targets {tuple(targets.shape)} must both be [B, S]")
+        rows = self.dims.dp_size * self.schedule.num_microbatches
+        if tokens.shape[0] % rows:
+            raise ValueError(f"batch size {tokens.shape[0]} must be divisible by dp x microbatches = "
+                             f"{self.dims.dp_size} x {self.schedule.num_microbatches}")
+        self.stage.local_tokens(tokens)  # sequence split over CP (and TP under SP), max_seq_len
+
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimizer step on the global batch; returns its mean token loss on every rank."""
+        self.check_batch(tokens, targets)
         t0 = time.perf_counter()
         first, last = self.stage.first, self.stage.last
+        self._tokens = max(1, int((targets != self.config.ignore_index).sum()))
         loss = self.runner.step(self.local_batch(tokens) if first else None,
                                 self.local_batch(targets) if last else None)
         if self.dims.cp_size > 1:  # each CP rank saw part of the sequence: its gradient is partial
@@ -64,7 +78,7 @@ class Trainer:
         value = torch.zeros((), dtype=torch.float64)
         if loss is not None:
             value += loss.double()
-        # the last stage's loss: summed over CP (shares), averaged over DP, sent to every PP rank
+        # the last stage's shares, summed over CP and DP (each was scaled by dp), sent to every PP rank
         dist.all_reduce(value, group=self.dims.pp_group)
         if self.dims.cp_size > 1:
             dist.all_reduce(value, group=self.dims.cp_group)

@@ -59,8 +59,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, ignore_index=-100, label_smoothing=0.0):
     """Per-token loss [...] from vocabulary-parallel logits [..., V/P] and global target ids [...]."""
-    if not isinstance(logits_shard, torch.Tensor) or not isinstance(target, torch.Tensor):
-        raise TypeError("logits_shard and target must be torch.Tensors")
+    for name, t in (("logits_shard", logits_shard), ("target", target)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if logits_shard.shape[:-1] != target.shape:
         raise ValueError(f"target shape {tuple(target.shape)} must equal logits_shard.shape[:-1] "
                          f"{tuple(logits_shard.shape[:-1])}")
@@ -69,4 +70,9 @@ def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, ignore_ind
     if not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing}: expected a value in [0, 1]")
     group = resolve_group(group)
+    vocab = logits_shard.shape[-1] * dist.get_world_size(group)
+    bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
+    if bool(bad.any()):  # F.cross_entropy raises here too; identical on every rank, before communicating
+        raise ValueError(f"target holds ids outside [0, {vocab}) that are not ignore_index={ignore_index}, e.g. "
+                         f"{int(target[bad][0])}")
     return _VocabParallelCrossEntropy.apply(logits_shard, target.long(), group, ignore_index, float(label_smoothing))

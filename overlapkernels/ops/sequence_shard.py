@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ..comm.collectives import all_gather, reduce_scatter
 from ..parallel import resolve_group
+from ._validate import check_tensor
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -39,9 +40,8 @@ def _split_count(layout: str, world: int) -> int:
     return world if layout == "contiguous" else 2 * world
 
 
-def _check(x, dim, layout, world, name):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+def _check(x, dim, layout, name):
+    check_tensor(name, x)
     if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim={dim!r} is not a dim of {name} with shape {tuple(x.shape)}")
     return dim % x.dim(), check_layout(layout)
@@ -51,7 +51,7 @@ def shard_sequence(x, group=None, *, dim=1, layout="zigzag"):
     """This rank's part of the full sequence ``x`` (same on every rank), laid out as ``layout``."""
     group = resolve_group(group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    dim, layout = _check(x, dim, layout, world, "x")
+    dim, layout = _check(x, dim, layout, "x")
     parts = _split_count(layout, world)
     if x.shape[dim] % parts:
         raise ValueError(f"x.shape[{dim}]={x.shape[dim]} is not divisible by {parts} "
@@ -89,8 +89,7 @@ class _Unshard(torch.autograd.Function):
 def unshard_sequence(x_local, group=None, *, dim=1, layout="zigzag"):
     """Gather the parts that ``shard_sequence`` laid out and reorder them into the full sequence."""
     group = resolve_group(group)
-    world = dist.get_world_size(group)
-    dim, layout = _check(x_local, dim, layout, world, "x_local")
+    dim, layout = _check(x_local, dim, layout, "x_local")
     if layout == "zigzag" and x_local.shape[dim] % 2:
         raise ValueError(f"x_local.shape[{dim}]={x_local.shape[dim]} is odd; a zigzag part holds two equal chunks")
     return _Unshard.apply(x_local, group, dim, layout)

@@ -55,7 +55,10 @@ def save(sharded, path) -> None:
     dist.barrier(group=sharded.group)  # every shard is on disk before the switch
     if rank == 0:
         if os.path.exists(path):
+            if os.path.exists(old):  # a crash after the last switch left both: path is the newer
+                shutil.rmtree(old)
             os.replace(path, old)
+        # (path missing and old present: a crash between the two renames - old is the one to keep)
         os.replace(tmp, path)
         if os.path.exists(old):
             shutil.rmtree(old)

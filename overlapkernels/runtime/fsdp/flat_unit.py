@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..._compat import all_gather_single, reduce_scatter_single
+from ...comm.collectives import all_reduce_coalesced
 from ...profiling.ranges import span
 
 
@@ -44,6 +45,7 @@ class FlatUnit:
         self.pending_gather = None   # (work, staged shard) of an async gather in flight
         self.pending_reduce = []     # (work, output) of async reduce-scatters in flight
         self.grads_ready = 0
+        self.reduced_this_step = False  # the optimizer skips a unit no rank produced a gradient for
         self.bytes_gathered = self.bytes_reduced = 0  # full-buffer bytes each collective covered
 
     # -- parameters ---------------------------------------------------------------------------
@@ -91,10 +93,13 @@ class FlatUnit:
         """Reduce-scatter the unit's full gradients (averaged over the group) into pending shards,
         then drop the full gradients."""
         flat_grad = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
-        for p in self.params:  # sequence-parallel partial gradients: first summed over their TP group
+        sp_groups = {}  # sequence-parallel partial gradients: first summed over their TP group
+        for p in self.params:
             group = getattr(p, "sequence_parallel_group", None)
             if p.grad is not None and getattr(p, "sequence_parallel", False) and group is not None:
-                dist.all_reduce(p.grad, group=group)
+                sp_groups.setdefault(group, []).append(p.grad)
+        for group, grads in sp_groups.items():
+            all_reduce_coalesced(grads, group)
         offset = 0
         for p, n in zip(self.params, self.numels):
             if p.grad is not None:
@@ -108,6 +113,7 @@ class FlatUnit:
         self.bytes_reduced += flat_grad.numel() * flat_grad.element_size()
         self.pending_reduce.append((work, out, flat_grad))
         self.grads_ready = 0
+        self.reduced_this_step = True
 
     def finish_reduce(self) -> None:
         """Wait for in-flight reduce-scatters and add them to the master gradient shard."""

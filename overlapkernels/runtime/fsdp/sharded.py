@@ -19,8 +19,14 @@ from .flat_unit import FlatUnit
 
 
 def _unit_modules(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
-    if units is None:  # every top-level child that holds parameters
-        return [(n, m) for n, m in model.named_children() if any(True for _ in m.parameters())]
+    if units is None:  # every top-level child that holds parameters; containers are never called, so
+        found = []     # their hooks would never fire: a ModuleList/ModuleDict contributes its children
+        for name, mod in model.named_children():
+            if isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
+                found += [(f"{name}.{n}", m) for n, m in mod.named_children()]
+            else:
+                found.append((name, mod))
+        return [(n, m) for n, m in found if any(p.requires_grad for p in m.parameters())]
     classes = tuple(units) if isinstance(units, (list, tuple, set)) else (units,)
     names = {c for c in classes if isinstance(c, str)}
     types = tuple(c for c in classes if isinstance(c, type))
@@ -44,13 +50,14 @@ class ShardedModule(nn.Module):
         self._backward_armed = False
         self.peak_gathered_bytes = 0
         seen, self.units = set(), []
+        # frozen parameters stay as they are: not sharded, not given to the optimizer (as in torch)
         for name, mod in _unit_modules(model, units):
-            params = [p for p in mod.parameters() if id(p) not in seen]
+            params = [p for p in mod.parameters() if id(p) not in seen and p.requires_grad]
             seen.update(map(id, params))
             if params:
                 self.units.append(FlatUnit(name, mod, params, group, param_dtype=param_dtype,
                                            reduce_dtype=reduce_dtype))
-        rest = [p for p in model.parameters() if id(p) not in seen]
+        rest = [p for p in model.parameters() if id(p) not in seen and p.requires_grad]
         self.root = FlatUnit("<root>", model, rest, group, param_dtype=param_dtype,
                              reduce_dtype=reduce_dtype) if rest else None
         self.all_units = self.units + ([self.root] if self.root else [])
@@ -62,8 +69,7 @@ class ShardedModule(nn.Module):
             unit.module.register_forward_hook(self._post_forward(unit))
         for unit in self.all_units:
             for p in unit.params:
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._grad_ready)
+                p.register_post_accumulate_grad_hook(self._grad_ready)
         if stage == 3:
             for unit in self.units:
                 unit.free()
@@ -147,7 +153,7 @@ class ShardedModule(nn.Module):
     def _grad_ready(self, param) -> None:
         unit = self._param_unit[id(param)]
         unit.grads_ready += 1
-        if unit.grads_ready == sum(p.requires_grad for p in unit.params):
+        if unit.grads_ready == len(unit.params):
             self._unit_backward_done(unit)
 
     def _unit_backward_done(self, unit) -> None:
@@ -157,11 +163,22 @@ class ShardedModule(nn.Module):
         if self.stage == 3 and unit is not self.root:
             unit.free()
 
+    def _reduce_leftovers(self, *, async_op: bool) -> None:
+        """Reduce-scatter every unit that still holds full gradients on any rank (some of whose
+        parameters got no gradient). Decided collectively - one all-reduce of flags - so every
+        rank reduces the same units in the same order."""
+        flags = torch.tensor([u.has_full_grads() for u in self.all_units], dtype=torch.int32,
+                             device=self.all_units[0].device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        for unit, flag in zip(self.all_units, flags.tolist()):
+            if flag:
+                unit.reduce_grads(async_op=async_op)
+
     def _end_of_backward(self) -> None:
         self._backward_armed = False
-        for unit in self.all_units:  # units some of whose parameters got no gradient
-            if self.stage >= 2 and self._sync and unit.has_full_grads():
-                unit.reduce_grads(async_op=True)
+        if self.stage >= 2 and self._sync:
+            self._reduce_leftovers(async_op=True)
+        for unit in self.all_units:
             unit.grads_ready = 0
             if self.stage == 3:
                 unit.free()
@@ -180,14 +197,15 @@ class ShardedModule(nn.Module):
     # -- optimizer ----------------------------------------------------------------------------
     def step(self) -> None:
         """Optimizer step on the local shards, zero the gradients, re-publish the parameters."""
+        self._reduce_leftovers(async_op=False)  # stage 1, or gradients accumulated under no_sync
         for unit in self.all_units:
-            if self.stage == 1 or unit.has_full_grads():  # stage 1, or grads accumulated under no_sync
-                unit.reduce_grads(async_op=False)
             unit.finish_reduce()
+            if not unit.reduced_this_step:  # no rank produced a gradient: the optimizer skips it, as torch does
+                unit.master.grad = None
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
         for unit in self.all_units:
-            unit.master.grad.zero_()
+            unit.master.grad = torch.zeros_like(unit.master)
+            unit.reduced_this_step = False
             if self.stage < 3:
                 unit.publish()
         if self.stage == 3 and self.root is not None:

@@ -4,7 +4,9 @@ Sends are asynchronous and awaited at the end of the step; receives wait with a 
 the stage, microbatch and peer when nothing comes. Every message has a tag of its own (kind,
 stage, microbatch), so gloo can never pair the wrong buffers; NCCL pairs in posting order, which
 these schedules keep consistent per direction. Activation shapes cross each stage boundary once
-and are cached.
+per step (a few bytes) and are cached for its microbatches, so a new batch shape is never misread.
+Only the first and last stages see the data: check batch shapes on every rank before ``step``
+(``models.train.Trainer`` does), or a middle stage learns of a bad batch only by its timeout.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ class PipelineRunner:
         self.modules = {chunk * self.world + self.rank: mod for chunk, mod in enumerate(modules)}
         self.schedule, self.loss_fn, self.timeout = schedule, loss_fn, timeout
         self.last_stage = schedule.num_stages - 1
-        self._shapes: dict = {}  # stage boundary -> (shape, dtype) of the activation crossing it
+        self._shapes: dict = {}  # stage boundary -> (shape, dtype) of the activation crossing it (per step)
 
     # -- point to point -----------------------------------------------------------------------
     def _tag(self, kind: int, stage: int, mb: int) -> int:
@@ -115,6 +117,7 @@ class PipelineRunner:
         inputs_mb = inputs.chunk(m) if has_first else None
         targets_mb = targets.chunk(m) if has_last else None
         self._pending, state, stores, losses = [], {}, {}, []
+        self._shapes = {}  # one shape message per boundary per step: a new batch shape is always seen
         self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0}  # time in module compute, per op kind
         step_start = time.perf_counter()
         for a in self.schedule.actions[self.rank]:

@@ -144,7 +144,9 @@ def _zb_h1(p, m):
 
 
 def make_schedule(kind: str, num_stages: int, num_microbatches: int, *, num_virtual: int = 1) -> Schedule:
-    """Action lists for ``num_stages`` pipeline ranks (each holding ``num_virtual`` stages)."""
+    """Action lists for ``num_stages`` pipeline ranks. ``num_stages`` counts ranks (the pipeline
+    group's size, as in the issue's API); with ``num_virtual`` v each rank holds v stages, so the
+    model is cut into ``num_stages * v`` pieces (``Schedule.num_stages``)."""
     _check(kind, num_stages, num_microbatches, num_virtual)
     p, m, v = num_stages, num_microbatches, num_virtual
     actions = {"gpipe": lambda: _gpipe(p, m), "1f1b": lambda: _one_f_one_b(p, m),
