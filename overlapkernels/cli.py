@@ -1,4 +1,4 @@
-"""``overlapkernels {info,bench}`` (== ``python -m overlapkernels ...``)."""
+"""`overlapkernels {info,demo,bench,profile}` (== `python -m overlapkernels ...`)."""
 from __future__ import annotations
 
 import argparse
