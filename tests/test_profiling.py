@@ -78,3 +78,11 @@ def test_cli_report(tmp_path, capsys):
     assert "50.0%" in capsys.readouterr().out
     assert main(["profile", "report", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["hidden"] == pytest.approx(0.5)
+
+
+def test_an_event_is_comm_or_compute_never_both():
+    """Our signalling kernels end in _kernel like GEMMs do: they must count as comm only."""
+    (row,) = overlap_report({"traceEvents": [
+        _x("ok/all_gather_matmul[fused]", 0, 100),
+        _x("_wait_kernel", 0, 40, tid=2), _x("_ag_gemm_kernel", 50, 30, tid=3), _x("reduce_sum_kernel<float>", 90, 5)]})
+    assert (row["comm_us"], row["compute_us"], row["both_us"]) == (45, 30, 0)

@@ -13,7 +13,9 @@ import json
 import re
 
 OP_RANGE = re.compile(r"^ok/([a-z_]+)(\[[a-z]+\])?$")
-COMM = re.compile(r"(^gloo:|nccl|/comm$|^c10d::|ncclDevKernel|Memcpy PtoP|Memcpy DtoD)", re.IGNORECASE)
+# our own signalling / copy kernels are communication too, though their names end in _kernel
+COMM = re.compile(r"(^gloo:|nccl|/comm$|^c10d::|Memcpy PtoP|Memcpy DtoD|_wait_kernel|_signal_kernel|_pull_kernel|"
+                  r"_publish_kernel|_flag_kernel|reduce_sum_kernel)", re.IGNORECASE)
 COMPUTE = re.compile(r"(/compute$|^aten::(mm|addmm|bmm|matmul|linear|_scaled_dot_product|scaled_dot_product)|"
                      r"gemm|sm\d+_xmma|cutlass|_kernel$|flash)", re.IGNORECASE)
 
@@ -56,8 +58,10 @@ def _events(trace) -> list:
 def overlap_report(trace) -> list[dict]:
     """One row per op range: name, start (us), duration, comm / compute busy, both, hidden fraction."""
     events = _events(trace)
+    # every event is one or the other, never both (else it would overlap with itself)
     comm = [(e["ts"], e["ts"] + e["dur"]) for e in events if COMM.search(e["name"])]
-    compute = [(e["ts"], e["ts"] + e["dur"]) for e in events if COMPUTE.search(e["name"])]
+    compute = [(e["ts"], e["ts"] + e["dur"]) for e in events
+               if COMPUTE.search(e["name"]) and not COMM.search(e["name"])]
     rows = []
     for op in sorted((e for e in events if OP_RANGE.match(e["name"])), key=lambda e: e["ts"]):
         lo, hi = op["ts"], op["ts"] + op["dur"]
