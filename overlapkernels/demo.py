@@ -89,7 +89,8 @@ def rank_main(config: dict) -> list[dict]:
         m = trainer.schedule.num_microbatches
         f = run.compute_s["F"] / m
         b = (run.compute_s["BW"] + run.compute_s["B"]) / m
-        measured = torch.tensor([1.0 - sum(run.compute_s.values()) / run.step_s, f, b], dtype=torch.float64)
+        measured = torch.tensor([1.0 - sum(run.compute_s.values()) / run.step_s, f, b], dtype=torch.float64,
+                                device=trainer.device)
         dist.all_reduce(measured, group=dims.pp_group)
         measured /= dims.pp_size
         sim = pp.simulate(trainer.schedule, t_f=float(measured[1]), t_b=float(measured[2]))

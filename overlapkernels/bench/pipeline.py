@@ -45,19 +45,21 @@ def run_pipeline(cfg: PipelineBenchConfig, group=None) -> list[dict]:
     group = group or dist.group.WORLD
     p, rank = dist.get_world_size(group), dist.get_rank(group)
     cfg.validate(p)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else \
+        torch.device("cpu")
     rows = []
     for kind in cfg.kinds:
         v = 2 if kind == "interleaved-1f1b" else 1
         sched = pp.make_schedule(kind, p, cfg.microbatches, num_virtual=v)
         torch.manual_seed(0)
         layers = cfg.layers_per_stage // v
-        stages = [nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(cfg.width, cfg.width), nn.GELU())])
-                  for _ in range(v)]
+        stages = [nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(cfg.width, cfg.width), nn.GELU())]
+                                ).to(device) for _ in range(v)]
         if kind == "zb-h1":
             for s in stages:
                 pp.enable_zero_bubble(s)
         runner = pp.PipelineRunner(stages if v > 1 else stages[0], group, schedule=sched, loss_fn=F.mse_loss)
-        x = torch.randn(cfg.batch, cfg.width)
+        x = torch.randn(cfg.batch, cfg.width, device=device)
         last = sched.rank_of(sched.num_stages - 1) == rank
         times, ops = [], {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0}
         for i in range(cfg.iters + 1):  # the first step exchanges shapes and warms up: not timed
@@ -70,7 +72,7 @@ def run_pipeline(cfg: PipelineBenchConfig, group=None) -> list[dict]:
         step = sorted(times)[len(times) // 2]
         n = cfg.iters * cfg.microbatches * v
         per = torch.tensor([step, ops["F"] / n, (ops["B"] + ops["BW"]) / n, ops["W"] / n,
-                            1 - sum(runner.compute_s.values()) / runner.step_s], dtype=torch.float64)
+                            1 - sum(runner.compute_s.values()) / runner.step_s], dtype=torch.float64, device=device)
         dist.all_reduce(per, group=group)
         per /= p
         step_s, t_f, t_b, t_w, bubble = per.tolist()

@@ -26,9 +26,12 @@ def _adamw(params):
 
 class Trainer:
     def __init__(self, config, dims, *, schedule: str = "1f1b", num_microbatches: int | None = None,
-                 optimizer=_adamw, dtype=torch.float32, dense_state_dict: dict | None = None):
+                 optimizer=_adamw, dtype=torch.float32, dense_state_dict: dict | None = None, device=None):
         self.config, self.dims = config, dims
-        self.stage = GPT(config, dims, dtype=dtype, pipeline_stage=(dims.pp_rank, dims.pp_size))
+        # NCCL moves CUDA tensors only: the stage lives on this rank's GPU there, on the CPU under gloo
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
+        self.stage = GPT(config, dims, dtype=dtype, device=self.device, pipeline_stage=(dims.pp_rank, dims.pp_size))
         if dense_state_dict is not None:
             self.stage.load_state_dict(shard_dense_state_dict(self.stage, dense_state_dict))
         self.sharded = fsdp.shard(self.stage, dims.dp_group, stage=1, optimizer=optimizer)
@@ -66,6 +69,7 @@ class Trainer:
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimizer step on the global batch; returns its mean token loss on every rank."""
         self.check_batch(tokens, targets)
+        tokens, targets = tokens.to(self.device), targets.to(self.device)
         t0 = time.perf_counter()
         first, last = self.stage.first, self.stage.last
         self._tokens = max(1, int((targets != self.config.ignore_index).sum()))
@@ -75,7 +79,7 @@ class Trainer:
             all_reduce_coalesced([p.grad for p in self.stage.parameters() if p.grad is not None],
                                  self.dims.cp_group)
         self.sharded.step()
-        value = torch.zeros((), dtype=torch.float64)
+        value = torch.zeros((), dtype=torch.float64, device=self.device)
         if loss is not None:
             value += loss.double()
         # the last stage's shares, summed over CP and DP (each was scaled by dp), sent to every PP rank

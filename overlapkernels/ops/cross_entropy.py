@@ -29,7 +29,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         vocab = per_rank * world
         start = rank * per_rank
         zmax = z.max(dim=-1).values
-        dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
+        if world > 1:
+            dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
         z = z - zmax.unsqueeze(-1)
         ignored = target == ignore_index
         local_t = target - start
@@ -37,7 +38,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         z_target = torch.gather(z, -1, local_t.clamp(0, per_rank - 1).unsqueeze(-1)).squeeze(-1) * mine
         exp = torch.exp(z)
         sums = torch.stack([exp.sum(-1), z_target, z.sum(-1)])
-        C.all_reduce(sums, group)
+        if world > 1:
+            C.all_reduce(sums, group)
         sum_exp, z_t, sum_z = sums
         lse = torch.log(sum_exp)
         loss = (1 - label_smoothing) * (lse - z_t) + label_smoothing * (lse - sum_z / vocab)
