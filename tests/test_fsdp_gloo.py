@@ -51,9 +51,15 @@ def _loss(out, y):
     return ((out - y) ** 2).mean()
 
 
-def _reference(steps, per_rank, world):
+# AdamW is blind to the scale of the gradient (m / sqrt(v)): a missing 1/N average would pass an
+# AdamW-only parity test. SGD with momentum is not, so every parity test runs both.
+OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+              "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)}
+
+
+def _reference(steps, per_rank, world, opt_name="adamw"):
     model = _net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = OPTIMIZERS[opt_name](model.parameters())
     for x, y in _batches(steps, per_rank, world):
         opt.zero_grad()
         _loss(model(x), y).backward()
@@ -61,16 +67,15 @@ def _reference(steps, per_rank, world):
     return model.state_dict()
 
 
-def _train_on_rank(stage, prefetch, units, steps=3, per_rank=4):
+def _train_on_rank(stage, prefetch, units, steps=3, per_rank=4, opt_name="adamw"):
     world, rank = dist.get_world_size(), dist.get_rank()
-    sharded = fsdp.shard(_net(), stage=stage, prefetch=prefetch, units=units,
-                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    sharded = fsdp.shard(_net(), stage=stage, prefetch=prefetch, units=units, optimizer=OPTIMIZERS[opt_name])
     for x, y in _batches(steps, per_rank, world):
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
         _loss(sharded(x[mine]), y[mine]).backward()
         sharded.step()
     got = sharded.full_state_dict()
-    want = _reference(steps, per_rank, world)
+    want = _reference(steps, per_rank, world, opt_name)
     assert list(got) == list(want)
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-12, rtol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
@@ -83,6 +88,7 @@ def test_training_equals_single_process(rank_pool, world, stage):
     for prefetch in (0, 1, 2):
         rank_pool(world).run(_train_on_rank, stage, prefetch, None)
     rank_pool(world).run(_train_on_rank, stage, 1, (Block,))  # per-block units by class
+    rank_pool(world).run(_train_on_rank, stage, 1, None, opt_name="sgd")
 
 
 def test_memory_follows_zero_accounting(rank_pool):
@@ -102,14 +108,14 @@ def test_memory_follows_zero_accounting(rank_pool):
 
 def _no_sync_on_rank(stage):
     world, rank = dist.get_world_size(), dist.get_rank()
-    sharded = fsdp.shard(_net(), stage=stage, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    sharded = fsdp.shard(_net(), stage=stage, optimizer=OPTIMIZERS["sgd"])
     (x, y), = _batches(1, 4, world)
     mine = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
     with sharded.no_sync():  # two micro-batches: halves of this rank's part
         _loss(sharded(mine[0][:2]), mine[1][:2]).mul(0.5).backward()
     _loss(sharded(mine[0][2:]), mine[1][2:]).mul(0.5).backward()
     sharded.step()
-    want = _reference(1, 4, world)
+    want = _reference(1, 4, world, "sgd")
     for name, t in sharded.full_state_dict().items():
         torch.testing.assert_close(t, want[name], atol=1e-12, rtol=1e-12)
     return True
@@ -233,7 +239,7 @@ def _tp_dp_on_rank():
     g = torch.Generator().manual_seed(2)
     batches = [(torch.randint(0, 16, (4, 8), generator=g), torch.randint(0, 16, (4, 8), generator=g))
                for _ in range(2)]
-    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
+    adamw = OPTIMIZERS["sgd"]  # scale-sensitive: a missing average or a double TP sum would show
     torch.manual_seed(0)
     dense = GPT(config, ok.init_parallel(), dtype=torch.float64)
     dense_opt = adamw(dense.parameters())
@@ -335,3 +341,30 @@ def _checkpoint_after_crash_on_rank(path):
 
 def test_save_after_a_crash_that_left_both_checkpoints(rank_pool, tmp_path):
     assert rank_pool(2).run(_checkpoint_after_crash_on_rank, str(tmp_path / "c")) == [True, True]
+
+
+def _planted_on_rank():
+    """Drop DDP's averaging (sum instead of mean over ranks): the parity check must catch it."""
+    from overlapkernels.runtime.fsdp import flat_unit
+
+    original = flat_unit.FlatUnit.finish_reduce
+
+    def summed(self):  # finish_reduce without the 1/N of the mean
+        for work, out, _ in self.pending_reduce:
+            if work is not None:
+                work.wait()
+            self.master.grad += out.to(self.master_dtype) * self.world
+        self.pending_reduce = []
+
+    flat_unit.FlatUnit.finish_reduce = summed
+    try:
+        _train_on_rank(2, 0, None, opt_name="sgd")
+    except AssertionError:
+        return "caught"
+    finally:
+        flat_unit.FlatUnit.finish_reduce = original
+    return "missed"
+
+
+def test_planted_error_is_caught(rank_pool):
+    assert rank_pool(2).run(_planted_on_rank) == ["caught", "caught"]

@@ -191,3 +191,24 @@ def _bad_layers_on_rank():
 
 def test_bad_layer_arguments(rank_pool):
     assert rank_pool(2).run(_bad_layers_on_rank) == [2, 2]
+
+
+def _planted_on_rank():
+    """Shard the dense weights along the wrong dim: the dense-twin comparison must catch it."""
+    tp, one, world, rank = _groups()
+    torch.manual_seed(0)
+    dense = ColumnParallelLinear(8, 4 * world, one, dtype=F64)
+    par = ColumnParallelLinear(8, 4 * world, tp, dtype=F64)
+    with torch.no_grad():
+        par.weight.copy_(dense.weight[rank::world])  # interleaved rows instead of a contiguous block
+        par.bias.copy_(dense.bias.chunk(world)[rank])
+    x = _randn(3, 2, 8, seed=1)
+    try:
+        _close("out", par(x), dense(x)[..., rank * 4:(rank + 1) * 4])
+    except AssertionError:
+        return "caught"
+    return "missed"
+
+
+def test_planted_error_is_caught(rank_pool):
+    assert rank_pool(2).run(_planted_on_rank) == ["caught", "caught"]

@@ -151,3 +151,28 @@ def test_a_dead_peer_is_a_timeout_naming_it():
     text = str(info.value)
     assert "process died with exit code 7" in text
     assert "PipelineTimeout: stage 0 microbatch " in text and "rank 1 (stage 1)" in text
+
+
+def _planted_on_rank():
+    """Forget to scale each microbatch's loss by 1/m: the gradient parity check must catch it."""
+    original = pp.PipelineRunner._run_action
+
+    def unscaled(self, a, inputs_mb, targets_mb, state, stores, losses):
+        self.schedule.num_microbatches, m = 1, self.schedule.num_microbatches
+        try:
+            return original(self, a, inputs_mb, targets_mb, state, stores, losses)
+        finally:
+            self.schedule.num_microbatches = m
+
+    pp.PipelineRunner._run_action = unscaled
+    try:
+        _executor_on_rank("1f1b", 4, 1)
+    except AssertionError:
+        return "caught"
+    finally:
+        pp.PipelineRunner._run_action = original
+    return "missed"
+
+
+def test_planted_error_is_caught(rank_pool):
+    assert rank_pool(2).run(_planted_on_rank) == ["caught", "caught"]
