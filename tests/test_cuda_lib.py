@@ -1,5 +1,4 @@
 """The C-ABI CUDA library: it builds, loads and exports its symbols here; numerics on a GPU."""
-import ctypes
 import importlib.util
 import shutil
 import subprocess

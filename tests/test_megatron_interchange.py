@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import overlapkernels as ok
 from overlapkernels.layers import ColumnParallelLinear, RowParallelLinear
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")

@@ -7,7 +7,6 @@ import torch
 
 from overlapkernels.comm.rank_pool import RankError, RankTimeout
 from overlapkernels.comm.thread_world import ThreadWorld
-from overlapkernels.kernels.errors import SignalTimeoutError
 from overlapkernels.kernels.triton import all_gather as ag
 
 STRAGGLER_DELAY_S = 0.3  # the straggler publishes late: peers must wait on its flag, not race it

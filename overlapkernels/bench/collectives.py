@@ -14,10 +14,9 @@ import torch.distributed as dist
 from ..comm import collectives as C
 from .metrics import algbw_gbps, busbw_gbps, summarize
 from .progress import track
-from .timing import slowest_rank, telemetry, time_calls
+from .timing import DTYPES, check_dtype, slowest_rank, telemetry, time_calls
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 COLUMNS = [("op", "op", ""), ("bytes", "size(B)", "d"), ("count", "count", "d"), ("dtype", "type", ""),
            ("time_us", "time(us)", ".1f"), ("algbw_gbps", "algbw(GB/s)", ".3f"), ("busbw_gbps", "busbw(GB/s)", ".3f")]
 
@@ -34,8 +33,7 @@ class CollectivesConfig:
         bad = [op for op in self.ops if op not in OPS]
         if bad or not self.ops:
             raise ValueError(f"ops={list(self.ops)}: expected a non-empty subset of {list(OPS)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}: expected one of {list(DTYPES)}")
+        check_dtype(self.dtype)
         if self.iters < 1 or self.warmup < 0:
             raise ValueError(f"iters={self.iters}, warmup={self.warmup}: expected iters >= 1, warmup >= 0")
 

@@ -8,9 +8,8 @@ import torch
 import torch.distributed as dist
 
 from .metrics import summarize
-from .timing import check_counts, slowest_rank, time_calls
+from .timing import DTYPES, check_counts, check_dtype, slowest_rank, time_calls
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 COLUMNS = [("method", "method", ""), ("seq", "S", "d"), ("hidden", "hidden", "d"), ("time_us", "fwd+bwd(us)", ".0f"),
            ("speedup", "vs base", ".3f"), ("ran", "ran (op: method x calls)", "")]
 
@@ -30,8 +29,7 @@ class LayersConfig:
 
     def validate(self, world: int | None = None) -> None:
         check_counts(self.iters, self.warmup)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}: expected one of {list(DTYPES)}")
+        check_dtype(self.dtype)
         if world and (self.seq % world or self.kv_heads % world or self.ffn_hidden % world):
             raise ValueError(f"seq={self.seq}, kv_heads={self.kv_heads} and ffn_hidden={self.ffn_hidden} must be "
                              f"divisible by the world size {world}")

@@ -14,9 +14,8 @@ import torch
 import torch.distributed as dist
 
 from .metrics import overlap_efficiency, summarize
-from .timing import check_counts, slowest_rank, time_calls
+from .timing import DTYPES, check_counts, check_dtype, slowest_rank, time_calls
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 COLUMNS = [("layout", "layout", ""), ("causal", "causal", ""), ("seq", "S", "d"), ("fwd_allgather_us", "AG fwd(us)", ".0f"),
            ("fwd_ring_us", "ring fwd(us)", ".0f"), ("compute_us", "compute(us)", ".0f"),
            ("fwd_bwd_ring_us", "ring f+b(us)", ".0f"), ("speedup", "vs AG", ".3f"), ("efficiency", "E", ".2f"),
@@ -38,8 +37,7 @@ class RingConfig:
 
     def validate(self, world: int | None = None) -> None:
         check_counts(self.iters, self.warmup)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}: expected one of {list(DTYPES)}")
+        check_dtype(self.dtype)
         if self.heads % self.kv_heads:
             raise ValueError(f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
         if world and self.seq % (2 * world):

@@ -7,6 +7,16 @@ import torch
 import torch.distributed as dist
 
 
+# dtypes a benchmark accepts by name (--dtype)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def check_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r}: expected one of {list(DTYPES)}")
+    return DTYPES[name]
+
+
 def check_counts(iters: int, warmup: int) -> None:
     if not isinstance(iters, int) or iters < 1 or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"iters={iters!r}, warmup={warmup!r}: expected iters >= 1 and warmup >= 0")

@@ -17,13 +17,12 @@ import torch
 import torch.distributed as dist
 
 from .metrics import overlap_efficiency, summarize
-from .timing import check_counts, slowest_rank, telemetry, time_calls
+from .timing import DTYPES, check_counts, check_dtype, slowest_rank, telemetry, time_calls
 
 # hidden, ffn, q heads, kv heads, head dim
 MODELS = {"llama3-8b": (4096, 14336, 32, 8, 128), "llama3-70b": (8192, 28672, 64, 8, 128)}
 TOKENS = 8192
 CPU_SCALE = 8
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 OPS = {"ag-matmul": ("qkv", "fc1"), "matmul-rs": ("attn_out", "fc2")}
 COLUMNS = [("layer", "layer", ""), ("M", "M", "d"), ("K", "K", "d"), ("N", "N", "d"), ("method", "method", ""),
            ("time_us", "time(us)", ".1f"), ("tflops", "TFLOP/s", ".4f"), ("speedup", "vs base", ".3f"),
@@ -68,8 +67,7 @@ class TpOpsConfig:
         check_counts(self.iters, self.warmup)
         if self.op not in OPS:
             raise ValueError(f"op={self.op!r}: expected one of {list(OPS)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}: expected one of {list(DTYPES)}")
+        check_dtype(self.dtype)
         bad = [m for m in self.methods if m not in ("baseline", "decomposed", "symm", "fused", "auto")]
         if bad or not self.methods:
             raise ValueError(f"methods={list(self.methods)}: expected a non-empty subset of baseline, decomposed, "

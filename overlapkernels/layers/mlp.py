@@ -1,7 +1,6 @@
 """SwiGLU MLP: gate and up projections share one all-gather, down is row-parallel."""
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
