@@ -28,6 +28,22 @@ def _visible(offs_m, offs_n, Lq, Lk, q_start, k_start, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _key_end(pid_m, Lk, q_start, k_start, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Keys past this query block's last position are hidden from all its rows (causal)."""
+    hi = Lk
+    if CAUSAL:
+        hi = tl.minimum(Lk, tl.maximum(q_start + (pid_m + 1) * BLOCK_M - k_start, 0))
+    return hi
+
+
+@triton.jit
+def _load_kv_tile(k_ptr, v_ptr, kv_base, offs_n, offs_d, d_mask, Lk, sk_s):
+    kv_mask = (offs_n[:, None] < Lk) & d_mask[None, :]
+    offs = kv_base + offs_n[:, None] * sk_s + offs_d[None, :]
+    return tl.load(k_ptr + offs, mask=kv_mask, other=0.0), tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+
+
+@triton.jit
 def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
                       sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, so_b, so_h, so_s, sl_b, sl_h,
                       H, GROUP, Lq, Lk, D, q_start, k_start, scale_log2,
@@ -44,15 +60,10 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-    hi = Lk
-    if CAUSAL:  # keys after this block's last query are hidden from all of its rows
-        hi = tl.minimum(Lk, tl.maximum(q_start + (pid_m + 1) * BLOCK_M - k_start, 0))
     kv_base = b * sk_b + hk * sk_h
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(0, _key_end(pid_m, Lk, q_start, k_start, CAUSAL, BLOCK_M), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n[:, None] < Lk) & d_mask[None, :]
-        k = tl.load(k_ptr + kv_base + offs_n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_base + offs_n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv_tile(k_ptr, v_ptr, kv_base, offs_n, offs_d, d_mask, Lk, sk_s)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(_visible(offs_m, offs_n, Lq, Lk, q_start, k_start, CAUSAL), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -92,9 +103,7 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_p
     offs_d = tl.arange(0, HEAD_DIM)
     d_mask = offs_d < D
     kv_mask = (offs_n[:, None] < Lk) & d_mask[None, :]
-    kv_off = b * sk_b + hk * sk_h + offs_n[:, None] * sk_s + offs_d[None, :]
-    k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+    k, v = _load_kv_tile(k_ptr, v_ptr, b * sk_b + hk * sk_h, offs_n, offs_d, d_mask, Lk, sk_s)
     dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     lo = 0
@@ -139,15 +148,10 @@ def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr
     lse = tl.load(lse_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=float("-inf"))
     delta = tl.load(delta_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=0.0)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-    hi = Lk
-    if CAUSAL:
-        hi = tl.minimum(Lk, tl.maximum(q_start + (pid_m + 1) * BLOCK_M - k_start, 0))
     kv_base = b * sk_b + hk * sk_h
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(0, _key_end(pid_m, Lk, q_start, k_start, CAUSAL, BLOCK_M), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n[:, None] < Lk) & d_mask[None, :]
-        k = tl.load(k_ptr + kv_base + offs_n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_base + offs_n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv_tile(k_ptr, v_ptr, kv_base, offs_n, offs_d, d_mask, Lk, sk_s)
         p = _probs(q, k, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, CAUSAL, DOT_PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
