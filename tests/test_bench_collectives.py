@@ -106,3 +106,19 @@ def test_jsonl_rows_and_env_schema(tmp_path):
     append_jsonl(path, [{"op": "x", "efficiency": math.nan}, {"op": "y", "efficiency": 0.5}])
     rows = [_json.loads(line) for line in path.read_text().splitlines()]
     assert rows == [{"op": "x", "efficiency": None}, {"op": "y", "efficiency": 0.5}]
+
+
+def test_csv_shared_by_benchmarks_with_other_columns(tmp_path):
+    """`bench all` and `make gpu-check` append several benchmarks' rows to one file: a row with new
+    columns rewrites the file under the union, and every value stays under its own header."""
+    path = tmp_path / "all.csv"
+    append_csv(path, [{"kind": "gemm", "time_us": 5.0, "gpu": "H200"}])
+    append_csv(path, [{"kind": "reduce", "gbps": 3000.0, "gpu": "H200"}])
+    append_csv(path, [{"gpu": "H200", "kind": "flash"}])  # a subset of the columns: appended as is
+    with path.open() as f:
+        reader = csv.DictReader(f)
+        read = list(reader)
+    assert reader.fieldnames == ["kind", "time_us", "gpu", "gbps"]
+    assert read == [{"kind": "gemm", "time_us": "5.0", "gpu": "H200", "gbps": ""},
+                    {"kind": "reduce", "time_us": "", "gpu": "H200", "gbps": "3000.0"},
+                    {"kind": "flash", "time_us": "", "gpu": "H200", "gbps": ""}]

@@ -59,16 +59,30 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
 
 
 def append_csv(path: str | os.PathLike, rows: list[dict]) -> None:
-    """Append rows, writing the header only when the file is new or empty."""
+    """Append rows to one CSV that several benchmarks share (``bench all``, ``make gpu-check``): when
+    the new rows bring columns the file lacks, the file is rewritten under the union of columns,
+    so every row stays under its own headers (missing cells empty)."""
     if not rows:
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists() or path.stat().st_size == 0
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        if new:
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    old_rows: list[dict] = []
+    rewrite = True
+    if path.exists() and path.stat().st_size > 0:
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            old_columns = list(reader.fieldnames or [])
+            if set(columns) <= set(old_columns):
+                columns, rewrite = old_columns, False
+            else:
+                old_rows = list(reader)
+                columns = list(dict.fromkeys(old_columns + columns))
+    with path.open("w" if rewrite else "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, restval="")
+        if rewrite:
             writer.writeheader()
+            writer.writerows(old_rows)
         writer.writerows(rows)
 
 
