@@ -13,6 +13,17 @@ import triton.testing
 
 from overlapkernels.bench.report import append_csv, environment, format_table
 from overlapkernels.kernels.triton import flash_attn as fa
+from overlapkernels.kernels.triton.flash_attn import FlashConfig
+
+# Alternatives to the library's tiles (flash_configs), timed one kernel at a time so a GPU run shows
+# whether the defaults pick well. All compile for sm_90 at D=128 within shared memory (the 4-warp
+# ones spill a little: scripts/compile_kernels_sm90.py).
+FWD_ALTERNATIVES = [FlashConfig(128, 128, 8, 2), FlashConfig(64, 64, 4, 3), FlashConfig(128, 32, 4, 3)]
+DKDV_ALTERNATIVES = [FlashConfig(16, 128, 8, 3), FlashConfig(64, 64, 8, 2)]
+
+
+def _label(cfg: FlashConfig) -> str:
+    return f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
 
 
 def main(argv=None) -> int:
@@ -29,27 +40,55 @@ def main(argv=None) -> int:
     q, k, v, do = (torch.randn(1, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     scale = d ** -0.5
     rows = []
+    default = fa.flash_configs(q.device, q.dtype, max(16, triton.next_power_of_2(d)))
     for causal in (False, True):
         flops = 4 * h * s * s * d / (2 if causal else 1)
         out, lse = fa.block_forward(q, k, v, scale, causal=causal)
         want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        torch.testing.assert_close(out, want.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(out, want.float(), atol=2e-2, rtol=2e-2)  # never time a wrong kernel
         delta = (do.float() * out).sum(-1)
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
             t_sdpa = triton.testing.do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)) / 1e3
             qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
             o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
             t_sdpa_bwd = triton.testing.do_bench(lambda: torch.autograd.grad(o, (qr, kr, vr), do, retain_graph=True)) / 1e3
-        t_fwd = triton.testing.do_bench(lambda: fa.block_forward(q, k, v, scale, causal=causal)) / 1e3
-        t_bwd = triton.testing.do_bench(lambda: fa.block_backward(q, k, v, do, lse, delta, scale, causal=causal)) / 1e3
-        for name, t, t_ref, f in (("forward", t_fwd, t_sdpa, flops), ("backward", t_bwd, t_sdpa_bwd, 2.5 * flops)):
-            rows.append({"pass": name, "causal": causal, "ours_us": t * 1e6, "sdpa_us": t_ref * 1e6,
+
+        grads = fa.block_backward(q, k, v, do, lse, delta, scale, causal=causal)
+
+        def time_with(cfgs, pass_):
+            with fa.forced_flash_configs(cfgs):
+                if pass_ == "forward":
+                    torch.testing.assert_close(fa.block_forward(q, k, v, scale, causal=causal)[0], out, atol=2e-2,
+                                               rtol=2e-2)
+                    return triton.testing.do_bench(lambda: fa.block_forward(q, k, v, scale, causal=causal)) / 1e3
+                for got, ref in zip(fa.block_backward(q, k, v, do, lse, delta, scale, causal=causal), grads):
+                    torch.testing.assert_close(got, ref, atol=5e-2, rtol=5e-2)  # alternatives agree with default
+                return triton.testing.do_bench(
+                    lambda: fa.block_backward(q, k, v, do, lse, delta, scale, causal=causal)) / 1e3
+
+        trials = [("forward", "default", default), ("backward", "default", default)]
+        trials += [("forward", _label(c), fa.FlashConfigs(c, default.dkdv, default.dq)) for c in FWD_ALTERNATIVES
+                   if c != default.fwd]
+        trials += [("backward", f"dkdv {_label(c)}", fa.FlashConfigs(default.fwd, c, default.dq))
+                   for c in DKDV_ALTERNATIVES if c != default.dkdv]
+        for pass_, label, cfgs in trials:
+            if label == "default":
+                label = (_label(cfgs.fwd) if pass_ == "forward" else
+                         f"dkdv {_label(cfgs.dkdv)}, dq {_label(cfgs.dq)}") + " (default)"
+            try:
+                t = time_with(cfgs, pass_)
+            except Exception as exc:  # noqa: BLE001 - an alternative that does not fit is a row, not a crash
+                print(f"{pass_} {label}: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
+                t = float("nan")
+            t_ref, f = (t_sdpa, flops) if pass_ == "forward" else (t_sdpa_bwd, 2.5 * flops)
+            rows.append({"pass": pass_, "causal": causal, "config": label, "ours_us": t * 1e6, "sdpa_us": t_ref * 1e6,
                          "ours_tflops": f / t / 1e12, "sdpa_tflops": f / t_ref / 1e12, "vs_sdpa": t_ref / t})
     env = environment("cuda")
     rows = [{**r, "seq": s, "heads": h, "head_dim": d, "dtype": "bfloat16", **env} for r in rows]
     print(f"# Triton flash attention vs SDPA (flash), B=1 S={s} H={h} D={d} bf16 on {env['gpu_name']} "
           f"(torch {env['torch']}, triton {env['triton']}, commit {env['commit']})")
-    print(format_table(rows, [("pass", "pass", ""), ("causal", "causal", ""), ("ours_us", "ours(us)", ".0f"),
+    print(format_table(rows, [("pass", "pass", ""), ("causal", "causal", ""), ("config", "tiles", ""),
+                              ("ours_us", "ours(us)", ".0f"),
                               ("sdpa_us", "sdpa(us)", ".0f"), ("ours_tflops", "ours TFLOP/s", ".1f"),
                               ("sdpa_tflops", "sdpa TFLOP/s", ".1f"), ("vs_sdpa", "vs sdpa", ".3f")]))
     if args.csv:

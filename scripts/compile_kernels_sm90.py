@@ -29,6 +29,7 @@ except ImportError as exc:  # the internals this relies on moved in this triton
 
 from overlapkernels.kernels.triton import ag_gemm as AG, gemm_rs as RS, all_gather as AL, signals as SG, \
     flash_attn as FA
+from overlapkernels.kernels.triton import tile_gemm as TG
 from overlapkernels.kernels.triton.tile_gemm import dot_precision
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -74,7 +75,8 @@ def check(label, kernel, *args, **kwargs):
             flag0 = ptxas_info(ck.asm["ptx"])
         else:
             flag0 = ""
-        flag = flag0 + ("  ** OVER 227 KB **" if md.shared > SMEM_LIMIT else "")
+        mma = "wgmma" if "wgmma" in ck.asm["ptx"] else "mma" if "mma.sync" in ck.asm["ptx"] else "no-mma"
+        flag = f" {mma}" + flag0 + ("  ** OVER 227 KB **" if md.shared > SMEM_LIMIT else "")
         line = (f"OK    {label}: shared={md.shared} B ({md.shared / 1024:.1f} KB) warps={md.num_warps} "
                 f"stages={md.num_stages} cubin={len(ck.asm['cubin'])} B [{time.time() - t0:.1f}s]{flag}")
     except Exception as e:  # noqa: BLE001
@@ -91,25 +93,34 @@ def t(*shape, dtype):
 W, R, M, N, K = 4, 1, 512, 1024, 1024  # rank 1 of 4, chunks of 512 rows
 EPOCH, SPINS = 5, SG.max_spins_for(60.0, torch.device("cuda"))  # 120_000_000 polls
 
-# --- ag_gemm / gemm_rs -------------------------------------------------------------------------
+# --- ag_gemm / gemm_rs: the configs gemm_config hands out, plus small ones -----------------------
+# (config, K values it is chosen for): gemm_config hands ragged K to the small tiles only
+EVEN, RAGGED = (K,), (K, K + 8)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from bench_fused_gemm import ALTERNATIVES  # noqa: E402 - the configs the GPU benchmark sweeps
+
+GEMM_CONFIGS = {"bf16": [(TG.CUDA_GEMM_16BIT, EVEN), (TG.CUDA_GEMM_16BIT_SMALL, RAGGED), (TG.SMALL_SMEM_GEMM, EVEN),
+                         (TG.SMALL_SMEM_GEMM_SMALL, RAGGED)] + [(c, EVEN) for c in ALTERNATIVES],
+                "fp16": [(TG.CUDA_GEMM_16BIT, EVEN)], "fp32": [(TG.CUDA_GEMM_FP32, RAGGED), (TG.SMALL_SMEM_GEMM_SMALL, RAGGED)]}
 for dname, dt in DT.items():
     prec = dot_precision(dt)
     if QUICK and dname == "fp16":
         continue
-    for bm, bk in [(64, 32)] if QUICK else [(64, 32), (64, 64), (128, 32), (128, 64)]:
-        for layout in (["b", "bT"] if (bm, bk) == (64, 32) and not QUICK else ["b"]):
-            a = t(W * M, K, dtype=dt)
-            b = t(K, N, dtype=dt) if layout == "b" else t(N, K, dtype=dt).t()
+    for cfg, ks in GEMM_CONFIGS[dname][:1] if QUICK else GEMM_CONFIGS[dname]:
+        for layout, kk in ([("b", K)] if QUICK else [("b", K), ("bT", K)] + [("b", kk) for kk in ks[1:]]):
+            a = t(W * M, kk, dtype=dt)
+            b = t(kk, N, dtype=dt) if layout == "b" else t(N, kk, dtype=dt).t()
             out = t(W * M, N, dtype=dt)
             arrived, err = t(W, dtype=torch.int64), t(4, dtype=torch.int32)
-            check(f"_ag_gemm_kernel {dname} BM=BN={bm} BK={bk} {layout} prec={prec}", AG._ag_gemm_kernel,
-                  a, b, out, arrived, err, M, N, K, EPOCH, SPINS, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                  out.stride(0), out.stride(1), RANK=R, WORLD=W, BLOCK_M=bm, BLOCK_N=bm, BLOCK_K=bk,
-                  DOT_PRECISION=prec)
+            tag = (f"{dname} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {layout} "
+                   f"K={kk} prec={prec}")
+            check(f"_ag_gemm_kernel {tag}", AG._ag_gemm_kernel,
+                  a, b, out, arrived, err, M, N, kk, EPOCH, SPINS, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                  out.stride(0), out.stride(1), RANK=R, WORLD=W, DOT_PRECISION=prec, **cfg.meta(kk))
             table = t(W, dtype=torch.int64)
-            check(f"_gemm_rs_kernel {dname} BM=BN={bm} BK={bk} {layout} prec={prec}", RS._gemm_rs_kernel,
-                  a, b, table, table, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                  RANK=R, WORLD=W, BLOCK_M=bm, BLOCK_N=bm, BLOCK_K=bk, DOT_PRECISION=prec)
+            check(f"_gemm_rs_kernel {tag}", RS._gemm_rs_kernel,
+                  a, b, table, table, M, N, kk, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                  RANK=R, WORLD=W, DOT_PRECISION=prec, **cfg.meta(kk))
 
 # --- all_gather ---------------------------------------------------------------------------------
 for dname in ("bf16", "fp32"):
@@ -135,35 +146,39 @@ for add in (True, False):
         check(f"_update_peer_flag_kernel ADD={add} peer={peer} index={index} value={value}",
               SG._update_peer_flag_kernel, table, peer, index, value, ADD=add)
 
-# --- flash attention ----------------------------------------------------------------------------
+# --- flash attention: the configs flash_configs hands out on GPUs ---------------------------------
 B, H, HKV, L = 2, 8, 2, 1024
-for dname, dt in DT.items():
-    if QUICK and dname == "fp16":
+FLASH = {("bf16", 64): FA.CUDA_FLASH_16BIT[64], ("bf16", 128): FA.CUDA_FLASH_16BIT[128],
+         ("bf16", 256): FA.CUDA_FLASH_SMALL, ("fp16", 128): FA.CUDA_FLASH_16BIT[128],
+         ("fp32", 64): FA.CUDA_FLASH_FP32, ("fp32", 128): FA.CUDA_FLASH_FP32,
+         ("fp32", 256): FA.CUDA_FLASH_FP32_WIDE}
+for (dname, hd), cfgs in FLASH.items():
+    dt = DT[dname]
+    if QUICK and (dname, hd) not in (("bf16", 128), ("fp32", 64)):
         continue
-    for hd in (64,) if QUICK else (64, 128):
-        blocks = [32 if (dt == torch.float32 and hd >= 128) else 64]
-        if dt == torch.float32 and hd >= 128:
-            blocks.append(64)  # informational: what the launcher avoids
-        for blk in blocks:
-            cfg = dict(BLOCK_M=blk, BLOCK_N=blk, HEAD_DIM=hd, DOT_PRECISION=dot_precision(dt))
-            for causal in (True,) if QUICK else (False, True):
-                tag = f"{dname} HEAD_DIM={hd} BLOCK={blk} CAUSAL={causal} prec={cfg['DOT_PRECISION']}"
-                q, k, v = t(B, H, L, hd, dtype=dt), t(B, HKV, L, hd, dtype=dt), t(B, HKV, L, hd, dtype=dt)
-                o, lse = t(B, H, L, hd, dtype=torch.float32), t(B, H, L, dtype=torch.float32)
-                check(f"_flash_fwd_kernel {tag}", FA._flash_fwd_kernel, q, k, v, o, lse,
-                      q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                      o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-                      H, H // HKV, L, L, hd, 0, 0, 0.125 * FA.LOG2E, CAUSAL=causal, **cfg)
-                do, delta = t(B, H, L, hd, dtype=dt), t(B, H, L, dtype=torch.float32)
-                dq, dk, dv = o, t(B, HKV, L, hd, dtype=torch.float32), t(B, HKV, L, hd, dtype=torch.float32)
-                common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                          lse.stride(0), lse.stride(1))
-                check(f"_flash_bwd_dkdv_kernel {tag}", FA._flash_bwd_dkdv_kernel, q, k, v, do, lse, delta, dk, dv,
-                      *common, dk.stride(0), dk.stride(1), dk.stride(2), HKV, H // HKV, L, L, hd, 0, 0, 0.125,
-                      0.125 * FA.LOG2E, CAUSAL=causal, **cfg)
-                check(f"_flash_bwd_dq_kernel {tag}", FA._flash_bwd_dq_kernel, q, k, v, do, lse, delta, dq,
-                      *common, dq.stride(0), dq.stride(1), dq.stride(2), H, H // HKV, L, L, hd, 0, 0, 0.125,
-                      0.125 * FA.LOG2E, CAUSAL=causal, **cfg)
+    fixed = dict(HEAD_DIM=hd, DOT_PRECISION=dot_precision(dt))
+    for causal in (True,) if QUICK else (False, True):
+        q, k, v = t(B, H, L, hd, dtype=dt), t(B, HKV, L, hd, dtype=dt), t(B, HKV, L, hd, dtype=dt)
+        o, lse = t(B, H, L, hd, dtype=torch.float32), t(B, H, L, dtype=torch.float32)
+        do, delta = t(B, H, L, hd, dtype=dt), t(B, H, L, dtype=torch.float32)
+        dq, dk, dv = o, t(B, HKV, L, hd, dtype=torch.float32), t(B, HKV, L, hd, dtype=torch.float32)
+        common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                  lse.stride(0), lse.stride(1))
+
+        def tag(cfg):
+            return (f"{dname} HEAD_DIM={hd} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
+                    f"CAUSAL={causal}")
+
+        check(f"_flash_fwd_kernel {tag(cfgs.fwd)}", FA._flash_fwd_kernel, q, k, v, o, lse,
+              q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+              o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+              H, H // HKV, L, L, hd, 0, 0, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.fwd.meta())
+        check(f"_flash_bwd_dkdv_kernel {tag(cfgs.dkdv)}", FA._flash_bwd_dkdv_kernel, q, k, v, do, lse, delta, dk, dv,
+              *common, dk.stride(0), dk.stride(1), dk.stride(2), HKV, H // HKV, L, L, hd, 0, 0, 0.125,
+              0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.dkdv.meta())
+        check(f"_flash_bwd_dq_kernel {tag(cfgs.dq)}", FA._flash_bwd_dq_kernel, q, k, v, do, lse, delta, dq,
+              *common, dq.stride(0), dq.stride(1), dq.stride(2), H, H // HKV, L, L, hd, 0, 0, 0.125,
+              0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.dq.meta())
 
 failed = sum(r.startswith("FAIL") for r in results)
 print(f"\n{sum(r.startswith('OK') for r in results)} OK, {failed} FAIL, "

@@ -53,6 +53,33 @@ def test_kernels_match_reference(dtype, causal, q_start, k_start, kv_heads):
         _close(name, got, want, dtype)
 
 
+@pytest.mark.parametrize("causal, q_start, k_start", OFFSETS)
+def test_rectangular_tiles_match_reference(causal, q_start, k_start):
+    """GPU configs use BLOCK_M != BLOCK_N, and different ones per kernel: run that in the
+    interpreter (fwd 32x16, dK/dV 16x32, dQ 32x16) over 40 queries x 36 keys, ragged edges."""
+    q, k, v, do = _inputs(torch.float32, lq=40, lk=36)
+    args = dict(q_start=q_start, k_start=k_start, causal=causal)
+    wide, tall = fa.FlashConfig(32, 16), fa.FlashConfig(16, 32)
+    with fa.forced_flash_configs(fa.FlashConfigs(fwd=wide, dkdv=tall, dq=wide)):
+        out, lse = fa.block_forward(q, k, v, 0.3, **args)
+        out_ref, lse_ref = ref.block_forward(q, k, v, 0.3, **args)
+        _close("out", out, out_ref, torch.float32)
+        _close("lse", lse, lse_ref, torch.float32)
+        delta = (do * out_ref).sum(-1)
+        grads = fa.block_backward(q, k, v, do, lse_ref, delta, 0.3, **args)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref.block_backward(q, k, v, do, lse_ref, delta, 0.3, **args)):
+        _close(name, got, want, torch.float32)
+
+
+def test_flash_configs_fit_the_device():
+    cpu = fa.flash_configs(torch.device("cpu"), torch.float16, 128)
+    assert cpu == fa.INTERPRETER_FLASH
+    for cfgs in (*fa.CUDA_FLASH_16BIT.values(), fa.CUDA_FLASH_FP32, fa.CUDA_FLASH_FP32_WIDE, fa.CUDA_FLASH_SMALL):
+        for cfg in (cfgs.fwd, cfgs.dkdv, cfgs.dq):  # tl.dot needs >= 16 and powers of two
+            assert cfg.block_m >= 16 and cfg.block_n >= 16
+            assert cfg.block_m & (cfg.block_m - 1) == 0 and cfg.block_n & (cfg.block_n - 1) == 0
+
+
 def test_planted_error_is_caught():
     q, k, v, _ = _inputs(torch.float32)
     out, _ = fa.block_forward(q, k, v, 0.3)

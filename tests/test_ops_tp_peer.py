@@ -10,6 +10,7 @@ import overlapkernels as ok
 from overlapkernels.comm.rank_pool import RankError
 from overlapkernels.comm.thread_world import ThreadWorld
 from overlapkernels.kernels.triton.ag_gemm import ag_gemm
+from overlapkernels.kernels.triton.tile_gemm import INTERPRETER_GEMM, GemmConfig, forced_gemm_config, gemm_config
 
 METHODS = ["symm", "fused"]
 WORLDS = [2, 4]
@@ -144,3 +145,34 @@ def test_planted_missing_wait_is_caught():
     assert torch.equal(out[:m], a_full[:m] @ b) and out[m:].isnan().all()
     ag_gemm(a_full, b, out, torch.zeros(w, dtype=torch.int64), err, rank=0, world_size=w, epoch=1, max_spins=10)
     assert err.tolist() == [1, 0, 1, 1]  # ready timeout, rank 0, chunk 1, peer 1
+
+
+def _tile_shapes_on_rank(ctx, k):
+    r, w = ctx.rank, ctx.world_size
+    shards = [_ints((40, k), torch.float32, q) for q in range(w)]
+    b = _ints((k, 48), torch.float32, 50)
+    out = ok.all_gather_matmul(shards[r], b, ctx, method="fused")
+    assert torch.equal(out, torch.cat(shards) @ b)
+    a_all = [_ints((w * 40, k), torch.float32, 60 + q) for q in range(w)]
+    out = ok.matmul_reduce_scatter(a_all[r], b, ctx, method="fused")
+    assert torch.equal(out, sum(x @ b for x in a_all).chunk(w)[r])
+    return True
+
+
+@pytest.mark.parametrize("k", [32, 40])  # K a multiple of BLOCK_K (unmasked loads) or not
+def test_fused_rectangular_tiles_with_remainders(k):
+    """The CUDA configs use BLOCK_M != BLOCK_N and drop the K mask when K divides: run those code
+    paths in the interpreter with small tiles, 40 rows x 48 columns per chunk -> 3 x 2 tiles, each
+    with a ragged edge, so a wrong tile index or mask shows up as a wrong value."""
+    with forced_gemm_config(GemmConfig(16, 32, 16)):
+        assert ThreadWorld(2, timeout=60).run(_tile_shapes_on_rank, k) == [True, True]
+
+
+def test_gemm_config_is_a_pure_function_of_the_call():
+    """gemm_rs owners wait for a tile count every rank derives on its own: same inputs, same config."""
+    cfg = gemm_config(torch.device("cpu"), torch.float16, 7, 5, 33)
+    assert cfg == INTERPRETER_GEMM and cfg.tiles(7, 5) == 1 and cfg.tiles(65, 129) == 2 * 3
+    assert cfg.meta(64)["EVEN_K"] and not cfg.meta(33)["EVEN_K"]
+    with forced_gemm_config(GemmConfig(16, 32, 16)) as forced:
+        assert gemm_config(torch.device("cpu"), torch.float16, 7, 5, 33) is forced
+    assert gemm_config(torch.device("cpu"), torch.float16, 7, 5, 33) == INTERPRETER_GEMM

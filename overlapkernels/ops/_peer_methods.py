@@ -32,11 +32,10 @@ import torch
 from ..kernels.triton import signals as sig
 from ..kernels.triton.ag_gemm import ag_gemm
 from ..kernels.triton.all_gather import _ag_signal_kernel
-from ..kernels.triton.gemm_rs import gemm_rs, gemm_rs_tiles
+from ..kernels.triton.gemm_rs import gemm_rs
+from ..kernels.triton.tile_gemm import gemm_config
 from ..profiling.ranges import span
 from ._collective_methods import accumulation_dtype
-
-GEMM_BLOCKS = dict(block_m=64, block_n=64, block_k=32)
 
 
 class _Workspace:
@@ -99,7 +98,7 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
         with span("ok/ag_matmul/fused_gemm/compute"):
             for b, out in zip(bs, outs):
                 ag_gemm(a_flat, b, out, ws.arrived, err, rank=r, world_size=w, epoch=epoch, max_spins=spins,
-                        ranks_per_device=world.ranks_per_device, **GEMM_BLOCKS)
+                        ranks_per_device=world.ranks_per_device)
     else:
         for step in range(w):
             c = (r + step) % w
@@ -167,9 +166,8 @@ def matmul_rs(a: torch.Tensor, b: torch.Tensor, world, method: str) -> torch.Ten
 
     def fill(ws, err):
         if method == "fused":
-            gemm_rs(a, b, ws.slots, ws.pads, rank=world.rank, world_size=w, ranks_per_device=world.ranks_per_device,
-                    **GEMM_BLOCKS)
-            return gemm_rs_tiles(m, n, GEMM_BLOCKS["block_m"], GEMM_BLOCKS["block_n"])
+            return gemm_rs(a, b, ws.slots, ws.pads, rank=world.rank, world_size=w,
+                           config=gemm_config(a.device, a.dtype, m, n, a.shape[1]), ranks_per_device=world.ranks_per_device)
         return _push_partials(world, ws, lambda owner: a[owner * m:(owner + 1) * m] @ b)
 
     return _reduce_scatter_partials(world, method, a.dtype, m, n, a.device, fill)

@@ -12,14 +12,14 @@ import triton
 import triton.language as tl
 
 from .signals import ERR_READY_TIMEOUT, record_error, wait_geq
-from .tile_gemm import check_gemm_operands, dot_precision, num_programs, tile_dot
+from .tile_gemm import GemmConfig, check_gemm_operands, dot_precision, gemm_config, num_programs, tile_dot
 
 
 @triton.jit
 def _ag_gemm_kernel(a_ptr, b_ptr, c_ptr, arrived_ptr, err_ptr, rows_per_chunk, N, K, epoch, max_spins,
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_chunk = tl.cdiv(rows_per_chunk, BLOCK_M) * tiles_n
     for tile in range(tl.program_id(0), WORLD * per_chunk, tl.num_programs(0)):
@@ -35,22 +35,23 @@ def _ag_gemm_kernel(a_ptr, b_ptr, c_ptr, arrived_ptr, err_ptr, rows_per_chunk, N
         cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
         acc = tile_dot(a_ptr, b_ptr, rows, row_mask, cols, col_mask, K, stride_am, stride_ak, stride_bk, stride_bn,
-                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, EVEN_K)
         tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & col_mask[None, :])
 
 
 def ag_gemm(a_full: torch.Tensor, b: torch.Tensor, out: torch.Tensor, arrived: torch.Tensor, err: torch.Tensor, *,
-            rank: int, world_size: int, epoch: int, max_spins: int, block_m: int = 64, block_n: int = 64,
-            block_k: int = 32, ranks_per_device: int = 1) -> torch.Tensor:
-    """``out = a_full @ b``, tile by tile as chunks of ``a_full`` arrive (``arrived[c] >= epoch``)."""
+            rank: int, world_size: int, epoch: int, max_spins: int, config: GemmConfig | None = None,
+            ranks_per_device: int = 1) -> torch.Tensor:
+    """``out = a_full @ b``, tile by tile as chunks of ``a_full`` arrive (``arrived[c] >= epoch``).
+    ``config``: tile shape and launch options (default: ``gemm_config`` for this device and shape)."""
     check_gemm_operands(a_full, b, out)
     rows_per_chunk = a_full.shape[0] // world_size
     n, k = b.shape[1], b.shape[0]
-    tiles = world_size * triton.cdiv(rows_per_chunk, block_m) * triton.cdiv(n, block_n)
+    config = config or gemm_config(a_full.device, a_full.dtype, rows_per_chunk, n, k)
+    tiles = world_size * config.tiles(rows_per_chunk, n)
     _ag_gemm_kernel[(num_programs(a_full.device, tiles, ranks_per_device),)](
         a_full, b, out, arrived, err, rows_per_chunk, n, k, epoch, max_spins,
         a_full.stride(0), a_full.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        RANK=rank, WORLD=world_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION=dot_precision(a_full.dtype))
+        RANK=rank, WORLD=world_size, DOT_PRECISION=dot_precision(a_full.dtype), **config.meta(k))
     return out

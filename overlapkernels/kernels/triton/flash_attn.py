@@ -9,11 +9,14 @@ Softmax runs in base 2 (exp2 with log2(e) folded into the scale), the usual flas
 """
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from .tile_gemm import dot_precision
+from .tile_gemm import dot_precision, shared_memory_per_block
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -168,12 +171,76 @@ def _check(q, k, v):
             raise ValueError(f"flash attention (Triton): {name} needs a contiguous last dim, got strides {t.stride()}")
 
 
-def _config(q, k):
-    head_dim = max(16, triton.next_power_of_2(q.shape[-1]))
-    block = 64 if q.is_cuda else 16  # the interpreter is slow: small tiles
-    if q.is_cuda and q.dtype == torch.float32 and head_dim >= 128:
-        block = 32  # fp32 at 64 needs ~209 KB of shared memory in backward and spills heavily (ptxas, sm_90)
-    return dict(BLOCK_M=block, BLOCK_N=block, HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype))
+@dataclass(frozen=True)
+class FlashConfig:
+    """Tile shape and launch options of one flash kernel: BLOCK_M query rows x BLOCK_N keys."""
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def meta(self) -> dict:
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+@dataclass(frozen=True)
+class FlashConfigs:
+    fwd: FlashConfig
+    dkdv: FlashConfig  # a program owns BLOCK_N keys and walks the queries BLOCK_M at a time
+    dq: FlashConfig
+
+
+def _same(cfg: FlashConfig) -> FlashConfigs:
+    return FlashConfigs(cfg, cfg, cfg)
+
+
+# The interpreter is slow: small tiles. GPU configs come from compiling candidates for sm_90 with
+# triton 3.6 and 3.9 (scripts/compile_kernels_sm90.py: shared memory, wgmma, ptxas spills), not
+# yet from timings - benchmarks/bench_flash_attn.py sweeps alternatives on a GPU. 16-bit: no
+# spills at D=64 and 128. The dK/dV kernel keeps two fp32 [BLOCK_N, D] accumulators: at D=128 a
+# 64x64 tile with 4 warps spills ~300 B per thread, 32x64 with 8 warps none. fp32 (IEEE: FMA, no
+# tensor cores; tests and fp32 users) spilled 13-45 KB per thread in dK/dV at 64x64 / 32x32 with
+# 4 warps; these spill none at D=64 and ~0.6 KB at D=128.
+INTERPRETER_FLASH = _same(FlashConfig(16, 16))
+CUDA_FLASH_16BIT = {64: FlashConfigs(fwd=FlashConfig(128, 64, 8, 3), dkdv=FlashConfig(32, 128, 8, 2),
+                                     dq=FlashConfig(128, 64, 8, 3)),
+                    128: FlashConfigs(fwd=FlashConfig(128, 64, 8, 3), dkdv=FlashConfig(32, 64, 8, 3),
+                                      dq=FlashConfig(128, 64, 8, 3))}
+CUDA_FLASH_FP32 = FlashConfigs(fwd=FlashConfig(32, 64, 8, 2), dkdv=FlashConfig(32, 32, 8, 2),
+                               dq=FlashConfig(32, 64, 8, 2))
+CUDA_FLASH_FP32_WIDE = _same(FlashConfig(16, 16, 4, 2))  # D > 128
+# head dims above 128, or GPUs with ~100 KB of shared memory per block
+CUDA_FLASH_SMALL = _same(FlashConfig(64, 32, 4, 2))
+
+_forced: FlashConfigs | None = None
+
+
+@contextlib.contextmanager
+def forced_flash_configs(configs: FlashConfigs):
+    """Every flash kernel launched inside uses ``configs`` (benchmark sweeps, tile-shape tests)."""
+    global _forced
+    previous, _forced = _forced, configs
+    try:
+        yield configs
+    finally:
+        _forced = previous
+
+
+def flash_configs(device: torch.device, dtype: torch.dtype, head_dim: int) -> FlashConfigs:
+    """``head_dim``: the padded (power of two, >= 16) head dimension the kernels see."""
+    if _forced is not None:
+        return _forced
+    if device.type != "cuda":
+        return INTERPRETER_FLASH
+    if dtype == torch.float32:
+        return CUDA_FLASH_FP32 if head_dim <= 128 else CUDA_FLASH_FP32_WIDE
+    if head_dim > 128 or shared_memory_per_block(device) < 160 * 1024:
+        return CUDA_FLASH_SMALL
+    return CUDA_FLASH_16BIT[64 if head_dim <= 64 else 128]
+
+
+def _head_dim(q) -> int:
+    return max(16, triton.next_power_of_2(q.shape[-1]))
 
 
 def block_forward(q, k, v, scale: float, *, q_start: int = 0, k_start: int = 0, causal: bool = False):
@@ -182,12 +249,13 @@ def block_forward(q, k, v, scale: float, *, q_start: int = 0, k_start: int = 0, 
     b, h, lq, d = q.shape
     out = torch.empty(b, h, lq, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
-    cfg = _config(q, k)
-    grid = (triton.cdiv(lq, cfg["BLOCK_M"]), b * h)
+    head_dim = _head_dim(q)
+    cfg = flash_configs(q.device, q.dtype, head_dim).fwd
+    grid = (triton.cdiv(lq, cfg.block_m), b * h)
     _flash_fwd_kernel[grid](q, k, v, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
                             k.stride(2), out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
                             h, h // k.shape[1], lq, k.shape[2], d, q_start, k_start, scale * LOG2E,
-                            CAUSAL=causal, **cfg)
+                            CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype), **cfg.meta())
     return out, lse
 
 
@@ -204,13 +272,15 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, *, q_start: int = 0,
     dq = torch.empty(b, h, lq, d, dtype=torch.float32, device=q.device)
     dk = torch.empty(b, h_kv, lk, d, dtype=torch.float32, device=q.device)
     dv = torch.empty_like(dk)
-    cfg = _config(q, k)
+    head_dim = _head_dim(q)
+    cfgs = flash_configs(q.device, q.dtype, head_dim)
+    fixed = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype))
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), lse.stride(0),
               lse.stride(1))
-    _flash_bwd_dkdv_kernel[(triton.cdiv(lk, cfg["BLOCK_N"]), b * h_kv)](
+    _flash_bwd_dkdv_kernel[(triton.cdiv(lk, cfgs.dkdv.block_n), b * h_kv)](
         q, k, v, dout, lse, delta, dk, dv, *common, dk.stride(0), dk.stride(1), dk.stride(2),
-        h_kv, h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E, CAUSAL=causal, **cfg)
-    _flash_bwd_dq_kernel[(triton.cdiv(lq, cfg["BLOCK_M"]), b * h)](
+        h_kv, h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E, **fixed, **cfgs.dkdv.meta())
+    _flash_bwd_dq_kernel[(triton.cdiv(lq, cfgs.dq.block_m), b * h)](
         q, k, v, dout, lse, delta, dq, *common, dq.stride(0), dq.stride(1), dq.stride(2),
-        h, h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E, CAUSAL=causal, **cfg)
+        h, h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E, **fixed, **cfgs.dq.meta())
     return dq, dk, dv

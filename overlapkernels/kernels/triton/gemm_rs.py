@@ -13,14 +13,14 @@ import triton
 import triton.language as tl
 
 from .signals import peer_ptr, signal_ptr
-from .tile_gemm import check_gemm_operands, dot_precision, num_programs, tile_dot
+from .tile_gemm import GemmConfig, check_gemm_operands, dot_precision, num_programs, tile_dot
 
 
 @triton.jit
 def _gemm_rs_kernel(a_ptr, b_ptr, slots_table_ptr, pads_table_ptr, rows_per_chunk, N, K,
                     stride_am, stride_ak, stride_bk, stride_bn,
                     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_chunk = tl.cdiv(rows_per_chunk, BLOCK_M) * tiles_n
     for tile in range(tl.program_id(0), WORLD * per_chunk, tl.num_programs(0)):
@@ -31,28 +31,25 @@ def _gemm_rs_kernel(a_ptr, b_ptr, slots_table_ptr, pads_table_ptr, rows_per_chun
         cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
         acc = tile_dot(a_ptr, b_ptr, owner * rows_per_chunk + rows_in, row_mask, cols, col_mask, K,
-                       stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-        slot = peer_ptr(slots_table_ptr, owner, a_ptr) + RANK * rows_per_chunk * N  # owner's slots: [W, m, N]
+                       stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, EVEN_K)
+        # owner's slots: [W, m, N]. Symmetric buffers start 16-byte aligned; saying so lets the
+        # compiler vectorise these remote stores (it cannot know it of an address loaded from a table)
+        slot = tl.multiple_of(peer_ptr(slots_table_ptr, owner, a_ptr), 16) + RANK * rows_per_chunk * N
         tl.store(slot + rows_in[:, None] * N + cols[None, :], acc.to(a_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & col_mask[None, :])
         tl.debug_barrier()  # all threads' stores are issued before the release below
         tl.atomic_add(signal_ptr(pads_table_ptr, owner) + RANK, 1, sem="release", scope="sys")
 
 
-def gemm_rs_tiles(rows_per_chunk: int, n: int, block_m: int, block_n: int) -> int:
-    """Tiles per chunk: the count each owner waits for from each rank."""
-    return triton.cdiv(rows_per_chunk, block_m) * triton.cdiv(n, block_n)
-
-
-def gemm_rs(a: torch.Tensor, b: torch.Tensor, slots, pads, *, rank: int, world_size: int, block_m: int = 64,
-            block_n: int = 64, block_k: int = 32, ranks_per_device: int = 1) -> None:
+def gemm_rs(a: torch.Tensor, b: torch.Tensor, slots, pads, *, rank: int, world_size: int, config: GemmConfig,
+            ranks_per_device: int = 1) -> int:
     """Scatter ``a @ b``'s chunks into the owners' ``slots`` (symmetric [W, m, N]) and count them in
-    the owners' ``pads`` (symmetric int32, counts at [0, W))."""
+    the owners' ``pads`` (symmetric int64, counts at [0, W)). ``config`` must be the same on every
+    rank. Returns the tiles per chunk: the count each owner waits for from each rank."""
     check_gemm_operands(a, b, slots.local)
-    rows_per_chunk, n = a.shape[0] // world_size, b.shape[1]
-    tiles = world_size * gemm_rs_tiles(rows_per_chunk, n, block_m, block_n)
-    _gemm_rs_kernel[(num_programs(a.device, tiles, ranks_per_device),)](
-        a, b, slots.peer_ptrs, pads.peer_ptrs, rows_per_chunk, n, b.shape[0],
+    rows_per_chunk, n, k = a.shape[0] // world_size, b.shape[1], b.shape[0]
+    _gemm_rs_kernel[(num_programs(a.device, world_size * config.tiles(rows_per_chunk, n), ranks_per_device),)](
+        a, b, slots.peer_ptrs, pads.peer_ptrs, rows_per_chunk, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        RANK=rank, WORLD=world_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION=dot_precision(a.dtype))
+        RANK=rank, WORLD=world_size, DOT_PRECISION=dot_precision(a.dtype), **config.meta(k))
+    return config.tiles(rows_per_chunk, n)

@@ -1,4 +1,10 @@
-"""The GEMM core shared by the fused kernels: one [BLOCK_M, BLOCK_N] output tile in fp32."""
+"""The GEMM core shared by the fused kernels: one [BLOCK_M, BLOCK_N] output tile in fp32, and the
+tile configuration each device gets."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -9,18 +15,102 @@ RESERVED_SMS = 4  # left free for the copy stream's wait/signal kernels
 
 @triton.jit
 def tile_dot(a_ptr, b_ptr, rows, row_mask, cols, col_mask, K, stride_am, stride_ak, stride_bk, stride_bn,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``a[rows, :] @ b[:, cols]`` accumulated in fp32 (masked rows/cols/K read as 0)."""
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+             EVEN_K: tl.constexpr):
+    """``a[rows, :] @ b[:, cols]`` accumulated in fp32 (masked rows/cols/K read as 0).
+
+    The main loop covers whole K blocks without a K mask; a ragged K (``EVEN_K`` false) adds one
+    masked step after it. (A K mask inside the pipelined loop makes ptxas spill the 128x256
+    accumulator on sm_90: scripts/compile_kernels_sm90.py.)"""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak,
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
-                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + tl.arange(0, BLOCK_K)[None, :] * stride_ak
+    b_ptrs = b_ptr + tl.arange(0, BLOCK_K)[:, None] * stride_bk + cols[None, :] * stride_bn
+    k_whole = K // BLOCK_K * BLOCK_K
+    for k0 in range(0, k_whole, BLOCK_K):
+        a = tl.load(a_ptrs + k0 * stride_ak, mask=row_mask[:, None], other=0.0)
+        b = tl.load(b_ptrs + k0 * stride_bk, mask=col_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    if not EVEN_K:
+        ks = k_whole + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptrs + k_whole * stride_ak, mask=row_mask[:, None] & (ks < K)[None, :], other=0.0)
+        b = tl.load(b_ptrs + k_whole * stride_bk, mask=(ks < K)[:, None] & col_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return acc
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and launch options of the fused GEMMs. Every rank must derive the same config
+    for a call (gemm_rs owners wait for a tile count), so it depends only on shape, dtype and the
+    device model, never on timing (no autotuning inside an op)."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def tiles(self, rows: int, n: int) -> int:
+        return triton.cdiv(rows, self.block_m) * triton.cdiv(n, self.block_n)
+
+    def meta(self, k: int) -> dict:
+        """The constexprs and launch options of one kernel call with reduction length ``k``."""
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, EVEN_K=k % self.block_k == 0,
+                    num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+# The interpreter runs tiles as numpy arrays: mid-sized tiles keep CPU tests quick.
+INTERPRETER_GEMM = GemmConfig(64, 64, 32)
+# GPUs, from compiling every config for sm_90 (scripts/compile_kernels_sm90.py reports shared
+# memory, wgmma use and ptxas spills) - not yet timed by this project: bench_fused_gemm.py sweeps
+# them on a GPU. 16-bit: 128x256x64 with two warpgroups and three stages is Triton's usual best
+# large-GEMM tile on Hopper (wgmma, 144 KB of shared memory, no spills; fits A100's 164 KB). It
+# spills when K is ragged (the masked tail step), and wastes tensor-core work on chunks of few
+# rows or columns: those take 64x128x64 (no spills). fp32 (IEEE: FMA, no tensor cores) needs 8
+# warps at 128x128 to keep its accumulator in registers.
+CUDA_GEMM_16BIT = GemmConfig(128, 256, 64, num_warps=8, num_stages=3)
+CUDA_GEMM_16BIT_SMALL = GemmConfig(64, 128, 64, num_warps=4, num_stages=4)
+CUDA_GEMM_FP32 = GemmConfig(128, 128, 32, num_warps=8, num_stages=3)
+# Parts with ~100 KB of shared memory per block (consumer and workstation GPUs): the big and the
+# small/ragged/fp32 tile.
+SMALL_SMEM_GEMM = GemmConfig(128, 128, 32, num_warps=4, num_stages=3)
+SMALL_SMEM_GEMM_SMALL = GemmConfig(64, 64, 32, num_warps=4, num_stages=3)
+
+_forced: GemmConfig | None = None
+
+
+@contextlib.contextmanager
+def forced_gemm_config(config: GemmConfig):
+    """Every fused GEMM launched inside uses ``config`` (benchmark sweeps, tests of tile shapes).
+    Process-wide, not per thread: the thread world's ranks must all see it."""
+    global _forced
+    previous, _forced = _forced, config
+    try:
+        yield config
+    finally:
+        _forced = previous
+
+
+def shared_memory_per_block(device: torch.device) -> int:
+    """Opt-in shared memory per block of a CUDA device, in bytes."""
+    props = torch.cuda.get_device_properties(device)
+    optin = getattr(props, "shared_memory_per_block_optin", None)  # not in every torch
+    if optin is None:
+        optin = {(9, 0): 227 << 10, (8, 0): 163 << 10}.get((props.major, props.minor), 99 << 10)
+    return optin
+
+
+def gemm_config(device: torch.device, dtype: torch.dtype, rows_per_chunk: int, n: int, k: int) -> GemmConfig:
+    """The tile config for a chunk GEMM [rows_per_chunk, k] @ [k, n] on ``device``."""
+    if _forced is not None:
+        return _forced
+    if device.type != "cuda":
+        return INTERPRETER_GEMM
+    big_smem = shared_memory_per_block(device) >= 160 * 1024
+    if dtype == torch.float32:
+        return CUDA_GEMM_FP32 if big_smem else SMALL_SMEM_GEMM_SMALL
+    if rows_per_chunk <= 64 or n <= 128 or k % CUDA_GEMM_16BIT.block_k:
+        return CUDA_GEMM_16BIT_SMALL if big_smem else SMALL_SMEM_GEMM_SMALL
+    return CUDA_GEMM_16BIT if big_smem else SMALL_SMEM_GEMM
 
 
 def dot_precision(dtype: torch.dtype):
