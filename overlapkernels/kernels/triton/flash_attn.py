@@ -40,6 +40,38 @@ def _key_end(pid_m, Lk, q_start, k_start, CAUSAL: tl.constexpr, BLOCK_M: tl.cons
 
 
 @triton.jit
+def _unmasked_key_end(row0, Lk, q_start, k_start, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [0, end) come in whole BLOCK_N tiles that every row from ``row0`` on may see: those
+    tiles skip the mask (the usual flash split into unmasked and diagonal tiles)."""
+    end = Lk
+    if CAUSAL:  # key k is visible to every row iff k_start + k <= q_start + row0
+        end = tl.minimum(Lk, tl.maximum(q_start + row0 - k_start + 1, 0))
+    return end // BLOCK_N * BLOCK_N
+
+
+@triton.jit
+def _fwd_step(acc, m_i, l_i, q, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start, k_start, sk_s,
+              scale_log2, CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    """One key tile of the online softmax. Unmasked tiles need no -inf guards: every score is finite."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    k, v = _load_kv_tile(k_ptr, v_ptr, kv_base, offs_n, offs_d, d_mask, Lk, sk_s)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if MASKED:
+        s = tl.where(_visible(offs_m, offs_n, Lq, Lk, q_start, k_start, CAUSAL), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = m_new
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _load_kv_tile(k_ptr, v_ptr, kv_base, offs_n, offs_d, d_mask, Lk, sk_s):
     kv_mask = (offs_n[:, None] < Lk) & d_mask[None, :]
     offs = kv_base + offs_n[:, None] * sk_s + offs_d[None, :]
@@ -64,18 +96,13 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     kv_base = b * sk_b + hk * sk_h
-    for n0 in range(0, _key_end(pid_m, Lk, q_start, k_start, CAUSAL, BLOCK_M), BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        k, v = _load_kv_tile(k_ptr, v_ptr, kv_base, offs_n, offs_d, d_mask, Lk, sk_s)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(_visible(offs_m, offs_n, Lq, Lk, q_start, k_start, CAUSAL), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    mid = _unmasked_key_end(pid_m * BLOCK_M, Lk, q_start, k_start, CAUSAL, BLOCK_N)
+    for n0 in range(0, mid, BLOCK_N):
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start,
+                                  k_start, sk_s, scale_log2, CAUSAL, False, BLOCK_N, DOT_PRECISION)
+    for n0 in range(mid, _key_end(pid_m, Lk, q_start, k_start, CAUSAL, BLOCK_M), BLOCK_N):
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start,
+                                  k_start, sk_s, scale_log2, CAUSAL, True, BLOCK_N, DOT_PRECISION)
     seen = l_i > 0
     out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -86,12 +113,18 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
 
 @triton.jit
 def _probs(q, k, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, CAUSAL: tl.constexpr,
-           DOT_PRECISION: tl.constexpr):
-    """P = exp(scale q k^T - lse) of one tile, 0 where masked or where the row saw nothing."""
+           DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr = True):
+    """P = exp(scale q k^T - lse) of one tile, 0 where masked or where the row saw nothing. An
+    unmasked tile is one every row sees, so each row's lse is finite (rows past Lq load lse = +inf:
+    P = 0 there)."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     lse2 = lse * 1.4426950408889634
-    keep = _visible(offs_m, offs_n, Lq, Lk, q_start, k_start, CAUSAL) & (lse2 != float("-inf"))[:, None]
-    return tl.where(keep, tl.exp2(s - tl.where(keep, lse2[:, None], 0.0)), 0.0)
+    if MASKED:
+        keep = _visible(offs_m, offs_n, Lq, Lk, q_start, k_start, CAUSAL) & (lse2 != float("-inf"))[:, None]
+        p = tl.where(keep, tl.exp2(s - tl.where(keep, lse2[:, None], 0.0)), 0.0)
+    else:
+        p = tl.exp2(s - lse2[:, None])
+    return p
 
 
 @triton.jit
@@ -133,6 +166,18 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_p
 
 
 @triton.jit
+def _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start, k_start, sk_s,
+             scale_log2, CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+             DOT_PRECISION: tl.constexpr):
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    k, v = _load_kv_tile(k_ptr, v_ptr, kv_base, offs_n, offs_d, d_mask, Lk, sk_s)
+    p = _probs(q, k, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, CAUSAL, DOT_PRECISION, MASKED)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                          sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sl_b, sl_h, sdq_b, sdq_h, sdq_s,
                          H, GROUP, Lq, Lk, D, q_start, k_start, scale, scale_log2,
@@ -148,17 +193,17 @@ def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr
     q_off = b * sq_b + h * sq_h + offs_m[:, None] * sq_s + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
     do = tl.load(do_ptr + q_off, mask=q_mask, other=0.0)
-    lse = tl.load(lse_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=float("-inf"))
+    lse = tl.load(lse_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=float("inf"))
     delta = tl.load(delta_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=0.0)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     kv_base = b * sk_b + hk * sk_h
-    for n0 in range(0, _key_end(pid_m, Lk, q_start, k_start, CAUSAL, BLOCK_M), BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        k, v = _load_kv_tile(k_ptr, v_ptr, kv_base, offs_n, offs_d, d_mask, Lk, sk_s)
-        p = _probs(q, k, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, CAUSAL, DOT_PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    mid = _unmasked_key_end(pid_m * BLOCK_M, Lk, q_start, k_start, CAUSAL, BLOCK_N)
+    for n0 in range(0, mid, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start, k_start,
+                      sk_s, scale_log2, CAUSAL, False, BLOCK_N, DOT_PRECISION)
+    for n0 in range(mid, _key_end(pid_m, Lk, q_start, k_start, CAUSAL, BLOCK_M), BLOCK_N):
+        dq = _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start, k_start,
+                      sk_s, scale_log2, CAUSAL, True, BLOCK_N, DOT_PRECISION)
     tl.store(dq_ptr + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_s + offs_d[None, :], dq * scale, mask=q_mask)
 
 
