@@ -72,10 +72,11 @@ int launch(void* dst, const void* const* src_ptrs, int num_srcs, int64_t numel, 
 
 }  // namespace
 
-extern "C" int ok_reduce_sum(void* dst, const void* const* srcs, int32_t num_srcs, int64_t numel, int32_t dtype,
-                             void* stream) {
+extern "C" int ok_reduce_sum(int32_t device, void* dst, const void* const* srcs, int32_t num_srcs, int64_t numel,
+                             int32_t dtype, void* stream) {
   if (num_srcs < 1 || num_srcs > OK_MAX_REDUCE_SRCS || numel < 0) return static_cast<int>(cudaErrorInvalidValue);
   if (numel == 0) return 0;
+  OK_ON_DEVICE(device);
   auto s = static_cast<cudaStream_t>(stream);
   switch (dtype) {
     case OK_FLOAT32: return launch<float>(dst, srcs, num_srcs, numel, s);

@@ -46,13 +46,15 @@ extern "C" int ok_abi_version(void) { return OK_CUDA_ABI_VERSION; }
 
 extern "C" const char* ok_error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }
 
-extern "C" int ok_signal_set(uint32_t* flag, uint32_t value, void* stream) {
+extern "C" int ok_signal_set(int32_t device, uint32_t* flag, uint32_t value, void* stream) {
+  OK_ON_DEVICE(device);
   signal_set_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(flag, value);
   return static_cast<int>(cudaGetLastError());
 }
 
-extern "C" int ok_signal_wait(const uint32_t* flag, uint32_t expected, uint64_t timeout_ns, int32_t* error_record,
-                              int32_t op_id, int32_t rank, int32_t chunk, void* stream) {
+extern "C" int ok_signal_wait(int32_t device, const uint32_t* flag, uint32_t expected, uint64_t timeout_ns,
+                              int32_t* error_record, int32_t op_id, int32_t rank, int32_t chunk, void* stream) {
+  OK_ON_DEVICE(device);
   signal_wait_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(flag, expected, timeout_ns, error_record,
                                                                      op_id, rank, chunk);
   return static_cast<int>(cudaGetLastError());

@@ -50,7 +50,7 @@ def test_loads_without_a_gpu_and_reports_cuda_errors(built_lib, use_lib):
     assert lib.ok_abi_version() == cuda_lib.ABI_VERSION
     if not torch.cuda.is_available():
         # a launch with no driver/GPU returns an error code; the wrapper turns it into text
-        err = lib.ok_signal_set(None, 1, None)
+        err = lib.ok_signal_set(0, None, 1, None)
         assert err != 0
         with pytest.raises(CudaLibraryError, match="signal_set: CUDA error"):
             cuda_lib._check(lib, err, "signal_set")
@@ -123,3 +123,42 @@ def test_signal_set_then_wait_and_timeout():
     cuda_lib.signal_wait(pad[2:3], 1, error_record=record, op="ok/test", rank=2, chunk=9, timeout_s=0.05)
     with pytest.raises(SignalTimeoutError, match="ok/test: rank 2 timed out waiting for the signal of chunk 9"):
         cuda_lib.check_error_record(record)
+
+
+def test_tensor_at_views_memory_it_does_not_own():
+    """The IPC path wraps raw pointers (its own and peers' mapped buffers) as tensors labelled with
+    this rank's device; on CPU the same call shows the view is exact and shares memory."""
+    owner = torch.arange(24, dtype=torch.float32)
+    view = cuda_lib.tensor_at(owner.data_ptr() + 4 * 4, (2, 5), torch.float32, "cpu")
+    assert view.shape == (2, 5) and view.is_contiguous() and torch.equal(view, owner[4:14].view(2, 5))
+    view[1, 0] = -1.0
+    assert owner[9] == -1.0
+
+
+def _ipc_on_rank():
+    """Rank 0 exports a cudaMalloc'd buffer, rank 1 maps it, reads rank 0's values and writes back."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    rank = dist.get_rank()
+    ptr, handle = cuda_lib.ipc_alloc(1024 * 4, "cuda:0")
+    mine = cuda_lib.tensor_at(ptr, (1024,), torch.float32, "cuda:0")
+    mine.copy_(torch.arange(1024, device="cuda:0", dtype=torch.float32) + 1000 * rank)
+    torch.cuda.synchronize()
+    handles = [None, None]
+    dist.all_gather_object(handles, handle)
+    peer = cuda_lib.tensor_at(cuda_lib.ipc_open(handles[1 - rank], "cuda:0"), (1024,), torch.float32, "cuda:0")
+    seen = peer.clone()
+    dist.barrier()
+    peer[rank] = -7.0  # each rank writes one element of the other's buffer
+    torch.cuda.synchronize()
+    dist.barrier()
+    expected = torch.arange(1024, device="cuda:0", dtype=torch.float32) + 1000 * (1 - rank)
+    assert torch.equal(seen, expected)
+    assert mine[1 - rank].item() == -7.0
+    return True
+
+
+@pytest.mark.gpu
+def test_ipc_buffers_between_two_processes(rank_pool):
+    assert rank_pool(2).run(_ipc_on_rank) == [True, True]

@@ -238,3 +238,37 @@ def _bad_inputs_on_rank():
 
 def test_bad_input_raises_before_communicating(rank_pool):
     assert rank_pool(2).run(_bad_inputs_on_rank) == [2, 2]
+
+
+@pytest.mark.parametrize("requested, has_symm, ipc_built, kind", [
+    ("auto", True, True, "symm_mem"), ("auto", True, False, "symm_mem"), ("auto", False, True, "ipc"),
+    ("symm_mem", True, True, "symm_mem"), ("ipc", True, True, "ipc"), ("ipc", False, True, "ipc")])
+def test_peer_memory_choice(requested, has_symm, ipc_built, kind):
+    """Process groups on CUDA get symmetric buffers from torch's symmetric memory, or from CUDA IPC
+    where this torch lacks it (or OVERLAPKERNELS_PEER_MEMORY=ipc asks for it)."""
+    from overlapkernels.comm.process_world import resolve_peer_memory
+
+    assert resolve_peer_memory(requested, has_symm_mem=has_symm, ipc_built=ipc_built) == (kind, None)
+
+
+@pytest.mark.parametrize("requested, has_symm, ipc_built, why", [
+    ("auto", False, False, r"has no symmetric memory and CUDA IPC needs the overlapkernels CUDA library.*make cuda"),
+    ("symm_mem", False, True, r"OVERLAPKERNELS_PEER_MEMORY=symm_mem but this torch .* has no symmetric memory"),
+    ("ipc", True, False, r"^CUDA IPC needs the overlapkernels CUDA library, which is not built")])
+def test_peer_memory_unavailable_says_why(requested, has_symm, ipc_built, why):
+    import re
+
+    from overlapkernels.comm.process_world import resolve_peer_memory
+
+    kind, message = resolve_peer_memory(requested, has_symm_mem=has_symm, ipc_built=ipc_built)
+    assert kind is None and re.search(why, message), message
+
+
+def test_bad_peer_memory_setting_is_rejected_by_name(monkeypatch):
+    from overlapkernels.comm.process_world import peer_memory_unavailable_reason
+
+    monkeypatch.setenv("OVERLAPKERNELS_PEER_MEMORY", "nvshmem")
+    with pytest.raises(ValueError, match=r"OVERLAPKERNELS_PEER_MEMORY='nvshmem': expected one of \['auto', "
+                                         r"'symm_mem', 'ipc'\]"):
+        peer_memory_unavailable_reason(torch.device("cuda", 0))
+    assert peer_memory_unavailable_reason(torch.device("cpu")) == "tensors are on cpu, peer memory needs CUDA"

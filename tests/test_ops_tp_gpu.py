@@ -50,13 +50,22 @@ def test_bf16_random_close_to_fp32_reference(method):
     assert ThreadWorld(4, device="cuda").run(_bf16_random_on_rank, method, 256, 512, 384) == [True] * 4
 
 
-def _process_world_on_rank(method):
-    """Two processes sharing cuda:0 (gloo for control), buffers from torch symmetric memory."""
+def _process_world_on_rank(method, peer_memory):
+    """Two processes sharing cuda:0 (gloo for control), buffers from torch symmetric memory or
+    from CUDA IPC (csrc/ipc.cu)."""
     import os
 
+    os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+    os.environ["OVERLAPKERNELS_PEER_MEMORY"] = peer_memory
+    try:
+        return _process_world_calls(method, peer_memory)
+    finally:  # the pool's processes serve later tests
+        del os.environ["OVERLAPKERNELS_PEER_MEMORY"]
+
+
+def _process_world_calls(method, peer_memory):
     import torch.distributed as dist
 
-    os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     torch.cuda.set_device(0)
     r, w = dist.get_rank(), dist.get_world_size()
     for call in range(2):
@@ -70,9 +79,13 @@ def _process_world_on_rank(method):
         want = sum(x.float() @ b.float() for x in a_all).chunk(w)[r].to(torch.bfloat16)
         assert torch.equal(out2, want), call
     torch.cuda.synchronize()
+    from overlapkernels.comm.process_world import process_peer_world
+
+    assert process_peer_world(dist.group.WORLD, torch.device("cuda", 0)).peer_memory == peer_memory
     return True
 
 
+@pytest.mark.parametrize("peer_memory", ["symm_mem", "ipc"])
 @pytest.mark.parametrize("method", METHODS)
-def test_process_world_two_processes_one_gpu(rank_pool, method):
-    assert rank_pool(2).run(_process_world_on_rank, method) == [True, True]
+def test_process_world_two_processes_one_gpu(rank_pool, method, peer_memory):
+    assert rank_pool(2).run(_process_world_on_rank, method, peer_memory) == [True, True]

@@ -1,8 +1,13 @@
 """The process world: a CUDA process group on one NVLink node as a peer-memory world.
 
 Symmetric buffers come from torch's symmetric memory (peer-mapped allocations, exchanged by
-``rendezvous``), so the peer-pointer tables the kernels get are NVLink addresses of the other
-GPUs. The copy engine is a CUDA side stream. Control (barriers) goes through the process group.
+``rendezvous``) or, where this torch lacks it (or ``OVERLAPKERNELS_PEER_MEMORY=ipc`` asks, e.g.
+where it fails on a platform), from CUDA IPC (``cudaMalloc`` + ``cudaIpcOpenMemHandle`` in
+csrc/ipc.cu, handles exchanged over the group).
+Either way the peer-pointer tables the kernels get are NVLink addresses of the other GPUs.
+``OVERLAPKERNELS_PEER_MEMORY`` = ``auto`` (default: symmetric memory when torch has it), ``symm_mem``
+or ``ipc`` chooses; every rank must choose the same (checked). The copy engine is a CUDA side
+stream. Control (barriers) goes through the process group.
 
 Not yet run on a multi-GPU node by this project: the algorithms are proven in the thread world
 (CPU and one GPU); this class only supplies buffers, a stream and a barrier to them.
@@ -18,15 +23,47 @@ from .side_stream import CudaSideStream
 from .symmetric import SymmetricTensor
 
 
-def symmetric_memory_unavailable_reason(device: torch.device) -> str | None:
-    """None when torch's symmetric memory can serve ``device``; else why not."""
+PEER_MEMORY_ENV = "OVERLAPKERNELS_PEER_MEMORY"
+PEER_MEMORY_KINDS = ("auto", "symm_mem", "ipc")
+
+
+def torch_has_symmetric_memory() -> bool:
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError:
+        return False
+    return all(hasattr(symm_mem, name) for name in ("empty", "rendezvous"))  # empty(): torch >= 2.5
+
+
+def resolve_peer_memory(requested: str, *, has_symm_mem: bool, ipc_built: bool) -> tuple[str | None, str | None]:
+    """-> (kind, None), or (None, why neither can serve). ``requested``: a PEER_MEMORY_KINDS value."""
+    if requested not in PEER_MEMORY_KINDS:
+        raise ValueError(f"{PEER_MEMORY_ENV}={requested!r}: expected one of {list(PEER_MEMORY_KINDS)}")
+    if requested in ("auto", "symm_mem") and has_symm_mem:
+        return "symm_mem", None
+    if requested in ("auto", "ipc") and ipc_built:
+        return "ipc", None
+    from ..kernels.cuda import BUILD_HINT
+
+    if requested == "symm_mem":
+        return None, f"{PEER_MEMORY_ENV}=symm_mem but this torch ({torch.__version__}) has no symmetric memory"
+    why = "" if requested == "ipc" else f"this torch ({torch.__version__}) has no symmetric memory and "
+    return None, f"{why}CUDA IPC needs the overlapkernels CUDA library, which is not built; {BUILD_HINT}"
+
+
+def requested_peer_memory() -> str:
+    return os.environ.get(PEER_MEMORY_ENV, "auto")
+
+
+def peer_memory_unavailable_reason(device: torch.device) -> str | None:
+    """None when symmetric memory or CUDA IPC can serve ``device``; else why not."""
     if device.type != "cuda":
         return f"tensors are on {device}, peer memory needs CUDA"
-    try:
-        import torch.distributed._symmetric_memory  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - present in every torch this package supports
-        return f"this torch has no symmetric memory ({exc})"
-    return None
+    from ..kernels import cuda as cuda_lib
+
+    _, why = resolve_peer_memory(requested_peer_memory(), has_symm_mem=torch_has_symmetric_memory(),
+                                 ipc_built=cuda_lib.is_built())
+    return why
 
 
 class ProcessPeerWorld:
@@ -43,9 +80,20 @@ class ProcessPeerWorld:
         self.timeout = timeout
         self._workspaces: dict = {}
         self._side = None
+        from ..kernels import cuda as cuda_lib
         from ..kernels.triton.signals import DeferredErrorCheck
 
         self._errors = DeferredErrorCheck()
+        kind, why = resolve_peer_memory(requested_peer_memory(), has_symm_mem=torch_has_symmetric_memory(),
+                                        ipc_built=cuda_lib.is_built())
+        if kind is None:
+            raise ValueError(why)
+        kinds = [None] * self.world_size
+        dist.all_gather_object(kinds, kind, group=group)  # mixed kinds would deadlock in alloc_symmetric
+        if len(set(kinds)) > 1:
+            raise ValueError(f"ranks chose different peer memory {kinds} (set {PEER_MEMORY_ENV} alike on every "
+                             "rank, and install the same torch and CUDA library everywhere)")
+        self.peer_memory = kind
 
     def check_errors(self, err: torch.Tensor, op: str, epoch: int) -> None:
         """Raise a wait's timeout a call late rather than sync the host on every call."""
@@ -55,18 +103,46 @@ class ProcessPeerWorld:
         dist.barrier(group=self.group)
 
     def alloc_symmetric(self, shape, dtype: torch.dtype, *, fill=0) -> SymmetricTensor:
+        """Collective: every rank calls it in the same order."""
+        if self.peer_memory == "ipc":
+            return self._alloc_ipc(tuple(shape), dtype, fill)
         import torch.distributed._symmetric_memory as symm_mem
 
-        symm_mem.enable_symm_mem_for_group(self.group.group_name)  # needed by older torch, idempotent
-        local = symm_mem.empty(tuple(shape), dtype=dtype, device=self.device)
-        local.fill_(fill)
-        handle = symm_mem.rendezvous(local, self.group.group_name)
+        try:
+            symm_mem.enable_symm_mem_for_group(self.group.group_name)  # needed by older torch, idempotent
+            local = symm_mem.empty(tuple(shape), dtype=dtype, device=self.device)
+            local.fill_(fill)
+            handle = symm_mem.rendezvous(local, self.group.group_name)
+        except RuntimeError as exc:
+            raise RuntimeError(f"torch symmetric memory failed on {self.device} ({exc}); "
+                               f"{PEER_MEMORY_ENV}=ipc on every rank uses CUDA IPC instead") from exc
         # nobody may write into a peer's buffer before that peer's fill has landed
         torch.cuda.current_stream(self.device).synchronize()
         self.barrier()
         peers = tuple(handle.get_buffer(r, tuple(shape), dtype) for r in range(self.world_size))
         ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
         return SymmetricTensor(self.rank, self.world_size, local, ptrs, peers, handle)
+
+    def _alloc_ipc(self, shape: tuple, dtype: torch.dtype, fill) -> SymmetricTensor:
+        from ..kernels import cuda as cuda_lib
+
+        numel = 1
+        for size in shape:
+            numel *= size
+        ptr, handle = cuda_lib.ipc_alloc(max(numel, 1) * dtype.itemsize, self.device)
+        local = cuda_lib.tensor_at(ptr, shape, dtype, self.device)
+        local.fill_(fill)
+        handles = [None] * self.world_size
+        dist.all_gather_object(handles, handle, group=self.group)
+        peers = tuple(local if r == self.rank else
+                      cuda_lib.tensor_at(cuda_lib.ipc_open(h, self.device), shape, dtype, self.device)
+                      for r, h in enumerate(handles))
+        torch.cuda.current_stream(self.device).synchronize()  # our fill lands before any peer writes
+        self.barrier()
+        ptrs = torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=self.device)
+        # Buffers live as long as the process (like the workspace cache that holds them): freeing
+        # one while a peer still maps it would be undefined, and process exit releases both.
+        return SymmetricTensor(self.rank, self.world_size, local, ptrs, peers, handle=("ipc", ptr, handles))
 
     def workspace(self, key, factory):
         if key not in self._workspaces:
@@ -86,7 +162,7 @@ _worlds: dict = {}
 
 
 def process_peer_world(group: dist.ProcessGroup, device: torch.device) -> ProcessPeerWorld:
-    key = (group.group_name, device)
+    key = (group.group_name, device, requested_peer_memory())
     if key not in _worlds:
         _worlds[key] = ProcessPeerWorld(group, device)
     return _worlds[key]

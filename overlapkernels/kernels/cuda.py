@@ -16,9 +16,11 @@ import torch
 from .errors import CudaLibraryError, SignalTimeoutError
 
 LIB_NAME = "liboverlapkernels_cuda.so"
-ABI_VERSION = 1          # must match OK_CUDA_ABI_VERSION in csrc/ok_cuda.h
+ABI_VERSION = 2          # must match OK_CUDA_ABI_VERSION in csrc/ok_cuda.h
 MAX_REDUCE_SRCS = 64     # OK_MAX_REDUCE_SRCS
-EXPORTS = ("ok_abi_version", "ok_error_string", "ok_signal_set", "ok_signal_wait", "ok_reduce_sum")
+IPC_HANDLE_BYTES = 64    # OK_IPC_HANDLE_BYTES
+EXPORTS = ("ok_abi_version", "ok_error_string", "ok_signal_set", "ok_signal_wait", "ok_reduce_sum", "ok_ipc_alloc",
+           "ok_ipc_open", "ok_ipc_close", "ok_free")
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _ERR_WAIT_TIMEOUT = 1
 BUILD_HINT = ("build it with `make cuda` (needs nvcc), or reinstall with nvcc on PATH: "
@@ -59,12 +61,16 @@ def load() -> ctypes.CDLL:
         c = ctypes
         lib.ok_abi_version.restype = c.c_int
         lib.ok_error_string.argtypes, lib.ok_error_string.restype = [c.c_int], c.c_char_p
-        lib.ok_signal_set.argtypes = [c.c_void_p, c.c_uint32, c.c_void_p]
-        lib.ok_signal_wait.argtypes = [c.c_void_p, c.c_uint32, c.c_uint64, c.c_void_p, c.c_int32, c.c_int32,
-                                       c.c_int32, c.c_void_p]
-        lib.ok_reduce_sum.argtypes = [c.c_void_p, c.POINTER(c.c_void_p), c.c_int32, c.c_int64, c.c_int32,
-                                      c.c_void_p]
-        for fn in ("ok_signal_set", "ok_signal_wait", "ok_reduce_sum"):
+        lib.ok_signal_set.argtypes = [c.c_int32, c.c_void_p, c.c_uint32, c.c_void_p]
+        lib.ok_signal_wait.argtypes = [c.c_int32, c.c_void_p, c.c_uint32, c.c_uint64, c.c_void_p, c.c_int32,
+                                       c.c_int32, c.c_int32, c.c_void_p]
+        lib.ok_reduce_sum.argtypes = [c.c_int32, c.c_void_p, c.POINTER(c.c_void_p), c.c_int32, c.c_int64,
+                                      c.c_int32, c.c_void_p]
+        lib.ok_ipc_alloc.argtypes = [c.c_int32, c.c_uint64, c.POINTER(c.c_void_p), c.c_char_p]
+        lib.ok_ipc_open.argtypes = [c.c_int32, c.c_char_p, c.POINTER(c.c_void_p)]
+        lib.ok_ipc_close.argtypes = [c.c_int32, c.c_void_p]
+        lib.ok_free.argtypes = [c.c_int32, c.c_void_p]
+        for fn in EXPORTS[2:]:
             getattr(lib, fn).restype = c.c_int
         if lib.ok_abi_version() != ABI_VERSION:
             raise CudaLibraryError(f"{path} has ABI version {lib.ok_abi_version()}, this package expects "
@@ -85,8 +91,12 @@ def _require_cuda(what: str, **tensors: torch.Tensor) -> None:
             raise ValueError(f"{what}: {name} must be a CUDA tensor, got {where}")
 
 
-def _stream(stream) -> int:
-    return (stream or torch.cuda.current_stream()).cuda_stream
+def _stream(stream, device: torch.device) -> int:
+    return (stream or torch.cuda.current_stream(device)).cuda_stream
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _flag_arg(what: str, flag: torch.Tensor) -> None:
@@ -108,7 +118,8 @@ def signal_set(flag: torch.Tensor, value: int, *, stream=None) -> None:
     lib = load()
     _require_cuda("signal_set", flag=flag)
     _flag_arg("signal_set", flag)
-    _check(lib, lib.ok_signal_set(flag.data_ptr(), value, _stream(stream)), "signal_set")
+    _check(lib, lib.ok_signal_set(_index(flag.device), flag.data_ptr(), value, _stream(stream, flag.device)),
+           "signal_set")
 
 
 def signal_wait(flag: torch.Tensor, expected: int, *, error_record: torch.Tensor, op: str, rank: int, chunk: int,
@@ -121,8 +132,8 @@ def signal_wait(flag: torch.Tensor, expected: int, *, error_record: torch.Tensor
     if error_record.dtype != torch.int32 or error_record.numel() < 4:
         raise ValueError(f"signal_wait: error_record must be int32 with >= 4 elements, got "
                          f"{error_record.dtype} x {error_record.numel()}")
-    err = lib.ok_signal_wait(flag.data_ptr(), expected, int(timeout_s * 1e9), error_record.data_ptr(), op_id(op),
-                             rank, chunk, _stream(stream))
+    err = lib.ok_signal_wait(_index(flag.device), flag.data_ptr(), expected, int(timeout_s * 1e9),
+                             error_record.data_ptr(), op_id(op), rank, chunk, _stream(stream, flag.device))
     _check(lib, err, "signal_wait")
 
 
@@ -155,6 +166,59 @@ def reduce_sum(dst: torch.Tensor, srcs, *, stream=None) -> torch.Tensor:
     if not dst.is_contiguous():
         raise ValueError("reduce_sum: dst must be contiguous")
     ptrs = (ctypes.c_void_p * len(srcs))(*[s.data_ptr() for s in srcs])
-    err = lib.ok_reduce_sum(dst.data_ptr(), ptrs, len(srcs), dst.numel(), _DTYPE_CODES[dst.dtype], _stream(stream))
+    err = lib.ok_reduce_sum(_index(dst.device), dst.data_ptr(), ptrs, len(srcs), dst.numel(), _DTYPE_CODES[dst.dtype],
+                            _stream(stream, dst.device))
     _check(lib, err, "reduce_sum")
     return dst
+
+
+# --- CUDA IPC peer memory (the process world's fallback to torch symmetric memory) ---------------
+def _cuda_device(device) -> torch.device:
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"CUDA IPC: device must be a CUDA device, got {device}")
+    return torch.device("cuda", _index(device))
+
+
+def ipc_alloc(nbytes: int, device) -> tuple[int, bytes]:
+    """A fresh ``cudaMalloc`` of ``nbytes`` on ``device`` -> (device pointer, IPC handle bytes)."""
+    lib, device = load(), _cuda_device(device)
+    ptr, handle = ctypes.c_void_p(), ctypes.create_string_buffer(IPC_HANDLE_BYTES)
+    _check(lib, lib.ok_ipc_alloc(device.index, nbytes, ctypes.byref(ptr), handle), f"ipc_alloc({nbytes} B)")
+    return ptr.value, handle.raw
+
+
+def ipc_open(handle: bytes, device) -> int:
+    """Map a peer's ``ipc_alloc`` buffer into this process, usable from ``device`` -> its pointer."""
+    lib, device = load(), _cuda_device(device)
+    if not isinstance(handle, bytes) or len(handle) != IPC_HANDLE_BYTES:
+        raise ValueError(f"ipc_open: handle must be {IPC_HANDLE_BYTES} bytes from ipc_alloc")
+    ptr = ctypes.c_void_p()
+    _check(lib, lib.ok_ipc_open(device.index, handle, ctypes.byref(ptr)), "ipc_open")
+    return ptr.value
+
+
+def ipc_close(ptr: int, device) -> None:
+    lib, device = load(), _cuda_device(device)
+    _check(lib, lib.ok_ipc_close(device.index, ptr), "ipc_close")
+
+
+def free(ptr: int, device) -> None:
+    lib, device = load(), _cuda_device(device)
+    _check(lib, lib.ok_free(device.index, ptr), "free")
+
+
+def tensor_at(ptr: int, shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` over memory at ``ptr``, labelled as on ``device`` (also
+    for a peer GPU's mapped memory: kernels and copies then run on this rank's device, and torch
+    never opens a context on the peer's). It does not own the memory: the caller keeps the
+    allocation alive for the tensor's lifetime.
+
+    torch has no public constructor for this; ``_construct_storage_from_data_pointer`` is the one
+    torch's CUDA-graph trees use for the same purpose."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    device = torch.device(device)
+    storage = torch._C._construct_storage_from_data_pointer(ptr, device, numel * dtype.itemsize)
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, tuple(shape))

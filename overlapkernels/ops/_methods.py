@@ -15,9 +15,9 @@ def _peer_world(method: str, group, device):
         return group
     if method not in PEER_MEMORY_METHODS:
         return None
-    from ..comm.process_world import process_peer_world, symmetric_memory_unavailable_reason
+    from ..comm.process_world import peer_memory_unavailable_reason, process_peer_world
 
-    reason = symmetric_memory_unavailable_reason(device)
+    reason = peer_memory_unavailable_reason(device)
     if reason:
         raise ValueError(f"method={method!r} needs peer memory (CUDA tensors on one NVLink node, or a thread-world "
                          f"group in CPU tests): {reason}; use 'decomposed' or 'baseline'")
