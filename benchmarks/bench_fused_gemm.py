@@ -11,7 +11,7 @@ import triton.testing
 
 from overlapkernels.bench.report import append_csv, environment, format_table
 from overlapkernels.kernels.triton.ag_gemm import ag_gemm
-from overlapkernels.kernels.triton.signals import FLAG_DTYPE
+from overlapkernels.kernels.triton.signals import FLAG_DTYPE, polls
 from overlapkernels.kernels.triton.tile_gemm import GemmConfig, gemm_config
 
 # Alternatives to the library's choice (first row), so one GPU run shows whether gemm_config
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     default = gemm_config(a.device, a.dtype, args.m, args.n, args.k)
     for name, cfg in [("ag_gemm (default)", default)] + [("ag_gemm", c) for c in ALTERNATIVES if c != default]:
         def run(cfg=cfg):
-            return ag_gemm(a, b, out, arrived, err, rank=0, world_size=1, epoch=1, max_spins=1, config=cfg)
+            return ag_gemm(a, b, out, arrived, err, rank=0, world_size=1, epoch=1, budget=polls(1), config=cfg)
 
         try:
             run()

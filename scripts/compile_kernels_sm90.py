@@ -91,7 +91,7 @@ def t(*shape, dtype):
 
 
 W, R, M, N, K = 4, 1, 512, 1024, 1024  # rank 1 of 4, chunks of 512 rows
-EPOCH, SPINS = 5, SG.max_spins_for(60.0, torch.device("cuda"))  # 120_000_000 polls
+EPOCH, BUDGET = 5, SG.wait_budget(60.0, torch.device("cuda"))  # 6e10 ns of the global timer
 
 # --- ag_gemm / gemm_rs: the configs gemm_config hands out, plus small ones -----------------------
 # (config, K values it is chosen for): gemm_config hands ragged K to the small tiles only
@@ -115,12 +115,13 @@ for dname, dt in DT.items():
             tag = (f"{dname} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {layout} "
                    f"K={kk} prec={prec}")
             check(f"_ag_gemm_kernel {tag}", AG._ag_gemm_kernel,
-                  a, b, out, arrived, err, M, N, kk, EPOCH, SPINS, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                  out.stride(0), out.stride(1), RANK=R, WORLD=W, DOT_PRECISION=prec, **cfg.meta(kk))
+                  a, b, out, arrived, err, M, N, kk, EPOCH, BUDGET.amount, a.stride(0), a.stride(1), b.stride(0),
+                  b.stride(1), out.stride(0), out.stride(1), R, WORLD=W, DOT_PRECISION=prec, TIMED=BUDGET.timed,
+                  **cfg.meta(kk))
             table = t(W, dtype=torch.int64)
             check(f"_gemm_rs_kernel {tag}", RS._gemm_rs_kernel,
                   a, b, table, table, M, N, kk, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                  RANK=R, WORLD=W, DOT_PRECISION=prec, **cfg.meta(kk))
+                  R, WORLD=W, DOT_PRECISION=prec, **cfg.meta(kk))
 
 # --- all_gather ---------------------------------------------------------------------------------
 for dname in ("bf16", "fp32"):
@@ -132,14 +133,16 @@ for dname in ("bf16", "fp32"):
           BLOCK=256)
 for world, epoch in [(4, 5), (8, 1)]:
     check(f"_ag_signal_kernel WORLD={world} epoch={epoch}", AL._ag_signal_kernel, t(world, dtype=torch.int64), epoch,
-          RANK=1, WORLD=world)
+          1, WORLD=world)
 
 # --- signals -------------------------------------------------------------------------------------
 pads, err, table = t(2 * W, dtype=torch.int64), t(4, dtype=torch.int32), t(W, dtype=torch.int64)
-for name, flag, vals in [("aligned flag, generic ints", pads[2:3], (EPOCH * 37, SPINS, 2, 3, 2, 3)),
-                         ("8B-aligned flag, ints ==1/0", pads[W + 1:W + 2], (0, SPINS, 1, 1, 1, 0))]:
+for name, flag, vals in [("aligned flag, generic ints", pads[2:3], (EPOCH * 37, BUDGET, 2, 3, 2, 3)),
+                         ("8B-aligned flag, ints ==1/0", pads[W + 1:W + 2], (0, BUDGET, 1, 1, 1, 0)),
+                         ("interpreter-style poll budget", pads[1:2], (7, SG.polls(1000), 1, 1, 1, 0))]:
     target, spins, code, rank, chunk, peer = vals
-    check(f"_wait_kernel {name}", SG._wait_kernel, flag, target, err, spins, code, rank, chunk, peer)
+    check(f"_wait_kernel {name}", SG._wait_kernel, flag, target, err, spins.amount, code, rank, chunk, peer,
+          TIMED=spins.timed)
     check(f"_set_flag_kernel {name}", SG._set_flag_kernel, flag, target)
 for add in (True, False):
     for peer, index, value in [(2, 5, 7), (1, 1, 1)]:

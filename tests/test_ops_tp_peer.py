@@ -10,6 +10,7 @@ import overlapkernels as ok
 from overlapkernels.comm.rank_pool import RankError
 from overlapkernels.comm.thread_world import ThreadWorld
 from overlapkernels.kernels.triton.ag_gemm import ag_gemm
+from overlapkernels.kernels.triton.signals import polls
 from overlapkernels.kernels.triton.tile_gemm import INTERPRETER_GEMM, GemmConfig, forced_gemm_config, gemm_config
 
 METHODS = ["symm", "fused"]
@@ -54,14 +55,19 @@ def test_exact_with_straggler_and_poisoned_buffers(world, method, dtype):
 
 
 def _autograd_on_rank(ctx, method):
-    r, w, dev = ctx.rank, ctx.world_size, ctx.device
+    return _autograd_checks(ctx, ctx.rank, ctx.world_size, ctx.device, method)
+
+
+def _autograd_checks(group, r, w, dev, method):
+    """Forward and backward of both ops on ``group`` (a thread-world rank, or None: the default
+    process group) vs dense fp32 math."""
     # all-gather + matmul, 3-D input gathered along dim 1, gradient of a, b and the gathered input
     shards = [_rands((2, 3, 16), q, dev) for q in range(w)]
     weights = [_rands((16, 8), 50 + q, dev) for q in range(w)]
     grads = [_rands((2, 3 * w, 8), 60 + q, dev) for q in range(w)]
     a = shards[r].clone().requires_grad_()
     b = weights[r].clone().requires_grad_()
-    out = ok.all_gather_matmul(a, b, ctx, gather_dim=1, method=method)
+    out = ok.all_gather_matmul(a, b, group, gather_dim=1, method=method)
     out.backward(grads[r])
     a_full = torch.cat(shards, dim=1)
     torch.testing.assert_close(out, a_full @ weights[r], atol=1e-5, rtol=1e-5)
@@ -75,7 +81,7 @@ def _autograd_on_rank(ctx, method):
     g_all = [_rands((5, 4), 90 + q, dev) for q in range(w)]
     a2 = a_all[r].clone().requires_grad_()
     b2 = b_all[r].clone().requires_grad_()
-    out2 = ok.matmul_reduce_scatter(a2, b2, ctx, method=method)
+    out2 = ok.matmul_reduce_scatter(a2, b2, group, method=method)
     out2.backward(g_all[r])
     torch.testing.assert_close(out2, sum(x @ y for x, y in zip(a_all, b_all)).chunk(w)[r], atol=1e-5, rtol=1e-5)
     g_full = torch.cat(g_all)
@@ -141,9 +147,9 @@ def test_planted_missing_wait_is_caught():
     b = _ints((33, 5), torch.float32, 2)
     out = torch.empty(w * m, 5)
     err = torch.zeros(4, dtype=torch.int32)
-    ag_gemm(a_full, b, out, torch.ones(w, dtype=torch.int64), err, rank=0, world_size=w, epoch=1, max_spins=10)
+    ag_gemm(a_full, b, out, torch.ones(w, dtype=torch.int64), err, rank=0, world_size=w, epoch=1, budget=polls(10))
     assert torch.equal(out[:m], a_full[:m] @ b) and out[m:].isnan().all()
-    ag_gemm(a_full, b, out, torch.zeros(w, dtype=torch.int64), err, rank=0, world_size=w, epoch=1, max_spins=10)
+    ag_gemm(a_full, b, out, torch.zeros(w, dtype=torch.int64), err, rank=0, world_size=w, epoch=1, budget=polls(10))
     assert err.tolist() == [1, 0, 1, 1]  # ready timeout, rank 0, chunk 1, peer 1
 
 
@@ -176,3 +182,31 @@ def test_gemm_config_is_a_pure_function_of_the_call():
     with forced_gemm_config(GemmConfig(16, 32, 16)) as forced:
         assert gemm_config(torch.device("cpu"), torch.float16, 7, 5, 33) is forced
     assert gemm_config(torch.device("cpu"), torch.float16, 7, 5, 33) == INTERPRETER_GEMM
+
+
+def _rs_tile_counts_change_on_rank(ctx):
+    r, w = ctx.rank, ctx.world_size
+    b = _ints((32, 48), torch.float32, 70)
+    for call, cfg in enumerate([GemmConfig(64, 64, 32), GemmConfig(16, 16, 16), GemmConfig(32, 16, 16)]):
+        with_cfg = [_ints((w * 40, 32), torch.float32, 80 + 10 * call + q) for q in range(w)]
+        ctx.barrier()  # every rank is past its previous call before the config changes under it
+        if r == 0:
+            _FORCED.append(cfg)
+        ctx.barrier()
+        out = ok.matmul_reduce_scatter(with_cfg[r], b, ctx, method="fused")
+        assert torch.equal(out, sum(x @ b for x in with_cfg).chunk(w)[r]), call
+    return True
+
+
+_FORCED: list = []
+
+
+def test_fused_reduce_scatter_when_the_tile_count_changes_between_calls(monkeypatch):
+    """Same (m, n) workspace, three tile configs (1, 9 and 6 tiles per chunk): the owner must wait
+    for the counts actually sent so far. Waiting for epoch * tiles (the old target) times out on
+    the second call or reads partial sums on the third."""
+    import overlapkernels.ops._peer_methods as pm
+
+    monkeypatch.setattr(pm, "gemm_config", lambda *args: _FORCED[-1])
+    _FORCED.clear()
+    assert ThreadWorld(2, timeout=20).run(_rs_tile_counts_change_on_rank) == [True, True]

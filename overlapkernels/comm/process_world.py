@@ -78,6 +78,7 @@ class ProcessPeerWorld:
         self.ranks_per_device = self.world_size if os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") == "1" \
             else 1
         self.timeout = timeout
+        self.wait_timeout = timeout  # device-side waits give up after this many seconds
         self._workspaces: dict = {}
         self._side = None
         from ..kernels import cuda as cuda_lib

@@ -5,7 +5,10 @@ tables that kernels get are real, and Triton kernels run on them under ``TRITON_
 exactly as they would on peer-mapped GPU memory: loads and stores through the table, spin-waits
 on ``tl.atomic_*`` flags that another rank's kernel sets. With ``device="cuda"`` it is the
 one-GPU world: the N ranks share one GPU, each on its own stream (so one rank's spin-wait never
-blocks another's signal), and the same compiled kernels run for real.
+blocks another's signal), and the same compiled kernels run for real. No autograd there: torch
+runs every CUDA backward node on one engine thread per device, shared by all calling threads, so
+the ranks' backward passes would run one after another and deadlock at their first collective
+(on CPU each thread runs its own backward; on GPUs use processes).
 """
 from __future__ import annotations
 
@@ -30,7 +33,10 @@ class ThreadRank:
         self.world_size = world.world_size
         self.device = world.device
         self.ranks_per_device = world.world_size if world.device.type == "cuda" else 1
-        self.timeout = world.timeout  # device-side waits give up after this many seconds
+        self.timeout = world.timeout
+        # device-side waits give up well before run() stops waiting for the threads, so a hang is
+        # reported as the wait that failed (op, rank, chunk, peer) and no kernel outlives the call
+        self.wait_timeout = world.timeout / 2
         self._alloc_seq = 0
         self._workspaces: dict = {}
         self._side = None

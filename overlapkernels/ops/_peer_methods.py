@@ -1,13 +1,13 @@
 """``symm`` and ``fused`` on a peer-memory world: symmetric buffers, signal pads, a copy engine.
 
 The world (``group``) offers ``rank``, ``world_size``, ``device``, ``ranks_per_device``,
-``timeout``, collective ``alloc_symmetric``, ``workspace``, a ``side_stream`` (the copy engine)
-and ``check_errors`` (at once in the thread world; a call late, without host syncs, in the
+``wait_timeout`` (seconds a device wait may spin), collective ``alloc_symmetric``, ``workspace``,
+a ``side_stream`` (the copy engine) and ``check_errors`` (at once in the thread world; a call late, without host syncs, in the
 process world). The thread world provides it on CPU, where every kernel runs under the Triton
 interpreter: that is how CI proves these algorithms; with ``device="cuda"`` it runs them
 compiled on one GPU; ``comm.process_world`` serves CUDA process groups on one NVLink node.
 Workspaces persist per (op, method, shape, dtype); their flags only grow, so nothing is reset
-between calls. Every wait gives up after the world's timeout and the op raises
+between calls. Every wait gives up after the world's wait_timeout and the op raises
 ``SignalTimeoutError`` naming the rank, chunk and peer.
 
 All-gather + matmul, call e on rank r (pads: ready[0:W], released[W:2W]):
@@ -46,6 +46,10 @@ class _Workspace:
         self.pads = world.alloc_symmetric((2 * w,), sig.FLAG_DTYPE)
         self.arrived = torch.zeros(w, dtype=sig.FLAG_DTYPE, device=world.device)
         self.epoch = 0
+        # reduce-scatter: count units every rank has added to each owner's pad so far. Summed per
+        # call, not epoch * units: the tile count of a call depends on its K (gemm_config), so two
+        # calls of one (m, n) workspace may count differently.
+        self.counted = 0
 
 
 def _workspace(world, kind: str, method: str, slots_shape: tuple, dtype) -> _Workspace:
@@ -63,7 +67,7 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
     ws = _workspace(world, "ag", method, (w, m, k), a_shard.dtype)
     ws.epoch += 1
     epoch, err = ws.epoch, torch.zeros(4, dtype=torch.int32, device=a_shard.device)
-    spins = sig.max_spins_for(world.timeout, a_shard.device)
+    budget = sig.wait_budget(world.wait_timeout, a_shard.device)
     shard = a_shard.contiguous()
 
     # 1. publish: once every reader released our slot of call e-1 (one count per read), fill it and
@@ -71,17 +75,17 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
     # (they hold SMs that peers' kernels may need when ranks share a GPU).
     for reader in range(w):
         if reader != r:
-            sig.wait_flag(ws.pads.local[w + reader:w + reader + 1], epoch - 1, err, spins,
+            sig.wait_flag(ws.pads.local[w + reader:w + reader + 1], epoch - 1, err, budget,
                           code=sig.ERR_CONSUMED_TIMEOUT, rank=r, chunk=r, peer=reader)
     ws.slots.local[r].copy_(shard)
-    _ag_signal_kernel[(1,)](ws.pads.peer_ptrs, epoch, RANK=r, WORLD=w)
+    _ag_signal_kernel[(1,)](ws.pads.peer_ptrs, epoch, r, WORLD=w)
     a_full = torch.empty(w, m, k, dtype=shard.dtype, device=shard.device)
     a_full[r].copy_(shard)
 
     # 2. the copy engine pulls the other chunks in ring order
     def pull(src):
         with span(f"ok/ag_matmul/chunk{src}/comm"):
-            sig.wait_flag(ws.pads.local[src:src + 1], epoch, err, spins, code=sig.ERR_READY_TIMEOUT, rank=r,
+            sig.wait_flag(ws.pads.local[src:src + 1], epoch, err, budget, code=sig.ERR_READY_TIMEOUT, rank=r,
                           chunk=src, peer=src)
             a_full[src].copy_(ws.slots.peer(src)[src])
             sig.add_peer_flag(ws.pads, src, w + r, 1)
@@ -97,13 +101,13 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
     if method == "fused":
         with span("ok/ag_matmul/fused_gemm/compute"):
             for b, out in zip(bs, outs):
-                ag_gemm(a_flat, b, out, ws.arrived, err, rank=r, world_size=w, epoch=epoch, max_spins=spins,
+                ag_gemm(a_flat, b, out, ws.arrived, err, rank=r, world_size=w, epoch=epoch, budget=budget,
                         ranks_per_device=world.ranks_per_device)
     else:
         for step in range(w):
             c = (r + step) % w
             if c != r:
-                sig.wait_flag(ws.arrived[c:c + 1], epoch, err, spins, code=sig.ERR_READY_TIMEOUT, rank=r, chunk=c,
+                sig.wait_flag(ws.arrived[c:c + 1], epoch, err, budget, code=sig.ERR_READY_TIMEOUT, rank=r, chunk=c,
                               peer=c)
             with span(f"ok/ag_matmul/chunk{c}/compute"):
                 for b, out in zip(bs, outs):
@@ -120,14 +124,14 @@ def _reduce_scatter_partials(world, method: str, dtype, m: int, n: int, device, 
     ws = _workspace(world, "rs", method, (w, m, n), dtype)
     ws.epoch += 1
     epoch, err = ws.epoch, torch.zeros(4, dtype=torch.int32, device=device)
-    spins = sig.max_spins_for(world.timeout, device)
+    budget = sig.wait_budget(world.wait_timeout, device)
     for owner in range(w):  # 1. may we overwrite our slot at every owner?
         if owner != r:
-            sig.wait_flag(ws.pads.local[w + owner:w + owner + 1], epoch - 1, err, spins,
+            sig.wait_flag(ws.pads.local[w + owner:w + owner + 1], epoch - 1, err, budget,
                           code=sig.ERR_CONSUMED_TIMEOUT, rank=r, chunk=owner, peer=owner)
-    units = fill_slots(ws, err)  # 2.
+    ws.counted += fill_slots(ws, err)  # 2.
     for q in range(w):  # 3. every rank's partial of our chunk is here
-        sig.wait_flag(ws.pads.local[q:q + 1], epoch * units, err, spins, code=sig.ERR_PARTIAL_TIMEOUT, rank=r,
+        sig.wait_flag(ws.pads.local[q:q + 1], ws.counted, err, budget, code=sig.ERR_PARTIAL_TIMEOUT, rank=r,
                       chunk=r, peer=q)
     world.side_stream().synchronize()
     world.check_errors(err, _op_name("matmul_reduce_scatter", method), epoch)

@@ -11,37 +11,39 @@ import torch
 import triton
 import triton.language as tl
 
-from .signals import ERR_READY_TIMEOUT, record_error, wait_geq
+from .signals import ERR_READY_TIMEOUT, WaitBudget, record_error, wait_geq
 from .tile_gemm import GemmConfig, check_gemm_operands, dot_precision, gemm_config, num_programs, tile_dot
 
 
-@triton.jit
-def _ag_gemm_kernel(a_ptr, b_ptr, c_ptr, arrived_ptr, err_ptr, rows_per_chunk, N, K, epoch, max_spins,
-                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-                    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
+@triton.jit(do_not_specialize=["epoch", "budget", "rank"])
+def _ag_gemm_kernel(a_ptr, b_ptr, c_ptr, arrived_ptr, err_ptr, rows_per_chunk, N, K, epoch, budget,
+                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, rank,
+                    WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, TIMED: tl.constexpr):
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_chunk = tl.cdiv(rows_per_chunk, BLOCK_M) * tiles_n
     for tile in range(tl.program_id(0), WORLD * per_chunk, tl.num_programs(0)):
-        chunk = (RANK + tile // per_chunk) % WORLD
+        chunk = (rank + tile // per_chunk) % WORLD
         t = tile % per_chunk
-        if chunk != RANK:
-            if wait_geq(arrived_ptr + chunk, epoch, max_spins) < epoch:
-                record_error(err_ptr, ERR_READY_TIMEOUT, RANK, chunk, chunk)
+        if chunk != rank:
+            if wait_geq(arrived_ptr + chunk, epoch, budget, TIMED) < epoch:
+                record_error(err_ptr, ERR_READY_TIMEOUT, rank, chunk, chunk)
         tl.debug_barrier()  # every thread's A loads come after the acquire
         rows_in = (t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows_in < rows_per_chunk
-        rows = chunk * rows_per_chunk + rows_in
+        # the chunk's first row as a scalar int64 offset (W*m*K may pass 2**31 elements); offsets
+        # within a chunk stay int32, which keeps the per-thread address registers small
+        chunk_row0 = chunk.to(tl.int64) * rows_per_chunk
         cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
-        acc = tile_dot(a_ptr, b_ptr, rows, row_mask, cols, col_mask, K, stride_am, stride_ak, stride_bk, stride_bn,
-                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, EVEN_K)
-        tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & col_mask[None, :])
+        acc = tile_dot(a_ptr + chunk_row0 * stride_am, b_ptr, rows_in, row_mask, cols, col_mask, K, stride_am,
+                       stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, EVEN_K)
+        tl.store(c_ptr + chunk_row0 * stride_cm + rows_in[:, None] * stride_cm + cols[None, :] * stride_cn,
+                 acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 def ag_gemm(a_full: torch.Tensor, b: torch.Tensor, out: torch.Tensor, arrived: torch.Tensor, err: torch.Tensor, *,
-            rank: int, world_size: int, epoch: int, max_spins: int, config: GemmConfig | None = None,
+            rank: int, world_size: int, epoch: int, budget: WaitBudget, config: GemmConfig | None = None,
             ranks_per_device: int = 1) -> torch.Tensor:
     """``out = a_full @ b``, tile by tile as chunks of ``a_full`` arrive (``arrived[c] >= epoch``).
     ``config``: tile shape and launch options (default: ``gemm_config`` for this device and shape)."""
@@ -51,7 +53,7 @@ def ag_gemm(a_full: torch.Tensor, b: torch.Tensor, out: torch.Tensor, arrived: t
     config = config or gemm_config(a_full.device, a_full.dtype, rows_per_chunk, n, k)
     tiles = world_size * config.tiles(rows_per_chunk, n)
     _ag_gemm_kernel[(num_programs(a_full.device, tiles, ranks_per_device),)](
-        a_full, b, out, arrived, err, rows_per_chunk, n, k, epoch, max_spins,
-        a_full.stride(0), a_full.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        RANK=rank, WORLD=world_size, DOT_PRECISION=dot_precision(a_full.dtype), **config.meta(k))
+        a_full, b, out, arrived, err, rows_per_chunk, n, k, epoch, budget.amount,
+        a_full.stride(0), a_full.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), rank,
+        WORLD=world_size, DOT_PRECISION=dot_precision(a_full.dtype), TIMED=budget.timed, **config.meta(k))
     return out

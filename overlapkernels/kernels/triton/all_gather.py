@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .signals import (ERR_CONSUMED_TIMEOUT, ERR_READY_TIMEOUT, FLAG_DTYPE, peer_ptr, raise_if_timed_out, set_flag,
-                      signal_ptr, wait_flag)
+from .signals import (ERR_CONSUMED_TIMEOUT, ERR_READY_TIMEOUT, FLAG_DTYPE, peer_ptr, polls, raise_if_timed_out,
+                      set_flag, signal_ptr, wait_flag)
 
 DEFAULT_MAX_SPINS = 1 << 26
 
@@ -36,10 +36,10 @@ def _ag_publish_kernel(shard_ptr, buf_table_ptr, chunk_numel, RANK: tl.constexpr
     tl.store(my_buf + RANK * chunk_numel + offs, tl.load(shard_ptr + offs, mask=mask), mask=mask)
 
 
-@triton.jit
-def _ag_signal_kernel(sig_table_ptr, epoch, RANK: tl.constexpr, WORLD: tl.constexpr):
+@triton.jit(do_not_specialize=["epoch", "rank"])
+def _ag_signal_kernel(sig_table_ptr, epoch, rank, WORLD: tl.constexpr):
     for peer in tl.static_range(WORLD):
-        set_flag(signal_ptr(sig_table_ptr, peer) + RANK, epoch)
+        set_flag(signal_ptr(sig_table_ptr, peer) + rank, epoch)
 
 
 @triton.jit
@@ -89,15 +89,15 @@ class PeerAllGather:
         for reader in range(w):  # each reader's blocks counted one read each in call epoch - 1
             if reader != r:
                 wait_flag(pads.local[w + reader:w + reader + 1], (self.epoch - 1) * self.num_blocks, err,
-                          self.max_spins, code=ERR_CONSUMED_TIMEOUT, rank=r, chunk=r, peer=reader)
+                          polls(self.max_spins), code=ERR_CONSUMED_TIMEOUT, rank=r, chunk=r, peer=reader)
         _ag_publish_kernel[(self.num_blocks,)](shard_flat, self.buf.peer_ptrs, self.chunk_numel, RANK=r,
                                                BLOCK=self.block)
-        _ag_signal_kernel[(1,)](pads.peer_ptrs, self.epoch, RANK=r, WORLD=w)
+        _ag_signal_kernel[(1,)](pads.peer_ptrs, self.epoch, r, WORLD=w)
         for step in range(w):
             src = (r + step) % w
             if src != r:
-                wait_flag(pads.local[src:src + 1], self.epoch, err, self.max_spins, code=ERR_READY_TIMEOUT, rank=r,
-                          chunk=src, peer=src)
+                wait_flag(pads.local[src:src + 1], self.epoch, err, polls(self.max_spins), code=ERR_READY_TIMEOUT,
+                          rank=r, chunk=src, peer=src)
             self.pull(out, src)
         raise_if_timed_out(err, "ok/all_gather", self.epoch)
         return out.view(w * shard.shape[0], *shard.shape[1:]) if shard.dim() else out

@@ -16,29 +16,30 @@ from .signals import peer_ptr, signal_ptr
 from .tile_gemm import GemmConfig, check_gemm_operands, dot_precision, num_programs, tile_dot
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def _gemm_rs_kernel(a_ptr, b_ptr, slots_table_ptr, pads_table_ptr, rows_per_chunk, N, K,
-                    stride_am, stride_ak, stride_bk, stride_bn,
-                    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
+                    stride_am, stride_ak, stride_bk, stride_bn, rank, WORLD: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_chunk = tl.cdiv(rows_per_chunk, BLOCK_M) * tiles_n
     for tile in range(tl.program_id(0), WORLD * per_chunk, tl.num_programs(0)):
-        owner = (RANK + 1 + tile // per_chunk) % WORLD
+        owner = (rank + 1 + tile // per_chunk) % WORLD
         t = tile % per_chunk
         rows_in = (t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows_in < rows_per_chunk
         cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
-        acc = tile_dot(a_ptr, b_ptr, owner * rows_per_chunk + rows_in, row_mask, cols, col_mask, K,
-                       stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, EVEN_K)
+        # chunk bases as scalar int64 offsets (W*m*K may pass 2**31 elements), int32 within a chunk
+        acc = tile_dot(a_ptr + owner.to(tl.int64) * rows_per_chunk * stride_am, b_ptr, rows_in, row_mask, cols,
+                       col_mask, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K,
+                       DOT_PRECISION, EVEN_K)
         # owner's slots: [W, m, N]. Symmetric buffers start 16-byte aligned; saying so lets the
         # compiler vectorise these remote stores (it cannot know it of an address loaded from a table)
-        slot = tl.multiple_of(peer_ptr(slots_table_ptr, owner, a_ptr), 16) + RANK * rows_per_chunk * N
+        slot = tl.multiple_of(peer_ptr(slots_table_ptr, owner, a_ptr), 16) + rank.to(tl.int64) * rows_per_chunk * N
         tl.store(slot + rows_in[:, None] * N + cols[None, :], acc.to(a_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & col_mask[None, :])
         tl.debug_barrier()  # all threads' stores are issued before the release below
-        tl.atomic_add(signal_ptr(pads_table_ptr, owner) + RANK, 1, sem="release", scope="sys")
+        tl.atomic_add(signal_ptr(pads_table_ptr, owner) + rank, 1, sem="release", scope="sys")
 
 
 def gemm_rs(a: torch.Tensor, b: torch.Tensor, slots, pads, *, rank: int, world_size: int, config: GemmConfig,
@@ -50,6 +51,6 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, slots, pads, *, rank: int, world_s
     rows_per_chunk, n, k = a.shape[0] // world_size, b.shape[1], b.shape[0]
     _gemm_rs_kernel[(num_programs(a.device, world_size * config.tiles(rows_per_chunk, n), ranks_per_device),)](
         a, b, slots.peer_ptrs, pads.peer_ptrs, rows_per_chunk, n, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        RANK=rank, WORLD=world_size, DOT_PRECISION=dot_precision(a.dtype), **config.meta(k))
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), rank,
+        WORLD=world_size, DOT_PRECISION=dot_precision(a.dtype), **config.meta(k))
     return config.tiles(rows_per_chunk, n)

@@ -2,13 +2,20 @@
 
 Flags are int64 and only grow (an epoch or a count), so a signal pad is never reset between calls
 and a late reader cannot mistake the previous call's flag for this one's (int64: a per-tile count
-would wrap an int32 within a few thousand training steps). Every wait gives up
-after ``max_spins`` polls and leaves an error record (int32 [4] = code, rank, chunk, peer) that
-``raise_if_timed_out`` turns into an exception naming the op, rank, chunk and peer.
+would wrap an int32 within a few thousand training steps). Every wait gives up after its
+``WaitBudget`` - nanoseconds of the GPU's global timer when compiled, a poll count in the
+interpreter (which has no timer) - and leaves an error record (int32 [4] = code, rank, chunk,
+peer) that ``raise_if_timed_out`` turns into an exception naming the op, rank, chunk and peer.
 
 The ``@triton.jit`` helpers are inlined into kernels; ``wait_flag`` / ``set_peer_flag`` /
-``add_peer_flag`` launch one-program kernels, stream-ordered like any other launch.
+``add_peer_flag`` launch one-program kernels, stream-ordered like any other launch. Epochs,
+targets, ranks and budgets are never specialised on (``do_not_specialize``): Triton otherwise
+compiles a variant for the value 1 and for multiples of 16, so a long-running op would recompile
+at call 16 while its peers spin.
 """
+import os
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -21,16 +28,27 @@ ERR_READY_TIMEOUT = tl.constexpr(1)     # waited for a peer to publish a chunk
 ERR_CONSUMED_TIMEOUT = tl.constexpr(2)  # waited for a peer to finish reading / reducing our previous data
 ERR_PARTIAL_TIMEOUT = tl.constexpr(3)   # waited for a peer's partial sum of our chunk
 
-# Interpreted polls are ~10-50 us each, compiled ones well under 1 us: converting a timeout in
-# seconds with these rates gives a wait at least that long on either.
-POLLS_PER_SECOND = {"interpreter": 20_000, "gpu": 2_000_000}
+# Interpreted polls take ~10-50 us each: a timeout converted at this rate waits at least as long.
+INTERPRETER_POLLS_PER_SECOND = 20_000
 
 
-def max_spins_for(timeout_s: float, device: torch.device) -> int:
-    import os
+@dataclass(frozen=True)
+class WaitBudget:
+    """How long a device wait may spin: ``amount`` ns of the GPU global timer if ``timed``, else
+    ``amount`` polls (the interpreter)."""
+    amount: int
+    timed: bool
 
-    kind = "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" or device.type == "cpu" else "gpu"
-    return max(1, int(timeout_s * POLLS_PER_SECOND[kind]))
+
+def wait_budget(timeout_s: float, device: torch.device) -> WaitBudget:
+    if os.environ.get("TRITON_INTERPRET") == "1" or device.type == "cpu":
+        return WaitBudget(max(1, int(timeout_s * INTERPRETER_POLLS_PER_SECOND)), False)
+    return WaitBudget(max(1, int(timeout_s * 1e9)), True)
+
+
+def polls(count: int) -> WaitBudget:
+    """A budget of ``count`` polls, wherever it runs (tests of the timeout path)."""
+    return WaitBudget(count, False)
 
 
 @triton.jit
@@ -51,14 +69,25 @@ def set_flag(flag_ptr, value):
 
 
 @triton.jit
-def wait_geq(flag_ptr, target, max_spins):
-    """Poll (acquire, system scope) until ``*flag_ptr >= target`` or ``max_spins`` polls; returns
-    the last value seen, so the caller can tell a timeout (value < target) apart."""
-    spins = 0
+def _now_ns():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def wait_geq(flag_ptr, target, budget, TIMED: tl.constexpr):
+    """Poll (acquire, system scope) until ``*flag_ptr >= target`` or the budget is spent (``TIMED``:
+    ``budget`` ns of the global timer; else ``budget`` polls). Returns the last value seen, so the
+    caller can tell a timeout (value < target) apart."""
     value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    while (value < target) & (spins < max_spins):
-        value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        spins += 1
+    if TIMED:
+        start = _now_ns()
+        while (value < target) & (_now_ns() - start < budget):
+            value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    else:
+        spins = 0
+        while (value < target) & (spins < budget):
+            value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+            spins += 1
     return value
 
 
@@ -71,13 +100,13 @@ def record_error(err_ptr, code, rank, chunk, peer):
         tl.store(err_ptr + 3, peer)
 
 
-@triton.jit
-def _wait_kernel(flag_ptr, target, err_ptr, max_spins, code, rank, chunk, peer):
-    if wait_geq(flag_ptr, target, max_spins) < target:
+@triton.jit(do_not_specialize=["target", "budget", "code", "rank", "chunk", "peer"])
+def _wait_kernel(flag_ptr, target, err_ptr, budget, code, rank, chunk, peer, TIMED: tl.constexpr):
+    if wait_geq(flag_ptr, target, budget, TIMED) < target:
         record_error(err_ptr, code, rank, chunk, peer)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["peer", "index", "value"])
 def _update_peer_flag_kernel(table_ptr, peer, index, value, ADD: tl.constexpr):
     flag = signal_ptr(table_ptr, peer) + index
     if ADD:
@@ -86,7 +115,7 @@ def _update_peer_flag_kernel(table_ptr, peer, index, value, ADD: tl.constexpr):
         set_flag(flag, value)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["value"])
 def _set_flag_kernel(flag_ptr, value):
     set_flag(flag_ptr, value)
 
@@ -96,11 +125,11 @@ def set_flag_now(flag: torch.Tensor, value: int) -> None:
     _set_flag_kernel[(1,)](flag, value)
 
 
-def wait_flag(flag: torch.Tensor, target: int, err: torch.Tensor, max_spins: int, *, code, rank: int, chunk: int,
+def wait_flag(flag: torch.Tensor, target: int, err: torch.Tensor, budget: WaitBudget, *, code, rank: int, chunk: int,
               peer: int) -> None:
     """Stream-ordered wait until ``flag`` (a 1-element flag view) >= ``target``. One program: spinning
     blocks hold SMs that peers' kernels may need when ranks share a GPU, so waits stay this small."""
-    _wait_kernel[(1,)](flag, target, err, max_spins, code.value, rank, chunk, peer)
+    _wait_kernel[(1,)](flag, target, err, budget.amount, code.value, rank, chunk, peer, TIMED=budget.timed)
 
 
 def set_peer_flag(pads, peer: int, index: int, value: int) -> None:
