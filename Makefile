@@ -38,16 +38,10 @@ test: setup
 cuda:
 	$(PY) csrc/build.py
 
-# On a CUDA machine: build csrc, run the GPU tests, then the one-GPU benchmarks (results to
-# benchmarks/results/gpu-check.csv with device, versions, commit and date).
+# On a CUDA machine: build csrc, then scripts/gpu_check.sh: GPU tests and one-GPU benchmarks, each
+# step time-limited, rows to benchmarks/results/gpu-check.csv ($OUT/gpu-check.csv if OUT is set).
 gpu-check: setup cuda
-	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA GPU visible')"
-	$(PY) -m overlapkernels info
-	$(PY) -m pytest -m gpu -v $(PYTEST_ARGS)
-	$(PY) benchmarks/bench_fused_gemm.py --csv benchmarks/results/gpu-check.csv
-	$(PY) benchmarks/bench_reduce.py --csv benchmarks/results/gpu-check.csv
-	$(PY) benchmarks/bench_one_gpu_ag_matmul.py --csv benchmarks/results/gpu-check.csv
-	$(PY) benchmarks/bench_flash_attn.py --csv benchmarks/results/gpu-check.csv
+	PY=$(PY) bash scripts/gpu_check.sh
 
 # On a multi-GPU NVLink node: every bench kind under torchrun, rows to benchmarks/results/node.csv.
 NPROC ?= 8

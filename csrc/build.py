@@ -21,10 +21,14 @@ ARCH_FLAGS = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,c
 
 
 def nvcc_path() -> str | None:
+    """$CUDA_HOME/$CUDA_PATH, then PATH, then the toolkit's usual home (images often leave it off PATH)."""
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
         return str(Path(cuda_home) / "bin" / "nvcc")
-    return shutil.which("nvcc")
+    found = shutil.which("nvcc")
+    if found is None and Path("/usr/local/cuda/bin/nvcc").exists():
+        found = "/usr/local/cuda/bin/nvcc"
+    return found
 
 
 def up_to_date(out: Path) -> bool:

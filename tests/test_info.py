@@ -123,3 +123,15 @@ def test_telemetry_without_nvml_leaves_columns_empty():
     with Telemetry(nvml=NoDriver()) as tel:
         pass
     assert tel.summary() == {c: "" for c in COLUMNS}
+
+
+def test_gpu_check_script_refuses_a_machine_without_gpu(tmp_path):
+    """scripts/gpu_check.sh (make gpu-check) parses, and on a CPU machine stops at once with a
+    clear message instead of failing step after step."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "PY": sys.executable, "OUT": str(tmp_path)})
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "gpu-check: no CUDA GPU visible" in out.stderr

@@ -13,13 +13,15 @@ from test_ops_tp_peer import _autograd_checks, _forward_cases_on_rank
 
 pytestmark = pytest.mark.gpu
 METHODS = ["symm", "fused"]
+# a hang should cost seconds of a short GPU lease, not minutes (device waits give up at half this)
+GPU_TIMEOUT_S = 30
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("method", METHODS)
 def test_exact_bf16_with_straggler(world, method):
-    assert ThreadWorld(world, device="cuda").run(_forward_cases_on_rank, method, torch.bfloat16, world - 1) == \
-        [True] * world
+    assert ThreadWorld(world, device="cuda", timeout=GPU_TIMEOUT_S).run(
+        _forward_cases_on_rank, method, torch.bfloat16, world - 1) == [True] * world
 
 
 def _bf16_random_on_rank(ctx, method, m, k, n):
@@ -45,7 +47,8 @@ def _bf16_random_on_rank(ctx, method, m, k, n):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_bf16_random_close_to_fp32_reference(method):
-    assert ThreadWorld(4, device="cuda").run(_bf16_random_on_rank, method, 256, 512, 384) == [True] * 4
+    assert ThreadWorld(4, device="cuda", timeout=GPU_TIMEOUT_S).run(_bf16_random_on_rank, method, 256, 512, 384) == \
+        [True] * 4
 
 
 def _process_world_on_rank(method, peer_memory):

@@ -15,6 +15,7 @@ Not yet run on a multi-GPU node by this project: the algorithms are proven in th
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,11 @@ def requested_peer_memory() -> str:
     return os.environ.get(PEER_MEMORY_ENV, "auto")
 
 
+def _device_uuid(device: torch.device) -> str:
+    """Identifies the physical GPU (indices differ between processes with other visible devices)."""
+    return str(getattr(torch.cuda.get_device_properties(device), "uuid", device))
+
+
 def peer_memory_unavailable_reason(device: torch.device) -> str | None:
     """None when symmetric memory or CUDA IPC can serve ``device``; else why not."""
     if device.type != "cuda":
@@ -74,9 +80,6 @@ class ProcessPeerWorld:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.device = device
-        # several ranks on one GPU (tests): torch allows it with this switch; split the SMs then
-        self.ranks_per_device = self.world_size if os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") == "1" \
-            else 1
         self.timeout = timeout
         self.wait_timeout = timeout  # device-side waits give up after this many seconds
         self._workspaces: dict = {}
@@ -89,12 +92,17 @@ class ProcessPeerWorld:
                                         ipc_built=cuda_lib.is_built())
         if kind is None:
             raise ValueError(why)
-        kinds = [None] * self.world_size
-        dist.all_gather_object(kinds, kind, group=group)  # mixed kinds would deadlock in alloc_symmetric
-        if len(set(kinds)) > 1:
+        ranks = [None] * self.world_size
+        with torch.cuda.device(device):  # NCCL stages objects on the current device
+            dist.all_gather_object(ranks, (kind, _device_uuid(device)), group=group)
+        kinds = [k for k, _ in ranks]
+        if len(set(kinds)) > 1:  # mixed kinds would deadlock in alloc_symmetric
             raise ValueError(f"ranks chose different peer memory {kinds} (set {PEER_MEMORY_ENV} alike on every "
                              "rank, and install the same torch and CUDA library everywhere)")
         self.peer_memory = kind
+        # ranks sharing this GPU (tests, or MPS): each persistent kernel takes only its share of SMs,
+        # or ranks spinning on each other's signals could hold every SM
+        self.ranks_per_device = max(1, sum(uuid == _device_uuid(device) for _, uuid in ranks))
 
     def check_errors(self, err: torch.Tensor, op: str, epoch: int) -> None:
         """Raise a wait's timeout a call late rather than sync the host on every call."""
@@ -110,7 +118,9 @@ class ProcessPeerWorld:
         import torch.distributed._symmetric_memory as symm_mem
 
         try:
-            symm_mem.enable_symm_mem_for_group(self.group.group_name)  # needed by older torch, idempotent
+            with warnings.catch_warnings():  # deprecated (FutureWarning) where torch no longer needs it
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(self.group.group_name)  # older torch needs it; idempotent
             local = symm_mem.empty(tuple(shape), dtype=dtype, device=self.device)
             local.fill_(fill)
             handle = symm_mem.rendezvous(local, self.group.group_name)
@@ -121,6 +131,11 @@ class ProcessPeerWorld:
         torch.cuda.current_stream(self.device).synchronize()
         self.barrier()
         peers = tuple(handle.get_buffer(r, tuple(shape), dtype) for r in range(self.world_size))
+        if handle.buffer_ptrs[self.rank] != local.data_ptr() or peers[self.rank].data_ptr() != local.data_ptr():
+            # the kernels index peers' buffers by these addresses: they must be where the tensors are
+            raise RuntimeError(f"torch symmetric memory: buffer_ptrs[{self.rank}]={handle.buffer_ptrs[self.rank]:#x} "
+                               f"is not the tensor's address {local.data_ptr():#x} (torch {torch.__version__}); "
+                               f"{PEER_MEMORY_ENV}=ipc on every rank uses CUDA IPC instead")
         ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
         return SymmetricTensor(self.rank, self.world_size, local, ptrs, peers, handle)
 

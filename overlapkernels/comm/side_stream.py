@@ -64,14 +64,14 @@ class CudaSideStream:
         """Run ``fn`` on the side stream after everything the rank enqueued so far. Tensors in
         ``keep_alive`` (made on the rank's stream, read here) are not reused by the allocator until
         the side stream is done with them."""
-        self.stream.wait_stream(torch.cuda.current_stream())
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # that device's, whatever is current
         for t in keep_alive:
             t.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
             fn()
 
     def synchronize(self, timeout: float | None = None) -> None:
-        torch.cuda.current_stream().wait_stream(self.stream)  # stream order, no host sync
+        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)  # stream order, no host sync
 
     def close(self) -> None:
         pass

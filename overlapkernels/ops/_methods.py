@@ -24,13 +24,20 @@ def _peer_world(method: str, group, device):
     return process_peer_world(group, device)
 
 
+def _on(device):
+    from ..kernels.triton.tile_gemm import launch_device
+
+    return launch_device(device)
+
+
 def ag_matmul(a_shard, bs, group, method):
     """-> (a_full [W*m, K], [a_full @ b for b in bs])"""
     world = _peer_world(method, group, a_shard.device)
     if world is not None:
         from . import _peer_methods
 
-        return _peer_methods.ag_matmul(a_shard, bs, world, method)
+        with _on(a_shard.device):
+            return _peer_methods.ag_matmul(a_shard, bs, world, method)
     impl = coll.ag_matmul_baseline if method == "baseline" else coll.ag_matmul_decomposed
     return impl(a_shard, bs, group)
 
@@ -41,7 +48,8 @@ def matmul_rs(a, b, group, method):
     if world is not None:
         from . import _peer_methods
 
-        return _peer_methods.matmul_rs(a, b, world, method)
+        with _on(a.device):
+            return _peer_methods.matmul_rs(a, b, world, method)
     impl = coll.matmul_rs_baseline if method == "baseline" else coll.matmul_rs_decomposed
     return impl(a, b, group)
 
@@ -59,7 +67,8 @@ def reduce_scatter(x, group):
     if is_peer_world(group):  # (process groups take the collective: there is no GEMM to hide it behind)
         from . import _peer_methods
 
-        return _peer_methods.reduce_scatter(x, group)
+        with _on(x.device):
+            return _peer_methods.reduce_scatter(x, group)
     from ..comm.collectives import reduce_scatter as rs
 
     return rs(x, group)[0]

@@ -125,7 +125,7 @@ def ring_backward(q, k, v, out, lse, dout, dlse, group, causal, scale, layout, b
     grad_bufs = [(torch.empty(k.shape, dtype=acc, device=k.device), torch.empty(v.shape, dtype=acc, device=v.device))
                  for _ in range(2)]
     k_cur, v_cur = k, v
-    grad_pending = None
+    grad_inflight = None  # (pending works, the tensors they send)
     for step in range(world):
         kv_pending = None
         if step + 1 < world:
@@ -144,16 +144,19 @@ def ring_backward(q, k, v, out, lse, dout, dlse, group, causal, scale, layout, b
             dv[:, :, ko:ko + kl] += dv_b
         if world == 1:
             return dq, dk, dv
-        if grad_pending:  # the block's partial sums from the ranks before us
-            wait_all(grad_pending)
+        if grad_inflight:  # the block's partial sums from the ranks before us
+            wait_all(grad_inflight[0])
             dk += grad_bufs[step % 2][0]
             dv += grad_bufs[step % 2][1]
-        # pass them on; after the last step this hop delivers each block's sum to its owner
-        grad_pending = ring.exchange([dk, dv], r + 1, list(grad_bufs[(step + 1) % 2]), r - 1, tag=GRAD_TAG)
+        # pass them on; after the last step this hop delivers each block's sum to its owner. dk/dv
+        # are rebound next step: the tuple keeps the sent tensors alive until the send is waited,
+        # rather than trusting the backend to hold them
+        grad_inflight = (ring.exchange([dk, dv], r + 1, list(grad_bufs[(step + 1) % 2]), r - 1, tag=GRAD_TAG),
+                         (dk, dv))
         if kv_pending:
             wait_all(kv_pending)
             k_cur, v_cur = nxt
-    wait_all(grad_pending)
+    wait_all(grad_inflight[0])
     dk_own, dv_own = grad_bufs[world % 2]
     return dq, dk_own, dv_own
 

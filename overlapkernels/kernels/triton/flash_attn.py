@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tile_gemm import dot_precision, shared_memory_per_block
+from .tile_gemm import dot_precision, launch_device, shared_memory_per_block
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -297,10 +297,12 @@ def block_forward(q, k, v, scale: float, *, q_start: int = 0, k_start: int = 0, 
     head_dim = _head_dim(q)
     cfg = flash_configs(q.device, q.dtype, head_dim).fwd
     grid = (triton.cdiv(lq, cfg.block_m), b * h)
-    _flash_fwd_kernel[grid](q, k, v, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-                            k.stride(2), out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-                            h, h // k.shape[1], lq, k.shape[2], d, q_start, k_start, scale * LOG2E,
-                            CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype), **cfg.meta())
+    with launch_device(q.device):
+        _flash_fwd_kernel[grid](q, k, v, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+                                k.stride(2), out.stride(0), out.stride(1), out.stride(2), lse.stride(0),
+                                lse.stride(1), h, h // k.shape[1], lq, k.shape[2], d, q_start, k_start,
+                                scale * LOG2E, CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype),
+                                **cfg.meta())
     return out, lse
 
 
@@ -322,10 +324,11 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, *, q_start: int = 0,
     fixed = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype))
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), lse.stride(0),
               lse.stride(1))
-    _flash_bwd_dkdv_kernel[(triton.cdiv(lk, cfgs.dkdv.block_n), b * h_kv)](
-        q, k, v, dout, lse, delta, dk, dv, *common, dk.stride(0), dk.stride(1), dk.stride(2),
-        h_kv, h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E, **fixed, **cfgs.dkdv.meta())
-    _flash_bwd_dq_kernel[(triton.cdiv(lq, cfgs.dq.block_m), b * h)](
-        q, k, v, dout, lse, delta, dq, *common, dq.stride(0), dq.stride(1), dq.stride(2),
-        h, h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E, **fixed, **cfgs.dq.meta())
+    with launch_device(q.device):
+        _flash_bwd_dkdv_kernel[(triton.cdiv(lk, cfgs.dkdv.block_n), b * h_kv)](
+            q, k, v, dout, lse, delta, dk, dv, *common, dk.stride(0), dk.stride(1), dk.stride(2),
+            h_kv, h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E, **fixed, **cfgs.dkdv.meta())
+        _flash_bwd_dq_kernel[(triton.cdiv(lq, cfgs.dq.block_m), b * h)](
+            q, k, v, dout, lse, delta, dq, *common, dq.stride(0), dq.stride(1), dq.stride(2),
+            h, h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E, **fixed, **cfgs.dq.meta())
     return dq, dk, dv

@@ -172,9 +172,11 @@ class DeferredErrorCheck:
             raise_if_timed_out(err, op, epoch)
             return
         host = torch.empty(4, dtype=torch.int32, pin_memory=True)
-        host.copy_(err, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        stream = torch.cuda.current_stream(err.device)
+        with torch.cuda.stream(stream):  # the copy and its event on err's device, whatever is current
+            host.copy_(err, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
         self._pending.append((event, host, op, epoch))
         self.poll()
 

@@ -113,6 +113,12 @@ def gemm_config(device: torch.device, dtype: torch.dtype, rows_per_chunk: int, n
     return CUDA_GEMM_16BIT if big_smem else SMALL_SMEM_GEMM
 
 
+def launch_device(device: torch.device):
+    """Context for launching on ``device``: Triton launches on torch's *current* device, so a rank
+    whose tensors are on cuda:3 while cuda:0 is current would run its kernels on GPU 0."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def dot_precision(dtype: torch.dtype):
     """fp32 inputs: IEEE unless torch allows TF32 (so fp32 results match torch.mm); 16-bit: default."""
     if dtype == torch.float32:
