@@ -210,3 +210,25 @@ def test_fused_reduce_scatter_when_the_tile_count_changes_between_calls(monkeypa
     monkeypatch.setattr(pm, "gemm_config", lambda *args: _FORCED[-1])
     _FORCED.clear()
     assert ThreadWorld(2, timeout=20).run(_rs_tile_counts_change_on_rank) == [True, True]
+
+
+def _warmup_launches_on_rank(ctx, method):
+    from overlapkernels.kernels.triton.signals import wait_budget
+    from overlapkernels.ops import _kernel_warmup as warmup
+
+    budget = wait_budget(5.0, ctx.device)
+    a, bs = _ints((7, 32), torch.float32, ctx.rank), [_ints((32, 48), torch.float32, 1), _ints((32, 5), torch.float32, 2)]
+    warmup.all_gather_matmul(ctx, method, a, bs, budget)
+    a2 = _ints((2 * 7, 32), torch.float32, 3)
+    warmup.reduce_scatter(ctx, method, a2, bs[0], 7, 48, budget, GemmConfig(16, 16, 16))
+    warmup.reduce_scatter(ctx, "symm", a2, None, 7, 32, budget)
+    # warm-up writes only scratch buffers: the real ops still give exact results afterwards
+    return _tile_shapes_on_rank(ctx, 32) if method == "fused" else True
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_gpu_warmup_launches_touch_only_scratch(method):
+    """On GPUs the first call of each op signature launches every kernel on scratch buffers before
+    any rank spins (kernel loading may need a context-wide sync). Those launches run here, in the
+    interpreter, so a broken warm-up is caught without a GPU."""
+    assert ThreadWorld(2, timeout=60).run(_warmup_launches_on_rank, method) == [True, True]

@@ -35,6 +35,7 @@ from ..kernels.triton.all_gather import _ag_signal_kernel
 from ..kernels.triton.gemm_rs import gemm_rs
 from ..kernels.triton.tile_gemm import gemm_config
 from ..profiling.ranges import span
+from . import _kernel_warmup as warmup
 from ._collective_methods import accumulation_dtype
 
 
@@ -64,11 +65,13 @@ def _op_name(op: str, method: str) -> str:
 def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
     r, w = world.rank, world.world_size
     m, k = a_shard.shape
+    budget = sig.wait_budget(world.wait_timeout, a_shard.device)
+    shard = a_shard.contiguous()
+    warmup.warm(world, ("ag", method, shard.shape, shard.dtype, tuple((b.shape, b.stride()) for b in bs)),
+                lambda: warmup.all_gather_matmul(world, method, shard, bs, budget))
     ws = _workspace(world, "ag", method, (w, m, k), a_shard.dtype)
     ws.epoch += 1
     epoch, err = ws.epoch, torch.zeros(4, dtype=torch.int32, device=a_shard.device)
-    budget = sig.wait_budget(world.wait_timeout, a_shard.device)
-    shard = a_shard.contiguous()
 
     # 1. publish: once every reader released our slot of call e-1 (one count per read), fill it and
     # tell everyone. One-program waits, not a waiting copy kernel: spinning blocks must stay few
@@ -167,11 +170,15 @@ def _push_partials(world, ws, partial_of) -> int:
 def matmul_rs(a: torch.Tensor, b: torch.Tensor, world, method: str) -> torch.Tensor:
     w = world.world_size
     m, n = a.shape[0] // w, b.shape[1]
+    config = gemm_config(a.device, a.dtype, m, n, a.shape[1])
+    warmup.warm(world, ("rs", method, a.shape, a.stride(), b.shape, b.stride(), a.dtype),
+                lambda: warmup.reduce_scatter(world, method, a, b, m, n, sig.wait_budget(world.wait_timeout, a.device),
+                                              config))
 
     def fill(ws, err):
         if method == "fused":
-            return gemm_rs(a, b, ws.slots, ws.pads, rank=world.rank, world_size=w,
-                           config=gemm_config(a.device, a.dtype, m, n, a.shape[1]), ranks_per_device=world.ranks_per_device)
+            return gemm_rs(a, b, ws.slots, ws.pads, rank=world.rank, world_size=w, config=config,
+                           ranks_per_device=world.ranks_per_device)
         return _push_partials(world, ws, lambda owner: a[owner * m:(owner + 1) * m] @ b)
 
     return _reduce_scatter_partials(world, method, a.dtype, m, n, a.device, fill)
@@ -181,5 +188,8 @@ def reduce_scatter(x: torch.Tensor, world) -> torch.Tensor:
     """Sum over ranks of ``x``, chunk ``rank`` of dim 0, through the symm protocol (no GEMM)."""
     w = world.world_size
     m = x.shape[0] // w
+    warmup.warm(world, ("rs", "symm", x.shape, x.dtype),
+                lambda: warmup.reduce_scatter(world, "symm", x, None, m, x.shape[1],
+                                              sig.wait_budget(world.wait_timeout, x.device)))
     return _reduce_scatter_partials(world, "symm", x.dtype, m, x.shape[1], x.device,
                                     lambda ws, err: _push_partials(world, ws, lambda d: x[d * m:(d + 1) * m]))

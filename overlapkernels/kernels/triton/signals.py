@@ -100,7 +100,8 @@ def record_error(err_ptr, code, rank, chunk, peer):
         tl.store(err_ptr + 3, peer)
 
 
-@triton.jit(do_not_specialize=["target", "budget", "code", "rank", "chunk", "peer"])
+@triton.jit(do_not_specialize=["target", "budget", "code", "rank", "chunk", "peer"],
+            do_not_specialize_on_alignment=["flag_ptr"])  # flags are 8-byte slots of a pad: one variant
 def _wait_kernel(flag_ptr, target, err_ptr, budget, code, rank, chunk, peer, TIMED: tl.constexpr):
     if wait_geq(flag_ptr, target, budget, TIMED) < target:
         record_error(err_ptr, code, rank, chunk, peer)
@@ -115,7 +116,7 @@ def _update_peer_flag_kernel(table_ptr, peer, index, value, ADD: tl.constexpr):
         set_flag(flag, value)
 
 
-@triton.jit(do_not_specialize=["value"])
+@triton.jit(do_not_specialize=["value"], do_not_specialize_on_alignment=["flag_ptr"])
 def _set_flag_kernel(flag_ptr, value):
     set_flag(flag_ptr, value)
 
