@@ -175,3 +175,12 @@ def _ring_bf16_one_gpu_on_rank(layout):
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_ring_bf16_two_ranks_one_gpu(rank_pool, layout):
     assert rank_pool(2).run(_ring_bf16_one_gpu_on_rank, layout) == [True, True]
+
+
+@pytest.mark.parametrize("smem_kb, dtype, head_dim, want", [
+    (227, torch.bfloat16, 128, fa.CUDA_FLASH_16BIT[128]), (227, torch.float16, 64, fa.CUDA_FLASH_16BIT[64]),
+    (227, torch.bfloat16, 256, fa.CUDA_FLASH_SMALL), (99, torch.bfloat16, 128, fa.CUDA_FLASH_SMALL),
+    (227, torch.float32, 128, fa.CUDA_FLASH_FP32), (227, torch.float32, 256, fa.CUDA_FLASH_FP32_WIDE)])
+def test_flash_config_rules_per_gpu(monkeypatch, smem_kb, dtype, head_dim, want):
+    monkeypatch.setattr(fa, "shared_memory_per_block", lambda device: smem_kb << 10)
+    assert fa.flash_configs(torch.device("cuda", 0), dtype, head_dim) is want

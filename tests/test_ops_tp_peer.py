@@ -232,3 +232,18 @@ def test_gpu_warmup_launches_touch_only_scratch(method):
     any rank spins (kernel loading may need a context-wide sync). Those launches run here, in the
     interpreter, so a broken warm-up is caught without a GPU."""
     assert ThreadWorld(2, timeout=60).run(_warmup_launches_on_rank, method) == [True, True]
+
+
+@pytest.mark.parametrize("smem_kb, dtype, rows, n, k, want", [
+    (227, torch.bfloat16, 4096, 8192, 1024, "CUDA_GEMM_16BIT"),        # H100/H200, a large chunk
+    (227, torch.bfloat16, 4096, 8192, 1376, "CUDA_GEMM_16BIT_SMALL"),  # ragged K: the big tile spills
+    (227, torch.bfloat16, 32, 8192, 1024, "CUDA_GEMM_16BIT_SMALL"),    # few rows per chunk
+    (227, torch.float32, 4096, 8192, 1024, "CUDA_GEMM_FP32"),
+    (163, torch.float16, 4096, 8192, 1024, "CUDA_GEMM_16BIT"),         # A100
+    (99, torch.bfloat16, 4096, 8192, 1024, "SMALL_SMEM_GEMM"),         # ~100 KB parts
+    (99, torch.float32, 4096, 8192, 1024, "SMALL_SMEM_GEMM_SMALL")])
+def test_gemm_config_rules_per_gpu(monkeypatch, smem_kb, dtype, rows, n, k, want):
+    from overlapkernels.kernels.triton import tile_gemm
+
+    monkeypatch.setattr(tile_gemm, "shared_memory_per_block", lambda device: smem_kb << 10)
+    assert tile_gemm.gemm_config(torch.device("cuda", 0), dtype, rows, n, k) is getattr(tile_gemm, want)
