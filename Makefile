@@ -21,7 +21,7 @@ setup:
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH_PIN)
 	@if ! $(PY) -c "$(DEPS_IMPORT)" 2>/dev/null || { [ -z "$(IN_VENV)" ] && [ setup.py -nt $(STAMP) ]; }; then \
 	  OVERLAPKERNELS_SKIP_CUDA=1 $(PY) -m pip install -q -e ".[test,bench]" && touch $(STAMP); fi
-	@if command -v nvcc >/dev/null 2>&1; then $(PY) csrc/build.py >/dev/null; \
+	@if command -v nvcc >/dev/null 2>&1; then $(PY) csrc/build.py >/dev/null || echo "csrc build failed (see above); CUDA-library features will say how to build it"; \
 	  else echo "nvcc not on PATH: skipping the CUDA library (make cuda builds it)"; fi
 
 # The main job: train the small GPT on 4 CPU ranks (tp=2 x pp=2), loss beside a 1-process reference.
@@ -40,7 +40,9 @@ cuda:
 
 # On a CUDA machine: build csrc, then scripts/gpu_check.sh: GPU tests and one-GPU benchmarks, each
 # step time-limited, rows to benchmarks/results/gpu-check.csv ($OUT/gpu-check.csv if OUT is set).
-gpu-check: setup cuda
+# A failed csrc build fails the csrc tests, not the Triton ones: hence '-'.
+gpu-check: setup
+	-$(PY) csrc/build.py
 	PY=$(PY) bash scripts/gpu_check.sh
 
 # On a multi-GPU NVLink node: every bench kind under torchrun, rows to benchmarks/results/node.csv.

@@ -29,15 +29,17 @@ step() {  # step SECONDS NAME CMD...
 }
 
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA GPU visible')" || exit 2
-step 60 info "$PY" -m overlapkernels info
+# Limits add up to 460 s: with the csrc build and start-up the whole run stays inside a 10-minute
+# command, and a hang costs one step.
+step 20 info "$PY" -m overlapkernels info
 # kernels alone, the csrc library, ring attention on two processes
-step 150 "gpu tests (kernels, csrc, ring)" "$PY" -m pytest -m gpu -v --ignore=tests/test_ops_tp_gpu.py
-step 60 bench_fused_gemm "$PY" benchmarks/bench_fused_gemm.py --csv "$GPU_CSV"
-step 30 bench_reduce "$PY" benchmarks/bench_reduce.py --csv "$GPU_CSV"
-step 90 bench_flash_attn "$PY" benchmarks/bench_flash_attn.py --csv "$GPU_CSV"
+step 120 "gpu tests (kernels, csrc, ring)" "$PY" -m pytest -m gpu -v --ignore=tests/test_ops_tp_gpu.py
+step 50 bench_fused_gemm "$PY" benchmarks/bench_fused_gemm.py --csv "$GPU_CSV"
+step 25 bench_reduce "$PY" benchmarks/bench_reduce.py --csv "$GPU_CSV"
+step 75 bench_flash_attn "$PY" benchmarks/bench_flash_attn.py --csv "$GPU_CSV"
 # several ranks spinning on flags on one GPU: the riskiest, so last
-step 150 "gpu tests (symm/fused, one GPU)" "$PY" -m pytest -m gpu -v --maxfail=2 tests/test_ops_tp_gpu.py
-step 60 bench_one_gpu_ag_matmul "$PY" benchmarks/bench_one_gpu_ag_matmul.py --csv "$GPU_CSV"
+step 120 "gpu tests (symm/fused, one GPU)" "$PY" -m pytest -m gpu -v --maxfail=2 tests/test_ops_tp_gpu.py
+step 50 bench_one_gpu_ag_matmul "$PY" benchmarks/bench_one_gpu_ag_matmul.py --csv "$GPU_CSV"
 
 echo "=== results: $GPU_CSV"
 if [ ${#failed[@]} -gt 0 ]; then

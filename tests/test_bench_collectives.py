@@ -122,3 +122,15 @@ def test_csv_shared_by_benchmarks_with_other_columns(tmp_path):
     assert read == [{"kind": "gemm", "time_us": "5.0", "gpu": "H200", "gbps": ""},
                     {"kind": "reduce", "time_us": "", "gpu": "H200", "gbps": "3000.0"},
                     {"kind": "flash", "time_us": "", "gpu": "H200", "gbps": ""}]
+
+
+def test_csv_with_cells_past_its_header_is_still_extended(tmp_path):
+    """A file an older version wrote with rows longer than the header: extending it must not crash
+    (the stray cells are dropped) and no temporary file is left behind."""
+    path = tmp_path / "old.csv"
+    path.write_text("kind,time_us\ngemm,5.0,extra\n")
+    append_csv(path, [{"kind": "reduce", "gbps": 1.0}])
+    with path.open() as f:
+        read = list(csv.DictReader(f))
+    assert read == [{"kind": "gemm", "time_us": "5.0", "gbps": ""}, {"kind": "reduce", "time_us": "", "gbps": "1.0"}]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.csv"]

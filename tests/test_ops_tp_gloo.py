@@ -264,6 +264,19 @@ def test_peer_memory_unavailable_says_why(requested, has_symm, ipc_built, why):
     assert kind is None and re.search(why, message), message
 
 
+@pytest.mark.parametrize("raw", ["0", "-3", "soon", "inf", "nan"])
+def test_bad_peer_timeout_is_rejected_by_name(monkeypatch, raw):
+    from overlapkernels.comm.process_world import peer_memory_unavailable_reason, peer_wait_timeout
+
+    monkeypatch.setenv("OVERLAPKERNELS_PEER_TIMEOUT", raw)
+    with pytest.raises(ValueError, match=f"OVERLAPKERNELS_PEER_TIMEOUT='{raw}': expected a positive number"):
+        peer_memory_unavailable_reason(torch.device("cuda", 0))
+    monkeypatch.setenv("OVERLAPKERNELS_PEER_TIMEOUT", "2.5")
+    assert peer_wait_timeout() == 2.5
+    monkeypatch.delenv("OVERLAPKERNELS_PEER_TIMEOUT")
+    assert peer_wait_timeout() == 60.0
+
+
 def test_bad_peer_memory_setting_is_rejected_by_name(monkeypatch):
     from overlapkernels.comm.process_world import peer_memory_unavailable_reason
 

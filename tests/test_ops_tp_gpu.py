@@ -58,10 +58,11 @@ def _process_world_on_rank(method, peer_memory):
 
     os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     os.environ["OVERLAPKERNELS_PEER_MEMORY"] = peer_memory
+    os.environ["OVERLAPKERNELS_PEER_TIMEOUT"] = str(GPU_TIMEOUT_S / 2)
     try:
         return _process_world_calls(method, peer_memory)
     finally:  # the pool's processes serve later tests
-        del os.environ["OVERLAPKERNELS_PEER_MEMORY"]
+        del os.environ["OVERLAPKERNELS_PEER_MEMORY"], os.environ["OVERLAPKERNELS_PEER_TIMEOUT"]
 
 
 def _process_world_calls(method, peer_memory):

@@ -61,7 +61,8 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
 def append_csv(path: str | os.PathLike, rows: list[dict]) -> None:
     """Append rows to one CSV that several benchmarks share (``bench all``, ``make gpu-check``): when
     the new rows bring columns the file lacks, the file is rewritten under the union of columns,
-    so every row stays under its own headers (missing cells empty)."""
+    so every row stays under its own headers (missing cells empty). A rewrite goes through a
+    temporary file and an atomic rename, so an interrupted run never loses earlier rows."""
     if not rows:
         return
     path = Path(path)
@@ -71,19 +72,24 @@ def append_csv(path: str | os.PathLike, rows: list[dict]) -> None:
     rewrite = True
     if path.exists() and path.stat().st_size > 0:
         with path.open(newline="") as f:
-            reader = csv.DictReader(f)
+            reader = csv.DictReader(f, restkey="_extra")  # cells past the header (a malformed file)
             old_columns = list(reader.fieldnames or [])
             if set(columns) <= set(old_columns):
                 columns, rewrite = old_columns, False
             else:
-                old_rows = list(reader)
+                old_rows = [{k: v for k, v in row.items() if k != "_extra"} for row in reader]
                 columns = list(dict.fromkeys(old_columns + columns))
-    with path.open("w" if rewrite else "a", newline="") as f:
+    if not rewrite:
+        with path.open("a", newline="") as f:
+            csv.DictWriter(f, fieldnames=columns, restval="").writerows(rows)
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, restval="")
-        if rewrite:
-            writer.writeheader()
-            writer.writerows(old_rows)
+        writer.writeheader()
+        writer.writerows(old_rows)
         writer.writerows(rows)
+    os.replace(tmp, path)
 
 
 def append_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:

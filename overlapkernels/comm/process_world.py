@@ -26,6 +26,23 @@ from .symmetric import SymmetricTensor
 
 PEER_MEMORY_ENV = "OVERLAPKERNELS_PEER_MEMORY"
 PEER_MEMORY_KINDS = ("auto", "symm_mem", "ipc")
+TIMEOUT_ENV = "OVERLAPKERNELS_PEER_TIMEOUT"  # seconds a symm/fused device wait may spin (default 60)
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def peer_wait_timeout() -> float:
+    """``$OVERLAPKERNELS_PEER_TIMEOUT`` seconds (default 60), read at every call, so it can be set
+    between calls; the same on every rank or the ranks report timeouts at different moments."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
+    return value
 
 
 def torch_has_symmetric_memory() -> bool:
@@ -67,21 +84,20 @@ def peer_memory_unavailable_reason(device: torch.device) -> str | None:
         return f"tensors are on {device}, peer memory needs CUDA"
     from ..kernels import cuda as cuda_lib
 
+    peer_wait_timeout()  # a bad setting raises here, before anything communicates
     _, why = resolve_peer_memory(requested_peer_memory(), has_symm_mem=torch_has_symmetric_memory(),
-                                 ipc_built=cuda_lib.is_built())
+                                 ipc_built=cuda_lib.is_loadable())
     return why
 
 
 class ProcessPeerWorld:
     """``rank``/``world_size`` of ``group``, symmetric allocation, workspaces, a copy stream."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, *, timeout: float = 60.0):
+    def __init__(self, group: dist.ProcessGroup, device: torch.device):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.device = device
-        self.timeout = timeout
-        self.wait_timeout = timeout  # device-side waits give up after this many seconds
         self._workspaces: dict = {}
         self._side = None
         from ..kernels import cuda as cuda_lib
@@ -89,7 +105,7 @@ class ProcessPeerWorld:
 
         self._errors = DeferredErrorCheck()
         kind, why = resolve_peer_memory(requested_peer_memory(), has_symm_mem=torch_has_symmetric_memory(),
-                                        ipc_built=cuda_lib.is_built())
+                                        ipc_built=cuda_lib.is_loadable())
         if kind is None:
             raise ValueError(why)
         ranks = [None] * self.world_size
@@ -103,6 +119,11 @@ class ProcessPeerWorld:
         # ranks sharing this GPU (tests, or MPS): each persistent kernel takes only its share of SMs,
         # or ranks spinning on each other's signals could hold every SM
         self.ranks_per_device = max(1, sum(uuid == _device_uuid(device) for _, uuid in ranks))
+
+    @property
+    def wait_timeout(self) -> float:
+        """Seconds a device-side wait spins before it gives up and the op raises."""
+        return peer_wait_timeout()
 
     def check_errors(self, err: torch.Tensor, op: str, epoch: int) -> None:
         """Raise a wait's timeout a call late rather than sync the host on every call."""
@@ -118,8 +139,9 @@ class ProcessPeerWorld:
         import torch.distributed._symmetric_memory as symm_mem
 
         try:
-            with warnings.catch_warnings():  # deprecated (FutureWarning) where torch no longer needs it
+            with warnings.catch_warnings():  # deprecated where torch no longer needs it
                 warnings.simplefilter("ignore", FutureWarning)
+                warnings.simplefilter("ignore", DeprecationWarning)
                 symm_mem.enable_symm_mem_for_group(self.group.group_name)  # older torch needs it; idempotent
             local = symm_mem.empty(tuple(shape), dtype=dtype, device=self.device)
             local.fill_(fill)

@@ -42,6 +42,15 @@ def is_built() -> bool:
     return library_path().exists()
 
 
+def is_loadable() -> bool:
+    """Built, loadable and of this package's ABI (a stale build is not)."""
+    try:
+        load()
+    except CudaLibraryError:
+        return False
+    return True
+
+
 def load() -> ctypes.CDLL:
     """The loaded library; raises ``CudaLibraryError`` saying how to build it when absent."""
     global _lib

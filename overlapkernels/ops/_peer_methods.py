@@ -67,7 +67,8 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
     m, k = a_shard.shape
     budget = sig.wait_budget(world.wait_timeout, a_shard.device)
     shard = a_shard.contiguous()
-    warmup.warm(world, ("ag", method, shard.shape, shard.dtype, tuple((b.shape, b.stride()) for b in bs)),
+    warmup.warm(world, ("ag", method, shard.shape, shard.dtype,
+                        tuple((b.shape, b.stride(), b.data_ptr() % 16) for b in bs)),
                 lambda: warmup.all_gather_matmul(world, method, shard, bs, budget))
     ws = _workspace(world, "ag", method, (w, m, k), a_shard.dtype)
     ws.epoch += 1
@@ -171,7 +172,8 @@ def matmul_rs(a: torch.Tensor, b: torch.Tensor, world, method: str) -> torch.Ten
     w = world.world_size
     m, n = a.shape[0] // w, b.shape[1]
     config = gemm_config(a.device, a.dtype, m, n, a.shape[1])
-    warmup.warm(world, ("rs", method, a.shape, a.stride(), b.shape, b.stride(), a.dtype),
+    warmup.warm(world, ("rs", method, a.shape, a.stride(), a.data_ptr() % 16, b.shape, b.stride(), b.data_ptr() % 16,
+                        a.dtype),
                 lambda: warmup.reduce_scatter(world, method, a, b, m, n, sig.wait_budget(world.wait_timeout, a.device),
                                               config))
 

@@ -16,8 +16,8 @@ from .tile_gemm import GemmConfig, check_gemm_operands, dot_precision, gemm_conf
 
 
 @triton.jit(do_not_specialize=["epoch", "budget", "rank"])
-def _ag_gemm_kernel(a_ptr, b_ptr, c_ptr, arrived_ptr, err_ptr, rows_per_chunk, N, K, epoch, budget,
-                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, rank,
+def _ag_gemm_kernel(a_ptr, b_ptr, c_ptr, arrived_ptr, err_ptr, rows_per_chunk, N, K, epoch: tl.int64,
+                    budget: tl.int64, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, rank,
                     WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, TIMED: tl.constexpr):
     tiles_n = tl.cdiv(N, BLOCK_N)

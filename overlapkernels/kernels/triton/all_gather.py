@@ -37,7 +37,7 @@ def _ag_publish_kernel(shard_ptr, buf_table_ptr, chunk_numel, RANK: tl.constexpr
 
 
 @triton.jit(do_not_specialize=["epoch", "rank"])
-def _ag_signal_kernel(sig_table_ptr, epoch, rank, WORLD: tl.constexpr):
+def _ag_signal_kernel(sig_table_ptr, epoch: tl.int64, rank, WORLD: tl.constexpr):
     for peer in tl.static_range(WORLD):
         set_flag(signal_ptr(sig_table_ptr, peer) + rank, epoch)
 

@@ -11,7 +11,8 @@ The ``@triton.jit`` helpers are inlined into kernels; ``wait_flag`` / ``set_peer
 ``add_peer_flag`` launch one-program kernels, stream-ordered like any other launch. Epochs,
 targets, ranks and budgets are never specialised on (``do_not_specialize``): Triton otherwise
 compiles a variant for the value 1 and for multiples of 16, so a long-running op would recompile
-at call 16 while its peers spin.
+at call 16 while its peers spin. Flag values are typed int64 for the same reason (a count passing
+2**31 would switch an untyped argument from i32 to i64: another compile, mid-run).
 """
 import os
 from dataclasses import dataclass
@@ -70,14 +71,20 @@ def set_flag(flag_ptr, value):
 
 @triton.jit
 def _now_ns():
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    """The GPU global timer, the same value in every thread of the program: each thread reads its
+    own clock, so the reading is reduced across the block (a per-thread timeout decision would let
+    warps leave a wait loop at different polls and pair their barriers up wrongly afterwards)."""
+    per_thread = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [tl.zeros([1024], dtype=tl.int32)],
+                                           dtype=tl.int64, is_pure=False, pack=1)
+    return tl.min(per_thread, axis=0)
 
 
 @triton.jit
 def wait_geq(flag_ptr, target, budget, TIMED: tl.constexpr):
     """Poll (acquire, system scope) until ``*flag_ptr >= target`` or the budget is spent (``TIMED``:
     ``budget`` ns of the global timer; else ``budget`` polls). Returns the last value seen, so the
-    caller can tell a timeout (value < target) apart."""
+    caller can tell a timeout (value < target) apart. Every thread takes the same exit: the polled
+    value is a scalar atomic's (broadcast) and the time a block-wide minimum."""
     value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     if TIMED:
         start = _now_ns()
@@ -102,13 +109,14 @@ def record_error(err_ptr, code, rank, chunk, peer):
 
 @triton.jit(do_not_specialize=["target", "budget", "code", "rank", "chunk", "peer"],
             do_not_specialize_on_alignment=["flag_ptr"])  # flags are 8-byte slots of a pad: one variant
-def _wait_kernel(flag_ptr, target, err_ptr, budget, code, rank, chunk, peer, TIMED: tl.constexpr):
+def _wait_kernel(flag_ptr, target: tl.int64, err_ptr, budget: tl.int64, code, rank, chunk, peer,
+                 TIMED: tl.constexpr):
     if wait_geq(flag_ptr, target, budget, TIMED) < target:
         record_error(err_ptr, code, rank, chunk, peer)
 
 
 @triton.jit(do_not_specialize=["peer", "index", "value"])
-def _update_peer_flag_kernel(table_ptr, peer, index, value, ADD: tl.constexpr):
+def _update_peer_flag_kernel(table_ptr, peer, index, value: tl.int64, ADD: tl.constexpr):
     flag = signal_ptr(table_ptr, peer) + index
     if ADD:
         tl.atomic_add(flag, value, sem="release", scope="sys")
@@ -117,7 +125,7 @@ def _update_peer_flag_kernel(table_ptr, peer, index, value, ADD: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["value"], do_not_specialize_on_alignment=["flag_ptr"])
-def _set_flag_kernel(flag_ptr, value):
+def _set_flag_kernel(flag_ptr, value: tl.int64):
     set_flag(flag_ptr, value)
 
 
