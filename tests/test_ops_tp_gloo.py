@@ -285,3 +285,21 @@ def test_bad_peer_memory_setting_is_rejected_by_name(monkeypatch):
                                          r"'symm_mem', 'ipc'\]"):
         peer_memory_unavailable_reason(torch.device("cuda", 0))
     assert peer_memory_unavailable_reason(torch.device("cpu")) == "tensors are on cpu, peer memory needs CUDA"
+
+
+def test_pending_device_errors_are_raised_on_demand_and_reported_at_exit(monkeypatch, capsys):
+    """symm/fused on GPUs raise a wait's timeout one call late (no host sync per call): the last
+    call's must still surface - check_pending_errors() raises it, the exit hook prints it."""
+    from types import SimpleNamespace
+
+    from overlapkernels.comm import process_world as pw
+    from overlapkernels.kernels.errors import SignalTimeoutError
+
+    def flush():
+        raise SignalTimeoutError("ok/all_gather_matmul[fused]: rank 1 timed out waiting for chunk 0 from rank 0")
+
+    monkeypatch.setattr(pw, "_worlds", {"k": SimpleNamespace(_errors=SimpleNamespace(flush=flush))})
+    with pytest.raises(SignalTimeoutError, match="rank 1 timed out waiting for chunk 0"):
+        pw.check_pending_errors()
+    pw.report_pending_errors()
+    assert "overlapkernels: SignalTimeoutError: ok/all_gather_matmul[fused]: rank 1" in capsys.readouterr().err

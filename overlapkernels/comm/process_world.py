@@ -14,7 +14,9 @@ Not yet run on a multi-GPU node by this project: the algorithms are proven in th
 """
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import warnings
 
 import torch
@@ -202,5 +204,22 @@ _worlds: dict = {}
 def process_peer_world(group: dist.ProcessGroup, device: torch.device) -> ProcessPeerWorld:
     key = (group.group_name, device, requested_peer_memory())
     if key not in _worlds:
+        if not _worlds:
+            atexit.register(report_pending_errors)
         _worlds[key] = ProcessPeerWorld(group, device)
     return _worlds[key]
+
+
+def check_pending_errors() -> None:
+    """Wait for the device error records of every symm/fused call so far and raise the first
+    timeout (errors are otherwise raised one call late, to keep host syncs off the hot path)."""
+    for world in list(_worlds.values()):
+        world._errors.flush()
+
+
+def report_pending_errors() -> None:
+    """At exit: a timeout in the last call would otherwise go unreported."""
+    try:
+        check_pending_errors()
+    except Exception as exc:  # noqa: BLE001 - exiting: report, never raise
+        print(f"overlapkernels: {type(exc).__name__}: {exc}", file=sys.stderr)
