@@ -403,3 +403,35 @@ def test_checkpoint_reshards_to_other_world_sizes(rank_pool, tmp_path, opt_name)
     assert rank_pool(2).run(_reshard_save_on_rank, path, 3, opt_name) == [True] * 2
     assert rank_pool(4).run(_reshard_resume_on_rank, path, 2, opt_name) == [True] * 4
     assert rank_pool(1).run(_reshard_resume_on_rank, path, 3, opt_name) == [True]
+
+
+def _per_rank_state_on_rank(path, load_only):
+    rank = dist.get_rank()
+    sharded = fsdp.shard(_net(), stage=2, optimizer=OPTIMIZERS["sgd"])
+    first = sharded.all_units[0].master
+    if not load_only:
+        _loss(sharded(torch.ones(2, D_IN, dtype=torch.float64)), torch.zeros(2, 3, dtype=torch.float64)).backward()
+        sharded.step()
+        # a statistic per rank and not shaped like the shard (as block-quantised optimizers keep)
+        sharded.optimizer.state[first]["absmax"] = torch.full((rank + 1,), float(rank))
+        fsdp.save(sharded, path)
+    fresh = fsdp.shard(_net(), stage=2, optimizer=OPTIMIZERS["sgd"])
+    try:
+        fsdp.load(fresh, path)
+    except ValueError as exc:
+        return str(exc)
+    got = fresh.optimizer.state[fresh.all_units[0].master]
+    assert torch.equal(got["absmax"], torch.full((rank + 1,), float(rank))), got["absmax"]
+    assert torch.equal(got["momentum_buffer"], sharded.optimizer.state[first]["momentum_buffer"]) or load_only
+    return "ok"
+
+
+def test_per_rank_optimizer_state_stays_per_rank(rank_pool, tmp_path):
+    """State that differs between ranks and is not shaped like the shard cannot be resharded: it
+    comes back rank by rank at the same world size (not one rank's copy for all, as a single key
+    would give), and another world size is refused naming the state."""
+    path = str(tmp_path / "ckpt")
+    assert rank_pool(2).run(_per_rank_state_on_rank, path, False) == ["ok", "ok"]
+    refused = rank_pool(4).run(_per_rank_state_on_rank, path, True)
+    assert all("optimizer state ['0/absmax'] differs between ranks" in r and "only on 2 ranks, not 4" in r
+               for r in refused), refused

@@ -11,6 +11,7 @@ so a crash at any moment leaves a loadable checkpoint (``load`` falls back to ``
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -23,17 +24,8 @@ META = "overlapkernels_fsdp.json"
 FORMAT = 2  # 1 (per-rank keys, same world size only) was never released: not readable
 
 
-def _meta(sharded) -> dict:
-    optim = sharded.optimizer.state_dict()
-    return {"format": FORMAT, "world_size": dist.get_world_size(sharded.group), "stage": sharded.stage,
-            "units": [[u.name, u.numel] for u in sharded.all_units],
-            "param_groups": optim["param_groups"],
-            # optimizer tensors: "flat" (shaped like their unit's master shard) or a full shape, and a
-            # dtype - to rebuild the state in a fresh optimizer at any world size
-            "optim": {str(idx): {k: ["flat" if _is_flat(v, sharded, idx) else list(v.shape),
-                                     str(v.dtype).replace("torch.", "")]
-                                 for k, v in entries.items() if torch.is_tensor(v)}
-                      for idx, entries in optim["state"].items()}}
+def _units(sharded) -> list:
+    return [[u.name, u.numel] for u in sharded.all_units]
 
 
 def _unit_at(sharded, idx):
@@ -41,13 +33,42 @@ def _unit_at(sharded, idx):
     through the param groups in order, which a custom optimizer factory may have rearranged)."""
     order = [p for group in sharded.optimizer.param_groups for p in group["params"]]
     master = order[int(idx)]
-    return next(u for u in sharded.all_units if u.master is master)
+    for unit in sharded.all_units:
+        if unit.master is master:
+            return unit
+    raise ValueError(f"optimizer parameter {idx} is not a unit's master: fsdp checkpoints hold only what "
+                     "fsdp.shard gave the optimizer")
 
 
-def _is_flat(value, sharded, idx) -> bool:
-    """Shaped like its unit's master shard (Adam's moments, momentum): sharded like the master.
-    Anything else (Adam's 0-d step) is the same on every rank and saved once."""
-    return value.shape == _unit_at(sharded, idx).master.shape
+def _plan_optim(sharded, optim_state) -> dict:
+    """``{"idx/key": {"kind", "dtype", "shape" | "shapes"}}`` for every optimizer tensor, the same on
+    every rank (collective):
+      flat       floating, shaped like the unit's master shard (Adam's moments, momentum): sharded
+                 like the master, so it reshards to any world size;
+      replicated equal on every rank (Adam's 0-d step): saved once;
+      per_rank   anything else (block-quantised statistics, per-shard preconditioners): kept per
+                 rank, reloadable only on as many ranks."""
+    plan, local = {}, {}
+    for idx, entries in optim_state.items():
+        unit = _unit_at(sharded, idx)
+        for key, value in entries.items():
+            if not torch.is_tensor(value):
+                continue
+            name, dtype = f"{idx}/{key}", str(value.dtype).replace("torch.", "")
+            if value.shape == unit.master.shape and value.is_floating_point():
+                plan[name] = {"kind": "flat", "dtype": dtype}
+            else:
+                raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                local[name] = (hashlib.sha256(raw).hexdigest(), list(value.shape), dtype)
+    everyone = [None] * dist.get_world_size(sharded.group)
+    dist.all_gather_object(everyone, local, group=sharded.group)
+    for name, (digest, shape, dtype) in local.items():
+        if all(other.get(name, (None,))[0] == digest for other in everyone):
+            plan[name] = {"kind": "replicated", "dtype": dtype, "shape": shape}
+        else:
+            plan[name] = {"kind": "per_rank", "dtype": dtype,
+                          "shapes": [other.get(name, (None, [0]))[1] for other in everyone]}
+    return plan
 
 
 def _mesh(sharded):
@@ -70,14 +91,20 @@ def _logical(local_shard: torch.Tensor, unit, mesh):
                               shape=torch.Size([unit.numel]), stride=(1,))
 
 
-def _state(sharded, optim_state) -> dict:
-    mesh = _mesh(sharded)
+def _state(sharded, optim_state, plan) -> dict:
+    mesh, rank = _mesh(sharded), dist.get_rank(sharded.group)
     state = {f"unit{i}/master": _logical(u.master.data, u, mesh) for i, u in enumerate(sharded.all_units)}
     for idx, entries in optim_state.items():
         for key, value in entries.items():
-            if torch.is_tensor(value):
-                state[f"optim/{idx}/{key}"] = (_logical(value, _unit_at(sharded, idx), mesh)
-                                               if _is_flat(value, sharded, idx) else value)
+            if not torch.is_tensor(value):
+                continue
+            kind = plan[f"{idx}/{key}"]["kind"]
+            if kind == "flat":
+                state[f"optim/{idx}/{key}"] = _logical(value, _unit_at(sharded, idx), mesh)
+            elif kind == "replicated":
+                state[f"optim/{idx}/{key}"] = value
+            else:
+                state[f"rank{rank}/optim/{idx}/{key}"] = value
     return state
 
 
@@ -88,11 +115,15 @@ def save(sharded, path) -> None:
     rank = dist.get_rank(sharded.group)
     if rank == 0 and os.path.exists(tmp):
         shutil.rmtree(tmp)  # leftovers of an interrupted save
+    optim = sharded.optimizer.state_dict()
+    plan = _plan_optim(sharded, optim["state"])
+    meta = {"format": FORMAT, "world_size": dist.get_world_size(sharded.group), "stage": sharded.stage,
+            "units": _units(sharded), "param_groups": optim["param_groups"], "optim": plan}
     dist.barrier(group=sharded.group)
-    dcp.save(_state(sharded, sharded.optimizer.state_dict()["state"]), checkpoint_id=tmp, process_group=sharded.group)
+    dcp.save(_state(sharded, optim["state"], plan), checkpoint_id=tmp, process_group=sharded.group)
     if rank == 0:
         with open(os.path.join(tmp, META), "w") as f:
-            json.dump(_meta(sharded), f)
+            json.dump(meta, f)
     dist.barrier(group=sharded.group)  # every shard is on disk before the switch
     if rank == 0:
         if os.path.exists(path):
@@ -119,20 +150,24 @@ def load(sharded, path) -> None:
         meta = json.load(f)
     if meta.get("format") != FORMAT:
         raise ValueError(f"checkpoint {path!r} has format {meta.get('format', 1)}; this version reads format {FORMAT}")
-    mine = _meta(sharded)
-    if meta["units"] != mine["units"]:
+    if meta["units"] != _units(sharded):
         raise ValueError(f"checkpoint {path!r} holds units {meta['units']} ([name, numel]); this model has "
-                         f"{mine['units']}")
+                         f"{_units(sharded)}")
+    world, rank = dist.get_world_size(sharded.group), dist.get_rank(sharded.group)
+    per_rank = sorted(name for name, entry in meta["optim"].items() if entry["kind"] == "per_rank")
+    if per_rank and meta["world_size"] != world:
+        raise ValueError(f"checkpoint {path!r}: optimizer state {per_rank} differs between ranks and is not shaped "
+                         f"like the parameter shards, so it reloads only on {meta['world_size']} ranks, not {world}")
     device = sharded.all_units[0].device
     template = {}
-    for idx, entries in meta["optim"].items():
-        template[int(idx)] = {}
-        for key, (shape, dtype) in entries.items():
-            if shape == "flat":
-                shape = [_unit_at(sharded, idx).shard_numel]
-            # torch keeps Adam's step (a scalar) on the CPU
-            template[int(idx)][key] = torch.zeros(shape, dtype=getattr(torch, dtype), device=device if shape else "cpu")
-    dcp.load(_state(sharded, template), checkpoint_id=path, process_group=sharded.group)
+    for name, entry in meta["optim"].items():  # what was saved decides the layout, not the shapes now
+        idx, key = name.split("/", 1)
+        shape = {"flat": lambda: [_unit_at(sharded, idx).shard_numel], "replicated": lambda: entry.get("shape"),
+                 "per_rank": lambda: entry.get("shapes", [[]] * world)[rank]}[entry["kind"]]()
+        # torch keeps Adam's step (a scalar) on the CPU
+        template.setdefault(int(idx), {})[key] = torch.zeros(shape, dtype=getattr(torch, entry["dtype"]),
+                                                             device=device if shape else "cpu")
+    dcp.load(_state(sharded, template, meta["optim"]), checkpoint_id=path, process_group=sharded.group)
     for unit in sharded.all_units:  # the padding past numel is not in the checkpoint: zeros
         unit.master.data[_valid(unit):].zero_()
     sharded.optimizer.load_state_dict({"state": template, "param_groups": meta["param_groups"]})
