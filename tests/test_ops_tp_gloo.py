@@ -303,3 +303,65 @@ def test_pending_device_errors_are_raised_on_demand_and_reported_at_exit(monkeyp
         pw.check_pending_errors()
     pw.report_pending_errors()
     assert "overlapkernels: SignalTimeoutError: ok/all_gather_matmul[fused]: rank 1" in capsys.readouterr().err
+
+
+def _measured_auto_on_rank():
+    import os
+
+    from overlapkernels.ops import measure
+
+    r, w = dist.get_rank(), dist.get_world_size()
+    os.environ["OVERLAPKERNELS_AUTO"] = "measure"
+    try:
+        measure._cache.clear()
+        ok.reset_overlap_stats()
+        g = torch.Generator().manual_seed(5)
+        shards = [torch.randn(16, 24, generator=g, dtype=torch.float64) for _ in range(w)]
+        b = torch.randn(24, 8, generator=g, dtype=torch.float64)
+        a_all = [torch.randn(16 * w, 24, generator=g, dtype=torch.float64) for _ in range(w)]
+        for _ in range(2):  # the second call of each shape takes the cached choice
+            out = ok.all_gather_matmul(shards[r], b)
+            torch.testing.assert_close(out, torch.cat(shards) @ b, atol=1e-12, rtol=1e-12)
+            out = ok.matmul_reduce_scatter(a_all[r], b)
+            torch.testing.assert_close(out, sum(x @ b for x in a_all).chunk(w)[r], atol=1e-12, rtol=1e-12)
+        stats = ok.overlap_stats()
+    finally:
+        del os.environ["OVERLAPKERNELS_AUTO"]
+    chosen = {op: method for (op, method), count in stats.items()}
+    reasons = [reason for by_reason in stats.reasons.values() for reason in by_reason]
+    assert sorted(stats.values()) == [2, 2] and len(measure._cache) == 2, (dict(stats), measure._cache)
+    assert all(reason.startswith("measured on the first call") and "baseline" in reason and "decomposed" in reason
+               for reason in reasons), reasons
+    return chosen
+
+
+def test_measured_auto_times_candidates_once_and_ranks_agree(rank_pool):
+    """OVERLAPKERNELS_AUTO=measure: the first call of a shape times baseline and decomposed, every
+    rank keeps the same (slowest-rank) fastest method, later calls reuse it, results stay exact."""
+    chosen = rank_pool(2).run(_measured_auto_on_rank)
+    assert chosen[0] == chosen[1] and set(chosen[0]) == {"all_gather_matmul", "matmul_reduce_scatter"}
+
+
+def _bad_auto_mode_on_rank():
+    import os
+    import re
+
+    os.environ["OVERLAPKERNELS_AUTO"] = "fastest"
+    try:
+        for call in (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3)),
+                     lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 3))):
+            try:
+                call()
+            except ValueError as exc:
+                assert re.search(r"OVERLAPKERNELS_AUTO='fastest': expected one of \['rules', 'measure'\]", str(exc))
+            else:
+                raise AssertionError("no ValueError")
+    finally:
+        del os.environ["OVERLAPKERNELS_AUTO"]
+    total = torch.ones(1)
+    dist.all_reduce(total)  # nobody communicated before raising
+    return int(total)
+
+
+def test_bad_auto_mode_is_rejected_by_name_before_communicating(rank_pool):
+    assert rank_pool(2).run(_bad_auto_mode_on_rank) == [2, 2]

@@ -1,6 +1,8 @@
 """All-gather + matmul: the column-parallel forward under sequence parallelism."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from ..parallel import resolve_group
@@ -8,16 +10,24 @@ from ..profiling.ranges import span
 from . import _methods
 from ._validate import check_dim, check_tensor, check_weights, group_size, is_peer_world
 from .dispatch import check_method, choose
+from .measure import auto_mode, measured
 
 OP = "all_gather_matmul"
 
 
-def resolve(method: str, group, x2d: torch.Tensor, n_total: int, world: int) -> str:
+def resolve(method: str, group, x2d: torch.Tensor, n_total: int, world: int, bs=None) -> str:
     """The method one all-gather + matmul call runs (``auto`` resolved and recorded). One ring step
-    moves a chunk [m, K] and multiplies it by [K, n_total]."""
+    moves a chunk [m, K] and multiplies it by [K, n_total]. ``bs`` (forward calls): lets
+    ``OVERLAPKERNELS_AUTO=measure`` time the candidates on these operands."""
     m, k = x2d.shape
+    measure = None
+    if bs is not None and method == "auto" and auto_mode() == "measure" and not is_peer_world(group):
+        key = (tuple(x2d.shape), tuple(tuple(b.shape) for b in bs), x2d.dtype, x2d.device)
+        measure = partial(measured, OP, key, group, x2d.device,
+                          lambda m_: _methods.ag_matmul(x2d.detach(), [b.detach() for b in bs], group, m_))
     return choose(OP, method, world_size=world, rows_per_rank=m, step_bytes=m * k * x2d.element_size(),
-                  step_flops=2 * m * k * n_total, device=x2d.device, peer_memory=is_peer_world(group)).method
+                  step_flops=2 * m * k * n_total, device=x2d.device, peer_memory=is_peer_world(group),
+                  measure=measure).method
 
 
 class AllGatherMatmul(torch.autograd.Function):
@@ -92,7 +102,7 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, return_gathered=F
     x = a_shard.movedim(gather_dim, 0)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
-    chosen = resolve(method, group, x2d, sum(w.shape[1] for w in bs), world)
+    chosen = resolve(method, group, x2d, sum(w.shape[1] for w in bs), world, bs=bs)
     with span(f"ok/all_gather_matmul[{chosen}]"):
         a_full, *outs = AllGatherMatmul.apply(x2d, group, method, chosen, bool(save_gathered), *bs)
 

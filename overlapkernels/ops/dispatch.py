@@ -97,15 +97,18 @@ def check_method(method) -> str:
 
 
 def choose(op: str, method: str, *, world_size: int, rows_per_rank: int, step_bytes: int, step_flops: int,
-           device: torch.device, peer_memory: bool) -> Choice:
+           device: torch.device, peer_memory: bool, measure=None) -> Choice:
     """Resolve ``method`` for one call. ``rows_per_rank``: M of one chunk; ``step_bytes`` /
     ``step_flops``: one ring message and the GEMM work that can hide it; ``peer_memory``: whether
-    the group offers symmetric buffers (thread world)."""
+    the group offers symmetric buffers (thread world). ``measure``: a callable returning a measured
+    Choice (``OVERLAPKERNELS_AUTO=measure``, forward calls on process groups; ops/measure.py)."""
     intensity = step_flops / max(step_bytes, 1)
     if method != "auto":
         choice = Choice(method, "requested")
     elif world_size == 1:
         choice = Choice("baseline", "world size 1: nothing to overlap")
+    elif measure is not None and not peer_memory:
+        choice = measure()
     elif peer_memory:
         choice = Choice("fused", "peer-memory world: persistent Triton GEMM waiting on chunk signals")
     elif device.type == "cuda":

@@ -1,6 +1,8 @@
 """Matmul + reduce-scatter: the row-parallel forward under sequence parallelism."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from ..parallel import resolve_group
@@ -9,17 +11,24 @@ from . import _methods
 from ._collective_methods import accumulation_dtype
 from ._validate import check_dim, check_tensor, check_weights, group_size, is_peer_world
 from .dispatch import check_method, choose
+from .measure import auto_mode, measured
 
 OP = "matmul_reduce_scatter"
 
 
-def resolve(method: str, group, a2d: torch.Tensor, b: torch.Tensor, world: int) -> str:
+def resolve(method: str, group, a2d: torch.Tensor, b: torch.Tensor, world: int, measurable: bool = False) -> str:
     """The method one matmul + reduce-scatter call runs (``auto`` resolved and recorded). One ring
-    step computes a chunk [m, K] @ [K, N] and sends the running sum [m, N] (fp32 for 16-bit)."""
+    step computes a chunk [m, K] @ [K, N] and sends the running sum [m, N] (fp32 for 16-bit).
+    ``measurable`` (forward calls): lets ``OVERLAPKERNELS_AUTO=measure`` time the candidates."""
     m, k, n = a2d.shape[0] // world, a2d.shape[1], b.shape[1]
     elem = torch.empty((), dtype=accumulation_dtype(a2d.dtype)).element_size()
+    measure = None
+    if measurable and method == "auto" and auto_mode() == "measure" and not is_peer_world(group):
+        key = (tuple(a2d.shape), tuple(b.shape), a2d.dtype, a2d.device)
+        measure = partial(measured, OP, key, group, a2d.device,
+                          lambda m_: _methods.matmul_rs(a2d.detach(), b.detach(), group, m_))
     return choose(OP, method, world_size=world, rows_per_rank=m, step_bytes=m * n * elem, step_flops=2 * m * k * n,
-                  device=a2d.device, peer_memory=is_peer_world(group)).method
+                  device=a2d.device, peer_memory=is_peer_world(group), measure=measure).method
 
 
 class MatmulReduceScatter(torch.autograd.Function):
@@ -75,7 +84,7 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, method="auto"):
     x = a.movedim(scatter_dim, 0)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
-    chosen = resolve(method, group, x2d, b, world)
+    chosen = resolve(method, group, x2d, b, world, measurable=True)
     with span(f"ok/matmul_reduce_scatter[{chosen}]"):
         out2d = MatmulReduceScatter.apply(x2d, b, group, method, chosen)
     return out2d.view(lead[0] // world, *lead[1:], b.shape[1]).movedim(0, scatter_dim)

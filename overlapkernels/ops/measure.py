@@ -1,0 +1,76 @@
+"""``OVERLAPKERNELS_AUTO=measure``: ``auto`` times its candidates on the first call of each shape
+and keeps the fastest, so "never slower than baseline" holds on the hardware at hand, not only
+where our benchmarks ran.
+
+On the first forward call of an op with a given (shapes, dtype, device, group) every rank runs each
+candidate a few times (after a warm-up call: compiles, workspaces), the per-method times are
+max-reduced over the group (the slowest rank sets a step's time, and every rank must pick the same
+method), and the fastest is cached for the life of the process. Candidates: ``baseline`` and
+``decomposed``, plus ``symm``/``fused`` where the group offers peer memory (CUDA, one node). The
+choice and its timings are the reason ``overlap_stats()`` shows. Backward calls (the dual ops
+inside autograd) keep the rules: they run inside the engine, where an extra timed collective is
+neither cheap nor always allowed. Groups of one rank and the thread world keep the rules too.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from .dispatch import Choice
+
+AUTO_ENV = "OVERLAPKERNELS_AUTO"
+AUTO_MODES = ("rules", "measure")
+REPEATS = 3
+
+_cache: dict = {}
+
+
+def auto_mode() -> str:
+    mode = os.environ.get(AUTO_ENV, "rules")
+    if mode not in AUTO_MODES:
+        raise ValueError(f"{AUTO_ENV}={mode!r}: expected one of {list(AUTO_MODES)}")
+    return mode
+
+
+def candidates(group, device: torch.device) -> list:
+    found = ["baseline", "decomposed"]
+    if device.type == "cuda":
+        from ..comm.process_world import peer_memory_unavailable_reason
+
+        if peer_memory_unavailable_reason(device) is None:
+            found += ["symm", "fused"]
+    return found
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measured(op: str, key: tuple, group, device: torch.device, run) -> Choice:
+    """The cached or freshly measured choice for ``key``; ``run(method)`` performs one call."""
+    key = (op, group.group_name, *key)
+    if key in _cache:
+        return _cache[key]
+    methods = candidates(group, device)
+    seconds = []
+    with torch.no_grad():
+        for method in methods:
+            run(method)  # warm-up: compiles, workspaces, first-call barriers
+            _sync(device)
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            for _ in range(REPEATS):
+                run(method)
+            _sync(device)
+            seconds.append((time.perf_counter() - start) / REPEATS)
+    times = torch.tensor(seconds, dtype=torch.float64, device=device if dist.get_backend(group) == "nccl" else "cpu")
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    times = times.tolist()
+    best = min(range(len(methods)), key=times.__getitem__)
+    report = ", ".join(f"{m} {t * 1e3:.3g} ms" for m, t in zip(methods, times))
+    _cache[key] = Choice(methods[best], f"measured on the first call of this shape (slowest rank): {report}")
+    return _cache[key]
