@@ -135,3 +135,23 @@ def test_gpu_check_script_refuses_a_machine_without_gpu(tmp_path):
                          env={"PATH": "/usr/bin:/bin", "PY": sys.executable, "OUT": str(tmp_path)})
     assert out.returncode == 2, out.stdout + out.stderr
     assert "gpu-check: no CUDA GPU visible" in out.stderr
+
+
+def test_gpu_check_script_runs_every_step_and_reports_failures(tmp_path):
+    """With a stand-in python that 'has' a GPU, the script runs all its steps in order, carries on
+    after a failing one, names it at the end and exits 1; benchmark rows go to $OUT."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/bash\ncase "$*" in\n  *bench_reduce*) exit 3;;\n  *) echo "ran: $*";;\nesac\n')
+    fake.chmod(0o755)
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "PY": str(fake), "OUT": str(tmp_path)})
+    assert out.returncode == 1, out.stdout + out.stderr
+    ran = [line.split()[1:3] for line in out.stdout.splitlines() if line.startswith("ran: ")]
+    assert ran == [["-c", "import"], ["-m", "overlapkernels"], ["-m", "pytest"],
+                   ["benchmarks/bench_fused_gemm.py", "--csv"], ["benchmarks/bench_flash_attn.py", "--csv"],
+                   ["-m", "pytest"], ["benchmarks/bench_one_gpu_ag_matmul.py", "--csv"]], ran
+    assert f"--csv {tmp_path}/gpu-check.csv" in out.stdout
+    assert "=== FAILED: bench_reduce (exit 3)" in out.stdout and "all steps passed" not in out.stdout
