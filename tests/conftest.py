@@ -1,11 +1,7 @@
 """Shared test set-up: the Triton interpreter on CPU, seeds, the gpu marker, rank pools."""
 import os
 
-# Before CUDA initialises: kernels spinning on flags must never wait behind a lazily loaded module
-# (a module load can need a context-wide sync; the one-GPU world's ranks share one context).
-os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-
-import torch  # noqa: E402
+import torch
 
 # Before any kernel module is imported: @triton.jit decides at definition time whether it
 # builds an interpreted function.

@@ -144,7 +144,8 @@ def test_gpu_check_script_runs_every_step_and_reports_failures(tmp_path):
 
     script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
     fake = tmp_path / "python"
-    fake.write_text('#!/bin/bash\ncase "$*" in\n  *bench_reduce*) exit 3;;\n  *) echo "ran: $*";;\nesac\n')
+    fake.write_text('#!/bin/bash\ncase "$*" in\n  *bench_reduce*) exit 3;;\n'
+                    '  *) echo "ran: $* [loading=${CUDA_MODULE_LOADING:-lazy}]";;\nesac\n')
     fake.chmod(0o755)
     out = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120,
                          env={"PATH": "/usr/bin:/bin", "PY": str(fake), "OUT": str(tmp_path)})
@@ -153,5 +154,7 @@ def test_gpu_check_script_runs_every_step_and_reports_failures(tmp_path):
     assert ran == [["-c", "import"], ["-m", "overlapkernels"], ["-m", "pytest"],
                    ["benchmarks/bench_fused_gemm.py", "--csv"], ["benchmarks/bench_flash_attn.py", "--csv"],
                    ["-m", "pytest"], ["benchmarks/bench_one_gpu_ag_matmul.py", "--csv"]], ran
+    loading = [line.rsplit("[loading=", 1)[1] for line in out.stdout.splitlines() if line.startswith("ran: ")]
+    assert loading == ["lazy]"] * 5 + ["EAGER]"] * 2, loading  # eager module loading only where ranks share a GPU
     assert f"--csv {tmp_path}/gpu-check.csv" in out.stdout
     assert "=== FAILED: bench_reduce (exit 3)" in out.stdout and "all steps passed" not in out.stdout
