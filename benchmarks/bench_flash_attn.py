@@ -22,10 +22,6 @@ FWD_ALTERNATIVES = [FlashConfig(128, 128, 8, 2), FlashConfig(64, 64, 4, 3), Flas
 DKDV_ALTERNATIVES = [FlashConfig(16, 128, 8, 3), FlashConfig(64, 64, 8, 2)]
 
 
-def _label(cfg: FlashConfig) -> str:
-    return f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seq", type=int, default=8192)
@@ -67,14 +63,13 @@ def main(argv=None) -> int:
                     lambda: fa.block_backward(q, k, v, do, lse, delta, scale, causal=causal)) / 1e3
 
         trials = [("forward", "default", default), ("backward", "default", default)]
-        trials += [("forward", _label(c), fa.FlashConfigs(c, default.dkdv, default.dq)) for c in FWD_ALTERNATIVES
+        trials += [("forward", str(c), fa.FlashConfigs(c, default.dkdv, default.dq)) for c in FWD_ALTERNATIVES
                    if c != default.fwd]
-        trials += [("backward", f"dkdv {_label(c)}", fa.FlashConfigs(default.fwd, c, default.dq))
+        trials += [("backward", f"dkdv {c}", fa.FlashConfigs(default.fwd, c, default.dq))
                    for c in DKDV_ALTERNATIVES if c != default.dkdv]
         for pass_, label, cfgs in trials:
             if label == "default":
-                label = (_label(cfgs.fwd) if pass_ == "forward" else
-                         f"dkdv {_label(cfgs.dkdv)}, dq {_label(cfgs.dq)}") + " (default)"
+                label = (str(cfgs.fwd) if pass_ == "forward" else f"dkdv {cfgs.dkdv}, dq {cfgs.dq}") + " (default)"
             try:
                 t = time_with(cfgs, pass_)
             except Exception as exc:  # noqa: BLE001 - an alternative that does not fit is a row, not a crash

@@ -24,10 +24,6 @@ ALTERNATIVES = [GemmConfig(128, 256, 64, num_warps=8, num_stages=4),
                 GemmConfig(64, 128, 64, num_warps=4, num_stages=4)]
 
 
-def _label(cfg: GemmConfig) -> str:
-    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--m", type=int, default=8192)
@@ -57,12 +53,12 @@ def main(argv=None) -> int:
             run()
             torch.testing.assert_close(out.float(), ref, atol=0.5, rtol=2e-2)  # never report a wrong kernel's speed
         except Exception as exc:  # noqa: BLE001 - a config that fails or is wrong is a row, not a crash
-            print(f"{name} {_label(cfg)}: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
-            rows.append({"kernel": name, "config": _label(cfg), "time_us": float("nan"), "tflops": float("nan"),
+            print(f"{name} {cfg}: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
+            rows.append({"kernel": name, "config": str(cfg), "time_us": float("nan"), "tflops": float("nan"),
                          "vs_mm": float("nan"), "error": type(exc).__name__})
             continue
         t = triton.testing.do_bench(run, warmup=50, rep=300) / 1e3
-        rows.append({"kernel": name, "config": _label(cfg), "time_us": t * 1e6, "tflops": flops / t / 1e12,
+        rows.append({"kernel": name, "config": str(cfg), "time_us": t * 1e6, "tflops": flops / t / 1e12,
                      "vs_mm": t_mm / t})
     env = environment("cuda")
     rows = [{**r, "M": args.m, "N": args.n, "K": args.k, "dtype": "bfloat16", **env} for r in rows]

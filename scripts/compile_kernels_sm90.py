@@ -112,8 +112,7 @@ for dname, dt in DT.items():
             b = t(kk, N, dtype=dt) if layout == "b" else t(N, kk, dtype=dt).t()
             out = t(W * M, N, dtype=dt)
             arrived, err = t(W, dtype=torch.int64), t(4, dtype=torch.int32)
-            tag = (f"{dname} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {layout} "
-                   f"K={kk} prec={prec}")
+            tag = f"{dname} {cfg} {layout} K={kk} prec={prec}"
             check(f"_ag_gemm_kernel {tag}", AG._ag_gemm_kernel,
                   a, b, out, arrived, err, M, N, kk, EPOCH, BUDGET.amount, a.stride(0), a.stride(1), b.stride(0),
                   b.stride(1), out.stride(0), out.stride(1), R, WORLD=W, DOT_PRECISION=prec, TIMED=BUDGET.timed,
@@ -169,8 +168,7 @@ for (dname, hd), cfgs in FLASH.items():
                   lse.stride(0), lse.stride(1))
 
         def tag(cfg):
-            return (f"{dname} HEAD_DIM={hd} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
-                    f"CAUSAL={causal}")
+            return f"{dname} HEAD_DIM={hd} {cfg} CAUSAL={causal}"
 
         check(f"_flash_fwd_kernel {tag(cfgs.fwd)}", FA._flash_fwd_kernel, q, k, v, o, lse,
               q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

@@ -15,6 +15,7 @@ Not yet run on a multi-GPU node by this project: the algorithms are proven in th
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import sys
 import warnings
@@ -110,9 +111,9 @@ class ProcessPeerWorld:
                                         ipc_built=cuda_lib.is_loadable())
         if kind is None:
             raise ValueError(why)
-        ranks = [None] * self.world_size
+        ranks, mine = [None] * self.world_size, _device_uuid(device)
         with torch.cuda.device(device):  # NCCL stages objects on the current device
-            dist.all_gather_object(ranks, (kind, _device_uuid(device)), group=group)
+            dist.all_gather_object(ranks, (kind, mine), group=group)
         kinds = [k for k, _ in ranks]
         if len(set(kinds)) > 1:  # mixed kinds would deadlock in alloc_symmetric
             raise ValueError(f"ranks chose different peer memory {kinds} (set {PEER_MEMORY_ENV} alike on every "
@@ -120,7 +121,7 @@ class ProcessPeerWorld:
         self.peer_memory = kind
         # ranks sharing this GPU (tests, or MPS): each persistent kernel takes only its share of SMs,
         # or ranks spinning on each other's signals could hold every SM
-        self.ranks_per_device = max(1, sum(uuid == _device_uuid(device) for _, uuid in ranks))
+        self.ranks_per_device = max(1, sum(uuid == mine for _, uuid in ranks))
 
     @property
     def wait_timeout(self) -> float:
@@ -166,10 +167,7 @@ class ProcessPeerWorld:
     def _alloc_ipc(self, shape: tuple, dtype: torch.dtype, fill) -> SymmetricTensor:
         from ..kernels import cuda as cuda_lib
 
-        numel = 1
-        for size in shape:
-            numel *= size
-        ptr, handle = cuda_lib.ipc_alloc(max(numel, 1) * dtype.itemsize, self.device)
+        ptr, handle = cuda_lib.ipc_alloc(max(math.prod(shape), 1) * dtype.itemsize, self.device)
         local = cuda_lib.tensor_at(ptr, shape, dtype, self.device)
         local.fill_(fill)
         handles = [None] * self.world_size

@@ -7,6 +7,7 @@ stream (``torch.cuda.current_stream().cuda_stream``) to the C ABI in csrc/ok_cud
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import threading
 from pathlib import Path
@@ -225,9 +226,6 @@ def tensor_at(ptr: int, shape, dtype: torch.dtype, device) -> torch.Tensor:
 
     torch has no public constructor for this; ``_construct_storage_from_data_pointer`` is the one
     torch's CUDA-graph trees use for the same purpose."""
-    numel = 1
-    for size in shape:
-        numel *= size
     device = torch.device(device)
-    storage = torch._C._construct_storage_from_data_pointer(ptr, device, numel * dtype.itemsize)
+    storage = torch._C._construct_storage_from_data_pointer(ptr, device, math.prod(shape) * dtype.itemsize)
     return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, tuple(shape))

@@ -49,6 +49,9 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
 
+    def __str__(self) -> str:  # how benchmarks and the compile report name it
+        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
+
     def tiles(self, rows: int, n: int) -> int:
         return triton.cdiv(rows, self.block_m) * triton.cdiv(n, self.block_n)
 

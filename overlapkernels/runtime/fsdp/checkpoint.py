@@ -28,16 +28,16 @@ def _units(sharded) -> list:
     return [[u.name, u.numel] for u in sharded.all_units]
 
 
-def _unit_at(sharded, idx):
-    """The unit whose master is the optimizer's parameter ``idx`` (its state-dict numbering runs
+def _units_by_index(sharded) -> dict:
+    """Optimizer parameter index -> the unit whose master it is (the state-dict numbering runs
     through the param groups in order, which a custom optimizer factory may have rearranged)."""
+    unit_of = {id(u.master): u for u in sharded.all_units}
     order = [p for group in sharded.optimizer.param_groups for p in group["params"]]
-    master = order[int(idx)]
-    for unit in sharded.all_units:
-        if unit.master is master:
-            return unit
-    raise ValueError(f"optimizer parameter {idx} is not a unit's master: fsdp checkpoints hold only what "
-                     "fsdp.shard gave the optimizer")
+    strays = [idx for idx, p in enumerate(order) if id(p) not in unit_of]
+    if strays:
+        raise ValueError(f"optimizer parameters {strays} are not units' masters: fsdp checkpoints hold only what "
+                         "fsdp.shard gave the optimizer")
+    return {idx: unit_of[id(p)] for idx, p in enumerate(order)}
 
 
 def _plan_optim(sharded, optim_state) -> dict:
@@ -48,9 +48,9 @@ def _plan_optim(sharded, optim_state) -> dict:
       replicated equal on every rank (Adam's 0-d step): saved once;
       per_rank   anything else (block-quantised statistics, per-shard preconditioners): kept per
                  rank, reloadable only on as many ranks."""
-    plan, local = {}, {}
+    plan, local, units = {}, {}, _units_by_index(sharded)
     for idx, entries in optim_state.items():
-        unit = _unit_at(sharded, idx)
+        unit = units[int(idx)]
         for key, value in entries.items():
             if not torch.is_tensor(value):
                 continue
@@ -92,7 +92,7 @@ def _logical(local_shard: torch.Tensor, unit, mesh):
 
 
 def _state(sharded, optim_state, plan) -> dict:
-    mesh, rank = _mesh(sharded), dist.get_rank(sharded.group)
+    mesh, rank, units = _mesh(sharded), dist.get_rank(sharded.group), _units_by_index(sharded)
     state = {f"unit{i}/master": _logical(u.master.data, u, mesh) for i, u in enumerate(sharded.all_units)}
     for idx, entries in optim_state.items():
         for key, value in entries.items():
@@ -100,7 +100,7 @@ def _state(sharded, optim_state, plan) -> dict:
                 continue
             kind = plan[f"{idx}/{key}"]["kind"]
             if kind == "flat":
-                state[f"optim/{idx}/{key}"] = _logical(value, _unit_at(sharded, idx), mesh)
+                state[f"optim/{idx}/{key}"] = _logical(value, units[int(idx)], mesh)
             elif kind == "replicated":
                 state[f"optim/{idx}/{key}"] = value
             else:
@@ -159,11 +159,13 @@ def load(sharded, path) -> None:
         raise ValueError(f"checkpoint {path!r}: optimizer state {per_rank} differs between ranks and is not shaped "
                          f"like the parameter shards, so it reloads only on {meta['world_size']} ranks, not {world}")
     device = sharded.all_units[0].device
-    template = {}
+    template, units = {}, _units_by_index(sharded)
     for name, entry in meta["optim"].items():  # what was saved decides the layout, not the shapes now
         idx, key = name.split("/", 1)
-        shape = {"flat": lambda: [_unit_at(sharded, idx).shard_numel], "replicated": lambda: entry.get("shape"),
-                 "per_rank": lambda: entry.get("shapes", [[]] * world)[rank]}[entry["kind"]]()
+        if entry["kind"] == "flat":
+            shape = [units[int(idx)].shard_numel]
+        else:
+            shape = entry["shape"] if entry["kind"] == "replicated" else entry["shapes"][rank]
         # torch keeps Adam's step (a scalar) on the CPU
         template.setdefault(int(idx), {})[key] = torch.zeros(shape, dtype=getattr(torch, entry["dtype"]),
                                                              device=device if shape else "cpu")
