@@ -53,6 +53,7 @@ def _ag_case_on_rank(method, shard_shape, gather_dim, widths, dtype, exact, save
                                           method=method, save_gathered=save_gathered)
     assert isinstance(outs, list) == isinstance(b_arg, list)  # a tensor in, a tensor out
     outs = outs if isinstance(outs, list) else [outs]
+    assert gathered.is_contiguous() and all(o.is_contiguous() for o in outs)  # like torch.cat(...) @ b
     _compare("gathered", gathered, a_full, True, dtype)  # a gather never rounds
     for i, out in enumerate(outs):
         _compare(f"out[{i}]", out, a_full @ weights[rank][i], exact, dtype)
@@ -103,6 +104,7 @@ def _rs_case_on_rank(method, lead_per_rank, scatter_dim, k, n, dtype, exact):
     a = a_all[rank].clone().requires_grad_()
     b = b_all[rank].clone().requires_grad_()
     out = ok.matmul_reduce_scatter(a, b, scatter_dim=scatter_dim, method=method)
+    assert out.is_contiguous()
     full = sum(x @ w for x, w in zip(a_all, b_all))
     _compare("out", out, full.chunk(world, dim=scatter_dim)[rank], exact, dtype)
     out.backward(g_all[rank])
@@ -169,16 +171,42 @@ def _auto_and_strict_on_rank():
         strict_error = None
     except ok.StrictOverlapError as exc:
         strict_error = str(exc)
-    return dict(stats), {k: list(v) for k, v in stats.reasons.items()}, strict_error
+    return dict(stats), {k: list(v) for k, v in stats.reasons.items()}, strict_error, _strict_backward_error()
+
+
+def _strict_backward_error():
+    """On CUDA the autograd engine runs backward on its own thread, where strict_overlap()'s
+    context is unset: the op must carry forward's strictness into its backward. K = 1024: the
+    forward matmul + reduce-scatter overlaps (256 flop/B), its backward all-gather + GEMM would not."""
+    import threading
+
+    a = torch.ones(128, 1024, dtype=torch.float64, requires_grad=True)
+    b = torch.ones(1024, 1024, dtype=torch.float64)
+    with ok.strict_overlap():
+        out = ok.matmul_reduce_scatter(a, b)
+    errors = []
+
+    def run_backward():
+        try:
+            out.sum().backward()
+        except ok.StrictOverlapError as exc:
+            errors.append(str(exc))
+
+    worker = threading.Thread(target=run_backward)  # a new thread starts with an empty context
+    worker.start()
+    worker.join()
+    return errors[0] if errors else None
 
 
 def test_auto_records_choice_and_strict_mode_raises(rank_pool):
-    for counts, reasons, strict_error in rank_pool(2).run(_auto_and_strict_on_rank):
+    for counts, reasons, strict_error, backward_error in rank_pool(2).run(_auto_and_strict_on_rank):
         assert counts == {("all_gather_matmul", "baseline"): 1, ("all_gather_matmul", "decomposed"): 2}
         assert any("gloo ring message 256 B <" in r for r in reasons[("all_gather_matmul", "baseline")])
         assert "requested" in reasons[("all_gather_matmul", "decomposed")]
         assert strict_error and "all_gather_matmul: strict_overlap() is active" in strict_error
         assert "gloo ring message 256 B" in strict_error
+        assert backward_error and "all_gather_matmul: strict_overlap() is active" in backward_error
+        assert "256 GEMM flop per byte sent > 128" in backward_error
 
 
 # ----------------------------------------------------------------------------------- bad input
@@ -190,7 +218,7 @@ BAD_AG = [
     (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3), gather_dim=1), ValueError,
      r"gather_dim=1 is the last dim of a_shard"),
     (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3), gather_dim=-1), ValueError,
-     r"gather_dim=1 is the last dim"),
+     r"gather_dim=-1 is the last dim of a_shard, which the matmul contracts; expected one of 0..0 \(or -2..-2\)"),
     (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3), gather_dim=2), ValueError,
      r"gather_dim=2 is out of range for a_shard with 2 dims"),
     (lambda: ok.all_gather_matmul(torch.ones(8), torch.ones(8, 3)), ValueError,
@@ -224,6 +252,7 @@ BAD_AG = [
 def _bad_inputs_on_rank():
     import re
 
+    ok.reset_overlap_stats()
     for i, (call, exc_type, pattern) in enumerate(BAD_AG):
         try:
             call()
@@ -231,6 +260,7 @@ def _bad_inputs_on_rank():
             assert re.search(pattern, str(exc)), (i, str(exc))
         else:
             raise AssertionError(f"case {i}: no {exc_type.__name__}")
+    assert ok.overlap_stats() == {}, ok.overlap_stats()  # a call that raised never ran: not counted
     total = torch.ones(1)
     dist.all_reduce(total)  # no rank communicated before raising: the group is still in step
     return int(total)

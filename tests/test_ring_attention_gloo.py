@@ -3,6 +3,7 @@ outputs, lse and the gradients of q, k, v, for every layout, mask, GQA/MQA and f
 import importlib
 import re
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ def _case_on_rank(layout, causal, heads, kv_heads, fmt, with_lse, scale=None, ba
     v = torch.randn(batch, seq, kv_heads, dim, generator=g, dtype=torch.float64, requires_grad=True)
     d_out = torch.randn(batch, seq, heads, dim, generator=g, dtype=torch.float64)
     d_lse = torch.randn(batch, heads, seq, generator=g, dtype=torch.float64)
-    sc = scale if scale is not None else dim ** -0.5
+    sc = float(scale) if scale is not None else dim ** -0.5
     out_ref, lse_ref = _full_reference(q, k, v, causal, sc)
     loss = (out_ref * d_out).sum() + ((lse_ref * d_lse).sum() if with_lse else 0)
     loss.backward()
@@ -65,6 +66,7 @@ def _case_on_rank(layout, causal, heads, kv_heads, fmt, with_lse, scale=None, ba
     for name, (got, want) in checks.items():
         torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{n}: {m}")
     assert out.shape == ql.shape and lse.dtype == torch.float64 and seq_dim in (0, 1)
+    assert out.is_contiguous()  # laid out like q: a caller's out.view(B, S, H * D) must work
     return True
 
 
@@ -81,6 +83,8 @@ def _all_cases_on_rank():
     for case in CASES:
         _case_on_rank(*case)
     _case_on_rank("zigzag", True, 2, 1, "bshd", False, scale=0.3)
+    _case_on_rank("contiguous", False, 2, 2, "sbhd", False, scale=np.float32(-0.25))  # any finite real, as SDPA
+    _case_on_rank("contiguous", True, 2, 1, "bshd", False, scale=torch.tensor(0.5, dtype=torch.float64))
     return True
 
 
@@ -146,7 +150,10 @@ BAD = [
     (lambda q, k, v: ok.ring_attention(q, k[:, :4], v[:, :4]), ValueError,
      r"must agree in batch, local sequence length and head dim"),
     (lambda q, k, v: ok.ring_attention(q[0], k, v), ValueError, r"q must be 4-D \(bshd\), got shape \(6, 4, 8\)"),
-    (lambda q, k, v: ok.ring_attention(q, k, v, softmax_scale=-1.0), ValueError, r"softmax_scale=-1.0"),
+    (lambda q, k, v: ok.ring_attention(q, k, v, softmax_scale=float("nan")), ValueError,
+     r"softmax_scale=nan: expected a finite number"),
+    (lambda q, k, v: ok.ring_attention(q, k, v, softmax_scale="0.1"), TypeError,
+     r"softmax_scale must be a real number or None, got str"),
     (lambda q, k, v: ok.ring_attention(q.numpy(), k, v), TypeError, r"q must be a torch.Tensor, got ndarray"),
     (lambda q, k, v: ok.shard_sequence(torch.ones(2, 7), layout="zigzag"), ValueError,
      r"x.shape\[1\]=7 is not divisible by 4 \(2 x the group size 2, layout='zigzag'\)"),

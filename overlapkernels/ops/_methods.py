@@ -6,21 +6,38 @@ from ._validate import is_peer_world
 from .dispatch import PEER_MEMORY_METHODS
 
 
-def _peer_world(method: str, group, device):
-    """The world a peer-memory method runs in: the group itself (thread world), or a CUDA process
-    group's symmetric-memory world. Errors say what is missing, before anything communicates."""
+def unavailable_reason(method: str, group, device) -> str | None:
+    """Why ``method`` (resolved, not "auto") cannot run on ``group`` with tensors on ``device``;
+    None when it can. Checked before a call is recorded or anything communicates."""
     if is_peer_world(group):
         if method not in PEER_MEMORY_METHODS:
-            raise ValueError(f"method={method!r} needs a process group; a thread-world group runs 'symm' or 'fused'")
-        return group
+            return f"method={method!r} needs a process group; a thread-world group runs 'symm' or 'fused'"
+        return None
     if method not in PEER_MEMORY_METHODS:
         return None
-    from ..comm.process_world import peer_memory_unavailable_reason, process_peer_world
+    from ..comm.process_world import peer_memory_unavailable_reason
 
     reason = peer_memory_unavailable_reason(device)
     if reason:
-        raise ValueError(f"method={method!r} needs peer memory (CUDA tensors on one NVLink node, or a thread-world "
-                         f"group in CPU tests): {reason}; use 'decomposed' or 'baseline'")
+        return (f"method={method!r} needs peer memory (CUDA tensors on one NVLink node, or a thread-world group in "
+                f"CPU tests): {reason}; use 'decomposed' or 'baseline'")
+    return None
+
+
+def check_available(method: str, group, device) -> None:
+    if method != "auto" and (reason := unavailable_reason(method, group, device)):
+        raise ValueError(reason)
+
+
+def _peer_world(method: str, group, device):
+    """The world a peer-memory method runs in: the group itself (thread world), or a CUDA process
+    group's symmetric-memory world. Errors say what is missing, before anything communicates."""
+    if reason := unavailable_reason(method, group, device):
+        raise ValueError(reason)
+    if is_peer_world(group) or method not in PEER_MEMORY_METHODS:
+        return group if is_peer_world(group) else None
+    from ..comm.process_world import process_peer_world
+
     return process_peer_world(group, device)
 
 

@@ -56,8 +56,7 @@ def check_dim(name: str, dim, tensor: torch.Tensor, tensor_name: str) -> int:
     nd = tensor.dim()
     if not -nd <= dim < nd:
         raise ValueError(f"{name}={dim} is out of range for {tensor_name} with {nd} dims")
-    dim %= nd
-    if dim == nd - 1:
+    if dim % nd == nd - 1:  # messages keep the caller's value: -1 stays -1
         raise ValueError(f"{name}={dim} is the last dim of {tensor_name}, which the matmul contracts; expected one "
-                         f"of 0..{nd - 2}")
-    return dim
+                         f"of 0..{nd - 2} (or {-nd}..-2)")
+    return dim % nd

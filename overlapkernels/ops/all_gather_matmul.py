@@ -9,7 +9,7 @@ from ..parallel import resolve_group
 from ..profiling.ranges import span
 from . import _methods
 from ._validate import check_dim, check_tensor, check_weights, group_size, is_peer_world
-from .dispatch import check_method, choose
+from .dispatch import check_method, choose, strict_active, strict_in_backward
 from .measure import auto_mode, measured
 
 OP = "all_gather_matmul"
@@ -48,7 +48,7 @@ class AllGatherMatmul(torch.autograd.Function):
     def forward(ctx, a_shard, group, method_requested, method, save_gathered, *bs):
         a_full, outs = _methods.ag_matmul(a_shard, list(bs), group, method)
         ctx.group, ctx.method_requested, ctx.method = group, method_requested, method
-        ctx.save_gathered = save_gathered
+        ctx.save_gathered, ctx.strict = save_gathered, strict_active()
         ctx.save_for_backward(a_full if save_gathered else a_shard, *bs)
         ctx.set_materialize_grads(False)
         return (a_full, *outs)
@@ -64,7 +64,8 @@ class AllGatherMatmul(torch.autograd.Function):
 
             g = torch.cat([grad_outs[i] for i in used], dim=1) if len(used) > 1 else grad_outs[used[0]]
             bt = torch.cat([bs[i].T for i in used], dim=0) if len(used) > 1 else bs[used[0]].T
-            method = rs_resolve(ctx.method_requested, group, g, bt, world)  # recorded in overlap_stats too
+            with strict_in_backward(ctx.strict):
+                method = rs_resolve(ctx.method_requested, group, g, bt, world)  # recorded in overlap_stats too
             grad_a = _methods.matmul_rs(g, bt, group, method)
         if ctx.needs_input_grad[0] and grad_a_full is not None:  # the caller used the gathered input
             rs = _methods.reduce_scatter(grad_a_full, group)
@@ -97,6 +98,7 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, return_gathered=F
     if not isinstance(return_gathered, bool):
         raise TypeError(f"return_gathered must be a bool, got {type(return_gathered).__name__}")
     group = group if is_peer_world(group) else resolve_group(group)
+    _methods.check_available(method, group, a_shard.device)
     world = group_size(group)
 
     x = a_shard.movedim(gather_dim, 0)
@@ -106,8 +108,8 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, return_gathered=F
     with span(f"ok/all_gather_matmul[{chosen}]"):
         a_full, *outs = AllGatherMatmul.apply(x2d, group, method, chosen, bool(save_gathered), *bs)
 
-    def restore(t2d):  # [W*m, n] -> the layout of a_shard, gathered along gather_dim
-        return t2d.view(world * lead[0], *lead[1:], t2d.shape[-1]).movedim(0, gather_dim)
+    def restore(t2d):  # [W*m, n] -> the layout of a_shard, gathered along gather_dim (contiguous, like torch.cat)
+        return t2d.view(world * lead[0], *lead[1:], t2d.shape[-1]).movedim(0, gather_dim).contiguous()
 
     outs = [restore(o) for o in outs]
     result = outs[0] if single else outs

@@ -83,6 +83,22 @@ def strict_overlap():
         _strict.reset(token)
 
 
+def strict_active() -> bool:
+    return _strict.get()
+
+
+@contextlib.contextmanager
+def strict_in_backward(active_at_forward: bool):
+    """Backward's dual ops see forward's ``strict_overlap()`` too: on CUDA the autograd engine runs
+    backward on its own thread per device, which Python context variables do not follow, so the ops
+    carry the flag from forward (ctx) into backward with this."""
+    token = _strict.set(active_at_forward or _strict.get())
+    try:
+        yield
+    finally:
+        _strict.reset(token)
+
+
 def record(op: str, choice: Choice) -> None:
     with _lock:
         _counts[(op, choice.method)] += 1

@@ -10,7 +10,7 @@ from ..profiling.ranges import span
 from . import _methods
 from ._collective_methods import accumulation_dtype
 from ._validate import check_dim, check_tensor, check_weights, group_size, is_peer_world
-from .dispatch import check_method, choose
+from .dispatch import check_method, choose, strict_active, strict_in_backward
 from .measure import auto_mode, measured
 
 OP = "matmul_reduce_scatter"
@@ -47,7 +47,7 @@ class MatmulReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, b, group, method_requested, method):
-        ctx.group, ctx.method_requested = group, method_requested
+        ctx.group, ctx.method_requested, ctx.strict = group, method_requested, strict_active()
         ctx.save_for_backward(a, b)
         return _methods.matmul_rs(a, b, group, method)
 
@@ -58,7 +58,8 @@ class MatmulReduceScatter(torch.autograd.Function):
         a, b = ctx.saved_tensors
         group = ctx.group
         grad_out = grad_out.contiguous()
-        method = ag_resolve(ctx.method_requested, group, grad_out, b.shape[0], group_size(group))  # recorded too
+        with strict_in_backward(ctx.strict):
+            method = ag_resolve(ctx.method_requested, group, grad_out, b.shape[0], group_size(group))  # recorded too
         weights = [b.T] if ctx.needs_input_grad[0] else []
         grad_full, outs = _methods.ag_matmul(grad_out, weights, group, method)
         grad_a = outs[0] if weights else None
@@ -74,17 +75,19 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, method="auto"):
     if isinstance(b, (list, tuple)):
         raise TypeError(f"b must be a single [K, N] tensor, got {type(b).__name__}")
     check_weights(b, a, "a")
-    scatter_dim = check_dim("scatter_dim", scatter_dim, a, "a")
+    dim = check_dim("scatter_dim", scatter_dim, a, "a")
     method = check_method(method)
     group = group if is_peer_world(group) else resolve_group(group)
     world = group_size(group)
-    if a.shape[scatter_dim] % world:
-        raise ValueError(f"a.shape[scatter_dim={scatter_dim}]={a.shape[scatter_dim]} is not divisible by the group "
+    if a.shape[dim] % world:
+        raise ValueError(f"a.shape[scatter_dim={scatter_dim}]={a.shape[dim]} is not divisible by the group "
                          f"size {world}")
-    x = a.movedim(scatter_dim, 0)
+    _methods.check_available(method, group, a.device)
+    x = a.movedim(dim, 0)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
     chosen = resolve(method, group, x2d, b, world, measurable=True)
     with span(f"ok/matmul_reduce_scatter[{chosen}]"):
         out2d = MatmulReduceScatter.apply(x2d, b, group, method, chosen)
-    return out2d.view(lead[0] // world, *lead[1:], b.shape[1]).movedim(0, scatter_dim)
+    out = out2d.view(lead[0] // world, *lead[1:], b.shape[1]).movedim(0, dim)
+    return out.contiguous()  # a no-op for dim 0; like reduce_scatter's output otherwise

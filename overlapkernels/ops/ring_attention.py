@@ -13,6 +13,7 @@ its owner, summed in ring order (fixed, so results never depend on timing).
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -225,8 +226,22 @@ def _validate(q, k, v, qkv_format, layout, softmax_scale):
     if layout == "zigzag" and q.shape[seq] % 2:
         raise ValueError(f"local sequence length {q.shape[seq]} is odd: zigzag needs S divisible by 2 x the group "
                          "size")
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale={softmax_scale!r}: expected a positive number or None")
+    if softmax_scale is not None:
+        _check_scale(softmax_scale)
+
+
+def _check_scale(softmax_scale) -> float:
+    """Any finite real (Python, numpy, or a one-element tensor) scales the scores, as SDPA's
+    ``scale`` does; None is 1/sqrt(D). The kernels mask after scaling, so any sign is safe."""
+    is_real = isinstance(softmax_scale, numbers.Real) or (isinstance(softmax_scale, torch.Tensor)
+                                                           and softmax_scale.numel() == 1
+                                                           and not softmax_scale.is_complex())
+    if isinstance(softmax_scale, bool) or not is_real:
+        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+    value = float(softmax_scale)
+    if not math.isfinite(value):
+        raise ValueError(f"softmax_scale={value}: expected a finite number or None")
+    return value
 
 
 def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, layout="contiguous",
@@ -239,10 +254,10 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, lay
     """
     _validate(q, k, v, qkv_format, layout, softmax_scale)
     group = resolve_group(group)
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = _check_scale(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     backend = "triton" if q.is_cuda else "torch"
     with span("ok/ring_attention"):
         out, lse = RingAttention.apply(_to_bhsd(q, qkv_format), _to_bhsd(k, qkv_format), _to_bhsd(v, qkv_format),
                                        group, bool(causal), scale, layout, backend)
-    out = _from_bhsd(out, qkv_format)
+    out = _from_bhsd(out, qkv_format).contiguous()  # laid out like q: callers .view() it to [B, S, H*D]
     return (out, lse) if return_lse else out
