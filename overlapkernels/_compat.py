@@ -8,11 +8,22 @@ from __future__ import annotations
 import threading
 import types
 
+import torch
 import torch.distributed as dist
 
 # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of *_single.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def eager_under_compile(fn):
+    """``torch.compile`` runs ``fn`` eagerly, with a graph break around it, instead of tracing it.
+
+    Why: our ops take ProcessGroups, which dynamo treats as opaque script objects (any attribute
+    access is a hard error in torch 2.13, not a graph break), and they drive their own streams,
+    device flags and persistent Triton kernels, which a captured graph could not replay. The code
+    between them (norms, activations, residuals) still compiles."""
+    return torch.compiler.disable(fn)
 
 
 _interp_lock = threading.Lock()

@@ -10,7 +10,7 @@ from overlapkernels.models import GPT, GPTConfig, gather_dense_state_dict, shard
 CONFIG = dict(vocab_size=32, hidden=16, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden=32, max_seq_len=16)
 
 
-def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2):
+def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2, compiled=False):
     config = GPTConfig(**{**CONFIG, "num_kv_heads": kv_heads}, sequence_parallel=sequence_parallel, method=method)
     g = torch.Generator().manual_seed(42)
     tokens = torch.randint(0, CONFIG["vocab_size"], (2, 8), generator=g)
@@ -26,7 +26,9 @@ def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2):
     dims = ok.init_parallel(**layout_kwargs)
     model = GPT(config, dims, dtype=torch.float64)
     model.load_state_dict(shard_dense_state_dict(model, dense.state_dict()))
-    loss = model.loss(tokens, targets)
+    # compiled: torch.compile must run the ops (which take ProcessGroups) eagerly between compiled
+    # regions, not fail tracing them; aot_eager checks dynamo + autograd without inductor's C++ build
+    loss = (torch.compile(model.loss, backend="aot_eager") if compiled else model.loss)(tokens, targets)
     loss.backward()
     model.sync_grads()
     torch.testing.assert_close(loss, dense_loss, atol=1e-12, rtol=1e-12)
@@ -35,12 +37,14 @@ def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2):
     return float(loss)
 
 
-@pytest.mark.parametrize("layout_kwargs, sequence_parallel, method, kv_heads", [
-    (dict(tp=2), True, "decomposed", 2), (dict(tp=2), False, "baseline", 2), (dict(cp=2), True, "auto", 2),
-    (dict(tp=2, cp=2), True, "decomposed", 2), (dict(tp=4), True, "decomposed", 4), (dict(cp=4), False, "auto", 1),
+@pytest.mark.parametrize("layout_kwargs, sequence_parallel, method, kv_heads, compiled", [
+    (dict(tp=2), True, "decomposed", 2, False), (dict(tp=2), False, "baseline", 2, False),
+    (dict(cp=2), True, "auto", 2, False), (dict(tp=2, cp=2), True, "decomposed", 2, False),
+    (dict(tp=4), True, "decomposed", 4, False), (dict(cp=4), False, "auto", 1, False),
+    (dict(tp=2, cp=2), True, "decomposed", 2, True),
 ])
-def test_gpt_matches_dense(rank_pool, layout_kwargs, sequence_parallel, method, kv_heads):
-    losses = rank_pool(4).run(_gpt_on_rank, layout_kwargs, sequence_parallel, method, kv_heads)
+def test_gpt_matches_dense(rank_pool, layout_kwargs, sequence_parallel, method, kv_heads, compiled):
+    losses = rank_pool(4).run(_gpt_on_rank, layout_kwargs, sequence_parallel, method, kv_heads, compiled)
     assert len(set(losses)) == 1  # every rank reports the same global loss
 
 

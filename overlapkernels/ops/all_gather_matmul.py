@@ -5,6 +5,7 @@ from functools import partial
 
 import torch
 
+from .._compat import eager_under_compile
 from ..parallel import resolve_group
 from ..profiling.ranges import span
 from . import _methods
@@ -82,6 +83,7 @@ class AllGatherMatmul(torch.autograd.Function):
         return (grad_a, None, None, None, None, *(grad_bs or [None] * len(bs)))
 
 
+@eager_under_compile  # takes a ProcessGroup: see _compat
 def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, return_gathered=False, method="auto",
                       save_gathered=False):
     """``torch.cat(all_gather(a_shard), dim=gather_dim) @ b``, with the gather hidden behind the GEMM.

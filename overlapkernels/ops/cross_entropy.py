@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .._compat import eager_under_compile
 from ..comm import collectives as C
 from ..parallel import resolve_group
 
@@ -59,6 +60,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None, None, None
 
 
+@eager_under_compile  # takes a ProcessGroup: see _compat
 def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, ignore_index=-100, label_smoothing=0.0):
     """Per-token loss [...] from vocabulary-parallel logits [..., V/P] and global target ids [...]."""
     for name, t in (("logits_shard", logits_shard), ("target", target)):

@@ -5,6 +5,7 @@ from functools import partial
 
 import torch
 
+from .._compat import eager_under_compile
 from ..parallel import resolve_group
 from ..profiling.ranges import span
 from . import _methods
@@ -67,6 +68,7 @@ class MatmulReduceScatter(torch.autograd.Function):
         return grad_a, grad_b, None, None, None
 
 
+@eager_under_compile  # takes a ProcessGroup: see _compat
 def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, method="auto"):
     """``reduce_scatter_sum(a @ b, dim=scatter_dim)``: rank r keeps chunk r, with the reduction
     hidden behind the GEMM. ``a`` [..., K] (2+ dims); ``b`` [K, N]; ``a.shape[scatter_dim]``

@@ -17,6 +17,7 @@ import numbers
 
 import torch
 
+from .._compat import eager_under_compile
 from ..comm.ring import Ring, wait_all
 from ..kernels import attention_ref
 from ..parallel import resolve_group
@@ -244,6 +245,7 @@ def _check_scale(softmax_scale) -> float:
     return value
 
 
+@eager_under_compile  # takes a ProcessGroup: see _compat
 def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, layout="contiguous",
                    qkv_format="bshd", return_lse=False):
     """Attention of this rank's queries over the whole sequence spread across ``group``.

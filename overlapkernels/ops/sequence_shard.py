@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .._compat import eager_under_compile
 from ..comm.collectives import all_gather, reduce_scatter
 from ..parallel import resolve_group
 from ._validate import check_tensor
@@ -47,6 +48,7 @@ def _check(x, dim, layout, name):
     return dim % x.dim(), check_layout(layout)
 
 
+@eager_under_compile  # takes a ProcessGroup: see _compat
 def shard_sequence(x, group=None, *, dim=1, layout="zigzag"):
     """This rank's part of the full sequence ``x`` (same on every rank), laid out as ``layout``."""
     group = resolve_group(group)
@@ -86,6 +88,7 @@ class _Unshard(torch.autograd.Function):
         return local.movedim(0, ctx.dim), None, None, None
 
 
+@eager_under_compile  # takes a ProcessGroup: see _compat
 def unshard_sequence(x_local, group=None, *, dim=1, layout="zigzag"):
     """Gather the parts that ``shard_sequence`` laid out and reorder them into the full sequence."""
     group = resolve_group(group)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .._compat import eager_under_compile
 from ..comm import collectives as C
 
 
@@ -98,25 +99,31 @@ class _GatherFirstDim(torch.autograd.Function):
         return C.reduce_scatter(grad.contiguous(), ctx.group)[0], None
 
 
+@eager_under_compile  # takes a ProcessGroup: see _compat
 def copy_to_tp_region(x, group):
     return _CopyToTP.apply(x, group) if _size(group) > 1 else x
 
 
+@eager_under_compile  # takes a ProcessGroup: see _compat
 def reduce_from_tp_region(x, group):
     return _ReduceFromTP.apply(x, group) if _size(group) > 1 else x
 
 
+@eager_under_compile  # takes a ProcessGroup: see _compat
 def gather_last_dim(x, group):
     return _GatherLastDim.apply(x, group) if _size(group) > 1 else x
 
 
+@eager_under_compile  # takes a ProcessGroup: see _compat
 def split_last_dim(x, group):
     return _SplitLastDim.apply(x, group) if _size(group) > 1 else x
 
 
+@eager_under_compile  # takes a ProcessGroup: see _compat
 def reduce_scatter_first_dim(x, group):
     return _ReduceScatterFirstDim.apply(x, group) if _size(group) > 1 else x
 
 
+@eager_under_compile  # takes a ProcessGroup: see _compat
 def gather_first_dim(x, group):
     return _GatherFirstDim.apply(x, group) if _size(group) > 1 else x
