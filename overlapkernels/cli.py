@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -266,10 +267,12 @@ def _profile_report(args) -> int:
     from .profiling.overlap_report import overlap_report, summarize
 
     rows = summarize(overlap_report(args.trace))
-    if args.json:
-        print(json.dumps(rows, indent=2))
+    if args.json:  # standard JSON: an op with no comm has no hidden fraction (null, not NaN)
+        rows = [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()} for r in rows]
+        print(json.dumps(rows, indent=2, allow_nan=False))
     elif not rows:
-        print(f"no ok/<op> ranges in {args.trace} (was it recorded with `bench ... --profile DIR`?)")
+        print(f"no op ranges (ok/<op>[<method>]) in {args.trace}: only the fused ops, ring attention, fsdp "
+              "and the pipeline runner open them, so the trace holds none of their calls")
     else:
         print(format_table(rows, [("op", "op", ""), ("calls", "calls", "d"), ("dur_us", "time(us)", ".0f"),
                                   ("comm_us", "comm busy(us)", ".0f"), ("compute_us", "compute busy(us)", ".0f"),

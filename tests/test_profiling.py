@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import overlapkernels as ok
-from overlapkernels.profiling.overlap_report import overlap_report, summarize
+from overlapkernels.profiling.overlap_report import load_events, overlap_report, summarize
 from overlapkernels.profiling.ranges import span
 from overlapkernels.profiling.trace import profiled
 
@@ -68,16 +68,136 @@ def test_real_cpu_trace(rank_pool, tmp_path):
     json.dumps(list(rows.values()))  # serialisable
 
 
+def _strict_json(text):
+    def refuse(constant):
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
 def test_cli_report(tmp_path, capsys):
     from overlapkernels.cli import main
 
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": [_x("ok/all_gather_matmul[fused]", 0, 10), _x("nccl:x", 0, 4),
-                                                _x("aten::mm", 2, 6)]}))
+                                                _x("aten::mm", 2, 6), _x("ok/ring_attention", 20, 5)]}))
     assert main(["profile", "report", str(path)]) == 0
     assert "50.0%" in capsys.readouterr().out
     assert main(["profile", "report", str(path), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)[0]["hidden"] == pytest.approx(0.5)
+    rows = _strict_json(capsys.readouterr().out)  # standard JSON: an op without comm has hidden null, not NaN
+    assert rows[0]["hidden"] == pytest.approx(0.5) and rows[1]["op"] == "ok/ring_attention"
+    assert rows[1]["hidden"] is None
+
+
+def test_cli_report_without_op_ranges_says_so(tmp_path, capsys):
+    from overlapkernels.cli import main
+
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": [_x("aten::mm", 2, 6), _x("ok/pipeline/F0.0", 0, 9)]}))
+    assert main(["profile", "report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "no op ranges" in out and str(path) in out and "was it recorded" not in out
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "cannot read it"),                                   # missing file
+    ("dir", "cannot read it"),                                  # a directory
+    ("", "not JSON"),                                           # empty file
+    ("{bad", "not JSON"),                                       # malformed
+    ('{"foo": 1}', "without 'traceEvents'"),
+    ("[1, 2]", "event 0 is int"),
+    ("3", "int where a list of trace events was expected"),
+    ('{"traceEvents": {"a": 1}}', "dict where a list of trace events was expected"),
+    ('{"traceEvents": [{"ph": "X", "name": "aten::mm", "dur": 3}]}', "numeric 'ts' and 'dur'"),
+    ('[{"ph": "X", "name": "aten::mm", "ts": "0", "dur": 3}]', "numeric 'ts' and 'dur'"),
+])
+def test_bad_traces_name_the_file_and_what_was_expected(tmp_path, capsys, content, expected):
+    from overlapkernels.cli import main
+
+    path = tmp_path / "trace.json"
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=expected) as err:
+        load_events(str(path))
+    assert str(path) in str(err.value)
+    assert main(["profile", "report", str(path)]) == 2  # one line, no traceback
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("overlapkernels: error: trace ") and expected in lines[0]
+
+
+def test_gpu_timeline_is_used_alone_when_present():
+    """On CUDA torch.profiler writes each range on the host timeline (user_annotation) and on the
+    GPU one (gpu_user_annotation, once per stream it launched on). Only the GPU one counts: the op
+    is one call, its window the union of its per-stream copies, and host events are ignored."""
+    def ev(cat, name, ts, dur, tid):
+        return {**_x(name, ts, dur, tid), "cat": cat}
+
+    trace = {"traceEvents": [
+        ev("user_annotation", "ok/all_gather_matmul[decomposed]", 0, 30, 1),   # host: enqueue, returns early
+        ev("user_annotation", "ok/ag_matmul/chunk1/comm", 1, 2, 1),
+        ev("cpu_op", "aten::mm", 3, 2, 1),
+        ev("gpu_user_annotation", "ok/all_gather_matmul[decomposed]", 10, 60, 7),   # compute stream
+        ev("gpu_user_annotation", "ok/all_gather_matmul[decomposed]", 5, 45, 20),   # comm stream
+        ev("kernel", "ncclDevKernel_SendRecv", 5, 40, 20),                         # comm 5-45
+        ev("gpu_user_annotation", "ok/ag_matmul/chunk1/comm", 5, 40, 20),          # the same interval again
+        ev("kernel", "sm90_xmma_gemm_f32f32", 10, 20, 7),                           # compute 10-30
+        ev("gpu_user_annotation", "ok/ag_matmul/chunk1/compute", 40, 30, 7),       # compute 40-70
+        ev("kernel", "sm90_xmma_gemm_f32f32", 40, 30, 7),
+        ev("gpu_user_annotation", "ok/all_gather_matmul[decomposed]", 80, 20, 7),  # the next call (alone)
+        ev("kernel", "ncclDevKernel_SendRecv", 80, 20, 20),
+    ]}
+    rows = overlap_report(trace)
+    assert [(r["op"], r["start_us"], r["dur_us"]) for r in rows] == [
+        ("ok/all_gather_matmul[decomposed]", 5, 65), ("ok/all_gather_matmul[decomposed]", 80, 20)]
+    assert (rows[0]["comm_us"], rows[0]["compute_us"], rows[0]["both_us"]) == (40, 50, 25)  # 10-30, 40-45
+    assert rows[0]["hidden"] == 25 / 40 and rows[1]["hidden"] == 0.0
+    # without GPU annotations (a CPU run) the host timeline is used, as before
+    host_only = [e for e in trace["traceEvents"] if e["cat"] in ("user_annotation", "cpu_op")]
+    (row,) = overlap_report(host_only)
+    assert (row["dur_us"], row["comm_us"], row["compute_us"]) == (30, 2, 2)
+
+
+def _fwd_bwd_ranges(trace_dir):
+    """Every op forward and backward on 2 gloo ranks under the profiler -> the range names seen."""
+    from overlapkernels.ops.ring_attention import ring_attention
+
+    def work(_):
+        torch.manual_seed(0)
+        for method in ("baseline", "decomposed"):
+            a = torch.randn(4, 6, requires_grad=True)
+            b = torch.randn(6, 8, requires_grad=True)
+            ok.all_gather_matmul(a, b, method=method).sum().backward()
+            c = torch.randn(8, 4, requires_grad=True)
+            ok.matmul_reduce_scatter(c, b.detach()[:4].clone().requires_grad_(), method=method).sum().backward()
+        q, k, v = (torch.randn(1, 4, 2, 4, requires_grad=True) for _ in range(3))
+        ring_attention(q, k, v).sum().backward()
+        return True
+
+    profiled(work, {}, trace_dir)
+    return True
+
+
+def test_forward_and_backward_have_op_windows_and_chunk_names(rank_pool, tmp_path):
+    assert rank_pool(2).run(_fwd_bwd_ranges, str(tmp_path)) == [True, True]
+    names = {e["name"] for e in load_events(str(tmp_path / "trace_rank0.json")) if e["name"].startswith("ok/")}
+    for method in ("baseline", "decomposed"):
+        for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+            assert {f"ok/{op}[{method}]", f"ok/{op}[{method}]/backward"} <= names
+    # decomposed ranges are named by chunk (the issue's ok/ag_matmul/chunk3/comm), never by step. Rank 0
+    # of 2 gathers chunk 1 only (chunk 0 is its own); it reduces both chunks' running sums
+    for op in ("ag_matmul", "ag_wgrad"):
+        assert {f"ok/{op}/chunk1/comm", f"ok/{op}/chunk0/compute", f"ok/{op}/chunk1/compute"} <= names, op
+        assert f"ok/{op}/chunk0/comm" not in names
+    assert {f"ok/matmul_rs/chunk{c}/{kind}" for c in (0, 1) for kind in ("comm", "compute")} <= names
+    assert not [n for n in names if "/step" in n and ("ag_" in n or "matmul_rs" in n)]
+    assert {"ok/ring_attention", "ok/ring_attention/backward", "ok/ring_attention/backward/step0/compute",
+            "ok/ring_attention/backward/step1/comm"} <= names
+    rows = {r["op"]: r for r in summarize(overlap_report(str(tmp_path / "trace_rank0.json")))}
+    for name in ("ok/all_gather_matmul[decomposed]/backward", "ok/matmul_reduce_scatter[decomposed]/backward",
+                 "ok/ring_attention/backward"):
+        assert rows[name]["calls"] == 1 and rows[name]["comm_us"] > 0 and rows[name]["compute_us"] > 0
 
 
 def test_an_event_is_comm_or_compute_never_both():

@@ -70,9 +70,12 @@ def ring_all_gather(a_shard: torch.Tensor, group, on_chunk, *, alternate_streams
     for s in range(world):
         chunk = (r + s) % world
         with streams.step(s):
-            with span(f"ok/{name}/step{s}/comm"):
-                wait_all(pending)  # chunk has arrived (on CUDA: this stream waits, the host does not)
-                if s + 1 < world:
+            # comm ranges are named by the chunk whose transfer they wait for / start (step 0's is local)
+            if pending is not None:
+                with span(f"ok/{name}/chunk{chunk}/comm"):
+                    wait_all(pending)  # chunk has arrived (on CUDA: this stream waits, the host does not)
+            if s + 1 < world:
+                with span(f"ok/{name}/chunk{(chunk + 1) % world}/comm"):
                     pending = ring.exchange(a_full[chunk], r - 1, a_full[(chunk + 1) % world], r + 1)
             with span(f"ok/{name}/chunk{chunk}/compute"):
                 on_chunk(chunk, a_full[chunk])
@@ -135,7 +138,7 @@ def matmul_rs_decomposed(a: torch.Tensor, b: torch.Tensor, group) -> torch.Tenso
     for s in range(world):
         with span(f"ok/matmul_rs/chunk{(r - 1 - s) % world}/compute"):
             partial = chunks[(r - 1 - s) % world] @ b  # overlaps the previous step's transfer
-        with span(f"ok/matmul_rs/step{s}/comm"):
+        with span(f"ok/matmul_rs/chunk{(r - 1 - s) % world}/comm"):  # chunk's running sum: in, add, out
             if s == 0:
                 acc = partial.to(acc_dtype)
             else:

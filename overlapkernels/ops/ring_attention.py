@@ -130,35 +130,43 @@ def ring_backward(q, k, v, out, lse, dout, dlse, group, causal, scale, layout, b
     grad_inflight = None  # (pending works, the tensors they send)
     for step in range(world):
         kv_pending = None
+        comm = f"ok/ring_attention/backward/step{step}/comm"
         if step + 1 < world:
             nxt = kv_bufs[step % 2]
-            kv_pending = ring.exchange([k_cur, v_cur], r + 1, list(nxt), r - 1, tag=KV_TAG)
+            with span(comm):
+                kv_pending = ring.exchange([k_cur, v_cur], r + 1, list(nxt), r - 1, tag=KV_TAG)
         kb, vb = _kv_for_step(k_cur, v_cur, k, v, step)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-        for (qo, qs, ql), (ko, ks, kl), masked in _block_pairs(layout, world, r, (r - step) % world, length, causal):
-            dq_b, dk_b, dv_b = kern.block_backward(q[:, :, qo:qo + ql], kb[:, :, ko:ko + kl], vb[:, :, ko:ko + kl],
-                                                   dout[:, :, qo:qo + ql], lse[:, :, qo:qo + ql],
-                                                   delta[:, :, qo:qo + ql], scale, q_start=qs, k_start=ks,
-                                                   causal=masked)
-            dq[:, :, qo:qo + ql] += dq_b
-            dk[:, :, ko:ko + kl] += dk_b
-            dv[:, :, ko:ko + kl] += dv_b
+        with span(f"ok/ring_attention/backward/step{step}/compute"):
+            for (qo, qs, ql), (ko, ks, kl), masked in _block_pairs(layout, world, r, (r - step) % world, length,
+                                                                   causal):
+                dq_b, dk_b, dv_b = kern.block_backward(q[:, :, qo:qo + ql], kb[:, :, ko:ko + kl],
+                                                       vb[:, :, ko:ko + kl], dout[:, :, qo:qo + ql],
+                                                       lse[:, :, qo:qo + ql], delta[:, :, qo:qo + ql], scale,
+                                                       q_start=qs, k_start=ks, causal=masked)
+                dq[:, :, qo:qo + ql] += dq_b
+                dk[:, :, ko:ko + kl] += dk_b
+                dv[:, :, ko:ko + kl] += dv_b
         if world == 1:
             return dq, dk, dv
         if grad_inflight:  # the block's partial sums from the ranks before us
-            wait_all(grad_inflight[0])
+            with span(comm):
+                wait_all(grad_inflight[0])
             dk += grad_bufs[step % 2][0]
             dv += grad_bufs[step % 2][1]
         # pass them on; after the last step this hop delivers each block's sum to its owner. dk/dv
         # are rebound next step: the tuple keeps the sent tensors alive until the send is waited,
         # rather than trusting the backend to hold them
-        grad_inflight = (ring.exchange([dk, dv], r + 1, list(grad_bufs[(step + 1) % 2]), r - 1, tag=GRAD_TAG),
-                         (dk, dv))
+        with span(comm):
+            grad_inflight = (ring.exchange([dk, dv], r + 1, list(grad_bufs[(step + 1) % 2]), r - 1, tag=GRAD_TAG),
+                             (dk, dv))
         if kv_pending:
-            wait_all(kv_pending)
+            with span(comm):
+                wait_all(kv_pending)
             k_cur, v_cur = nxt
-    wait_all(grad_inflight[0])
+    with span(f"ok/ring_attention/backward/step{world - 1}/comm"):
+        wait_all(grad_inflight[0])
     dk_own, dv_own = grad_bufs[world % 2]
     return dq, dk_own, dv_own
 
@@ -189,7 +197,8 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = ring_backward(q, k, v, out, lse, dout.contiguous(), dlse, *ctx.args)
+        with span("ok/ring_attention/backward"):  # an op window for `profile report`, like the forward's
+            dq, dk, dv = ring_backward(q, k, v, out, lse, dout.contiguous(), dlse, *ctx.args)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 

@@ -1,18 +1,20 @@
 """How much communication was hidden behind computation, read off a chrome trace.
 
-For every op range (``ok/<op>[<method>]``, as ``profiling.ranges.span`` names them) it takes the
-comm events (NCCL kernels, gloo work, our ``/comm`` ranges) and the compute events (GEMM and
-attention kernels or aten ops, our ``/compute`` ranges) that fall inside the op's window, on any
-thread or stream, and reports the time each was busy (union of intervals), their intersection,
-and the fraction of comm time hidden = intersection / comm busy. Works on torch.profiler traces
-from CPU (gloo) and GPU (NCCL, CUDA kernels) runs alike.
+For every op range (``ok/<op>[<method>]`` and its ``.../backward``, as ``profiling.ranges.span``
+names them in the fused ops, ring attention, fsdp and the pipeline runner) it takes the comm events
+(NCCL kernels, gloo work, our ``/comm`` ranges) and the compute events (GEMM and attention kernels
+or aten ops, our ``/compute`` ranges) that fall inside the op's window, on any thread or stream,
+and reports the time each was busy (union of intervals), their intersection, and the fraction of
+comm time hidden = intersection / comm busy. Works on torch.profiler traces from CPU (gloo) and
+GPU (NCCL, CUDA kernels) runs alike.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 
-OP_RANGE = re.compile(r"^ok/([a-z_]+)(\[[a-z]+\])?$")
+OP_RANGE = re.compile(r"^ok/([a-z_]+)(\[[^\]/]+\])?(/backward)?$")
 # our own signalling / copy kernels are communication too, though their names end in _kernel
 COMM = re.compile(r"(^gloo:|nccl|/comm$|^c10d::|Memcpy PtoP|Memcpy DtoD|_wait_kernel|_signal_kernel|_pull_kernel|"
                   r"_publish_kernel|_flag_kernel|reduce_sum_kernel)", re.IGNORECASE)
@@ -47,28 +49,85 @@ def _intersection(a, b) -> float:
     return total
 
 
-def _events(trace) -> list:
+# torch.profiler's GPU timeline; every other category (cpu_op, user_annotation, ...) is the host's
+GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"})
+
+
+def load_events(trace) -> list[dict]:
+    """The complete ("X") events of a chrome trace: a path, a parsed object with ``traceEvents``,
+    or a list of events. Anything else is a ValueError naming the trace and what was expected."""
+    where = "the trace"
     if isinstance(trace, (str, bytes)) or hasattr(trace, "__fspath__"):
-        with open(trace) as f:
-            trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+        where = f"trace {os.fsdecode(trace)!r}"
+        try:
+            with open(trace, encoding="utf-8") as f:
+                trace = json.load(f)
+        except OSError as exc:
+            raise ValueError(f"{where}: cannot read it ({exc.strerror or exc}); expected a chrome trace JSON "
+                             "file") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{where}: not JSON ({exc}); expected a chrome trace (torch.profiler "
+                             "export_chrome_trace)") from None
+    if isinstance(trace, dict):
+        if "traceEvents" not in trace:
+            raise ValueError(f"{where}: a JSON object without 'traceEvents' (keys: {sorted(trace)[:5]}); expected "
+                             "a chrome trace (torch.profiler export_chrome_trace)")
+        trace = trace["traceEvents"]
+    if not isinstance(trace, list):
+        raise ValueError(f"{where}: {type(trace).__name__} where a list of trace events was expected")
+    events = []
+    for i, e in enumerate(trace):
+        if not isinstance(e, dict):
+            raise ValueError(f"{where}: event {i} is {type(e).__name__} {e!r:.40}; expected an object")
+        if e.get("ph") != "X":
+            continue
+        if not isinstance(e.get("name"), str) or any(
+                isinstance(e.get(k), bool) or not isinstance(e.get(k), (int, float)) for k in ("ts", "dur")):
+            raise ValueError(f"{where}: complete event {i} ({e.get('name')!r}) needs a string 'name' and numeric "
+                             f"'ts' and 'dur', got ts={e.get('ts')!r}, dur={e.get('dur')!r}")
+        events.append(e)
+    return events
+
+
+def _timeline(events: list[dict]) -> list[dict]:
+    """On CUDA, torch.profiler exports every range twice: on the host timeline (user_annotation,
+    from enqueue to return) and on the GPU one (gpu_user_annotation, per stream, spanning the
+    kernels launched inside it). Using both would count each op twice and mix host-side waits with
+    kernels, so the GPU timeline, where the overlap actually happens, is used alone when present."""
+    if any(e.get("cat") == "gpu_user_annotation" for e in events):
+        return [e for e in events if e.get("cat") in GPU_CATS]
+    return [e for e in events if e.get("cat") not in GPU_CATS]
+
+
+def _op_windows(events: list[dict]) -> list[tuple[str, float, float]]:
+    """(name, start, end) per op call. A GPU range shows once per stream it launched work on, so
+    same-named ranges that overlap are one call (back-to-back ones, which only touch, are two)."""
+    windows: list[list] = []
+    last: dict[str, list] = {}
+    for e in sorted((e for e in events if OP_RANGE.match(e["name"])), key=lambda e: e["ts"]):
+        lo, hi = e["ts"], e["ts"] + e["dur"]
+        prev = last.get(e["name"])
+        if prev is not None and lo < prev[2]:
+            prev[2] = max(prev[2], hi)
+        else:
+            last[e["name"]] = [e["name"], lo, hi]
+            windows.append(last[e["name"]])
+    return [tuple(w) for w in windows]
 
 
 def overlap_report(trace) -> list[dict]:
-    """One row per op range: name, start (us), duration, comm / compute busy, both, hidden fraction."""
-    events = _events(trace)
+    """One row per op call: name, start (us), duration, comm / compute busy, both, hidden fraction."""
+    events = _timeline(load_events(trace))
     # every event is one or the other, never both (else it would overlap with itself)
     comm = [(e["ts"], e["ts"] + e["dur"]) for e in events if COMM.search(e["name"])]
     compute = [(e["ts"], e["ts"] + e["dur"]) for e in events
                if COMPUTE.search(e["name"]) and not COMM.search(e["name"])]
     rows = []
-    for op in sorted((e for e in events if OP_RANGE.match(e["name"])), key=lambda e: e["ts"]):
-        lo, hi = op["ts"], op["ts"] + op["dur"]
+    for name, lo, hi in _op_windows(events):
         clip = lambda ivs: _union([(max(s, lo), min(e, hi)) for s, e in ivs if e > lo and s < hi])  # noqa: E731
         c, k = clip(comm), clip(compute)
         busy_comm, busy_compute, both = _length(c), _length(k), _intersection(c, k)
-        rows.append({"op": op["name"], "start_us": lo, "dur_us": op["dur"], "comm_us": busy_comm,
+        rows.append({"op": name, "start_us": lo, "dur_us": hi - lo, "comm_us": busy_comm,
                      "compute_us": busy_compute, "both_us": both,
                      "hidden": both / busy_comm if busy_comm > 0 else float("nan")})
     return rows

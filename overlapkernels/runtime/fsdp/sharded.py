@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from ...profiling.ranges import span
 from .flat_unit import FlatUnit
 
 
@@ -103,7 +104,8 @@ class ShardedModule(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        with span(f"ok/fsdp[zero{self.stage}]"):  # op window: prefetched gathers vs the units' compute
+            return self.module(*args, **kwargs)
 
     def _gather_root(self, module, args):
         # a hook on the wrapped model, so methods that reach its forward (GPT.loss) work too

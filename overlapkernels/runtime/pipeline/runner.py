@@ -69,7 +69,8 @@ class PipelineRunner:
     def _send(self, tensor, to_stage, kind, stage, mb):
         what = ("activation shape", "activation", "gradient")[kind]
         try:
-            work = dist.isend(tensor.contiguous(), self._peer(to_stage), self.group, self._tag(kind, stage, mb))
+            with span(f"ok/pipeline/{stage}.{mb}/send/comm"):
+                work = dist.isend(tensor.contiguous(), self._peer(to_stage), self.group, self._tag(kind, stage, mb))
         except RuntimeError as exc:  # gloo: the peer's connection is gone
             raise PipelineTimeout(f"stage {stage} microbatch {mb}: cannot send {what} to rank "
                                   f"{self.schedule.rank_of(to_stage)} (stage {to_stage}) "
@@ -78,8 +79,9 @@ class PipelineRunner:
 
     def _recv(self, shape, dtype, from_stage, kind, stage, mb, what):
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        work = dist.irecv(buf, self._peer(from_stage), self.group, self._tag(kind, stage, mb))
-        self._wait(work, what, stage, mb, from_stage)
+        with span(f"ok/pipeline/{stage}.{mb}/recv/comm"):
+            work = dist.irecv(buf, self._peer(from_stage), self.group, self._tag(kind, stage, mb))
+            self._wait(work, what, stage, mb, from_stage)
         return buf
 
     def _send_activation(self, out, stage, mb):
@@ -120,11 +122,13 @@ class PipelineRunner:
         self._shapes = {}  # one shape message per boundary per step: a new batch shape is always seen
         self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0}  # time in module compute, per op kind
         step_start = time.perf_counter()
-        for a in self.schedule.actions[self.rank]:
-            with span(f"ok/pipeline/{a}"):
-                self._run_action(a, inputs_mb, targets_mb, state, stores, losses)
-        for work, what, stage, mb, to_stage in self._pending:  # sends: done once their peers received
-            self._wait(work, f"receipt of the {what}", stage, mb, to_stage)
+        with span(f"ok/pipeline[{self.schedule.kind}]"):  # op window: P2P vs the stages' compute
+            for a in self.schedule.actions[self.rank]:
+                with span(f"ok/pipeline/{a}"):
+                    self._run_action(a, inputs_mb, targets_mb, state, stores, losses)
+            for work, what, stage, mb, to_stage in self._pending:  # sends: done once their peers received
+                with span(f"ok/pipeline/{stage}.{mb}/send/comm"):
+                    self._wait(work, f"receipt of the {what}", stage, mb, to_stage)
         self.step_s = time.perf_counter() - step_start
         return torch.stack(losses).sum() if has_last else None
 
