@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 import overlapkernels as ok
+from overlapkernels.layers import ParallelSelfAttention
 from overlapkernels.models import GPT, GPTConfig, gather_dense_state_dict, shard_dense_state_dict
 
 CONFIG = dict(vocab_size=32, hidden=16, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden=32, max_seq_len=16)
@@ -34,6 +35,13 @@ def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2, compiled=
     torch.testing.assert_close(loss, dense_loss, atol=1e-12, rtol=1e-12)
     for name, grad in gather_dense_state_dict(model, grads=True).items():
         torch.testing.assert_close(grad, dense_grads[name], atol=1e-11, rtol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+    # and back: the gathered state dict loads strictly into a dense GPT (_extra_state included)
+    again = GPT(config, ok.init_parallel(), dtype=torch.float64)
+    with torch.no_grad():
+        for p in again.parameters():
+            p.zero_()
+    again.load_state_dict(gather_dense_state_dict(model), strict=True)
+    assert torch.equal(again.loss(tokens, targets), dense_loss.detach())
     return float(loss)
 
 
@@ -60,6 +68,17 @@ def _bad_seq_on_rank():
         assert "sequence length 6 cannot be split: it must be divisible by 4 (CP size 2, layout 'zigzag')" in str(exc)
     else:
         raise AssertionError("no ValueError")
+    # the attention layer on its own, with an odd local length under zigzag CP: refused before any
+    # communication (it used to fail inside RoPE)
+    dims = ok.init_parallel(cp=2)
+    attn = ParallelSelfAttention(16, 4, 2, dims.tp_group, cp_group=dims.cp_group, method="baseline",
+                                 dtype=torch.float64)
+    try:
+        attn(torch.ones(3, 1, 16, dtype=torch.float64))
+    except ValueError as exc:
+        assert "local sequence length 3 (x.shape[0]=3) is odd: cp_layout='zigzag' over a CP group of 2" in str(exc)
+    else:
+        raise AssertionError("no ValueError from ParallelSelfAttention")
     one = torch.ones(1)
     dist.all_reduce(one)
     return True

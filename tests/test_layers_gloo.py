@@ -193,6 +193,35 @@ def test_bad_layer_arguments(rank_pool):
     assert rank_pool(2).run(_bad_layers_on_rank) == [2, 2]
 
 
+def _sp_tags_on_rank():
+    """Layers tag their sequence-parallel parameters with the TP group, and the helper sums over
+    that group by default (over the world, in TP=2 x DP=2, it would also sum over DP)."""
+    from overlapkernels.layers import LayerNorm, RMSNorm
+
+    dims = ok.init_parallel(tp=2)
+    tp = dims.tp_group
+    row = RowParallelLinear(4, 4, tp, sequence_parallel=True, dtype=F64)
+    norms = [RMSNorm(4, sequence_parallel=True, group=tp, dtype=F64),
+             LayerNorm(4, sequence_parallel=True, group=tp, dtype=F64)]
+    tagged = [row.bias] + [p for n in norms for p in n.parameters()]
+    assert all(p.sequence_parallel and p.sequence_parallel_group is tp for p in tagged)
+    assert not hasattr(row.weight, "sequence_parallel_group")
+    assert not hasattr(RMSNorm(4, sequence_parallel=True).weight, "sequence_parallel_group")  # no group given
+    assert not hasattr(RMSNorm(4, group=tp).weight, "sequence_parallel_group")  # not sequence parallel
+    module = torch.nn.ModuleList([row, *norms])
+    for p in module.parameters():
+        p.grad = torch.full_like(p, float(dist.get_rank() + 1))
+    assert allreduce_sequence_parallel_grads(module) == len(tagged)
+    tp_sum = sum(r + 1 for r in dist.get_process_group_ranks(tp))
+    assert all(torch.equal(p.grad, torch.full_like(p, float(tp_sum))) for p in tagged)
+    assert torch.equal(row.weight.grad, torch.full_like(row.weight, float(dist.get_rank() + 1)))  # untouched
+    return True
+
+
+def test_sequence_parallel_tags_and_helper_group(rank_pool):
+    assert rank_pool(4).run(_sp_tags_on_rank) == [True] * 4
+
+
 def _planted_on_rank():
     """Shard the dense weights along the wrong dim: the dense-twin comparison must catch it."""
     tp, one, world, rank = _groups()

@@ -53,6 +53,22 @@ class ParallelSelfAttention(_MegatronExtraState, nn.Module):
         self.out = RowParallelLinear(hidden, hidden, self.group, bias=False, sequence_parallel=sequence_parallel,
                                      method=method, dtype=dtype, device=device, init_method=init_method)
 
+    def _check_length(self, x) -> None:
+        """Zigzag CP holds two equal segments per rank: an odd local length would only fail inside
+        RoPE or the ring, after communicating. Checked here, before the QKV gather."""
+        if x.dim() != 3:
+            raise ValueError(f"x must be [S, B, hidden], got shape {tuple(x.shape)}")
+        if self.cp_group is None or self.cp_layout != "zigzag":
+            return
+        tp = dist.get_world_size(self.group) if self.sequence_parallel else 1
+        local = x.shape[0] * tp
+        if local % 2:
+            raise ValueError(f"local sequence length {local} (x.shape[0]={x.shape[0]}"
+                             + (f" x TP size {tp} under sequence parallelism" if tp > 1 else "")
+                             + f") is odd: cp_layout='zigzag' over a CP group of "
+                             f"{dist.get_world_size(self.cp_group)} needs an even length per rank (two equal "
+                             "segments; the global sequence divisible by 2 x CP size)")
+
     def positions(self, local_len: int, device) -> torch.Tensor:
         """Global positions of this rank's tokens (two segments each under zigzag CP)."""
         if self.cp_group is None:
@@ -62,6 +78,7 @@ class ParallelSelfAttention(_MegatronExtraState, nn.Module):
                           for _, start, n in segments(self.cp_layout, world, rank, local_len)])
 
     def forward(self, x):
+        self._check_length(x)
         q, k, v = column_parallel(x, [self.q_weight, self.k_weight, self.v_weight], [None] * 3, self.group,
                                   sequence_parallel=self.sequence_parallel, method=self.method)
         s, b = q.shape[:2]

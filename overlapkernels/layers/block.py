@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..parallel import resolve_group
 from .attention import ParallelSelfAttention
 from .mlp import ParallelMLP
 from .norm import RMSNorm
@@ -13,11 +14,12 @@ class TransformerBlock(nn.Module):
                  cp_layout="zigzag", sequence_parallel=False, method="auto", dtype=None, device=None,
                  init_method=None):
         super().__init__()
-        self.attn_norm = RMSNorm(hidden, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        group = resolve_group(group)
+        self.attn_norm = RMSNorm(hidden, sequence_parallel=sequence_parallel, group=group, dtype=dtype, device=device)
         self.attn = ParallelSelfAttention(hidden, num_heads, num_kv_heads, group, cp_group=cp_group,
                                           cp_layout=cp_layout, sequence_parallel=sequence_parallel, method=method,
                                           dtype=dtype, device=device, init_method=init_method)
-        self.mlp_norm = RMSNorm(hidden, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        self.mlp_norm = RMSNorm(hidden, sequence_parallel=sequence_parallel, group=group, dtype=dtype, device=device)
         self.mlp = ParallelMLP(hidden, ffn_hidden, group, sequence_parallel=sequence_parallel, method=method,
                                dtype=dtype, device=device, init_method=init_method)
 

@@ -17,6 +17,7 @@ from ..ops.dispatch import check_method
 from ..ops.matmul_reduce_scatter import matmul_reduce_scatter
 from ..ops.tp_regions import copy_to_tp_region, gather_last_dim, reduce_from_tp_region, split_last_dim
 from ..parallel import resolve_group
+from .norm import mark_sequence_parallel
 
 
 def default_init(weight: torch.Tensor) -> None:
@@ -120,7 +121,7 @@ class RowParallelLinear(_MegatronExtraState, nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=self.weight.dtype, device=self.weight.device))
             # under SP each rank adds the bias to its own rows: its gradient is partial per rank
-            self.bias.sequence_parallel = sequence_parallel
+            mark_sequence_parallel(self.bias, sequence_parallel, self.group)
         else:
             self.register_parameter("bias", None)
 

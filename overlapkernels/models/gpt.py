@@ -69,12 +69,9 @@ class GPT(nn.Module):
                 blocks[str(i)] = block
         self.blocks = nn.ModuleDict(blocks)
         if self.last:
-            self.norm = RMSNorm(config.hidden, sequence_parallel=sp, **kw)
+            self.norm = RMSNorm(config.hidden, sequence_parallel=sp, group=tp, **kw)
             self.lm_head = ColumnParallelLinear(config.hidden, config.vocab_size, tp, bias=False,
                                                 sequence_parallel=sp, method=config.method, **kw)
-        for p in self.parameters():  # lets fsdp.shard sum these partial gradients over TP first
-            if getattr(p, "sequence_parallel", False):
-                p.sequence_parallel_group = tp
 
     def local_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's part of a [B, S] batch along the sequence (all of it without CP)."""
@@ -151,17 +148,23 @@ def shard_dense_state_dict(model: nn.Module, dense: dict, group=None) -> dict:
 
 
 def gather_dense_state_dict(model: nn.Module, group=None, *, grads: bool = False) -> dict:
-    """The dense (TP=1) state dict - or, with ``grads``, the dense gradients - on every rank."""
-    out = {}
+    """The dense (TP=1) state dict - or, with ``grads``, the dense gradients - on every rank. The
+    state dict has every key of ``model.state_dict()`` (buffers and ``_extra_state`` as they are),
+    so a dense model loads it strictly."""
     group = group if group is not None else _tp_group_of(model)
-    for name, param in model.named_parameters():
+    params = dict(model.named_parameters())
+    dense = {}
+    for name, param in params.items():
         t = (param.grad if grads else param).detach()
         if getattr(param, "tensor_model_parallel", False) and dist.get_world_size(group) > 1:
             parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
             dist.all_gather(parts, t.contiguous(), group=group)
             t = torch.cat(parts, dim=param.partition_dim)
-        out[name] = t.clone()
-    return out
+        dense[name] = t.clone()
+    if grads:
+        return dense
+    return {name: dense[name] if name in params else (value.detach().clone() if torch.is_tensor(value) else value)
+            for name, value in model.state_dict().items()}
 
 
 def _tp_group_of(model):
