@@ -257,7 +257,8 @@ def _tp_dp_on_rank():
     for tokens, targets in batches:
         sharded.module.loss(tokens[mine], targets[mine]).backward()
         sharded.step()
-    want = shard_dense_state_dict(model, dense.state_dict())
+    # stage 3 has freed the model's parameters (its state_dict() refuses): shard onto an unsharded twin
+    want = shard_dense_state_dict(GPT(config, dims, dtype=torch.float64), dense.state_dict())
     for name, t in sharded.full_state_dict().items():
         if torch.is_tensor(t):
             torch.testing.assert_close(t, want[name], atol=1e-10, rtol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
@@ -435,3 +436,226 @@ def test_per_rank_optimizer_state_stays_per_rank(rank_pool, tmp_path):
     refused = rank_pool(4).run(_per_rank_state_on_rank, path, True)
     assert all("optimizer state ['0/absmax'] differs between ranks" in r and "only on 2 ranks, not 4" in r
                for r in refused), refused
+
+
+# -- sequence parallelism: any model built from the layers, not only the GPT -----------------------
+H = 8
+
+
+class SPNet(nn.Module):
+    """Every kind of sequence-parallel parameter: RMSNorm and LayerNorm weights, the row bias."""
+
+    def __init__(self, group, sp):
+        from overlapkernels.layers import ColumnParallelLinear, LayerNorm, RMSNorm, RowParallelLinear
+
+        super().__init__()
+        self.norm = RMSNorm(H, sequence_parallel=sp, group=group, dtype=torch.float64)
+        self.fc1 = ColumnParallelLinear(H, 2 * H, group, sequence_parallel=sp, method="baseline", dtype=torch.float64)
+        self.fc2 = RowParallelLinear(2 * H, H, group, sequence_parallel=sp, method="baseline", dtype=torch.float64)
+        self.ln = LayerNorm(H, sequence_parallel=sp, group=group, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.ln(x + self.fc2(torch.tanh(self.fc1(self.norm(x)))))
+
+
+def _sp_layers_on_rank(stage):
+    """TP=2 (+SP) x DP=2, 2 SGD steps, vs the same layers on one rank over the whole batch."""
+    from overlapkernels.layers import allreduce_sequence_parallel_grads
+    from overlapkernels.models import shard_dense_state_dict
+
+    sgd = OPTIMIZERS["sgd"]
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randn(4, 4, H, generator=g, dtype=torch.float64) for _ in range(2)]  # [S, B, H]
+    torch.manual_seed(0)
+    dense = SPNet(ok.init_parallel().tp_group, False)
+    with torch.no_grad():  # norms start at 1 and biases at 0: make every term visible
+        for p in dense.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.1)
+    start = {k: v.clone() if torch.is_tensor(v) else v for k, v in dense.state_dict().items()}
+    dense_opt = sgd(dense.parameters())
+    for x in batches:
+        dense_opt.zero_grad()
+        dense(x).pow(2).mean().backward()
+        dense_opt.step()
+
+    dims = ok.init_parallel(tp=2)
+    twin = SPNet(dims.tp_group, True)  # unsharded: stage 3 frees the sharded model's parameters
+    model = SPNet(dims.tp_group, True)
+    model.load_state_dict(shard_dense_state_dict(model, start, dims.tp_group))
+    sharded = fsdp.shard(model, dims.dp_group, stage=stage, optimizer=sgd)
+    for x in batches:
+        rows, cols = x.chunk(2, 0)[dims.tp_rank], slice(dims.dp_rank * 2, dims.dp_rank * 2 + 2)
+        # mean over all elements: this rank's sum over the whole count, times DP (fsdp averages over DP)
+        (sharded(rows[:, cols]).pow(2).sum() * 2 / x.numel()).backward()
+        if stage == 1:  # what a plain-TP client does: fsdp already sums tagged parameters, so a no-op
+            assert allreduce_sequence_parallel_grads(model) == 0
+        sharded.step()
+    want = shard_dense_state_dict(twin, dense.state_dict(), dims.tp_group)
+    for name, t in sharded.full_state_dict().items():
+        if torch.is_tensor(t):
+            torch.testing.assert_close(t, want[name], atol=1e-12, rtol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_sequence_parallel_layers_tp2_by_dp2(rank_pool, stage):
+    assert rank_pool(4).run(_sp_layers_on_rank, stage) == [True] * 4
+
+
+def _untagged_sp_on_rank():
+    from overlapkernels.layers import RMSNorm
+
+    model = nn.Sequential(nn.Linear(4, 4), RMSNorm(4, sequence_parallel=True))  # no group: fsdp cannot sum it
+    fsdp.shard(model, stage=1)  # stage 1 keeps full gradients: the client may still sum them itself
+    try:
+        fsdp.shard(model, stage=2)
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_sequence_parallel_parameter_without_group_is_refused(rank_pool):
+    for message in rank_pool(2).run(_untagged_sp_on_rank):
+        assert "parameter '1.weight' has sequence_parallel=True but no sequence_parallel_group: with stage=2" \
+            in message, message
+
+
+def _tp_dp_checkpoint_on_rank(path, save):
+    """One checkpoint for the job: every rank passes the same path under TP=2 x DP."""
+    dims = ok.init_parallel(tp=2)
+    sgd = OPTIMIZERS["sgd"]
+    g = torch.Generator().manual_seed(6)
+    batches = [torch.randn(4, 4, H, generator=g, dtype=torch.float64) for _ in range(4)]
+
+    def make():
+        torch.manual_seed(0)
+        return fsdp.shard(SPNet(dims.tp_group, True), dims.dp_group, stage=3, optimizer=sgd)
+
+    def train(sharded, steps):
+        per = 4 // dims.dp_size
+        for x in steps:
+            rows = x.chunk(2, 0)[dims.tp_rank][:, dims.dp_rank * per:(dims.dp_rank + 1) * per]
+            (sharded(rows).pow(2).sum() * dims.dp_size / x.numel()).backward()
+            sharded.step()
+
+    if save:  # on 4 ranks: save after 2 steps, and check that a load gives back exactly that state
+        first = make()
+        train(first, batches[:2])
+        fsdp.save(first, path)
+        saved = first.full_state_dict()
+        train(first, batches[2:])
+        fsdp.load(first, path)
+        assert all(torch.equal(saved[k], v) for k, v in first.full_state_dict().items() if torch.is_tensor(v))
+    straight = make()
+    train(straight, batches)
+    resumed = make()
+    fsdp.load(resumed, path)  # on 2 ranks (DP=1): the same parts, resharded over DP
+    train(resumed, batches[2:])
+    a, b = straight.full_state_dict(), resumed.full_state_dict()
+    for k in a:
+        if torch.is_tensor(a[k]):
+            torch.testing.assert_close(b[k], a[k], atol=1e-12, rtol=1e-12, msg=lambda m, n=k: f"{n}: {m}")
+    return True
+
+
+def _tp1_load_on_rank(path):
+    try:
+        fsdp.load(fsdp.shard(SPNet(ok.init_parallel().tp_group, False), stage=2), path)
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_checkpoint_under_tp2_by_dp2(rank_pool, tmp_path):
+    path = str(tmp_path / "ckpt")
+    assert rank_pool(4).run(_tp_dp_checkpoint_on_rank, path, True) == [True] * 4
+    assert rank_pool(2).run(_tp_dp_checkpoint_on_rank, path, False) == [True] * 2
+    for message in rank_pool(2).run(_tp1_load_on_rank, path):  # TP=1: another model split, refused
+        assert "holds 2 model parts (one per tp/pp/cp coordinate); this job has 1" in message, message
+
+
+# -- mixed precision: bf16 compute, fp32 master --------------------------------------------------
+def _bf16_model_on_rank():
+    """A bf16 model: fp32 master shards and optimizer state; fp32 inputs cast to param_dtype. On one
+    rank (no reduction) it equals, bit for bit, bf16 compute over an fp32 master kept by hand."""
+    sgd = lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9)  # noqa: E731  (steps below a bf16 ulp)
+    torch.manual_seed(0)
+    sharded = fsdp.shard(Net().bfloat16(), stage=3, param_dtype=torch.bfloat16, optimizer=sgd)
+    torch.manual_seed(0)
+    ref = Net().bfloat16()
+    master = [p.detach().float() for p in ref.parameters()]
+    ref_opt = sgd([nn.Parameter(m) for m in master])
+    for x, y in _batches(3, 4, 1, torch.float32):
+        out = sharded(x)  # fp32 input: cast to bf16 on the way in
+        assert out.dtype == torch.bfloat16
+        _loss(out.float(), y).backward()
+        sharded.step()
+        with torch.no_grad():
+            for p, m in zip(ref.parameters(), ref_opt.param_groups[0]["params"]):
+                p.copy_(m)
+        ref.zero_grad()
+        _loss(ref(x.bfloat16()).float(), y).backward()
+        for p, m in zip(ref.parameters(), ref_opt.param_groups[0]["params"]):
+            m.grad = p.grad.float()
+        ref_opt.step()
+    assert {u.master.dtype for u in sharded.all_units} == {torch.float32}
+    assert {t.dtype for s in sharded.optimizer.state.values() for t in s.values() if t.dim()} == {torch.float32}
+    got = torch.cat([u.full_tensors()[0].reshape(-1) for u in sharded.all_units])  # model dtype: bf16
+    assert got.dtype == torch.bfloat16
+    masters = {id(u.master) for u in sharded.all_units}
+    assert masters and all(id(p) in masters for g in sharded.optimizer.param_groups for p in g["params"])
+    want = {n: m.to(torch.bfloat16) for n, m in zip(dict(ref.named_parameters()), ref_opt.param_groups[0]["params"])}
+    for name, t in sharded.full_state_dict().items():
+        assert torch.equal(t, want[name]), name
+    grad_in = torch.ones(2, D_IN, requires_grad=True)
+    sharded(grad_in).float().sum().backward()  # the cast is differentiable: an fp32 input gets an fp32 grad
+    assert grad_in.grad.dtype == torch.float32
+    return True
+
+
+def test_bf16_model_keeps_fp32_master_and_casts_inputs(rank_pool):
+    assert rank_pool(1).run(_bf16_model_on_rank) == [True]
+
+
+# -- stage 3 between steps: parameters are empty, state_dict refuses -----------------------------
+def _stage3_outside_forward_on_rank():
+    from overlapkernels.runtime.pipeline.weight_grad import WeightGradStore, deferring, enable_zero_bubble
+
+    sgd = OPTIMIZERS["sgd"]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D_IN, D_HID), nn.Tanh(), nn.Linear(D_HID, 3)).double()
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(D_IN, D_HID), nn.Tanh(), nn.Linear(D_HID, 3)).double()
+    ref_opt = sgd(ref.parameters())
+    sharded = fsdp.shard(enable_zero_bubble(model), stage=3, optimizer=sgd)
+    refusals = []
+    for what in (model.state_dict, sharded.state_dict, lambda: model.load_state_dict(ref.state_dict())):
+        try:
+            what()
+        except RuntimeError as exc:
+            refusals.append(str(exc))
+    assert model[0].weight.shape == (0,)  # freed: empty, not a view of freed memory
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for x, y in _batches(2, 2, world):
+        store = WeightGradStore()
+        with deferring(store):  # zero-bubble W assigns weight gradients after backward
+            _loss(sharded(x[rank * 2:(rank + 1) * 2]), y[rank * 2:(rank + 1) * 2]).backward()
+        store.run()
+        sharded.step()
+        ref_opt.zero_grad()
+        _loss(ref(x), y).backward()
+        ref_opt.step()
+        assert model[2].weight.shape == (0,)
+    with torch.no_grad():
+        sharded(torch.ones(1, D_IN, dtype=torch.float64))
+    assert model[0].weight.shape == (0,)
+    got = sharded.full_state_dict()
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(got[name], want, atol=1e-12, rtol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    return refusals
+
+
+def test_stage3_parameters_outside_forward(rank_pool):
+    for refusals in rank_pool(2).run(_stage3_outside_forward_on_rank):
+        assert len(refusals) == 3, refusals
+        assert "state_dict() of Linear (fsdp unit '0'): its parameters are sharded (stage 3)" in refusals[0]
+        assert all("sharded.full_state_dict()" in r for r in refusals)
+        assert refusals[2].startswith("load_state_dict() of Linear")

@@ -1,10 +1,16 @@
 """One FSDP unit: its parameters as views of one flat buffer, sharded evenly over the group.
 
 The flat buffer (compute dtype) holds every parameter of the unit back to back, padded to a
-multiple of the group size; rank r owns elements [r*S, (r+1)*S) of it as an fp32 (or model dtype)
-master shard, the optimizer's parameter. Parameters stay the same ``nn.Parameter`` objects with
+multiple of the group size; rank r owns elements [r*S, (r+1)*S) of it as the master shard, the
+optimizer's parameter: fp32 for a 16-bit model (so updates smaller than a bf16 ulp are not lost),
+else the model's dtype (fp64 stays fp64). Parameters stay the same ``nn.Parameter`` objects with
 ``.data`` viewing the flat buffer, so freeing the buffer's storage (``resize_(0)``) and gathering it
-back never touches the module or the autograd graph (the trick FSDP uses).
+back never touches the module or the autograd graph (the trick FSDP uses); autograd's saved views
+of the buffer see the storage again once it is re-gathered. Outside a training step a freed
+unit's parameters are size-0 tensors (as in torch FSDP), so reading one gives an empty tensor, not
+freed memory. Between a forward with autograd and ``step`` they keep their shapes over the empty
+storage (``keep_shapes``): deferred weight-gradient closures (zero-bubble W) assign ``.grad`` after
+backward, which torch only allows on a parameter of the gradient's shape.
 """
 from __future__ import annotations
 
@@ -26,8 +32,9 @@ class FlatUnit:
         if len(devices) > 1 or len(dtypes) > 1:
             raise ValueError(f"unit {name!r}: parameters must share one device and dtype, got devices "
                              f"{sorted(map(str, devices))} and dtypes {sorted(map(str, dtypes))}")
-        self.device, self.master_dtype = devices.pop(), dtypes.pop()
-        self.param_dtype = param_dtype or self.master_dtype
+        self.device, self.model_dtype = devices.pop(), dtypes.pop()
+        self.master_dtype = torch.float32 if self.model_dtype.itemsize < 4 else self.model_dtype
+        self.param_dtype = param_dtype or self.model_dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
@@ -35,12 +42,15 @@ class FlatUnit:
         self.padded = -(-self.numel // self.world) * self.world
         self.shard_numel = self.padded // self.world
         full = torch.zeros(self.padded, dtype=self.master_dtype, device=self.device)
-        torch.cat([p.detach().reshape(-1) for p in params], out=full[:self.numel])
+        full[:self.numel].copy_(torch.cat([p.detach().reshape(-1) for p in params]))
         start = self.rank * self.shard_numel
         self.master = nn.Parameter(full[start:start + self.shard_numel].clone())  # what the optimizer updates
         self.master.grad = torch.zeros_like(self.master)
         self.flat = full.to(self.param_dtype)  # the gathered buffer the parameters view
         self._view_params()
+        for p in params:  # fsdp sums these over TP itself; the layers' helper leaves them alone
+            if getattr(p, "sequence_parallel", False) and getattr(p, "sequence_parallel_group", None) is not None:
+                p._fsdp_sums_sequence_parallel = True
         self.gathered = True
         self.pending_gather = None   # (work, staged shard) of an async gather in flight
         self.pending_reduce = []     # (work, output) of async reduce-scatters in flight
@@ -59,12 +69,16 @@ class FlatUnit:
     def flat_bytes(self) -> int:
         return self.padded * self.flat.element_size()
 
-    def free(self) -> None:
+    def free(self, *, keep_shapes: bool = False) -> None:
         """Drop the gathered parameters (stage 3, between uses)."""
         self.wait_gather()
         if self.gathered:
             self.flat.untyped_storage().resize_(0)
             self.gathered = False
+        if not keep_shapes:
+            empty = self.flat.new_empty(0)
+            for p in self.params:
+                p.data = empty
 
     def gather(self, *, async_op: bool = False) -> None:
         """Materialise the full parameters from every rank's master shard (cast to param_dtype)."""
@@ -73,6 +87,7 @@ class FlatUnit:
                 self.wait_gather()
             return
         self.flat.untyped_storage().resize_(self.flat_bytes)
+        self._view_params()
         staged = self.master.detach().to(self.param_dtype)
         with span(f"ok/fsdp/{self.name}/gather/comm"):
             work = all_gather_single(self.flat, staged, group=self.group, async_op=async_op)
@@ -133,11 +148,11 @@ class FlatUnit:
             self.bytes_gathered += self.flat_bytes
 
     def full_tensors(self) -> list:
-        """The unit's parameters, unsharded, in the master dtype (a collective)."""
+        """The unit's parameters, unsharded, in the model's dtype (a collective)."""
         full = torch.empty(self.padded, dtype=self.master_dtype, device=self.device)
         all_gather_single(full, self.master.detach().contiguous(), group=self.group)
         out, offset = [], 0
         for shape, n in zip(self.shapes, self.numels):
-            out.append(full[offset:offset + n].view(shape).clone())
+            out.append(full[offset:offset + n].view(shape).to(self.model_dtype, copy=True))
             offset += n
         return out

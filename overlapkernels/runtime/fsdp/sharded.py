@@ -5,6 +5,11 @@ its shard, then all-gathers. Stage 2: + each unit's gradients reduce-scattered a
 backward is done (async), full gradients dropped. Stage 3: + parameters sharded: gathered just
 before a unit's forward and again before its backward, freed after each; the next ``prefetch``
 units (forward order; reverse in backward) are gathered asynchronously ahead of time.
+
+Sequence-parallel parameters (norm weights, row-parallel biases under SP) have gradients that are
+partial per TP rank; each unit sums them over the parameter's ``sequence_parallel_group`` tag
+before reducing over DP. Mixed precision as in torch FSDP2: with ``param_dtype`` the floating
+inputs of the wrapped model are cast to it, so callers can keep feeding fp32.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ...profiling.ranges import span
 from .flat_unit import FlatUnit
@@ -46,7 +51,12 @@ def _unit_modules(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
 class ShardedModule(nn.Module):
     def __init__(self, model, group, *, stage, optimizer, prefetch, param_dtype, reduce_dtype, units):
         super().__init__()
+        if stage >= 2:
+            _check_sequence_parallel_tags(model, stage)
         self.module, self.group, self.stage, self.prefetch = model, group, stage, prefetch
+        self.param_dtype = param_dtype
+        self._reading_full_state = False
+        self._step_open = False  # a forward built a graph whose gradients step() has not consumed yet
         self._sync = True
         self._backward_armed = False
         self.peak_gathered_bytes = 0
@@ -64,7 +74,10 @@ class ShardedModule(nn.Module):
         self.all_units = self.units + ([self.root] if self.root else [])
         self.optimizer = optimizer([u.master for u in self.all_units])
         self._param_unit = {id(p): u for u in self.all_units for p in u.params}
-        model.register_forward_pre_hook(self._gather_root)
+        model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
+        for unit in self.all_units:  # stage 3 frees parameters: a state dict of them would be empty
+            unit.module.register_state_dict_pre_hook(self._refuse_freed(unit, "state_dict"))
+            unit.module.register_load_state_dict_pre_hook(self._refuse_freed(unit, "load_state_dict"))
         for unit in self.units:
             unit.module.register_forward_pre_hook(self._pre_forward(unit))
             unit.module.register_forward_hook(self._post_forward(unit))
@@ -107,11 +120,27 @@ class ShardedModule(nn.Module):
         with span(f"ok/fsdp[zero{self.stage}]"):  # op window: prefetched gathers vs the units' compute
             return self.module(*args, **kwargs)
 
-    def _gather_root(self, module, args):
+    def _root_pre_forward(self, module, args, kwargs):
         # a hook on the wrapped model, so methods that reach its forward (GPT.loss) work too
         if self.root is not None and self.stage == 3:
             self.root.gather()
             self._track()
+        if self.param_dtype is not None:
+            def cast(t):
+                if torch.is_tensor(t) and t.is_floating_point() and t.dtype != self.param_dtype:
+                    return t.to(self.param_dtype)
+                return t
+            return tree_map(cast, args), tree_map(cast, kwargs)
+        return None
+
+    def _refuse_freed(self, unit, what: str):
+        def hook(module, *_):
+            if not unit.gathered and not self._reading_full_state:
+                raise RuntimeError(
+                    f"{what}() of {type(module).__name__} (fsdp unit {unit.name!r}): its parameters are sharded "
+                    f"(stage {self.stage}) and freed between forward passes. Use sharded.full_state_dict() (a "
+                    "collective) or fsdp.save / fsdp.load instead")
+        return hook
 
     def _neighbours(self, unit, direction: int) -> list:
         i = self.units.index(unit)
@@ -133,8 +162,9 @@ class ShardedModule(nn.Module):
                 for t in tree_flatten(output)[0]:
                     if torch.is_tensor(t) and t.requires_grad:
                         t.register_hook(self._pre_backward(unit))
+                        self._step_open = True
             if self.stage == 3:
-                unit.free()
+                unit.free(keep_shapes=self._step_open)
             return output
         return hook
 
@@ -163,7 +193,7 @@ class ShardedModule(nn.Module):
             unit.reduce_grads(async_op=True)  # overlaps the backward of the units before it
         unit.grads_ready = 0
         if self.stage == 3 and unit is not self.root:
-            unit.free()
+            unit.free(keep_shapes=True)
 
     def _reduce_leftovers(self, *, async_op: bool) -> None:
         """Reduce-scatter every unit that still holds full gradients on any rank (some of whose
@@ -183,7 +213,7 @@ class ShardedModule(nn.Module):
         for unit in self.all_units:
             unit.grads_ready = 0
             if self.stage == 3:
-                unit.free()
+                unit.free(keep_shapes=True)  # zero-bubble W may still assign gradients
         for unit in self.all_units:
             unit.finish_reduce()
 
@@ -210,8 +240,10 @@ class ShardedModule(nn.Module):
             unit.reduced_this_step = False
             if self.stage < 3:
                 unit.publish()
-        if self.stage == 3 and self.root is not None:
-            self.root.free()
+        self._step_open = False
+        if self.stage == 3:  # now nothing can assign gradients: freed parameters become size-0
+            for unit in self.all_units:
+                unit.free()
 
     def full_state_dict(self) -> dict:
         """Unsharded tensors under the keys of ``model.state_dict()``, on every rank."""
@@ -220,9 +252,27 @@ class ShardedModule(nn.Module):
             for p, full in zip(unit.params, unit.full_tensors()):
                 values[id(p)] = full
         out = {}
-        for name, t in self.module.state_dict(keep_vars=True).items():
+        self._reading_full_state = True  # only for the keys: the values come from the masters
+        try:
+            entries = self.module.state_dict(keep_vars=True)
+        finally:
+            self._reading_full_state = False
+        for name, t in entries.items():
             if id(t) in values:
                 out[name] = values[id(t)]
             else:  # buffers, and non-tensor extra state (Megatron's _extra_state)
                 out[name] = t.detach().clone() if torch.is_tensor(t) else t
         return out
+
+
+def _check_sequence_parallel_tags(model: nn.Module, stage: int) -> None:
+    """Stages 2/3 reduce-scatter (and drop) gradients during backward, so a client never gets to
+    sum sequence-parallel partial gradients over TP itself: fsdp must know their group."""
+    for name, p in model.named_parameters():
+        if p.requires_grad and getattr(p, "sequence_parallel", False) \
+                and getattr(p, "sequence_parallel_group", None) is None:
+            raise ValueError(
+                f"parameter {name!r} has sequence_parallel=True but no sequence_parallel_group: with stage={stage} "
+                "its gradient (partial per tensor-parallel rank) is reduced during backward and must first be "
+                "summed over its TP group, which fsdp cannot guess. Build the layer with its group (e.g. "
+                "RMSNorm(hidden, sequence_parallel=True, group=tp_group)) or set p.sequence_parallel_group")
