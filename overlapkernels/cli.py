@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+import traceback
 
 
 def _info(args) -> int:
@@ -52,8 +53,11 @@ def _run_ranks(rank_main, config: dict, args) -> tuple[list[dict] | None, str]:
 def _report(rows: list[dict], device: str, columns, title: str, args) -> int:
     from .bench.report import append_csv, append_jsonl, environment, format_table
 
+    if not rows:
+        print(f"# {title}: no rows (every requested method was skipped, see above)")
+        return 1
     env = environment(device)
-    rows = [{**row, **env} for row in rows]
+    rows = [{"bench": args.kind, **row, **env} for row in rows]  # which kind made a row of a shared file
     first = rows[0]
     print(f"# {title}: {first['world_size']} ranks, backend {first['backend']}, {env['device']}"
           f"{' ' + env['gpu_name'] if env['gpu_name'] else ''}; torch {env['torch']}; median of {args.iters} "
@@ -89,11 +93,12 @@ def _bench_collectives(args) -> int:
 def _bench_tp_op(args) -> int:
     from .bench import tp_ops
 
-    scale = 1 if _launched() and _cuda_available() else tp_ops.CPU_SCALE
+    scale = 1 if _on_gpus() else tp_ops.CPU_SCALE
+    methods = args.methods or ("baseline,decomposed,symm,fused,auto" if _on_gpus() else "baseline,decomposed")
     config = tp_ops.TpOpsConfig(op=args.kind, shapes=tuple(tp_ops.parse_shapes(args.shapes, args.kind, scale)),
-                                methods=tuple(m.strip() for m in args.methods.split(",")), dtype=args.dtype,
+                                methods=tuple(m.strip() for m in methods.split(",")), dtype=args.dtype,
                                 iters=args.iters, warmup=args.warmup)
-    config.validate(None if _launched() else args.nproc)
+    config.validate(_world(args))
     rows, device = _run_ranks(tp_ops.rank_main, tp_ops.config_dict(config), args)
     title = f"{args.kind} (E = 1 - (T - T_gemm)/(T_baseline - T_gemm))"
     return 0 if rows is None else _report(rows, device, tp_ops.COLUMNS, title, args)
@@ -102,11 +107,12 @@ def _bench_tp_op(args) -> int:
 def _bench_ring(args) -> int:
     from .bench import ring_attention as rb
 
-    cfg = rb.RingConfig(batch=args.batch, seq=args.seq, heads=args.heads, kv_heads=args.kv_heads,
+    seq = _default(args.seq, _round_up(2048, 2 * _world(args)))  # zigzag: 2 halves per rank
+    cfg = rb.RingConfig(batch=args.batch, seq=seq, heads=args.heads, kv_heads=args.kv_heads,
                         head_dim=args.head_dim, dtype=args.dtype, iters=args.iters, warmup=args.warmup,
                         layouts=tuple(args.layouts.split(",")), causal=(True, False) if args.causal == "both" else
                         (args.causal == "true",))
-    cfg.validate(None if _launched() else args.nproc)
+    cfg.validate(_world(args))  # before any rank starts
     rows, device = _run_ranks(rb.rank_main, rb.config_dict(cfg), args)
     title = "ring attention (E = 1 - (T_ring - T_compute)/(T_allgather - T_compute), forward)"
     return 0 if rows is None else _report(rows, device, rb.COLUMNS, title, args)
@@ -115,10 +121,16 @@ def _bench_ring(args) -> int:
 def _bench_layers(args) -> int:
     from .bench import layers as lb
 
-    cfg = lb.LayersConfig(seq=args.seq, batch=args.batch, hidden=args.hidden, heads=args.heads,
-                          kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden, dtype=args.dtype,
-                          methods=tuple(args.methods.split(",")), iters=args.iters, warmup=args.warmup)
-    cfg.validate(None if _launched() else args.nproc)
+    # defaults that every world size divides (kv_heads=4 would not split over 8 ranks); given values are checked
+    world = _world(args)
+    kv_heads = _default(args.kv_heads, _round_up(4, world))
+    heads = _default(args.heads, _round_up(8, kv_heads))
+    methods = args.methods or ("baseline,decomposed,symm,fused,auto" if _on_gpus() else "baseline,decomposed,auto")
+    cfg = lb.LayersConfig(seq=_default(args.seq, _round_up(1024, world)), batch=args.batch,
+                          hidden=_default(args.hidden, _round_up(512, heads)), heads=heads, kv_heads=kv_heads,
+                          ffn_hidden=_default(args.ffn_hidden, _round_up(1792, world)), dtype=args.dtype,
+                          methods=tuple(m.strip() for m in methods.split(",")), iters=args.iters, warmup=args.warmup)
+    cfg.validate(_world(args))
     rows, device = _run_ranks(lb.rank_main, lb.config_dict(cfg), args)
     return 0 if rows is None else _report(rows, device, lb.COLUMNS, "transformer block fwd+bwd, TP + SP", args)
 
@@ -135,8 +147,11 @@ def _bench_fsdp(args) -> int:
 def _bench_pipeline(args) -> int:
     from .bench import pipeline as pb
 
-    cfg = pb.PipelineBenchConfig(microbatches=args.microbatches, width=args.width, batch=args.batch, iters=args.iters)
-    cfg.validate(None if _launched() else args.nproc)
+    microbatches = _default(args.microbatches, _round_up(8, _world(args)))  # interleaving needs a multiple of P
+    cfg = pb.PipelineBenchConfig(microbatches=microbatches, width=args.width,
+                                 batch=_default(args.batch, _round_up(64, microbatches)), iters=args.iters,
+                                 warmup=args.warmup)
+    cfg.validate(_world(args))
     rows, device = _run_ranks(pb.rank_main, pb.config_dict(cfg), args)
     return 0 if rows is None else _report(rows, device, pb.COLUMNS, "pipeline: measured vs simulated", args)
 
@@ -148,16 +163,26 @@ ALL_KINDS = {"collectives": ["--sizes", "1K:1M", "--iters", "5", "--warmup", "1"
 
 
 def _bench_all(args) -> int:
-    common = ["--nproc", str(args.nproc)]
-    for flag in ("csv", "json_out", "plot", "profile"):
-        value = getattr(args, flag, None)
-        if value:
-            common += [f"--{'json' if flag == 'json_out' else flag}", value]
-    status = 0
+    """Every kind in turn; one that fails (bad sizes for this world, a crash) is reported and the
+    rest still run, and the exit status says something failed."""
+    failed = []
     for kind, small in ALL_KINDS.items():
-        print(f"\n## bench {kind}")
-        status |= main(["bench", kind, *common, *([] if _launched() else small)])
-    return status
+        common = ["--nproc", str(args.nproc)]
+        for flag, value in (("--csv", args.csv), ("--json", args.json_out), ("--plot", args.plot),
+                            ("--profile", args.profile and os.path.join(args.profile, kind))):  # a trace dir per kind
+            common += [flag, value] if value else []
+        print(f"\n## bench {kind}", flush=True)
+        try:
+            status = main(["bench", kind, *common, *([] if _launched() else small)])
+        except Exception:  # noqa: BLE001 - one kind's crash must not cost the others their rows
+            traceback.print_exc()
+            status = 1
+        if status:
+            failed.append(f"{kind} (exit {status})")
+    if failed:
+        print(f"\n## bench all: {len(failed)} of {len(ALL_KINDS)} kinds failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _demo(args) -> int:
@@ -175,6 +200,52 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _on_gpus() -> bool:
+    """Launched ranks with CUDA (NCCL): spawned --nproc ranks are always CPU (gloo) ones."""
+    return _launched() and _cuda_available()
+
+
+def _world(args) -> int:
+    """The number of ranks the run will have: torchrun's, or the --nproc ranks to spawn."""
+    if _launched():
+        return int(os.environ["WORLD_SIZE"])
+    if args.nproc < 1:
+        raise ValueError(f"--nproc {args.nproc}: expected >= 1")
+    return args.nproc
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // max(1, multiple)) * max(1, multiple)
+
+
+def _default(value, derived):
+    return derived if value is None else value
+
+
+def _check_outputs(args) -> None:
+    """Unusable --csv/--json/--plot/--profile paths fail now, before any rank starts, rather than
+    after the whole run (losing its rows)."""
+    from pathlib import Path
+
+    for flag, value, is_dir in (("--csv", getattr(args, "csv", None), False),
+                                ("--json", getattr(args, "json_out", None), False),
+                                ("--plot", getattr(args, "plot", None), True),
+                                ("--profile", getattr(args, "profile", None), True)):
+        if not value:
+            continue
+        path = Path(value)
+        want = "a directory (created if missing)" if is_dir else "a file (created if missing, else appended to)"
+        if path.exists() and path.is_dir() != is_dir:
+            raise ValueError(f"{flag} {value}: is a {'file' if is_dir else 'directory'}; expected {want}")
+        nearest = path  # the path itself, or the closest existing folder it would be created under
+        while not nearest.exists() and nearest != nearest.parent:
+            nearest = nearest.parent
+        if nearest != path and not nearest.is_dir():
+            raise ValueError(f"{flag} {value}: {nearest} is a file, so {value} cannot be created; expected {want}")
+        if not os.access(nearest, os.W_OK):
+            raise ValueError(f"{flag} {value}: {nearest} is not writable; expected {want}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,13 +286,15 @@ def build_parser() -> argparse.ArgumentParser:
         tp = kinds.add_parser(kind, help=f"{what}: every method on Llama-3 TP layer shapes")
         tp.add_argument("--shapes", default="llama3-8b", help="llama3-8b, llama3-70b or MxKxN, comma-separated "
                         "(unsharded layer dims; presets scaled 8x down on CPU)")
-        tp.add_argument("--methods", default="baseline,decomposed", help="comma-separated: baseline, decomposed, "
-                        "symm, fused, auto")
+        tp.add_argument("--methods", help="comma-separated: baseline, decomposed, symm, fused, auto (default: all "
+                        "of them under torchrun on GPUs, symm/fused skipped with the reason where the group has no "
+                        "peer memory; baseline,decomposed on CPU ranks)")
         tp.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16 | float64")
         _rank_args(tp, iters=10, warmup=2)
         tp.set_defaults(func=_bench_tp_op)
     ring = kinds.add_parser("ring-attention", help="ring attention vs all-gather-K/V, zigzag vs contiguous")
-    ring.add_argument("--seq", type=int, default=2048, help="whole sequence length (split over the ranks)")
+    ring.add_argument("--seq", type=int, help="whole sequence length, split over the ranks (default: 2048, rounded "
+                      "up to a multiple of 2 x ranks)")
     ring.add_argument("--batch", type=int, default=1)
     ring.add_argument("--heads", type=int, default=8)
     ring.add_argument("--kv-heads", type=int, default=2)
@@ -232,14 +305,15 @@ def build_parser() -> argparse.ArgumentParser:
     _rank_args(ring, iters=5, warmup=1)
     ring.set_defaults(func=_bench_ring)
     lay = kinds.add_parser("layers", help="one transformer block fwd+bwd: baseline vs decomposed vs auto")
-    lay.add_argument("--seq", type=int, default=1024)
+    # defaults (None) are derived from the world size so that it divides them
+    lay.add_argument("--seq", type=int, help="default: 1024 (rounded up to a multiple of the ranks)")
     lay.add_argument("--batch", type=int, default=1)
-    lay.add_argument("--hidden", type=int, default=512)
-    lay.add_argument("--heads", type=int, default=8)
-    lay.add_argument("--kv-heads", type=int, default=4)
-    lay.add_argument("--ffn-hidden", type=int, default=1792)
+    lay.add_argument("--hidden", type=int, help="default: 512 (rounded up to a multiple of --heads)")
+    lay.add_argument("--heads", type=int, help="default: 8 (rounded up to a multiple of --kv-heads)")
+    lay.add_argument("--kv-heads", type=int, help="default: 4, or the number of ranks when larger (a multiple of it)")
+    lay.add_argument("--ffn-hidden", type=int, help="default: 1792 (rounded up to a multiple of the ranks)")
     lay.add_argument("--dtype", default="float32")
-    lay.add_argument("--methods", default="baseline,decomposed,auto")
+    lay.add_argument("--methods", help="default: baseline,decomposed,auto on CPU ranks; + symm,fused on GPUs")
     _rank_args(lay, iters=5, warmup=1)
     lay.set_defaults(func=_bench_layers)
     fs = kinds.add_parser("fsdp", help="ZeRO 1/2/3 step time, prefetch depth, bytes vs 2/3 Psi")
@@ -249,10 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     _rank_args(fs, iters=3, warmup=1)
     fs.set_defaults(func=_bench_fsdp)
     pl = kinds.add_parser("pipeline", help="each schedule: measured step vs simulated makespan, bubbles")
-    pl.add_argument("--microbatches", type=int, default=8)
+    pl.add_argument("--microbatches", type=int, help="default: 8 (rounded up to a multiple of the ranks)")
     pl.add_argument("--width", type=int, default=256)
-    pl.add_argument("--batch", type=int, default=64)
-    _rank_args(pl, iters=3, warmup=0)
+    pl.add_argument("--batch", type=int, help="default: 64 (rounded up to a multiple of --microbatches)")
+    _rank_args(pl, iters=3, warmup=1)
     pl.set_defaults(func=_bench_pipeline)
     every = kinds.add_parser("all", help="every bench kind in turn (small sizes on CPU ranks)")
     every.add_argument("--nproc", type=int, default=4, help="CPU ranks to spawn when not under torchrun")
@@ -294,6 +368,8 @@ def _rank_args(parser, *, iters: int, warmup: int) -> None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "bench":
+            _check_outputs(args)
         return args.func(args)
     except ValueError as exc:  # bad input: a one-line message, not a traceback
         print(f"overlapkernels: error: {exc}", file=sys.stderr)

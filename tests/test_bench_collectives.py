@@ -91,6 +91,62 @@ def test_cli_spawns_ranks_and_appends_csv(tmp_path):
     assert [(r["op"], r["bytes"]) for r in rows] == [("all_gather", "1024"), ("all_gather", "2048"),
                                                       ("all_reduce", "1024"), ("all_reduce", "2048")]
     assert all(r["device"].startswith("cpu") and r["gpu_name"] == "" and r["torch"] and r["commit"] for r in rows)
+    assert all(r["bench"] == "collectives" and float(r["min_us"]) <= float(r["time_us"]) <= float(r["max_us"])
+               for r in rows)
+    assert all(r["sm_clock_mhz"] == r["power_w"] == r["nvlink_tx_gbps"] == "" for r in rows)  # no NVML on CPU
+
+
+def _git(cwd, *args):
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                   capture_output=True)
+
+
+def test_commit_only_from_a_repository_that_tracks_the_package(tmp_path):
+    """An installed copy inside some other repository must not report that repository's commit;
+    local edits show as -dirty."""
+    from overlapkernels.bench.report import git_commit
+
+    pkg = tmp_path / "repo" / "overlapkernels"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    assert git_commit(pkg) == "unknown"  # no repository at all
+    _git(tmp_path / "repo", "init", "-q")
+    (tmp_path / "repo" / "other.txt").write_text("x")
+    _git(tmp_path / "repo", "add", "other.txt")
+    _git(tmp_path / "repo", "commit", "-q", "-m", "other")
+    assert git_commit(pkg) == "unknown"  # a repository, but the package is not in it
+    _git(tmp_path / "repo", "add", "overlapkernels/__init__.py")
+    _git(tmp_path / "repo", "commit", "-q", "-m", "package")
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=pkg, capture_output=True, text=True)
+    assert git_commit(pkg) == head.stdout.strip()
+    (pkg / "__init__.py").write_text("x = 1\n")
+    assert git_commit(pkg) == head.stdout.strip() + "-dirty"
+
+
+def test_local_work_is_timed_by_do_bench_on_gpu(monkeypatch):
+    """Work that involves no other rank is timed by triton.testing.do_bench on GPU, every sample
+    kept (min/median/max); collectives never are (see time_calls)."""
+    import torch
+    import triton.testing
+
+    from overlapkernels.bench import timing
+
+    calls = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: calls.append(kw) or [2.0, 1.0, 3.0])
+    monkeypatch.setattr(timing, "time_calls", lambda *a, **k: pytest.fail("time_calls used for local GPU work"))
+    assert timing.time_local(lambda: None, 5, 1, torch.device("cuda", 0)) == [0.002, 0.001, 0.003]
+    assert calls == [{"return_mode": "all"}]
+    stats = metrics.summarize([0.002, 0.001, 0.003])
+    assert timing.row_times(stats) == pytest.approx({"time_us": 2000.0, "min_us": 1000.0, "max_us": 3000.0})
+
+
+def test_sizes_must_be_positive_integers():
+    from overlapkernels.bench.timing import check_sizes
+
+    check_sizes(seq=1, heads=8)
+    for bad in (0, -2, 1.5, True, "8"):
+        with pytest.raises(ValueError, match=rf"^seq={bad!r}: expected an integer >= 1$"):
+            check_sizes(seq=bad)
 
 
 def test_jsonl_rows_and_env_schema(tmp_path):
@@ -100,7 +156,7 @@ def test_jsonl_rows_and_env_schema(tmp_path):
     from overlapkernels.bench.report import append_jsonl, environment
 
     env = environment("cpu")
-    assert set(env) == {"device", "gpu_name", "driver", "nvlink", "torch", "triton", "commit", "date"}
+    assert set(env) == {"device", "gpu_name", "driver", "nvlink", "torch", "triton", "version", "commit", "date"}
     assert env["device"].startswith("cpu") and env["gpu_name"] == env["nvlink"] == ""  # CPU rows say CPU
     path = tmp_path / "rows.jsonl"
     append_jsonl(path, [{"op": "x", "efficiency": math.nan}, {"op": "y", "efficiency": 0.5}])

@@ -6,6 +6,14 @@ import sys
 import pytest
 
 from overlapkernels.bench import tp_ops
+from overlapkernels.profiling.telemetry import COLUMNS as TELEMETRY
+
+
+def _spread_and_telemetry(rows, time_key="time_us"):
+    """Every row: median between min and max, and the NVML columns, empty on CPU."""
+    for row in rows:
+        assert 0 < row["min_us"] <= row[time_key] <= row["max_us"], row
+        assert all(row[c] == "" for c in TELEMETRY), row
 
 
 def test_llama_presets_and_parsing():
@@ -37,9 +45,19 @@ def test_smoke_run_on_gloo_ranks(rank_pool, op):
     assert [r["method"] for r in rows] == ["baseline", "decomposed", "auto"]
     for row in rows:
         assert row["time_us"] > 0 and row["gemm_us"] > 0 and row["tflops"] > 0 and row["world_size"] == 2
+    _spread_and_telemetry(rows)
     base = rows[0]
     assert base["speedup"] == 1.0
     assert base["efficiency"] == 0.0 or math.isnan(base["efficiency"])  # NaN when the GEMM alone was not faster
+
+
+def test_methods_without_peer_memory_are_skipped_not_fatal(rank_pool):
+    """symm/fused need peer memory (CUDA, one node): on gloo CPU ranks they are skipped with the
+    reason, and the other methods still run."""
+    config = tp_ops.TpOpsConfig(op="ag-matmul", shapes=(("tiny", (8, 4, 4)),), methods=("symm", "decomposed", "fused"),
+                                iters=1, warmup=0)
+    rows = rank_pool(2).run(tp_ops.rank_main, tp_ops.config_dict(config))[0]
+    assert [r["method"] for r in rows] == ["decomposed"]
 
 
 def test_cli_rejects_bad_shape_before_spawning():
@@ -56,6 +74,7 @@ def test_ring_attention_bench_smoke(rank_pool):
     rows = rank_pool(2).run(rb.rank_main, rb.config_dict(cfg))[0]
     assert len(rows) == 1 and rows[0]["layout"] == "zigzag" and rows[0]["world_size"] == 2
     assert all(rows[0][k] > 0 for k in ("fwd_allgather_us", "fwd_ring_us", "compute_us", "fwd_bwd_ring_us"))
+    _spread_and_telemetry(rows, "fwd_ring_us")
     with pytest.raises(ValueError, match="seq=10 must be divisible by 2 x the world size 4"):
         rb.RingConfig(seq=10).validate(4)
 
@@ -68,7 +87,7 @@ def test_layers_bench_smoke(rank_pool):
     assert [r["method"] for r in rows] == ["baseline", "decomposed", "auto"]
     assert rows[0]["ran"] == "all_gather_matmul: baseline x4, matmul_reduce_scatter: baseline x4"
     assert rows[1]["ran"] == "all_gather_matmul: decomposed x4, matmul_reduce_scatter: decomposed x4"
-    assert all(r["time_us"] > 0 for r in rows)
+    _spread_and_telemetry(rows)
 
 
 def test_fsdp_bench_smoke_and_comm_volume(rank_pool):
@@ -79,16 +98,17 @@ def test_fsdp_bench_smoke_and_comm_volume(rank_pool):
     assert [(r["stage"], r["prefetch"]) for r in rows] == [(1, 0), (2, 0), (3, 0), (3, 1)]
     for row in rows:  # bytes per step are exactly ZeRO's 2 Psi / 3 Psi
         assert row["comm_psi"] == pytest.approx(row["theory_psi"])
-        assert row["time_us"] > 0
+    _spread_and_telemetry(rows)
 
 
 def test_pipeline_bench_smoke(rank_pool):
     from overlapkernels.bench import pipeline as pb
 
-    cfg = pb.PipelineBenchConfig(microbatches=2, width=4, layers_per_stage=2, batch=4, iters=1)
+    cfg = pb.PipelineBenchConfig(microbatches=2, width=4, layers_per_stage=2, batch=4, iters=2, warmup=0)
     rows = rank_pool(2).run(pb.rank_main, pb.config_dict(cfg))[0]
     assert [r["kind"] for r in rows] == ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
-    assert all(r["step_us"] > 0 and r["sim_us"] > 0 for r in rows)
+    assert all(r["sim_us"] > 0 for r in rows)
+    _spread_and_telemetry(rows, "step_us")
 
 
 def test_demo_smoke(rank_pool):
@@ -115,12 +135,104 @@ def test_plots_for_every_kind(tmp_path, kind):
     assert plot_rows(kind, rows, str(path)) and path.stat().st_size > 1000
 
 
-def test_bench_all_runs_every_kind(monkeypatch):
+def test_bench_all_runs_every_kind(monkeypatch, tmp_path):
     from overlapkernels import cli
 
     calls = []
     monkeypatch.setattr(cli, "main", lambda argv: calls.append(argv) or 0)
-    args = cli.build_parser().parse_args(["bench", "all", "--nproc", "2", "--csv", "out.csv"])
+    args = cli.build_parser().parse_args(["bench", "all", "--nproc", "2", "--csv", "out.csv", "--profile",
+                                          str(tmp_path / "prof")])
     assert cli._bench_all(args) == 0
     assert [c[1] for c in calls] == list(cli.ALL_KINDS)
     assert all(c[:2] == ["bench", c[1]] and "--csv" in c and "--nproc" in c for c in calls)
+    # each kind's traces in a folder of their own: one shared folder kept only the last kind's
+    assert [c[c.index("--profile") + 1] for c in calls] == [str(tmp_path / "prof" / k) for k in cli.ALL_KINDS]
+
+
+def test_bench_all_runs_the_rest_after_a_failing_kind(monkeypatch, capsys):
+    from overlapkernels import cli
+
+    ran = []
+
+    def fake_main(argv):
+        ran.append(argv[1])
+        if argv[1] == "layers":
+            raise RuntimeError("rank 1 crashed")
+        return 2 if argv[1] == "fsdp" else 0
+
+    monkeypatch.setattr(cli, "main", fake_main)
+    assert cli._bench_all(cli.build_parser().parse_args(["bench", "all", "--nproc", "2"])) == 1
+    assert ran == list(cli.ALL_KINDS)
+    err = capsys.readouterr().err
+    assert "RuntimeError: rank 1 crashed" in err and "2 of 7 kinds failed: layers (exit 1), fsdp (exit 2)" in err
+
+
+def _configs(monkeypatch, argv, env=None, cuda=False):
+    """The config a `bench` command line builds, captured instead of running ranks."""
+    from overlapkernels import cli
+
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in (env or {}).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(cli, "_cuda_available", lambda: cuda)
+    seen = []
+    monkeypatch.setattr(cli, "_run_ranks", lambda rank_main, config, args: seen.append(config) or (None, "cpu"))
+    assert cli.main(argv) == 0
+    return seen[0]
+
+
+def test_node_defaults_fit_the_world_size(monkeypatch):
+    """Under torchrun on 8 GPUs every kind's defaults are valid (kv_heads=4 was not) and the TP
+    kinds measure every method; CPU defaults are unchanged."""
+    node = {"RANK": "0", "WORLD_SIZE": "8"}
+    layers = _configs(monkeypatch, ["bench", "layers"], node, cuda=True)
+    assert (layers["kv_heads"], layers["heads"], layers["hidden"], layers["seq"]) == (8, 8, 512, 1024)
+    assert layers["methods"] == ("baseline", "decomposed", "symm", "fused", "auto")
+    ag = _configs(monkeypatch, ["bench", "ag-matmul"], node, cuda=True)
+    assert ag["methods"] == ("baseline", "decomposed", "symm", "fused", "auto")
+    assert ag["shapes"][0] == ("llama3-8b/qkv", (8192, 4096, 6144))  # full size on GPUs
+    assert _configs(monkeypatch, ["bench", "pipeline"], {"RANK": "0", "WORLD_SIZE": "16"})["microbatches"] == 16
+    assert _configs(monkeypatch, ["bench", "ring-attention"], {"RANK": "0", "WORLD_SIZE": "3"})["seq"] == 2052
+    cpu = _configs(monkeypatch, ["bench", "layers", "--nproc", "2"])
+    assert (cpu["kv_heads"], cpu["heads"], cpu["methods"]) == (4, 8, ("baseline", "decomposed", "auto"))
+    assert _configs(monkeypatch, ["bench", "matmul-rs", "--nproc", "2"])["methods"] == ("baseline", "decomposed")
+    pipe = _configs(monkeypatch, ["bench", "pipeline", "--nproc", "2", "--warmup", "2"])
+    assert (pipe["microbatches"], pipe["batch"], pipe["warmup"]) == (8, 64, 2)  # --warmup is honoured
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "pipeline", "--microbatches", "0"], "microbatches=0: expected an integer >= 1"),
+    (["bench", "pipeline", "--width", "0"], "width=0: expected an integer >= 1"),
+    (["bench", "ring-attention", "--kv-heads", "0"], "kv_heads=0: expected an integer >= 1"),
+    (["bench", "ring-attention", "--seq", "0"], "seq=0: expected an integer >= 1"),
+    (["bench", "layers", "--seq", "0"], "seq=0: expected an integer >= 1"),
+    (["bench", "layers", "--kv-heads", "3", "--heads", "8"], "heads=8, kv_heads=3: expected hidden divisible by heads "
+     "and heads by kv_heads"),
+    (["bench", "ag-matmul", "--shapes", "0x8x8", "--nproc", "2"], "shape '0x8x8' = 0x8x8: expected M, K and N >= 1"),
+    (["bench", "fsdp", "--width", "0"], "width=0"),
+    (["bench", "layers", "--nproc", "0"], "--nproc 0: expected >= 1"),
+])
+def test_bad_sizes_fail_before_any_rank_starts(monkeypatch, capsys, argv, message):
+    from overlapkernels import cli
+
+    monkeypatch.setattr(cli, "_run_ranks", lambda *a: pytest.fail("ranks started"))
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unusable_output_paths_fail_before_running(monkeypatch, capsys, tmp_path):
+    from overlapkernels import cli
+
+    monkeypatch.setattr(cli, "_run_ranks", lambda *a: pytest.fail("ranks started"))
+    a_file = tmp_path / "f.txt"
+    a_file.write_text("")
+    for flag, value, message in (("--csv", tmp_path, "is a directory; expected a file"),
+                                 ("--json", tmp_path, "is a directory; expected a file"),
+                                 ("--profile", a_file, "is a file; expected a directory"),
+                                 ("--plot", a_file, "is a file; expected a directory"),
+                                 ("--csv", a_file / "rows.csv", "f.txt is a file, so")):
+        for kind in ("fsdp", "all"):
+            assert cli.main(["bench", kind, flag, str(value)]) == 2
+            err = capsys.readouterr().err
+            assert f"{flag} {value}: " in err and message in err, err

@@ -206,3 +206,28 @@ def test_an_event_is_comm_or_compute_never_both():
         _x("ok/all_gather_matmul[fused]", 0, 100),
         _x("_wait_kernel", 0, 40, tid=2), _x("_ag_gemm_kernel", 50, 30, tid=3), _x("reduce_sum_kernel<float>", 90, 5)]})
     assert (row["comm_us"], row["compute_us"], row["both_us"]) == (45, 30, 0)
+
+
+def test_fsdp_pipeline_and_collectives_traces_have_op_windows(rank_pool, tmp_path):
+    """`bench fsdp|pipeline|collectives --profile` traces used to hold no op range, so the report
+    had nothing to say about them."""
+    from overlapkernels.bench import collectives as cb
+    from overlapkernels.bench import fsdp as fb
+    from overlapkernels.bench import pipeline as pb
+
+    runs = {"fsdp": (fb.rank_main, fb.config_dict(fb.FsdpConfig(layers=2, width=8, batch=4, stages=(3,),
+                                                                prefetches=(1,), iters=1, warmup=0))),
+            "pipeline": (pb.rank_main, pb.config_dict(pb.PipelineBenchConfig(kinds=("1f1b",), microbatches=2,
+                                                                             width=4, layers_per_stage=2, batch=4,
+                                                                             iters=1, warmup=0))),
+            "collectives": (cb.rank_main, cb.config_dict(cb.CollectivesConfig(ops=("all_gather",), sizes=(64,),
+                                                                              iters=1, warmup=0)))}
+    expected = {"fsdp": ["ok/fsdp[zero3]", "ok/fsdp[zero3]/backward"], "pipeline": ["ok/pipeline[1f1b]"],
+                "collectives": ["ok/all_gather[gloo]"]}
+    for kind, (rank_main, config) in runs.items():
+        rank_pool(2).run(profiled, rank_main, config, str(tmp_path / kind))
+        rows = {r["op"]: r for r in summarize(overlap_report(str(tmp_path / kind / "trace_rank0.json")))}
+        for name in expected[kind]:
+            assert rows[name]["calls"] >= 1 and rows[name]["comm_us"] > 0, (kind, sorted(rows))
+        if kind != "collectives":  # (a collective has nothing to hide behind)
+            assert all(rows[name]["compute_us"] > 0 for name in expected[kind]), (kind, rows)

@@ -2,7 +2,9 @@
 
 Runs on the ranks of a launched job (torchrun) or on ``--nproc`` CPU ranks it spawns itself.
 Time per call: CUDA events on GPU; a barrier then ``perf_counter`` on CPU. The reported time is
-the slowest rank's median, as a collective is only done when its last rank is.
+the slowest rank's median (min_us / max_us: its fastest and slowest call), as a collective is only
+done when its last rank is. Each call runs in an ``ok/<op>[<backend>]`` range, so a ``--profile``
+trace reports its comm busy time like the fused ops'.
 """
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives as C
+from ..profiling.ranges import span
 from .metrics import algbw_gbps, busbw_gbps, summarize
 from .progress import track
-from .timing import DTYPES, check_dtype, slowest_rank, telemetry, time_calls
+from .timing import DTYPES, check_counts, check_dtype, row_times, slowest_rank, telemetry, time_calls
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 COLUMNS = [("op", "op", ""), ("bytes", "size(B)", "d"), ("count", "count", "d"), ("dtype", "type", ""),
@@ -34,8 +37,7 @@ class CollectivesConfig:
         if bad or not self.ops:
             raise ValueError(f"ops={list(self.ops)}: expected a non-empty subset of {list(OPS)}")
         check_dtype(self.dtype)
-        if self.iters < 1 or self.warmup < 0:
-            raise ValueError(f"iters={self.iters}, warmup={self.warmup}: expected iters >= 1, warmup >= 0")
+        check_counts(self.iters, self.warmup)
 
 
 def _call(op: str, count: int, world: int, dtype: torch.dtype, device: torch.device, group):
@@ -43,12 +45,19 @@ def _call(op: str, count: int, world: int, dtype: torch.dtype, device: torch.dev
     the size is the gathered output / the scattered input / the reduced buffer)."""
     full = torch.ones(count, dtype=dtype, device=device)
     shard = torch.ones(count // world, dtype=dtype, device=device)
-    return {
+    call = {
         "all_gather": lambda: C.all_gather(shard, group),
         "reduce_scatter": lambda: C.reduce_scatter(full, group),
         "all_reduce": lambda: C.all_reduce(full, group),
         "all_to_all": lambda: C.all_to_all(full, group),
     }[op]
+    name = f"ok/{op}[{dist.get_backend(group)}]"
+
+    def ranged():
+        with span(name):
+            return call()
+
+    return ranged
 
 
 def run_collectives(config: CollectivesConfig, group=None) -> list[dict]:
@@ -67,11 +76,10 @@ def run_collectives(config: CollectivesConfig, group=None) -> list[dict]:
         with telemetry(device) as tel:
             stats = slowest_rank(summarize(time_calls(_call(op, count, world, dtype, device, group),
                                                       config.iters, config.warmup, device, group)), device, group)
-        median, fastest, slowest = stats["median_s"], stats["min_s"], stats["max_s"]
+        median = stats["median_s"]
         nbytes = count * elem
         rows.append({"op": op, "bytes": nbytes, "count": count, "dtype": config.dtype, "world_size": world,
-                     "backend": dist.get_backend(group), "time_us": median * 1e6, "min_us": fastest * 1e6,
-                     "max_us": slowest * 1e6, "algbw_gbps": algbw_gbps(nbytes, median),
+                     "backend": dist.get_backend(group), **row_times(stats), "algbw_gbps": algbw_gbps(nbytes, median),
                      "busbw_gbps": busbw_gbps(op, nbytes, median, world), **tel.summary()})
     return rows
 

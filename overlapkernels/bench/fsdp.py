@@ -8,8 +8,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..profiling.ranges import span
 from .metrics import summarize
-from .timing import check_counts, slowest_rank, time_calls
+from .progress import track
+from .timing import check_counts, row_times, slowest_rank, telemetry, time_calls
 
 COLUMNS = [("stage", "stage", "d"), ("prefetch", "prefetch", "d"), ("time_us", "step(us)", ".0f"),
            ("comm_psi", "comm / Psi", ".2f"), ("theory_psi", "theory", ".0f"),
@@ -50,26 +52,30 @@ def run_fsdp(cfg: FsdpConfig, group=None) -> list[dict]:
         torch.device("cpu")
     x = torch.randn(cfg.batch, cfg.width, device=device)
     rows = []
-    for stage in cfg.stages:
-        for prefetch in (cfg.prefetches if stage == 3 else (0,)):  # prefetch only acts on stage 3
-            sharded = fsdp.shard(_model(cfg, device), group, stage=stage, prefetch=prefetch)
+    sweep = [(stage, prefetch) for stage in cfg.stages
+             for prefetch in (cfg.prefetches if stage == 3 else (0,))]  # prefetch only acts on stage 3
+    for stage, prefetch in track(sweep, "fsdp", enabled=dist.get_rank(group) == 0):
+        sharded = fsdp.shard(_model(cfg, device), group, stage=stage, prefetch=prefetch)
 
-            def step():
-                sharded(x).square().mean().backward()
-                sharded.step()
+        def step():
+            loss = sharded(x).square().mean()
+            # fsdp opens the forward's op range; this one shows the reduce-scatters behind backward
+            with span(f"ok/fsdp[zero{stage}]/backward"):
+                loss.backward()
+            sharded.step()
 
-            step()
-            sharded.comm_stats(reset=True)
-            t = slowest_rank(summarize(time_calls(step, cfg.iters, cfg.warmup, device, group)), device,
-                             group)["median_s"]
-            comm = sharded.comm_stats()
-            psi = sum(u.flat_bytes for u in sharded.all_units)
-            mem = sharded.memory_stats()
-            rows.append({"stage": stage, "prefetch": prefetch, "world_size": dist.get_world_size(group),
-                         "backend": dist.get_backend(group), "time_us": t * 1e6,
-                         "comm_psi": (comm["gathered_bytes"] + comm["reduced_bytes"]) / psi / (cfg.iters + cfg.warmup),
-                         "theory_psi": 3 if stage == 3 else 2, "param_mb": mem["param_bytes"] / 2**20,
-                         "peak_param_mb": mem["peak_gathered_param_bytes"] / 2**20})
+        step()
+        sharded.comm_stats(reset=True)
+        with telemetry(device) as tel:
+            stats = slowest_rank(summarize(time_calls(step, cfg.iters, cfg.warmup, device, group)), device, group)
+        comm = sharded.comm_stats()
+        psi = sum(u.flat_bytes for u in sharded.all_units)
+        mem = sharded.memory_stats()
+        rows.append({"stage": stage, "prefetch": prefetch, "world_size": dist.get_world_size(group),
+                     "backend": dist.get_backend(group), **row_times(stats),
+                     "comm_psi": (comm["gathered_bytes"] + comm["reduced_bytes"]) / psi / (cfg.iters + cfg.warmup),
+                     "theory_psi": 3 if stage == 3 else 2, "param_mb": mem["param_bytes"] / 2**20,
+                     "peak_param_mb": mem["peak_gathered_param_bytes"] / 2**20, **tel.summary()})
     return rows
 
 

@@ -1,5 +1,7 @@
 """Pipeline benchmark: per schedule kind, the measured step time against the simulator's makespan
-(fed with the measured per-op times), and measured vs simulated bubble."""
+(fed with the measured per-op times), and measured vs simulated bubble. The step time is the
+slowest rank's median (min_us / max_us its fastest and slowest step) after ``warmup`` untimed
+steps; per-op times and the measured bubble are averaged over ranks (the simulator's inputs)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -8,6 +10,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
+
+from .metrics import summarize
+from .progress import track
+from .timing import check_counts, check_sizes, slowest_rank, telemetry
 
 COLUMNS = [("kind", "kind", ""), ("microbatches", "m", "d"), ("step_us", "step(us)", ".0f"),
            ("sim_us", "simulated(us)", ".0f"), ("ratio", "meas/sim", ".2f"), ("bubble_measured", "bubble meas.", ".1%"),
@@ -22,15 +28,17 @@ class PipelineBenchConfig:
     layers_per_stage: int = 4
     batch: int = 64
     iters: int = 3
+    warmup: int = 1  # untimed steps first (the first one also exchanges activation shapes)
 
     def validate(self, world: int | None = None) -> None:
         from ..runtime.pipeline import KINDS
 
-        if self.iters < 1:
-            raise ValueError(f"iters={self.iters}: expected >= 1")
+        check_counts(self.iters, self.warmup)
+        check_sizes(microbatches=self.microbatches, width=self.width, layers_per_stage=self.layers_per_stage,
+                    batch=self.batch)
         bad = [k for k in self.kinds if k not in KINDS]
-        if bad:
-            raise ValueError(f"kinds={list(self.kinds)}: expected a subset of {list(KINDS)}")
+        if bad or not self.kinds:
+            raise ValueError(f"kinds={list(self.kinds)}: expected a non-empty subset of {list(KINDS)}")
         if self.batch % self.microbatches or self.layers_per_stage % 2:
             raise ValueError(f"batch={self.batch} must be divisible by microbatches={self.microbatches}, and "
                              f"layers_per_stage={self.layers_per_stage} even (interleaving halves it)")
@@ -48,7 +56,7 @@ def run_pipeline(cfg: PipelineBenchConfig, group=None) -> list[dict]:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else \
         torch.device("cpu")
     rows = []
-    for kind in cfg.kinds:
+    for kind in track(cfg.kinds, "pipeline", enabled=rank == 0):
         v = 2 if kind == "interleaved-1f1b" else 1
         sched = pp.make_schedule(kind, p, cfg.microbatches, num_virtual=v)
         torch.manual_seed(0)
@@ -62,26 +70,29 @@ def run_pipeline(cfg: PipelineBenchConfig, group=None) -> list[dict]:
         x = torch.randn(cfg.batch, cfg.width, device=device)
         last = sched.rank_of(sched.num_stages - 1) == rank
         times, ops = [], {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0}
-        for i in range(cfg.iters + 1):  # the first step exchanges shapes and warms up: not timed
-            dist.barrier(group=group)
-            runner.step(x if rank == 0 else None, x if last else None)
-            if i:
-                times.append(runner.step_s)
-                for k in ops:
-                    ops[k] += runner.compute_s[k]
-        step = sorted(times)[len(times) // 2]
+        with telemetry(device) as tel:
+            for i in range(cfg.warmup + cfg.iters):
+                dist.barrier(group=group)
+                runner.step(x if rank == 0 else None, x if last else None)
+                if i >= cfg.warmup:
+                    times.append(runner.step_s)
+                    for k in ops:
+                        ops[k] += runner.compute_s[k]
+        step = slowest_rank(summarize(times), device, group)
         n = cfg.iters * cfg.microbatches * v
-        per = torch.tensor([step, ops["F"] / n, (ops["B"] + ops["BW"]) / n, ops["W"] / n,
+        per = torch.tensor([ops["F"] / n, (ops["B"] + ops["BW"]) / n, ops["W"] / n,
                             1 - sum(runner.compute_s.values()) / runner.step_s], dtype=torch.float64, device=device)
         dist.all_reduce(per, group=group)
         per /= p
-        step_s, t_f, t_b, t_w, bubble = per.tolist()
+        t_f, t_b, t_w, bubble = per.tolist()
+        step_s = step["median_s"]
         sim = pp.simulate(sched, t_f=t_f, t_b=t_b, t_w=t_w)
         theory = (p - 1) / (v * cfg.microbatches + p - 1)
         rows.append({"kind": kind, "microbatches": cfg.microbatches, "world_size": p, "backend": dist.get_backend(group),
-                     "step_us": step_s * 1e6, "sim_us": sim.makespan * 1e6, "ratio": step_s / sim.makespan,
+                     "step_us": step_s * 1e6, "min_us": step["min_s"] * 1e6, "max_us": step["max_s"] * 1e6,
+                     "sim_us": sim.makespan * 1e6, "ratio": step_s / sim.makespan,
                      "bubble_measured": bubble, "bubble_simulated": sim.bubble_fraction,
-                     "bubble_theory": theory if kind != "zb-h1" else float("nan")})
+                     "bubble_theory": theory if kind != "zb-h1" else float("nan"), **tel.summary()})
     return rows
 
 

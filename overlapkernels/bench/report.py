@@ -9,11 +9,19 @@ import subprocess
 from pathlib import Path
 
 
-def git_commit() -> str:
+def git_commit(package_dir: str | os.PathLike | None = None) -> str:
+    """``git describe --always --dirty`` of the checkout this package was imported from, or
+    'unknown' when the package is not tracked by a git repository (an installed copy, even one
+    inside some other repository, must not report that repository's commit)."""
+    package = Path(package_dir) if package_dir is not None else Path(__file__).resolve().parent.parent
+
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=5, cwd=package)
+
     try:
-        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or "unknown"
+        if git("ls-files", "--error-unmatch", "--", "__init__.py").returncode != 0:
+            return "unknown"
+        return git("describe", "--always", "--dirty", "--abbrev=12").stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -22,6 +30,8 @@ def environment(device: str) -> dict[str, str]:
     """Hardware and software a row was measured on. GPU fields come from NVML and stay empty
     on a CPU run, so a CPU figure can never be mistaken for a GPU one."""
     import torch
+
+    from .. import __version__
 
     try:
         import triton
@@ -44,7 +54,7 @@ def environment(device: str) -> dict[str, str]:
     return {
         "device": device if device == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
         "gpu_name": gpu_name, "driver": driver, "nvlink": nvlink, "torch": torch.__version__, "triton": triton_version,
-        "commit": git_commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "version": __version__, "commit": git_commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
 
 

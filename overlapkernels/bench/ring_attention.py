@@ -2,7 +2,9 @@
 
 Per (layout, causal): forward time of the all-gather baseline and of the ring, forward+backward of
 the ring, the compute alone (every block attended without traffic) and the overlap efficiency
-E = 1 - (T_ring - T_compute) / (T_allgather - T_compute). Times are the slowest rank's median.
+E = 1 - (T_ring - T_compute) / (T_allgather - T_compute). Times are the slowest rank's median;
+min_us / max_us are the ring forward's (the time E and TFLOP/s come from). T_compute involves no
+other rank, so on GPU ``triton.testing.do_bench`` times it.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from .metrics import overlap_efficiency, summarize
-from .timing import DTYPES, check_counts, check_dtype, slowest_rank, time_calls
+from .progress import track
+from .timing import DTYPES, check_counts, check_dtype, check_sizes, slowest_rank, telemetry, time_calls, time_local
 
 COLUMNS = [("layout", "layout", ""), ("causal", "causal", ""), ("seq", "S", "d"), ("fwd_allgather_us", "AG fwd(us)", ".0f"),
            ("fwd_ring_us", "ring fwd(us)", ".0f"), ("compute_us", "compute(us)", ".0f"),
@@ -38,6 +41,7 @@ class RingConfig:
     def validate(self, world: int | None = None) -> None:
         check_counts(self.iters, self.warmup)
         check_dtype(self.dtype)
+        check_sizes(batch=self.batch, seq=self.seq, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
         if self.heads % self.kv_heads:
             raise ValueError(f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
         if world and self.seq % (2 * world):
@@ -67,30 +71,33 @@ def run_ring(cfg: RingConfig, group=None) -> list[dict]:
     q = torch.randn(cfg.batch, cfg.heads, local, cfg.head_dim, generator=g).to(device, dtype)
     k, v = (torch.randn(cfg.batch, cfg.kv_heads, local, cfg.head_dim, generator=g).to(device, dtype) for _ in range(2))
     rows = []
-    for layout in cfg.layouts:
-        for causal in cfg.causal:
-            def timed(fn):
-                return slowest_rank(summarize(time_calls(fn, cfg.iters, cfg.warmup, device, group)), device,
-                                    group)["median_s"]
+    sweep = [(layout, causal) for layout in cfg.layouts for causal in cfg.causal]
+    for layout, causal in track(sweep, "ring-attention", enabled=dist.get_rank(group) == 0):
+        def timed(fn, timer=time_calls):  # -> the slowest rank's {median_s, min_s, max_s}
+            return slowest_rank(summarize(timer(fn, cfg.iters, cfg.warmup, device, group)), device, group)
 
+        qg, kg, vg = (t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v))
+
+        def fwd_bwd():
+            out = ok.ring_attention(qg, kg, vg, group, causal=causal, layout=layout)
+            out.backward(torch.ones_like(out))
+
+        with telemetry(device) as tel:
             with torch.no_grad():
-                t_ag = timed(lambda: ra.allgather_kv_forward(q, k, v, group, causal, scale, layout, backend))
-                t_ring = timed(lambda: ra.ring_forward(q, k, v, group, causal, scale, layout, backend))
+                t_ag = timed(lambda: ra.allgather_kv_forward(q, k, v, group, causal, scale, layout,
+                                                             backend))["median_s"]
+                ring = timed(lambda: ra.ring_forward(q, k, v, group, causal, scale, layout, backend))
                 t_comp = timed(lambda: ra.allgather_kv_forward(q, k, v, group, causal, scale, layout, backend,
-                                                               communicate=False))
-            qg, kg, vg = (t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v))
-
-            def fwd_bwd():
-                out = ok.ring_attention(qg, kg, vg, group, causal=causal, layout=layout)
-                out.backward(torch.ones_like(out))
-
-            t_fb = timed(fwd_bwd)
-            rows.append({"layout": layout, "causal": causal, "seq": cfg.seq, "batch": cfg.batch, "heads": cfg.heads,
-                         "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "dtype": cfg.dtype, "world_size": world,
-                         "backend": dist.get_backend(group), "fwd_allgather_us": t_ag * 1e6, "fwd_ring_us": t_ring * 1e6,
-                         "compute_us": t_comp * 1e6, "fwd_bwd_ring_us": t_fb * 1e6, "speedup": t_ag / t_ring,
-                         "efficiency": overlap_efficiency(t_ring, t_ag, t_comp),
-                         "tflops_fwd": _flops(cfg, world, causal) / t_ring / 1e12})
+                                                               communicate=False), timer=time_local)["median_s"]
+            t_fb = timed(fwd_bwd)["median_s"]
+        t_ring = ring["median_s"]
+        rows.append({"layout": layout, "causal": causal, "seq": cfg.seq, "batch": cfg.batch, "heads": cfg.heads,
+                     "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "dtype": cfg.dtype, "world_size": world,
+                     "backend": dist.get_backend(group), "fwd_allgather_us": t_ag * 1e6, "fwd_ring_us": t_ring * 1e6,
+                     "min_us": ring["min_s"] * 1e6, "max_us": ring["max_s"] * 1e6,
+                     "compute_us": t_comp * 1e6, "fwd_bwd_ring_us": t_fb * 1e6, "speedup": t_ag / t_ring,
+                     "efficiency": overlap_efficiency(t_ring, t_ag, t_comp),
+                     "tflops_fwd": _flops(cfg, world, causal) / t_ring / 1e12, **tel.summary()})
     return rows
 
 

@@ -1,6 +1,8 @@
-"""Timing of one collective-bearing call across ranks: CUDA events on GPU, perf_counter on CPU."""
+"""Timing across ranks: a barrier, then CUDA events (GPU) or perf_counter (CPU) per call; for work
+that involves no other rank, ``triton.testing.do_bench`` on GPU."""
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -22,8 +24,20 @@ def check_counts(iters: int, warmup: int) -> None:
         raise ValueError(f"iters={iters!r}, warmup={warmup!r}: expected iters >= 1 and warmup >= 0")
 
 
+def check_sizes(**sizes) -> None:
+    """Each named size an integer >= 1: a 0 would only fail later, inside the ranks, as an empty tensor."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected an integer >= 1")
+
+
 def time_calls(fn, iters: int, warmup: int, device: torch.device, group=None) -> list[float]:
-    """Seconds per call of ``fn`` on this rank, each call started together (barrier first)."""
+    """Seconds per call of ``fn`` on this rank, each call started together (barrier first).
+
+    Not ``triton.testing.do_bench``, even on GPU: it picks its number of calls from this rank's own
+    estimate of the call time, so ranks could call a collective a different number of times and
+    hang. Here every rank makes exactly ``warmup + iters`` calls, each after a barrier, timed by
+    CUDA events on its stream (GPU) or perf_counter (CPU)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -41,6 +55,47 @@ def time_calls(fn, iters: int, warmup: int, device: torch.device, group=None) ->
             fn()  # gloo calls return when this rank's part is done
             times.append(time.perf_counter() - t0)
     return times
+
+
+def time_local(fn, iters: int, warmup: int, device: torch.device, group=None) -> list[float]:
+    """Seconds per call of ``fn`` that talks to no other rank (this rank's GEMM alone, attention
+    without traffic). On GPU ``triton.testing.do_bench`` times it (its own call count is safe here:
+    nothing waits for the other ranks), every call of its sample returned (min/median/max); on CPU,
+    as ``time_calls``."""
+    if device.type != "cuda":
+        return time_calls(fn, iters, warmup, device, group)
+    from triton.testing import do_bench
+
+    return [ms / 1e3 for ms in do_bench(fn, return_mode="all")]
+
+
+def row_times(stats: dict) -> dict:
+    """The slowest rank's ``{median_s, min_s, max_s}`` -> a row's time_us (median), min_us, max_us."""
+    return {"time_us": stats["median_s"] * 1e6, "min_us": stats["min_s"] * 1e6, "max_us": stats["max_s"] * 1e6}
+
+
+def available_methods(methods, group, device, what: str) -> list[str]:
+    """``methods`` minus those this group cannot run here (symm/fused without peer memory), each
+    skipped one printed with its reason on rank 0. Every rank skips the same ones (a flag all-reduce),
+    else the others would wait in a collective that one rank never joins."""
+    from ..ops._methods import unavailable_reason
+
+    reasons = {}
+    for method in methods:
+        try:
+            reasons[method] = unavailable_reason(method, group, device) if method != "auto" else None
+        except ValueError as exc:  # e.g. a bad peer-memory setting
+            reasons[method] = str(exc)
+    flags = torch.tensor([reason is not None for reason in reasons.values()], dtype=torch.int32, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    kept = []
+    for (method, reason), skip in zip(reasons.items(), flags.tolist()):
+        if not skip:
+            kept.append(method)
+        elif dist.get_rank(group) == 0:
+            print(f"# {what}: skipped method={method!r}: {reason or 'unavailable on another rank'}", file=sys.stdout,
+                  flush=True)
+    return kept
 
 
 def slowest_rank(stats: dict, device: torch.device, group=None) -> dict:

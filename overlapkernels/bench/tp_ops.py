@@ -5,9 +5,10 @@ layers (qkv, fc1) run all-gather + GEMM: a_shard [M/W, K] @ b [K, N/W]. Row-para
 (attn_out, fc2) run GEMM + reduce-scatter: a [M, K/W] @ b [K/W, N] -> [M/W, N]. On CPU the
 presets are scaled down 8x in every dim (gloo would take minutes at full size).
 
-Per row: median time (slowest rank), TFLOP/s of this rank's GEMM, speedup vs baseline, and
-Flux's overlap efficiency E = 1 - (T - T_gemm) / (T_baseline - T_gemm), with T_gemm this rank's
-GEMM alone.
+Per row: median, min and max time (slowest rank), TFLOP/s of this rank's GEMM, speedup vs baseline,
+and Flux's overlap efficiency E = 1 - (T - T_gemm) / (T_baseline - T_gemm), with T_gemm this rank's
+GEMM alone (``triton.testing.do_bench`` on GPU: no other rank is involved). Methods this group
+cannot run (symm/fused without peer memory) are skipped with the reason.
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from .metrics import overlap_efficiency, summarize
-from .timing import DTYPES, check_counts, check_dtype, slowest_rank, telemetry, time_calls
+from .progress import track
+from .timing import (DTYPES, available_methods, check_counts, check_dtype, row_times, slowest_rank,
+                     telemetry, time_calls, time_local)
 
 # hidden, ffn, q heads, kv heads, head dim
 MODELS = {"llama3-8b": (4096, 14336, 32, 8, 128), "llama3-70b": (8192, 28672, 64, 8, 128)}
@@ -37,6 +40,11 @@ def layer_shapes(model: str, scale: int = 1) -> dict[str, tuple[int, int, int]]:
     return {name: tuple(max(1, d // scale) for d in dims) for name, dims in shapes.items()}
 
 
+def _check_shape(name, m, k, n) -> None:
+    if min(m, k, n) < 1:  # an empty operand would only fail inside the ranks
+        raise ValueError(f"shape {name!r} = {m}x{k}x{n}: expected M, K and N >= 1")
+
+
 def parse_shapes(text: str, op: str, scale: int) -> list[tuple[str, tuple[int, int, int]]]:
     """``"llama3-8b"`` (that model's layers for ``op``) or ``"MxKxN,MxKxN"``."""
     out = []
@@ -50,6 +58,7 @@ def parse_shapes(text: str, op: str, scale: int) -> list[tuple[str, tuple[int, i
             m, k, n = (int(v) for v in item.lower().split("x"))
         except ValueError:
             raise ValueError(f"shape {item!r}: expected a model ({', '.join(MODELS)}) or MxKxN") from None
+        _check_shape(item, m, k, n)
         out.append((item, (m, k, n)))
     return out
 
@@ -73,6 +82,7 @@ class TpOpsConfig:
             raise ValueError(f"methods={list(self.methods)}: expected a non-empty subset of baseline, decomposed, "
                              "symm, fused, auto")
         for name, (m, k, n) in self.shapes:
+            _check_shape(name, m, k, n)
             split = (m, n) if self.op == "ag-matmul" else (m, k)
             if world and any(d % world for d in split):
                 raise ValueError(f"shape {name} = {m}x{k}x{n}: {'M and N' if self.op == 'ag-matmul' else 'M and K'} "
@@ -100,28 +110,27 @@ def run_tp_ops(config: TpOpsConfig, group=None) -> list[dict]:
         torch.device("cpu")
     dtype = DTYPES[config.dtype]
     fn = ok.all_gather_matmul if config.op == "ag-matmul" else ok.matmul_reduce_scatter
+    methods = available_methods(dict.fromkeys(("baseline", *config.methods)), group, device, config.op)
     rows = []
     with torch.no_grad():
-        for name, (m, k, n) in config.shapes:
+        for name, (m, k, n) in track(config.shapes, config.op, enabled=dist.get_rank(group) == 0):
             a, b, (gm, gk, gn) = _operands(config.op, m, k, n, world, dtype, device)
             a_full = torch.randn(gm, gk).to(device, dtype)  # this rank's GEMM alone: what overlap can reach
-            t_gemm = slowest_rank(summarize(time_calls(lambda: a_full @ b, config.iters, config.warmup, device, group)),
-                                  device, group)["median_s"]
+            t_gemm = slowest_rank(summarize(time_local(lambda: a_full @ b, config.iters, config.warmup, device,
+                                                       group)), device, group)["median_s"]
             times = {}
-            for method in dict.fromkeys(("baseline", *config.methods)):  # baseline first: the reference
+            for method in methods:  # baseline first: the reference
                 with telemetry(device) as tel:
-                    stats = summarize(time_calls(lambda: fn(a, b, group, method=method), config.iters,
-                                                 config.warmup, device, group))
-                times[method] = slowest_rank(stats, device, group)["median_s"]
+                    stats = slowest_rank(summarize(time_calls(lambda: fn(a, b, group, method=method), config.iters,
+                                                              config.warmup, device, group)), device, group)
+                t = times[method] = stats["median_s"]
                 if method not in config.methods:
                     continue
                 rows.append({"op": config.op, "layer": name, "M": m, "K": k, "N": n, "method": method,
                              "world_size": world, "backend": dist.get_backend(group), "dtype": config.dtype,
-                             "time_us": times[method] * 1e6, "gemm_us": t_gemm * 1e6,
-                             "tflops": 2 * gm * gk * gn / times[method] / 1e12,
-                             "speedup": times["baseline"] / times[method],
-                             "efficiency": overlap_efficiency(times[method], times["baseline"], t_gemm),
-                             **tel.summary()})
+                             **row_times(stats), "gemm_us": t_gemm * 1e6, "tflops": 2 * gm * gk * gn / t / 1e12,
+                             "speedup": times["baseline"] / t,
+                             "efficiency": overlap_efficiency(t, times["baseline"], t_gemm), **tel.summary()})
     return rows
 
 
