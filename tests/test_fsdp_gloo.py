@@ -229,8 +229,9 @@ def test_mixed_dtypes_in_one_unit_are_refused(rank_pool):
         assert "unit 'a': parameters must share one device and dtype" in message
 
 
-def _tp_dp_on_rank():
-    """GPT with TP=2 (+SP) inside, ZeRO-3 over DP=2, vs the dense GPT on the whole batch."""
+def _tp_dp_on_rank(layout=None, stage=3):
+    """GPT with TP=2 (+SP) inside (or CP=2: ring attention, every gradient partial over CP),
+    ZeRO over DP=2, vs the dense GPT on the whole batch."""
     from overlapkernels.layers import TransformerBlock
     from overlapkernels.models import GPT, GPTConfig, shard_dense_state_dict
 
@@ -249,10 +250,10 @@ def _tp_dp_on_rank():
         dense.loss(tokens, targets).backward()
         dense_opt.step()
 
-    dims = ok.init_parallel(tp=2)
+    dims = ok.init_parallel(**(layout or dict(tp=2)))
     model = GPT(config, dims, dtype=torch.float64)
     model.load_state_dict(shard_dense_state_dict(model, start))
-    sharded = fsdp.shard(model, dims.dp_group, stage=3, units=(TransformerBlock,), optimizer=adamw)
+    sharded = fsdp.shard(model, dims.dp_group, stage=stage, units=(TransformerBlock,), optimizer=adamw)
     mine = slice(dims.dp_rank * 2, (dims.dp_rank + 1) * 2)
     for tokens, targets in batches:
         sharded.module.loss(tokens[mine], targets[mine]).backward()
@@ -267,6 +268,12 @@ def _tp_dp_on_rank():
 
 def test_tp2_by_dp2_with_the_tp_layers(rank_pool):
     assert rank_pool(4).run(_tp_dp_on_rank) == [True] * 4
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_cp2_by_dp2_sums_context_parallel_gradients(rank_pool, stage):
+    """Stage 3 frees the full gradients during backward: only fsdp can sum them over CP."""
+    assert rank_pool(4).run(_tp_dp_on_rank, dict(cp=2), stage) == [True] * 4
 
 
 class WithFrozenAndUnused(nn.Module):

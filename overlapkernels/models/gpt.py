@@ -72,6 +72,9 @@ class GPT(nn.Module):
             self.norm = RMSNorm(config.hidden, sequence_parallel=sp, group=tp, **kw)
             self.lm_head = ColumnParallelLinear(config.hidden, config.vocab_size, tp, bias=False,
                                                 sequence_parallel=sp, method=config.method, **kw)
+        if self.cp_group is not None:  # every gradient is partial over CP: fsdp.shard sums it there
+            for p in self.parameters():
+                p.context_parallel_group = self.cp_group
 
     def local_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's part of a [B, S] batch along the sequence (all of it without CP)."""
@@ -119,12 +122,14 @@ class GPT(nn.Module):
 
     def sync_grads(self) -> None:
         """After backward: SP-partial gradients summed over TP, then every gradient over CP.
-        Not under ``fsdp.shard``, which sums the SP-partial ones over TP itself (twice would
-        multiply them by the TP size)."""
+        Not needed under ``fsdp.shard``, which sums both itself; parameters it manages are skipped
+        here (summing twice would multiply them by the TP or CP size)."""
         if self.sequence_parallel:
             allreduce_sequence_parallel_grads(self, self.dims.tp_group)
-        if self.cp_group is not None:
-            all_reduce_coalesced([p.grad for p in self.parameters() if p.grad is not None], self.cp_group)
+        if self.cp_group is not None:  # (under fsdp.shard the units sum over CP themselves)
+            all_reduce_coalesced([p.grad for p in self.parameters()
+                                  if p.grad is not None and not getattr(p, "_fsdp_sums_context_parallel", False)],
+                                 self.cp_group)
 
 
 def shard_dense_state_dict(model: nn.Module, dense: dict, group=None) -> dict:

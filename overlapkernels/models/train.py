@@ -1,9 +1,10 @@
 """4-D training of the GPT: DP x PP x CP x TP in one mesh.
 
 Each rank builds its pipeline stage of the GPT (TP + SP inside, ring attention over CP), runs the
-schedule's microbatches through ``PipelineRunner``, sums the CP partial gradients, and takes a
-ZeRO-1 step over DP (``fsdp.shard(stage=1)``: gradients reduce-scattered and averaged once per
-step, after the last microbatch). Sequence-parallel gradients are summed over TP by fsdp itself.
+schedule's microbatches through ``PipelineRunner`` and takes a ZeRO-1 step over DP
+(``fsdp.shard(stage=1)``: gradients reduce-scattered and averaged once per step, after the last
+microbatch). fsdp itself sums the partial gradients: sequence-parallel ones over TP, and, under
+CP, every reduced shard over CP (the GPT tags its parameters with its CP group).
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import all_reduce_coalesced
 from ..ops.cross_entropy import vocab_parallel_cross_entropy
 from ..ops.sequence_shard import shard_sequence
 from ..runtime import fsdp
@@ -75,9 +75,6 @@ class Trainer:
         self._tokens = max(1, int((targets != self.config.ignore_index).sum()))
         loss = self.runner.step(self.local_batch(tokens) if first else None,
                                 self.local_batch(targets) if last else None)
-        if self.dims.cp_size > 1:  # each CP rank saw part of the sequence: its gradient is partial
-            all_reduce_coalesced([p.grad for p in self.stage.parameters() if p.grad is not None],
-                                 self.dims.cp_group)
         self.sharded.step()
         value = torch.zeros((), dtype=torch.float64, device=self.device)
         if loss is not None:

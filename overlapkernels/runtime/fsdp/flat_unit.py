@@ -51,6 +51,17 @@ class FlatUnit:
         for p in params:  # fsdp sums these over TP itself; the layers' helper leaves them alone
             if getattr(p, "sequence_parallel", False) and getattr(p, "sequence_parallel_group", None) is not None:
                 p._fsdp_sums_sequence_parallel = True
+        # context parallelism: each CP rank saw part of the sequence, so every gradient of a model
+        # tagged ``context_parallel_group`` is partial; the unit sums its reduced shard over that
+        # group (CP peers own the same shard), at any stage, before the optimizer sees it
+        cp_groups = {getattr(p, "context_parallel_group", None) for p in params}
+        if len(cp_groups) > 1:
+            raise ValueError(f"unit {name!r}: some parameters carry a context_parallel_group and some do not (or "
+                             "different ones); tag every parameter of a context-parallel model alike")
+        self.cp_group = cp_groups.pop()
+        if self.cp_group is not None:
+            for p in params:  # GPT.sync_grads leaves these to fsdp
+                p._fsdp_sums_context_parallel = True
         self.gathered = True
         self.pending_gather = None   # (work, staged shard) of an async gather in flight
         self.pending_reduce = []     # (work, output) of async reduce-scatters in flight
@@ -135,6 +146,9 @@ class FlatUnit:
         for work, out, _ in self.pending_reduce:
             if work is not None:
                 work.wait()
+            if self.cp_group is not None:  # a shard of the DP mean, partial over CP: sum it
+                with span(f"ok/fsdp/{self.name}/cp_all_reduce/comm"):
+                    dist.all_reduce(out, group=self.cp_group)
             self.master.grad += out.to(self.master_dtype)
         self.pending_reduce = []
 
