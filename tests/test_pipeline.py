@@ -56,7 +56,13 @@ def test_comm_time_and_busy():
 def test_deadlock_and_broken_schedules_are_named():
     sched = pp.make_schedule("1f1b", 2, 2)
     sched.actions[1] = [sched.actions[1][1], sched.actions[1][0]] + sched.actions[1][2:]  # BW before its F
-    with pytest.raises(pp.ScheduleError, match=r"deadlock: no action can start; next on each rank: .*BW1.0"):
+    with pytest.raises(pp.ScheduleError, match=r"^deadlock: BW1.0 needs F1.0, which rank 1 queues after it; "
+                                                r"next on each rank: BW0.0, BW1.0$"):
+        pp.validate(sched)
+    A = pp.Action  # a loop across ranks: BW0.0 waits for BW1.0, queued behind F1.1, which waits for F0.1
+    sched.actions = [[A("F", 0, 0), A("BW", 0, 0), A("F", 0, 1), A("BW", 0, 1)],
+                     [A("F", 1, 0), A("F", 1, 1), A("BW", 1, 0), A("BW", 1, 1)]]
+    with pytest.raises(pp.ScheduleError, match=r"^deadlock: BW0.0 needs BW1.0, which rank 1 queues after F1.1 "):
         pp.validate(sched)
     sched = pp.make_schedule("gpipe", 2, 2)
     sched.actions[0].pop()

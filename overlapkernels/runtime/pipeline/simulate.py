@@ -38,6 +38,33 @@ def _deps(action, last_stage):
     return [("B", s, m)]  # W
 
 
+def _deadlock_message(schedule: Schedule, pos: list, done: dict) -> str:
+    """Names the first violated dependency: follow what the first blocked action waits for, and
+    what holds that back, until the chain closes; in the loop some action waits for one queued
+    behind another on its rank (dependencies alone never form a loop): that order is the error."""
+    where = {(a.op, a.stage, a.microbatch): (r, i) for r, acts in enumerate(schedule.actions)
+             for i, a in enumerate(acts)}
+    heads = [acts[pos[r]] if pos[r] < len(acts) else None for r, acts in enumerate(schedule.actions)]
+    blocked = ", ".join(str(h) for h in heads if h is not None)
+    name = "{}{}.{}".format
+    action, chain = next(h for h in heads if h is not None), []
+    while action not in [c[0] for c in chain]:
+        for dep in _deps(action, schedule.num_stages - 1):
+            if dep[0] == "grad":  # the input gradient comes from B or BW of the next stage
+                dep = ("B", dep[1], dep[2]) if ("B", dep[1], dep[2]) in where else ("BW", dep[1], dep[2])
+            if dep not in done:
+                break
+        if dep not in where:
+            return f"deadlock: {action} needs {name(*dep)}, which no rank runs; next on each rank: {blocked}"
+        rank = where[dep][0]
+        chain.append((action, dep, rank))
+        action = heads[rank]  # dep itself when it is next on its rank, else what stands before it
+    loop = chain[[c[0] for c in chain].index(action):]
+    first, dep, rank = next(c for c in loop if heads[c[2]] != schedule.actions[c[2]][where[c[1]][1]])
+    behind = "it" if heads[rank] == first else f"{heads[rank]} (blocked too)"
+    return f"deadlock: {first} needs {name(*dep)}, which rank {rank} queues after {behind}; next on each rank: {blocked}"
+
+
 def validate(schedule: Schedule) -> None:
     """Raise ``ScheduleError`` naming the first problem: a misplaced, duplicated or missing action,
     or a dependency that can never be met (deadlock)."""
@@ -99,8 +126,7 @@ def simulate(schedule: Schedule, *, t_f: float = 1.0, t_b: float = 1.0, t_w: flo
             if ready and (best is None or start < best[0]):
                 best = (start, r, a)
         if best is None:
-            blocked = [str(schedule.actions[r][pos[r]]) for r in range(p) if pos[r] < len(schedule.actions[r])]
-            raise ScheduleError(f"deadlock: no action can start; next on each rank: {', '.join(blocked)}")
+            raise ScheduleError(_deadlock_message(schedule, pos, done))
         start, r, a = best
         end = start + cost[a.op]
         done[(a.op, a.stage, a.microbatch)] = (end, r)
