@@ -9,6 +9,8 @@ from torch.nn import functional as F
 
 from overlapkernels.comm.rank_pool import RankError, RankPool
 from overlapkernels.runtime import pipeline as pp
+from overlapkernels.runtime.pipeline import p2p
+from overlapkernels.runtime.pipeline.weight_grad import deferring
 
 
 def _cases():
@@ -93,6 +95,8 @@ def test_render_text_and_png(tmp_path):
 
 # ---------------------------------------------------------------------------------- executor
 WIDTH = 5
+_ORIGINAL_POST = pp.PipelineRunner._post
+_ORIGINAL_RUN = pp.WeightGradStore.run
 
 
 def _model(num_stages, layers_per_stage=2):
@@ -108,7 +112,15 @@ def _stage(model, stage, layers_per_stage=2):
     return model[stage * per:(stage + 1) * per]
 
 
-def _executor_on_rank(kind, m, v):
+def _recording_post(log):
+    """Wraps the runner's one P2P seam: each batch as [(send?, peer, what, boundary, mb, shape)]."""
+    def post(self, batch, tensors):
+        log.append([(m.send, m.peer, m.what, m.boundary, m.microbatch, tuple(t.shape)) for m, t in zip(batch, tensors)])
+        return _ORIGINAL_POST(self, batch, tensors)
+    return post
+
+
+def _executor_on_rank(kind, m, v, module_list=False):
     p, rank = dist.get_world_size(), dist.get_rank()
     sched = pp.make_schedule(kind, p, m, num_virtual=v)
     g = torch.Generator().manual_seed(3)
@@ -117,11 +129,16 @@ def _executor_on_rank(kind, m, v):
     ref = _model(p * v)
     F.mse_loss(ref(x), y).backward()
     model = _model(p * v)
-    if kind == "zb-h1":
-        pp.enable_zero_bubble(model)
     stages = [_stage(model, c * p + rank) for c in range(v)]
-    runner = pp.PipelineRunner(stages if v > 1 else stages[0], schedule=sched, loss_fn=F.mse_loss)
-    loss = runner.step(x if rank == 0 else None, y if sched.rank_of(sched.num_stages - 1) == rank else None)
+    runner = pp.PipelineRunner(nn.ModuleList(stages) if module_list else stages if v > 1 else stages[0],
+                               schedule=sched, loss_fn=F.mse_loss)
+    log, deferred = [], []
+    pp.PipelineRunner._post = _recording_post(log)
+    pp.WeightGradStore.run = lambda self: (deferred.append(len(self.closures)), _ORIGINAL_RUN(self))[1]
+    try:
+        loss = runner.step(x if rank == 0 else None, y if sched.rank_of(sched.num_stages - 1) == rank else None)
+    finally:
+        pp.PipelineRunner._post, pp.WeightGradStore.run = _ORIGINAL_POST, _ORIGINAL_RUN
     if loss is not None:
         torch.testing.assert_close(loss, F.mse_loss(ref(x), y), atol=1e-12, rtol=1e-12)
     for c in range(v):
@@ -129,15 +146,190 @@ def _executor_on_rank(kind, m, v):
         for (name, got), want in zip(_stage(model, s).named_parameters(), _stage(ref, s).parameters()):
             torch.testing.assert_close(got.grad, want.grad, atol=1e-12, rtol=1e-12,
                                        msg=lambda msg, n=name: f"stage {s} {n}: {msg}")
-    return loss is not None
+    # zb-h1 splits unasked: each W runs the deferred weight gradients of the stage's 2 linears
+    assert deferred == ([2] * m if kind == "zb-h1" else []), deferred
+    return loss is not None, log
+
+
+def _replay_like_nccl(logs):
+    """NCCL's rules on the batches each rank posted (independent of ``p2p.check_comm_plan``): per
+    direction the n-th send meets the n-th receive, which must be the same message and shape;
+    a rank's batches run in order and a send completes only while its receiver's batch runs."""
+    p = len(logs)
+    partner = {}
+    for a in range(p):
+        for b in range(p):
+            sends = [(i, j, op) for i, batch in enumerate(logs[a]) for j, op in enumerate(batch) if op[0] and op[1] == b]
+            recvs = [(i, j, op) for i, batch in enumerate(logs[b]) for j, op in enumerate(batch)
+                     if not op[0] and op[1] == a]
+            assert [op[2:] for _, _, op in sends] == [op[2:] for _, _, op in recvs], f"rank {a} -> rank {b}"
+            for (i, j, _), (k, n, _) in zip(sends, recvs):
+                partner[(a, i, j)], partner[(b, k, n)] = (b, k, n), (a, i, j)
+    cur, matched, moved = [0] * p, set(), True
+    while moved:
+        moved = False
+        for r in range(p):
+            while cur[r] < len(logs[r]):
+                for j in range(len(logs[r][cur[r]])):
+                    q, k, n = partner[(r, cur[r], j)]
+                    if cur[q] == k:
+                        matched |= {(r, cur[r], j), (q, k, n)}
+                if any((r, cur[r], j) not in matched for j in range(len(logs[r][cur[r]]))):
+                    break
+                cur[r], moved = cur[r] + 1, True
+    assert cur == [len(log) for log in logs], f"deadlock: ranks stuck at batches {cur}"
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("kind, v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)])
-def test_executor_gradients_equal_full_batch(rank_pool, world, kind, v):
-    m = 2 * world
-    has_loss = rank_pool(world).run(_executor_on_rank, kind, m, v)
-    assert sum(has_loss) == 1  # only the last stage reports the loss
+@pytest.mark.parametrize("more", [0, 1])
+def test_executor_gradients_equal_full_batch(rank_pool, world, kind, v, more):
+    """Exact gradients, and the P2P each rank really posted keeps NCCL's rules."""
+    m = world * (2 + more) if v > 1 else 2 * world + more
+    results = rank_pool(world).run(_executor_on_rank, kind, m, v, module_list=v > 1 and world == 2)
+    assert sum(has_loss for has_loss, _ in results) == 1  # only the last stage reports the loss
+    _replay_like_nccl([log for _, log in results])
+
+
+def _unbatched_plan(sched):
+    """The order of the old runner (the audit's finding): one isend or irecv at a time, receives
+    just before their action, sends just after it."""
+    plan = []
+    for rank, actions in enumerate(sched.actions):
+        announced, pending, points = set(), [], []
+        for a in actions:
+            recvs, sends = p2p._traffic(sched, rank, a, announced)
+            points.append([(msg,) for msg in pending + recvs])
+            pending = sends
+        plan.append(points + [[(msg,) for msg in pending]])
+    return plan
+
+
+def _as_log(plan):
+    return [[[(m.send, m.peer, m.what, m.boundary, m.microbatch, ()) for m in batch] for point in points
+             for batch in point] for points in plan]
+
+
+@pytest.mark.parametrize("kind, p, m, v", list(_cases()))
+def test_p2p_plan_keeps_nccl_rules(kind, p, m, v):
+    sched = pp.make_schedule(kind, p, m, num_virtual=v)
+    plan = p2p.comm_plan(sched)
+    p2p.check_comm_plan(sched, plan)
+    _replay_like_nccl(_as_log(plan))
+    assert all(len(point) == len(acts) + 1 for point, acts in zip(plan, sched.actions))
+
+
+def test_p2p_checks_catch_crossed_and_mismatched_orders():
+    sched = pp.make_schedule("1f1b", 2, 2)  # the audit's case: act 1 and grad 0 cross
+    with pytest.raises(pp.ScheduleError, match=r"P2P deadlock: rank 0's batch before BW0.0 waits to 'send to "
+                                               r"rank 1: activation 0->1 microbatch 1', which rank 1 posts only in its "
+                                               r"batch before F1.1"):
+        p2p.check_comm_plan(sched, _unbatched_plan(sched))
+    with pytest.raises(AssertionError, match="deadlock"):
+        _replay_like_nccl(_as_log(_unbatched_plan(sched)))
+    # Megatron's 1F1B rule (one action's sends with the next one's receives) on interleaved: two
+    # ranks each send a gradient the other receives only after its next forward
+    sched = pp.make_schedule("interleaved-1f1b", 2, 4, num_virtual=2)
+    per_action = []
+    for rank, actions in enumerate(sched.actions):
+        announced, pending, points = set(), [], []
+        for a in actions:
+            recvs, sends = p2p._traffic(sched, rank, a, announced)
+            shape = [msg for msg in recvs if msg.what == "shape"]  # sizes the activation: a batch earlier
+            batches = [pending + shape, [msg for msg in recvs if msg.what != "shape"]] if shape else [pending + recvs]
+            points.append([tuple(b) for b in batches if b])
+            pending = sends
+        per_action.append(points + [[tuple(pending)] if pending else []])
+    with pytest.raises(pp.ScheduleError, match="P2P deadlock"):
+        p2p.check_comm_plan(sched, per_action)
+    with pytest.raises(AssertionError, match="deadlock"):
+        _replay_like_nccl(_as_log(per_action))
+    # microbatches out of order on one side: NCCL would hand rank 1 microbatch 1 as microbatch 0
+    sched = pp.make_schedule("gpipe", 2, 2)
+    sched.actions[0][:2] = sched.actions[0][1::-1]
+    with pytest.raises(pp.ScheduleError, match=r"P2P mismatch: message #0 from rank 0 to rank 1 is shape 0->1 "
+                                               r"microbatch 1, but rank 1 posts 'receive from rank 0: activation "
+                                               r"0->1 microbatch 1' for it"):
+        p2p.check_comm_plan(sched, p2p.comm_plan(sched))
+    with pytest.raises(AssertionError, match="rank 0 -> rank 1"):
+        _replay_like_nccl(_as_log(p2p.comm_plan(sched)))
+
+
+def _odd_stages_on_rank(first_param_less):
+    """A stage without parameters (first or last), two steps of different batch sizes."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    layers = [nn.Tanh(), nn.Linear(WIDTH, WIDTH).double()]
+    if not first_param_less:
+        layers.reverse()
+    model = nn.Sequential(*layers)
+    runner = pp.PipelineRunner(model[rank], schedule=pp.make_schedule("1f1b", 2, 2), loss_fn=F.mse_loss)
+    for rows in (4, 6):  # shapes cross each step: the second batch is not read with the first's
+        g = torch.Generator().manual_seed(rows)
+        x, y = (torch.randn(rows, WIDTH, generator=g, dtype=torch.float64) for _ in range(2))
+        model.zero_grad()
+        loss = runner.step(x if rank == 0 else None, y if rank == 1 else None)
+        ref = nn.Sequential(*layers)
+        want = F.mse_loss(ref(x), y)
+        if rank == 1:
+            torch.testing.assert_close(loss, want, atol=1e-12, rtol=1e-12)
+        params = list(model[rank].parameters())  # this rank's stage
+        grads = [p.grad.clone() for p in params]
+        model.zero_grad()
+        want.backward()
+        for got, p in zip(grads, params):
+            torch.testing.assert_close(got, p.grad, atol=1e-12, rtol=1e-12)
+    return True
+
+
+@pytest.mark.parametrize("first_param_less", [True, False])
+def test_stage_without_parameters(rank_pool, first_param_less):
+    assert rank_pool(2).run(_odd_stages_on_rank, first_param_less) == [True, True]
+
+
+def test_bad_stage_modules_are_named():
+    sched = pp.make_schedule("interleaved-1f1b", 2, 2, num_virtual=2)
+    with pytest.raises(TypeError, match=r"stage_module_or_modules\[1\]=int: expected an nn.Module or a callable"):
+        pp.PipelineRunner([nn.Tanh(), 3], schedule=sched, loss_fn=F.mse_loss)
+
+
+class _PlainSubclass(nn.Linear):
+    pass
+
+
+class _Scaled(nn.Linear):  # its own forward: not what the split computes, left alone
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_zero_bubble_split_keeps_autograd_semantics():
+    """Frozen weights get no gradient; plain subclasses split, others stay whole; W gives what
+    autograd gives (exact)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), _PlainSubclass(4, 4), _Scaled(4, 4), nn.Linear(4, 4, bias=False)).double()
+    ref[0].weight.requires_grad_(False)
+    ref[3].weight.requires_grad_(False)
+    model = nn.Sequential(*(type(layer)(4, 4, bias=layer.bias is not None) for layer in ref)).double()
+    model.load_state_dict(ref.state_dict())
+    for a, b in zip(model.parameters(), ref.parameters()):
+        a.requires_grad_(b.requires_grad)
+    parametrized = torch.nn.utils.parametrizations.orthogonal(nn.Linear(4, 4))
+    pp.enable_zero_bubble(model)
+    pp.enable_zero_bubble(parametrized)
+    assert [pp.splits_weight_grad(layer) for layer in model] == [True, True, False, True]
+    assert not pp.splits_weight_grad(parametrized) and "forward" not in vars(parametrized)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    store = pp.WeightGradStore()
+    with deferring(store):
+        model(x).sum().backward()
+    assert model[1].weight.grad is None and model[2].weight.grad is not None  # B: split ones wait for W
+    assert len(store.closures) == 2  # [1] (weight, bias) and [0] (bias only); [3] is all frozen
+    store.run()
+    ref(x.detach().requires_grad_()).sum().backward()
+    for (name, got), want in zip(model.named_parameters(), ref.parameters()):
+        assert (got.grad is None) == (want.grad is None), name
+        if want.grad is not None:
+            torch.testing.assert_close(got.grad, want.grad, atol=0, rtol=0, msg=name)
 
 
 def _dies_mid_step():

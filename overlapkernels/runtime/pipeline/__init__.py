@@ -3,7 +3,8 @@ from .render import render
 from .runner import PipelineRunner, PipelineTimeout
 from .schedule import KINDS, Action, Schedule, make_schedule
 from .simulate import ScheduleError, SimResult, simulate, validate
-from .weight_grad import WeightGradStore, enable_zero_bubble
+from .weight_grad import WeightGradStore, enable_zero_bubble, splits_weight_grad
 
 __all__ = ["make_schedule", "Action", "Schedule", "KINDS", "validate", "simulate", "SimResult", "ScheduleError",
-           "render", "PipelineRunner", "PipelineTimeout", "WeightGradStore", "enable_zero_bubble"]
+           "render", "PipelineRunner", "PipelineTimeout", "WeightGradStore", "enable_zero_bubble",
+           "splits_weight_grad"]

@@ -1,106 +1,166 @@
 """Executes a pipeline schedule: microbatches, activation/gradient P2P, gradient accumulation.
 
-Sends are asynchronous and awaited at the end of the step; receives wait with a timeout and name
-the stage, microbatch and peer when nothing comes. Every message has a tag of its own (kind,
-stage, microbatch), so gloo can never pair the wrong buffers; NCCL pairs in posting order, which
-these schedules keep consistent per direction. Activation shapes cross each stage boundary once
-per step (a few bytes) and are cached for its microbatches, so a new batch shape is never misread.
-Only the first and last stages see the data: check batch shapes on every rank before ``step``
-(``models.train.Trainer`` does), or a middle stage learns of a bad batch only by its timeout.
+P2P follows ``p2p.comm_plan``: ``batch_isend_irecv`` batches posted between actions in an order
+that can neither deadlock nor pair the wrong tensors under NCCL (no tags, FIFO per pair, a send
+waits for its receiver); the plan of every rank is checked at construction, before any rank
+communicates. Messages also carry tags, so gloo pairs them by name. A receive is waited for when
+its action needs it, sends at the end of the step, each with a timeout naming the stage,
+microbatch and peer. Only the first and last stages see the data: check batch shapes on every rank
+before ``step`` (``models.train.Trainer`` does), or a middle stage learns of a bad batch only by its
+timeout. Under a schedule with W actions (ZB-H1) the stage modules' linears defer their weight
+gradients to W (``enable_zero_bubble``, applied here).
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ...parallel import resolve_group
 from ...profiling.ranges import span
+from .p2p import check_comm_plan, comm_plan
 from .simulate import validate
-from .weight_grad import WeightGradStore, deferring
+from .weight_grad import WeightGradStore, deferring, enable_zero_bubble
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 _META_LEN = 10
+_KINDS = ("shape", "activation", "gradient")
 
 
 class PipelineTimeout(RuntimeError):
     """A peer did not send in time; names the stage, microbatch and peer rank."""
 
 
+def _stage_list(stage_module_or_modules) -> list:
+    """One stage module, or a list / tuple / ``nn.ModuleList`` of this rank's virtual stages."""
+    arg = stage_module_or_modules
+    mods = list(arg) if isinstance(arg, (list, tuple, nn.ModuleList)) else [arg]
+    for i, mod in enumerate(mods):
+        if not callable(mod):
+            raise TypeError(f"stage_module_or_modules[{i}]={type(mod).__name__}: expected an nn.Module or a callable")
+    return mods
+
+
+def _stage_device(modules, group) -> torch.device:
+    for mod in modules:
+        if isinstance(mod, nn.Module):
+            for t in itertools.chain(mod.parameters(), mod.buffers()):
+                return t.device
+    # a stage with no parameters or buffers (an activation, a reshape): NCCL moves CUDA tensors only
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class PipelineRunner:
-    def __init__(self, stage_module_or_modules, group=None, schedule=None, loss_fn=None, *, timeout: float = 300.0):
+    def __init__(self, stage_module_or_modules, group=None, schedule=None, loss_fn=None, *, timeout: float = 300.0,
+                 device=None):
+        """``device``: where received tensors go; by default that of the stage's first parameter
+        or buffer, else the current CUDA device under NCCL and the CPU otherwise."""
         if schedule is None or loss_fn is None:
             raise ValueError("PipelineRunner needs schedule= and loss_fn=")
+        modules = _stage_list(stage_module_or_modules)
         self.group = resolve_group(group)
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         if schedule.num_ranks != self.world:
             raise ValueError(f"schedule has {schedule.num_ranks} ranks but the pipeline group has {self.world}")
-        validate(schedule)
-        modules = stage_module_or_modules if isinstance(stage_module_or_modules, (list, tuple)) else \
-            [stage_module_or_modules]
         if len(modules) != schedule.num_virtual:
             raise ValueError(f"{len(modules)} stage modules on this rank, the schedule has {schedule.num_virtual} "
                              "per rank")
+        validate(schedule)
+        plan = comm_plan(schedule)
+        check_comm_plan(schedule, plan)  # every rank checks every rank's plan: all fail alike, before any P2P
+        self.plan = plan[self.rank]
+        if any(a.op == "W" for acts in schedule.actions for a in acts):
+            for mod in modules:
+                if isinstance(mod, nn.Module):
+                    enable_zero_bubble(mod)
         self.modules = {chunk * self.world + self.rank: mod for chunk, mod in enumerate(modules)}
+        self.device = torch.device(device) if device is not None else _stage_device(modules, self.group)
         self.schedule, self.loss_fn, self.timeout = schedule, loss_fn, timeout
         self.last_stage = schedule.num_stages - 1
-        self._shapes: dict = {}  # stage boundary -> (shape, dtype) of the activation crossing it (per step)
+        self._joined = False
 
     # -- point to point -----------------------------------------------------------------------
-    def _tag(self, kind: int, stage: int, mb: int) -> int:
-        return (kind * self.schedule.num_stages + stage) * self.schedule.num_microbatches + mb + 1
+    def _tag(self, msg) -> int:
+        return (_KINDS.index(msg.what) * self.schedule.num_stages + msg.boundary) * \
+            self.schedule.num_microbatches + msg.microbatch + 1
 
-    def _peer(self, stage: int) -> int:
-        return dist.get_global_rank(self.group, self.schedule.rank_of(stage))
+    def _fail(self, msg, why: str, cause=None) -> PipelineTimeout:
+        """Names this rank's stage, the microbatch, the peer rank and its stage."""
+        here, there = (msg.boundary, msg.boundary + 1) if (msg.what == "gradient") != msg.send else \
+            (msg.boundary + 1, msg.boundary)
+        return PipelineTimeout(f"stage {here} microbatch {msg.microbatch}: {why} rank {msg.peer} (stage {there}) "
+                               f"({str(cause).splitlines()[0][:160] if cause else 'no answer'})")
 
-    def _wait(self, work, what: str, stage: int, mb: int, peer_stage: int) -> None:
+    def _wait(self, work, msg) -> None:
         try:
-            ok, cause = work.wait(timedelta(seconds=self.timeout)), None
+            with span(f"ok/pipeline/{msg.what}{msg.boundary}.{msg.microbatch}/comm"):
+                ok, cause = work.wait(timedelta(seconds=self.timeout)), None
         except RuntimeError as exc:  # gloo: timed out, or the peer's connection closed
             ok, cause = False, exc
         if ok is False:
-            why = str(cause).splitlines()[0][:160] if cause else "no answer"
-            raise PipelineTimeout(f"stage {stage} microbatch {mb}: no {what} from rank "
-                                  f"{self.schedule.rank_of(peer_stage)} (stage {peer_stage}) within "
-                                  f"{self.timeout:g} s ({why})") from cause
+            why = f"no receipt of the {msg.what} by" if msg.send else f"no {msg.what} from"
+            raise self._fail(msg, f"{why}", cause) from cause
 
-    def _send(self, tensor, to_stage, kind, stage, mb):
-        what = ("activation shape", "activation", "gradient")[kind]
+    def _post(self, batch, tensors) -> list:
+        """The one place P2P leaves this rank: one ``batch_isend_irecv`` per batch of the plan."""
+        ops = [dist.P2POp(dist.isend if msg.send else dist.irecv, t, dist.get_global_rank(self.group, msg.peer),
+                          self.group, self._tag(msg)) for msg, t in zip(batch, tensors)]
         try:
-            with span(f"ok/pipeline/{stage}.{mb}/send/comm"):
-                work = dist.isend(tensor.contiguous(), self._peer(to_stage), self.group, self._tag(kind, stage, mb))
+            with span("ok/pipeline/post/comm"):
+                return dist.batch_isend_irecv(ops)
         except RuntimeError as exc:  # gloo: the peer's connection is gone
-            raise PipelineTimeout(f"stage {stage} microbatch {mb}: cannot send {what} to rank "
-                                  f"{self.schedule.rank_of(to_stage)} (stage {to_stage}) "
-                                  f"({str(exc).splitlines()[0][:160]})") from exc
-        self._pending.append((work, what, stage, mb, to_stage))
+            raise self._fail(batch[0], "cannot exchange with", exc) from exc
 
-    def _recv(self, shape, dtype, from_stage, kind, stage, mb, what):
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        with span(f"ok/pipeline/{stage}.{mb}/recv/comm"):
-            work = dist.irecv(buf, self._peer(from_stage), self.group, self._tag(kind, stage, mb))
-            self._wait(work, what, stage, mb, from_stage)
+    def _post_point(self, batches) -> None:
+        for batch in batches:
+            tensors = [self._outgoing(msg) if msg.send else self._buffer(msg) for msg in batch]
+            works = self._post(batch, tensors)
+            # gloo: a request per operation; NCCL: one for the whole (coalesced) batch
+            per_op = works if len(works) == len(batch) else works[-1:] * len(batch)
+            for msg, t, work in zip(batch, tensors, per_op):
+                if msg.send:
+                    self._sends.append((work, msg))
+                else:
+                    self._inbox[msg.label] = (t, work, msg)
+
+    def _take(self, what, boundary, mb):
+        buf, work, msg = self._inbox.pop((what, boundary, mb))
+        self._wait(work, msg)
         return buf
 
-    def _send_activation(self, out, stage, mb):
-        if stage not in self._shapes:  # first time across this boundary: shape and dtype first
+    def _outgoing(self, msg):
+        if msg.what == "shape":  # the activation it describes was made by the same action
+            out = self._outbox[("activation", msg.boundary, msg.microbatch)]
             meta = torch.zeros(_META_LEN, dtype=torch.int64)
             meta[0], meta[1] = out.dim(), _DTYPES.index(out.dtype)
             meta[2:2 + out.dim()] = torch.tensor(out.shape)
-            self._send(meta.to(self.device), stage + 1, 0, stage, mb)
-            self._shapes[stage] = (tuple(out.shape), out.dtype)
-        self._send(out.detach(), stage + 1, 1, stage, mb)
+            return meta.to(self.device)
+        return self._outbox.pop(msg.label).contiguous()
 
-    def _recv_activation(self, stage, mb):
-        boundary = stage - 1
-        if boundary not in self._shapes:
-            meta = self._recv((_META_LEN,), torch.int64, boundary, 0, boundary, mb, "activation shape")
+    def _buffer(self, msg):
+        if msg.what == "shape":
+            return torch.empty(_META_LEN, dtype=torch.int64, device=self.device)
+        if msg.boundary not in self._shapes:  # the shape came one batch earlier: read it now
+            meta = self._take("shape", msg.boundary, msg.microbatch)
             nd = int(meta[0])
-            self._shapes[boundary] = (tuple(int(v) for v in meta[2:2 + nd]), _DTYPES[int(meta[1])])
-        shape, dtype = self._shapes[boundary]
-        return self._recv(shape, dtype, boundary, 1, boundary, mb, "activation")
+            self._shapes[msg.boundary] = (tuple(int(v) for v in meta[2:2 + nd]), _DTYPES[int(meta[1])])
+        shape, dtype = self._shapes[msg.boundary]
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _send_later(self, what, boundary, mb, tensor) -> None:
+        if what == "activation":  # every microbatch of a step must match the shape announced once
+            seen = self._shapes.setdefault(boundary, (tuple(tensor.shape), tensor.dtype))
+            if seen != (tuple(tensor.shape), tensor.dtype):
+                raise ValueError(f"stage {boundary} microbatch {mb}: output {tuple(tensor.shape)} {tensor.dtype} "
+                                 f"differs from this step's first microbatch ({seen[0]} {seen[1]})")
+        self._outbox[(what, boundary, mb)] = tensor
 
     # -- the step -----------------------------------------------------------------------------
     def step(self, inputs=None, targets=None):
@@ -108,32 +168,40 @@ class PipelineRunner:
         Gradients accumulate in the stage modules (equal to the full batch's)."""
         m = self.schedule.num_microbatches
         has_first, has_last = 0 in self.modules, self.last_stage in self.modules
-        if has_first and inputs is None:
-            raise ValueError("the first stage's rank must pass inputs")
-        if has_last and targets is None:
-            raise ValueError("the last stage's rank must pass targets")
-        for name, t in (("inputs", inputs), ("targets", targets)):
-            if t is not None and t.shape[0] % m:
-                raise ValueError(f"{name}.shape[0]={t.shape[0]} is not divisible by {m} microbatches")
-        self.device = next(iter(self.modules.values())).parameters().__next__().device
+        for name, t, needed in (("inputs", inputs, has_first), ("targets", targets, has_last)):
+            if needed and t is None:
+                raise ValueError(f"the {'first' if name == 'inputs' else 'last'} stage's rank must pass {name}")
+            if t is not None and not torch.is_tensor(t):
+                raise TypeError(f"{name}={type(t).__name__}: expected a tensor (microbatches split on dim 0)")
+            if t is not None and (t.dim() == 0 or t.shape[0] % m):
+                raise ValueError(f"{name}.shape={tuple(t.shape)}: dim 0 must be divisible by {m} microbatches")
+        if not self._joined and "nccl" in str(dist.get_backend(self.group)):
+            # torch: batch_isend_irecv as the group's first NCCL call must involve all its ranks
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+        self._joined = True
         inputs_mb = inputs.chunk(m) if has_first else None
         targets_mb = targets.chunk(m) if has_last else None
-        self._pending, state, stores, losses = [], {}, {}, []
-        self._shapes = {}  # one shape message per boundary per step: a new batch shape is always seen
+        self._sends, self._inbox, self._outbox = [], {}, {}
+        # Shapes cross each boundary once per step, not once per runner: a middle stage never sees
+        # the batch, so only a message can tell it that this step's batch (a sequence length, a
+        # last smaller batch) differs from the previous one; a cache would misread it. 80 bytes.
+        self._shapes = {}
+        state, stores, losses = {}, {}, []
         self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0}  # time in module compute, per op kind
         step_start = time.perf_counter()
         with span(f"ok/pipeline[{self.schedule.kind}]"):  # op window: P2P vs the stages' compute
-            for a in self.schedule.actions[self.rank]:
+            for k, a in enumerate(self.schedule.actions[self.rank]):
+                self._post_point(self.plan[k])
                 with span(f"ok/pipeline/{a}"):
                     self._run_action(a, inputs_mb, targets_mb, state, stores, losses)
-            for work, what, stage, mb, to_stage in self._pending:  # sends: done once their peers received
-                with span(f"ok/pipeline/{stage}.{mb}/send/comm"):
-                    self._wait(work, f"receipt of the {what}", stage, mb, to_stage)
+            self._post_point(self.plan[-1])
+            for work, msg in self._sends:  # done once their peers received
+                self._wait(work, msg)
         self.step_s = time.perf_counter() - step_start
         return torch.stack(losses).sum() if has_last else None
 
     def _run_action(self, a, inputs_mb, targets_mb, state, stores, losses) -> None:
-        """One F, B, BW or W: receive what it needs, compute, send what it made."""
+        """One F, B, BW or W: take what it needs, compute, leave what it made for the next batch."""
         m = self.schedule.num_microbatches
         s, mb = a.stage, a.microbatch
         if a.op == "F":
@@ -142,7 +210,7 @@ class PipelineRunner:
             elif self.schedule.rank_of(s - 1) == self.rank:
                 x = state[(s - 1, mb)]["out"].detach().requires_grad_()
             else:
-                x = self._recv_activation(s, mb).requires_grad_()
+                x = self._take("activation", s - 1, mb).requires_grad_()
             t_op = time.perf_counter()
             out = self.modules[s](x)
             if s == self.last_stage:
@@ -150,31 +218,30 @@ class PipelineRunner:
                 losses.append(loss.detach())
                 out = loss
             elif self.schedule.rank_of(s + 1) != self.rank:
-                self._send_activation(out, s, mb)
+                self._send_later("activation", s, mb, out.detach())
             state[(s, mb)] = {"x": x, "out": out}
             self.compute_s["F"] += time.perf_counter() - t_op
         elif a.op in ("B", "BW"):
-            st = state[(s, mb)]
+            st = state.pop((s, mb))
             if s == self.last_stage:
                 grad = None
             elif self.schedule.rank_of(s + 1) == self.rank:
                 grad = state.pop(("grad", s, mb))
             else:
-                shape, dtype = self._shapes[s]
-                grad = self._recv(shape, dtype, s + 1, 2, s, mb, "gradient")
+                grad = self._take("gradient", s, mb)
             t_op = time.perf_counter()
             if a.op == "B":
                 stores[(s, mb)] = WeightGradStore()
-                with deferring(stores[(s, mb)]):
+            if st["out"].requires_grad:  # not so for a first stage without parameters
+                with deferring(stores[(s, mb)]) if a.op == "B" else contextlib.nullcontext():
                     torch.autograd.backward(st["out"], grad)
-            else:
-                torch.autograd.backward(st["out"], grad)
             if s > 0:
+                # an output that does not depend on the input sends a zero gradient, not none
+                grad_x = st["x"].grad if st["x"].grad is not None else torch.zeros_like(st["x"])
                 if self.schedule.rank_of(s - 1) == self.rank:
-                    state[("grad", s - 1, mb)] = st["x"].grad
+                    state[("grad", s - 1, mb)] = grad_x
                 else:
-                    self._send(st["x"].grad, s - 1, 2, s - 1, mb)
-            del state[(s, mb)]
+                    self._send_later("gradient", s - 1, mb, grad_x)
             self.compute_s[a.op] += time.perf_counter() - t_op
         else:  # W
             t_op = time.perf_counter()
