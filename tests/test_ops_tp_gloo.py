@@ -395,3 +395,42 @@ def _bad_auto_mode_on_rank():
 
 def test_bad_auto_mode_is_rejected_by_name_before_communicating(rank_pool):
     assert rank_pool(2).run(_bad_auto_mode_on_rank) == [2, 2]
+
+
+# ------------------------------------------------------------------------------------ autocast
+def _autocast_on_rank(method):
+    """Inside torch.autocast the ops run in its dtype, as the matmul they replace would, and their
+    gradients reach fp32 leaves in fp32. 0/1 inputs with K = 16: bf16 products are exact."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shards = [_make((6, 16), torch.float32, 10 + r, True) for r in range(world)]
+    b = _make((16, 5), torch.float32, 20, True).requires_grad_()
+    a = shards[rank].clone().requires_grad_()
+    a_rows = torch.cat(shards).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ok.all_gather_matmul(a, b, method=method)
+        out_rs = ok.matmul_reduce_scatter(a_rows, b, method=method)
+    full = torch.cat(shards).bfloat16() @ b.detach().bfloat16()
+    assert out.dtype == out_rs.dtype == torch.bfloat16, (out.dtype, out_rs.dtype)
+    _compare("out", out, full, True, None)
+    _compare("out_rs", out_rs, (world * full.float()).chunk(world)[rank].bfloat16(), True, None)
+    (out.float().sum() + out_rs.float().sum()).backward()
+    assert a.grad.dtype == b.grad.dtype == a_rows.grad.dtype == torch.float32
+    ones = torch.ones(world * 6, 5)
+    _compare("grad a", a.grad, (world * ones @ b.detach().T).chunk(world)[rank], True, None)
+    _compare("grad a_rows", a_rows.grad, ones @ b.detach().T, True, None)
+    want_b = torch.cat(shards).T @ ones + a_rows.detach().T @ ones.chunk(world)[0].repeat(world, 1)
+    _compare("grad b", b.grad, want_b, True, None)
+
+    qkv = [torch.randn(1, 4 * world, 2, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    local = [x.chunk(world, dim=1)[rank] for x in qkv]  # layout="contiguous": rank r holds block r
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        att = ok.ring_attention(*local, causal=True)
+    want = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in qkv), is_causal=True)
+    assert att.dtype == torch.bfloat16
+    torch.testing.assert_close(att.float(), want.transpose(1, 2).chunk(world, dim=1)[rank], atol=2e-2, rtol=2e-2)
+    return True
+
+
+@pytest.mark.parametrize("method", ["baseline", "decomposed"])
+def test_autocast_runs_in_its_dtype(rank_pool, method):
+    assert rank_pool(2).run(_autocast_on_rank, method) == [True, True]

@@ -56,7 +56,8 @@ def column_parallel(x, weights, biases, group, *, sequence_parallel: bool, metho
     else:
         x = copy_to_tp_region(x, group)
         outs = [torch.matmul(x, w.t()) for w in weights]
-    return [o if b is None else o + b for o, b in zip(outs, biases)]
+    # b.to(o.dtype): a no-op, except inside torch.autocast, where o is in its dtype (as F.linear's bias)
+    return [o if b is None else o + b.to(o.dtype) for o, b in zip(outs, biases)]
 
 
 class _MegatronExtraState:
@@ -132,7 +133,7 @@ class RowParallelLinear(_MegatronExtraState, nn.Module):
             out = matmul_reduce_scatter(x, self.weight.t(), self.group, scatter_dim=0, method=self.method)
         else:
             out = reduce_from_tp_region(torch.matmul(x, self.weight.t()), self.group)
-        return out if self.bias is None else out + self.bias
+        return out if self.bias is None else out + self.bias.to(out.dtype)  # (autocast: see column_parallel)
 
     def extra_repr(self):
         return (f"in_features={self.in_features} ({self.input_size_per_partition} per rank), "

@@ -9,6 +9,7 @@ from .._compat import eager_under_compile
 from ..parallel import resolve_group
 from ..profiling.ranges import span
 from . import _methods
+from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands, cast_weights
 from ._validate import check_dim, check_tensor, check_weights, group_size, is_peer_world
 from .dispatch import check_method, choose, strict_active, strict_in_backward
 from .measure import auto_mode, measured
@@ -49,12 +50,13 @@ class AllGatherMatmul(torch.autograd.Function):
     def forward(ctx, a_shard, group, method_requested, method, save_gathered, *bs):
         a_full, outs = _methods.ag_matmul(a_shard, list(bs), group, method)
         ctx.group, ctx.method_requested, ctx.method = group, method_requested, method
-        ctx.save_gathered, ctx.strict = save_gathered, strict_active()
+        ctx.save_gathered, ctx.strict, ctx.device = save_gathered, strict_active(), a_shard.device
         ctx.save_for_backward(a_full if save_gathered else a_shard, *bs)
         ctx.set_materialize_grads(False)
         return (a_full, *outs)
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad_a_full, *grad_outs):
         # an op window of its own, so `profile report` sees the dual op's and wgrad's overlap
         with span(f"ok/{OP}[{ctx.method}]/backward"):
@@ -100,6 +102,8 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, return_gathered=F
     instead of re-gathering it in backward (more memory, less communication).
     """
     check_tensor("a_shard", a_shard, min_dim=2)
+    amp = autocast_dtype(a_shard.device)  # inside torch.autocast: run in its dtype, as a matmul would
+    a_shard, b = cast_operands(amp, a_shard)[0], cast_weights(amp, b)
     bs, single = check_weights(b, a_shard, "a_shard")
     gather_dim = check_dim("gather_dim", gather_dim, a_shard, "a_shard")
     method = check_method(method)
@@ -112,8 +116,9 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, return_gathered=F
     x = a_shard.movedim(gather_dim, 0)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
-    chosen = resolve(method, group, x2d, sum(w.shape[1] for w in bs), world, bs=bs)
-    with span(f"ok/all_gather_matmul[{chosen}]"):
+    with autocast_off(x2d.device):  # the methods choose their own precisions (fp32 partial sums)
+        chosen = resolve(method, group, x2d, sum(w.shape[1] for w in bs), world, bs=bs)
+    with span(f"ok/all_gather_matmul[{chosen}]"), autocast_off(x2d.device):
         a_full, *outs = AllGatherMatmul.apply(x2d, group, method, chosen, bool(save_gathered), *bs)
 
     def restore(t2d):  # [W*m, n] -> the layout of a_shard, gathered along gather_dim (contiguous, like torch.cat)

@@ -9,6 +9,7 @@ from .._compat import eager_under_compile
 from ..parallel import resolve_group
 from ..profiling.ranges import span
 from . import _methods
+from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands
 from ._collective_methods import accumulation_dtype
 from ._validate import check_dim, check_tensor, check_weights, group_size, is_peer_world
 from .dispatch import check_method, choose, strict_active, strict_in_backward
@@ -48,12 +49,13 @@ class MatmulReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, b, group, method_requested, method):
-        ctx.group, ctx.method_requested, ctx.strict = group, method_requested, strict_active()
+        ctx.group, ctx.method_requested, ctx.strict, ctx.device = group, method_requested, strict_active(), a.device
         ctx.method = method  # names backward's op range
         ctx.save_for_backward(a, b)
         return _methods.matmul_rs(a, b, group, method)
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad_out):
         # an op window of its own, so `profile report` sees the dual op's overlap
         with span(f"ok/{OP}[{ctx.method}]/backward"):
@@ -83,6 +85,7 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, method="auto"):
     check_tensor("a", a, min_dim=2)
     if isinstance(b, (list, tuple)):
         raise TypeError(f"b must be a single [K, N] tensor, got {type(b).__name__}")
+    a, b = cast_operands(autocast_dtype(a.device), a, b)  # inside torch.autocast: its dtype, as a matmul
     check_weights(b, a, "a")
     dim = check_dim("scatter_dim", scatter_dim, a, "a")
     method = check_method(method)
@@ -95,8 +98,9 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, method="auto"):
     x = a.movedim(dim, 0)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
-    chosen = resolve(method, group, x2d, b, world, measurable=True)
-    with span(f"ok/matmul_reduce_scatter[{chosen}]"):
+    with autocast_off(x2d.device):  # the methods choose their own precisions (fp32 partial sums)
+        chosen = resolve(method, group, x2d, b, world, measurable=True)
+    with span(f"ok/matmul_reduce_scatter[{chosen}]"), autocast_off(x2d.device):
         out2d = MatmulReduceScatter.apply(x2d, b, group, method, chosen)
     out = out2d.view(lead[0] // world, *lead[1:], b.shape[1]).movedim(0, dim)
     return out.contiguous()  # a no-op for dim 0; like reduce_scatter's output otherwise

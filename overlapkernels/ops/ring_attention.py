@@ -22,6 +22,7 @@ from ..comm.ring import Ring, wait_all
 from ..kernels import attention_ref
 from ..parallel import resolve_group
 from ..profiling.ranges import span
+from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands
 from .sequence_shard import check_layout, segments
 
 FORMATS = ("bshd", "sbhd")
@@ -188,11 +189,12 @@ class RingAttention(torch.autograd.Function):
         out, lse = ring_forward(q, k, v, group, causal, scale, layout, backend)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, causal, scale, layout, backend)
+        ctx.args, ctx.device = (group, causal, scale, layout, backend), q.device
         ctx.set_materialize_grads(False)
         return out, lse.float() if lse.dtype != torch.float64 else lse
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
@@ -263,11 +265,13 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, lay
     its part as ``shard_sequence(..., layout=layout)`` lays it out. Returns out like q, and with
     ``return_lse`` also the fp32 log-sum-exp [B, H, S_local] (-inf for rows that see no key).
     """
+    if isinstance(q, torch.Tensor):  # inside torch.autocast: its dtype, as SDPA would
+        q, k, v = cast_operands(autocast_dtype(q.device), q, k, v)
     _validate(q, k, v, qkv_format, layout, softmax_scale)
     group = resolve_group(group)
     scale = _check_scale(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     backend = "triton" if q.is_cuda else "torch"
-    with span("ok/ring_attention"):
+    with span("ok/ring_attention"), autocast_off(q.device):  # the kernels keep fp32 softmax statistics
         out, lse = RingAttention.apply(_to_bhsd(q, qkv_format), _to_bhsd(k, qkv_format), _to_bhsd(v, qkv_format),
                                        group, bool(causal), scale, layout, backend)
     out = _from_bhsd(out, qkv_format).contiguous()  # laid out like q: callers .view() it to [B, S, H*D]
