@@ -263,7 +263,9 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, lay
 
     q [B, S_local, H, D], k/v [B, S_local, H_kv, D] (``"sbhd"``: sequence first), each rank holding
     its part as ``shard_sequence(..., layout=layout)`` lays it out. Returns out like q, and with
-    ``return_lse`` also the fp32 log-sum-exp [B, H, S_local] (-inf for rows that see no key).
+    ``return_lse`` also the log-sum-exp [B, H, S_local] (-inf for rows that see no key) in fp32 for
+    16/32-bit inputs; fp64 inputs keep fp64, since rounding it to fp32 would cap an fp64 check of
+    it (or of gradients through it) at fp32 precision.
     """
     if isinstance(q, torch.Tensor):  # inside torch.autocast: its dtype, as SDPA would
         q, k, v = cast_operands(autocast_dtype(q.device), q, k, v)
