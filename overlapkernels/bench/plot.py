@@ -5,7 +5,8 @@ import math
 
 # kind -> (title, [(chart type, x key, series key, y key, y label)])
 CHARTS = {
-    "collectives": ("bus bandwidth vs size", [("line", "bytes", "op", "busbw_gbps", "busbw (GB/s)")]),
+    "collectives": ("collectives vs size", [("line", "bytes", "op", "time_us", "time (us)"),
+                                            ("line", "bytes", "op", "busbw_gbps", "busbw (GB/s)")]),
     "ag-matmul": ("all_gather_matmul", [("bar", "layer", "method", "time_us", "time (us)"),
                                         ("bar", "layer", "method", "efficiency", "overlap efficiency E")]),
     "matmul-rs": ("matmul_reduce_scatter", [("bar", "layer", "method", "time_us", "time (us)"),
@@ -41,6 +42,8 @@ def plot_rows(kind: str, rows: list[dict], path: str) -> bool:
             if chart == "line":
                 ax.plot([float(p[0]) for p in pts], [p[1] for p in pts], marker="o", label=name)
                 ax.set_xscale("log", base=2)
+                if y == "time_us":  # latency-bound small messages and bandwidth-bound large ones
+                    ax.set_yscale("log")
             else:
                 width = 0.8 / len(names)
                 ax.bar([groups.index(p[0]) + i * width for p in pts], [p[1] for p in pts], width, label=name)
