@@ -10,7 +10,8 @@ from ..ops.dispatch import check_method
 from ..ops.ring_attention import ring_attention
 from ..ops.sequence_shard import check_layout, segments
 from ..parallel import resolve_group
-from .linear import RowParallelLinear, _MegatronExtraState, column_parallel, divide, sharded_parameter
+from .linear import (DefersWeightGrad, RowParallelLinear, _MegatronExtraState, column_parallel, divide,
+                     sharded_parameter)
 
 
 def rope(x, positions, base: float = 10000.0):
@@ -24,7 +25,7 @@ def rope(x, positions, base: float = 10000.0):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-class ParallelSelfAttention(_MegatronExtraState, nn.Module):
+class ParallelSelfAttention(DefersWeightGrad, _MegatronExtraState, nn.Module):
     """Causal self-attention. QKV is column-parallel with one shared gather (H/P query heads and
     H_kv/P key/value heads per rank), the output projection row-parallel. With ``cp_group`` the
     sequence is also split over context-parallel ranks (laid out as ``cp_layout``) and attention
@@ -80,7 +81,8 @@ class ParallelSelfAttention(_MegatronExtraState, nn.Module):
     def forward(self, x):
         self._check_length(x)
         q, k, v = column_parallel(x, [self.q_weight, self.k_weight, self.v_weight], [None] * 3, self.group,
-                                  sequence_parallel=self.sequence_parallel, method=self.method)
+                                  sequence_parallel=self.sequence_parallel, method=self.method,
+                                  defer_weight_grad=self.defer_weight_grad)
         s, b = q.shape[:2]
         q = q.view(s, b, self.heads, self.head_dim)
         k = k.view(s, b, self.kv_heads, self.head_dim)

@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..ops.all_gather_matmul import all_gather_matmul
+from ..ops.all_gather_matmul import all_gather_linear
 from ..ops.dispatch import check_method
-from ..ops.matmul_reduce_scatter import matmul_reduce_scatter
+from ..ops.linear import linear
+from ..ops.matmul_reduce_scatter import linear_reduce_scatter
 from ..ops.tp_regions import copy_to_tp_region, gather_last_dim, reduce_from_tp_region, split_last_dim
 from ..parallel import resolve_group
 from .norm import mark_sequence_parallel
@@ -47,15 +48,23 @@ def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> None:
     param.partition_stride = 1
 
 
-def column_parallel(x, weights, biases, group, *, sequence_parallel: bool, method: str):
+def local_matmul(x, weight, defer_weight_grad: bool):
+    """``x @ weight.T`` on this rank: a plain matmul, or one whose weight gradient can wait for W."""
+    return linear(x, weight) if defer_weight_grad else torch.matmul(x, weight.t())
+
+
+def column_parallel(x, weights, biases, group, *, sequence_parallel: bool, method: str,
+                    defer_weight_grad: bool = False):
     """``x @ w.T (+ b)`` for each weight of one column-parallel group sharing a single gather
-    (QKV, gate/up). SP: x [S/P, B, in] through ``all_gather_matmul``; else x [S, B, in] through
-    Megatron's f (identity forward, all-reduce backward)."""
+    (QKV, gate/up). SP: x [S/P, B, in] through ``all_gather_linear``; else x [S, B, in] through
+    Megatron's f (identity forward, all-reduce backward). ``defer_weight_grad``: see
+    ``DefersWeightGrad``."""
     if sequence_parallel:
-        outs = all_gather_matmul(x, [w.t() for w in weights], group, gather_dim=0, method=method)
+        # deferring, keep the gathered input for W: W then needs no all-gather of its own
+        outs = all_gather_linear(x, weights, group, gather_dim=0, method=method, save_gathered=defer_weight_grad)
     else:
         x = copy_to_tp_region(x, group)
-        outs = [torch.matmul(x, w.t()) for w in weights]
+        outs = [local_matmul(x, w, defer_weight_grad) for w in weights]
     # b.to(o.dtype): a no-op, except inside torch.autocast, where o is in its dtype (as F.linear's bias)
     return [o if b is None else o + b.to(o.dtype) for o, b in zip(outs, biases)]
 
@@ -71,7 +80,22 @@ class _MegatronExtraState:
         pass
 
 
-class ColumnParallelLinear(_MegatronExtraState, nn.Module):
+class DefersWeightGrad:
+    """A layer whose weight gradients a zero-bubble schedule's B can leave to its W.
+
+    ``runtime.pipeline.enable_zero_bubble`` sets ``defer_weight_grad`` (the pipeline runner does,
+    for schedules with W actions). Off, the default, the forward is the plain one. On, the matmuls
+    without communication run as ``ops.linear``, and under sequence parallelism the all-gather
+    keeps the gathered input [S, B, in] for W instead of the shard [S/P, B, in], per microbatch in
+    flight: memory, so that W needs no communication. Inside ``deferring`` backward then computes
+    the input gradients only and leaves the weight gradients (a local GEMM each) to W; biases get
+    theirs in backward (a cheap sum). Under ``torch.autocast`` the matmuls see cast copies of the
+    weights, whose gradients autograd must carry on: computed in backward, as without deferral."""
+
+    defer_weight_grad = False
+
+
+class ColumnParallelLinear(DefersWeightGrad, _MegatronExtraState, nn.Module):
     """Y = X A^T + b with A split by rows (output features) over the TP group."""
 
     def __init__(self, in_features, out_features, group=None, *, bias=True, gather_output=False,
@@ -95,7 +119,7 @@ class ColumnParallelLinear(_MegatronExtraState, nn.Module):
 
     def forward(self, x):
         (out,) = column_parallel(x, [self.weight], [self.bias], self.group, sequence_parallel=self.sequence_parallel,
-                                 method=self.method)
+                                 method=self.method, defer_weight_grad=self.defer_weight_grad)
         return gather_last_dim(out, self.group) if self.gather_output else out
 
     def extra_repr(self):
@@ -104,7 +128,7 @@ class ColumnParallelLinear(_MegatronExtraState, nn.Module):
                 f"method={self.method!r}")
 
 
-class RowParallelLinear(_MegatronExtraState, nn.Module):
+class RowParallelLinear(DefersWeightGrad, _MegatronExtraState, nn.Module):
     """Y = X A^T + b with A split by columns (input features); b added once, after the reduction."""
 
     def __init__(self, in_features, out_features, group=None, *, bias=True, input_is_parallel=True,
@@ -130,9 +154,9 @@ class RowParallelLinear(_MegatronExtraState, nn.Module):
         if not self.input_is_parallel:
             x = split_last_dim(x, self.group)
         if self.sequence_parallel:
-            out = matmul_reduce_scatter(x, self.weight.t(), self.group, scatter_dim=0, method=self.method)
+            out = linear_reduce_scatter(x, self.weight, self.group, scatter_dim=0, method=self.method)
         else:
-            out = reduce_from_tp_region(torch.matmul(x, self.weight.t()), self.group)
+            out = reduce_from_tp_region(local_matmul(x, self.weight, self.defer_weight_grad), self.group)
         return out if self.bias is None else out + self.bias.to(out.dtype)  # (autocast: see column_parallel)
 
     def extra_repr(self):

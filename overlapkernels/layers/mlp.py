@@ -7,10 +7,11 @@ from torch.nn import functional as F
 
 from ..ops.dispatch import check_method
 from ..parallel import resolve_group
-from .linear import RowParallelLinear, _MegatronExtraState, column_parallel, divide, sharded_parameter
+from .linear import (DefersWeightGrad, RowParallelLinear, _MegatronExtraState, column_parallel, divide,
+                     sharded_parameter)
 
 
-class ParallelMLP(_MegatronExtraState, nn.Module):
+class ParallelMLP(DefersWeightGrad, _MegatronExtraState, nn.Module):
     """down(silu(x W_gate^T) * (x W_up^T)); W_gate, W_up [ffn/P, hidden] per rank, W_down [hidden, ffn/P].
     x and the output are [S/P, B, hidden] with sequence parallelism, [S, B, hidden] without."""
 
@@ -27,5 +28,6 @@ class ParallelMLP(_MegatronExtraState, nn.Module):
 
     def forward(self, x):
         gate, up = column_parallel(x, [self.gate_weight, self.up_weight], [None, None], self.group,
-                                   sequence_parallel=self.sequence_parallel, method=self.method)
+                                   sequence_parallel=self.sequence_parallel, method=self.method,
+                                   defer_weight_grad=self.defer_weight_grad)
         return self.down(F.silu(gate) * up)

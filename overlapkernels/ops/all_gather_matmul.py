@@ -13,6 +13,7 @@ from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, 
 from ._validate import check_dim, check_tensor, check_weights, group_size, is_peer_world
 from .dispatch import check_method, choose, strict_active, strict_in_backward
 from .measure import auto_mode, measured
+from .weight_grad_store import defer
 
 OP = "all_gather_matmul"
 
@@ -44,14 +45,19 @@ class AllGatherMatmul(torch.autograd.Function):
 
     dgrad runs ``matmul_reduce_scatter`` (the dual op, overlapped); wgrad re-gathers the shard
     around the ring with per-chunk accumulation unless ``save_gathered`` kept ``a_full``.
+    ``transposed``: the inputs are the weights w_i = b_i.T themselves ([N_i, K], ``all_gather_linear``),
+    so that inside ``weight_grad_store.deferring`` with ``a_full`` kept, wgrad (a local GEMM then)
+    goes to W as a closure accumulating into them; dgrad stays in backward, the critical path.
     """
 
     @staticmethod
-    def forward(ctx, a_shard, group, method_requested, method, save_gathered, *bs):
-        a_full, outs = _methods.ag_matmul(a_shard, list(bs), group, method)
+    def forward(ctx, a_shard, group, method_requested, method, save_gathered, transposed, *ws):
+        bs = [w.t() for w in ws] if transposed else list(ws)
+        a_full, outs = _methods.ag_matmul(a_shard, bs, group, method)
         ctx.group, ctx.method_requested, ctx.method = group, method_requested, method
         ctx.save_gathered, ctx.strict, ctx.device = save_gathered, strict_active(), a_shard.device
-        ctx.save_for_backward(a_full if save_gathered else a_shard, *bs)
+        ctx.transposed = transposed
+        ctx.save_for_backward(a_full if save_gathered else a_shard, *ws)
         ctx.set_materialize_grads(False)
         return (a_full, *outs)
 
@@ -64,10 +70,11 @@ class AllGatherMatmul(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_a_full, *grad_outs):
-        saved, *bs = ctx.saved_tensors
+        saved, *ws = ctx.saved_tensors
+        bs = [w.t() for w in ws] if ctx.transposed else ws
         group, world = ctx.group, group_size(ctx.group)
         used = [i for i, g in enumerate(grad_outs) if g is not None]
-        grad_a = grad_bs = None
+        grad_a = None
         if ctx.needs_input_grad[0] and used:
             from .matmul_reduce_scatter import resolve as rs_resolve
 
@@ -79,16 +86,23 @@ class AllGatherMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[0] and grad_a_full is not None:  # the caller used the gathered input
             rs = _methods.reduce_scatter(grad_a_full, group)
             grad_a = rs if grad_a is None else grad_a + rs
-        wanted = [i for i in used if ctx.needs_input_grad[5 + i]]
-        if wanted:
-            grad_bs = [None] * len(bs)
+        wanted = [i for i in used if ctx.needs_input_grad[6 + i]]
+        grad_ws = [None] * len(ws)
+
+        def local_wgrads():  # needs only the kept a_full and grad_out: no communication, may run at W
+            grads = [saved.T @ grad_outs[i] for i in wanted]
+            return [g.t() for g in grads] if ctx.transposed else grads
+
+        # the ring wgrad communicates: only the local one (a_full kept) may wait for W
+        if wanted and not (ctx.save_gathered and defer([ws[i] for i in wanted], local_wgrads)):
             if ctx.save_gathered:
-                results = [saved.T @ grad_outs[i] for i in wanted]
+                results = local_wgrads()
             else:
                 results = _methods.ag_wgrad(saved, [grad_outs[i] for i in wanted], group, ctx.method)
+                results = [r.t() for r in results] if ctx.transposed else results
             for i, grad in zip(wanted, results):
-                grad_bs[i] = grad
-        return (grad_a, None, None, None, None, *(grad_bs or [None] * len(bs)))
+                grad_ws[i] = grad
+        return (grad_a, None, None, None, None, None, *grad_ws)
 
 
 @eager_under_compile  # takes a ProcessGroup: see _compat
@@ -101,10 +115,23 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, return_gathered=F
     ``(gathered_a, out)``. ``save_gathered=True`` keeps the gathered input for the weight gradient
     instead of re-gathering it in backward (more memory, less communication).
     """
+    return _all_gather_matmul(a_shard, b, group, gather_dim, return_gathered, method, save_gathered, False)
+
+
+@eager_under_compile  # takes a ProcessGroup: see _compat
+def all_gather_linear(x_shard, weights, group=None, *, gather_dim=0, method="auto", save_gathered=False):
+    """``[all_gather(x_shard) @ w.T for w in weights]`` (``F.linear``'s [N, K] layout, no bias): the
+    column-parallel layers' op. Autograd sees the weights themselves rather than ``w.T`` views, so
+    with ``save_gathered=True`` a zero-bubble B (``weight_grad_store.deferring``) leaves their
+    gradients to W."""
+    return _all_gather_matmul(x_shard, list(weights), group, gather_dim, False, method, save_gathered, True)
+
+
+def _all_gather_matmul(a_shard, b, group, gather_dim, return_gathered, method, save_gathered, transposed):
     check_tensor("a_shard", a_shard, min_dim=2)
     amp = autocast_dtype(a_shard.device)  # inside torch.autocast: run in its dtype, as a matmul would
     a_shard, b = cast_operands(amp, a_shard)[0], cast_weights(amp, b)
-    bs, single = check_weights(b, a_shard, "a_shard")
+    bs, single = check_weights([w.t() for w in b] if transposed else b, a_shard, "a_shard")
     gather_dim = check_dim("gather_dim", gather_dim, a_shard, "a_shard")
     method = check_method(method)
     if not isinstance(return_gathered, bool):
@@ -119,7 +146,8 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, return_gathered=F
     with autocast_off(x2d.device):  # the methods choose their own precisions (fp32 partial sums)
         chosen = resolve(method, group, x2d, sum(w.shape[1] for w in bs), world, bs=bs)
     with span(f"ok/all_gather_matmul[{chosen}]"), autocast_off(x2d.device):
-        a_full, *outs = AllGatherMatmul.apply(x2d, group, method, chosen, bool(save_gathered), *bs)
+        a_full, *outs = AllGatherMatmul.apply(x2d, group, method, chosen, bool(save_gathered), transposed,
+                                              *(b if transposed else bs))
 
     def restore(t2d):  # [W*m, n] -> the layout of a_shard, gathered along gather_dim (contiguous, like torch.cat)
         return t2d.view(world * lead[0], *lead[1:], t2d.shape[-1]).movedim(0, gather_dim).contiguous()

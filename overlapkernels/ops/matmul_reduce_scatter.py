@@ -14,6 +14,7 @@ from ._collective_methods import accumulation_dtype
 from ._validate import check_dim, check_tensor, check_weights, group_size, is_peer_world
 from .dispatch import check_method, choose, strict_active, strict_in_backward
 from .measure import auto_mode, measured
+from .weight_grad_store import defer
 
 OP = "matmul_reduce_scatter"
 
@@ -44,15 +45,18 @@ class MatmulReduceScatter(torch.autograd.Function):
     | out    | [m, N]     | reduced chunk r          |                                       |                     |
 
     dgrad runs ``all_gather_matmul`` (the dual op, overlapped) and keeps the gathered gradient,
-    which wgrad reuses, so backward communicates once.
+    which wgrad reuses, so backward communicates once. ``transposed``: the input is the weight
+    w = b.T itself ([N, K], ``linear_reduce_scatter``), so that inside ``weight_grad_store.deferring``
+    wgrad (local, given the gathered gradient) goes to W as a closure accumulating into it, keeping
+    gather(grad_out) [W*m, N] alive until then.
     """
 
     @staticmethod
-    def forward(ctx, a, b, group, method_requested, method):
+    def forward(ctx, a, w, group, method_requested, method, transposed):
         ctx.group, ctx.method_requested, ctx.strict, ctx.device = group, method_requested, strict_active(), a.device
-        ctx.method = method  # names backward's op range
-        ctx.save_for_backward(a, b)
-        return _methods.matmul_rs(a, b, group, method)
+        ctx.method, ctx.transposed = method, transposed  # method names backward's op range
+        ctx.save_for_backward(a, w)
+        return _methods.matmul_rs(a, w.t() if transposed else w, group, method)
 
     @staticmethod
     @backward_without_autocast
@@ -65,7 +69,8 @@ class MatmulReduceScatter(torch.autograd.Function):
     def _backward(ctx, grad_out):
         from .all_gather_matmul import resolve as ag_resolve
 
-        a, b = ctx.saved_tensors
+        a, w = ctx.saved_tensors
+        b = w.t() if ctx.transposed else w
         group = ctx.group
         grad_out = grad_out.contiguous()
         with strict_in_backward(ctx.strict):
@@ -73,8 +78,14 @@ class MatmulReduceScatter(torch.autograd.Function):
         weights = [b.T] if ctx.needs_input_grad[0] else []
         grad_full, outs = _methods.ag_matmul(grad_out, weights, group, method)
         grad_a = outs[0] if weights else None
-        grad_b = a.T @ grad_full if ctx.needs_input_grad[1] else None
-        return grad_a, grad_b, None, None, None
+
+        def wgrad():  # needs only a and the gathered gradient: no communication, may run at W
+            grad_b = a.T @ grad_full
+            return [grad_b.t() if ctx.transposed else grad_b]
+
+        if not ctx.needs_input_grad[1] or defer([w], wgrad):
+            return grad_a, None, None, None, None, None
+        return grad_a, wgrad()[0], None, None, None, None
 
 
 @eager_under_compile  # takes a ProcessGroup: see _compat
@@ -82,11 +93,24 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, method="auto"):
     """``reduce_scatter_sum(a @ b, dim=scatter_dim)``: rank r keeps chunk r, with the reduction
     hidden behind the GEMM. ``a`` [..., K] (2+ dims); ``b`` [K, N]; ``a.shape[scatter_dim]``
     divisible by the group size."""
+    return _matmul_reduce_scatter(a, b, group, scatter_dim, method, False)
+
+
+@eager_under_compile  # takes a ProcessGroup: see _compat
+def linear_reduce_scatter(x, weight, group=None, *, scatter_dim=0, method="auto"):
+    """``reduce_scatter_sum(x @ weight.T, dim=scatter_dim)`` (``F.linear``'s [N, K] layout, no
+    bias): the row-parallel layer's op. Autograd sees the weight itself rather than a ``weight.T``
+    view, so a zero-bubble B (``weight_grad_store.deferring``) leaves its gradient to W."""
+    return _matmul_reduce_scatter(x, weight, group, scatter_dim, method, True)
+
+
+def _matmul_reduce_scatter(a, b, group, scatter_dim, method, transposed):
     check_tensor("a", a, min_dim=2)
     if isinstance(b, (list, tuple)):
         raise TypeError(f"b must be a single [K, N] tensor, got {type(b).__name__}")
     a, b = cast_operands(autocast_dtype(a.device), a, b)  # inside torch.autocast: its dtype, as a matmul
-    check_weights(b, a, "a")
+    b_kn = b.t() if transposed else b  # [K, N]: what is checked and what the methods multiply by
+    check_weights(b_kn, a, "a")
     dim = check_dim("scatter_dim", scatter_dim, a, "a")
     method = check_method(method)
     group = group if is_peer_world(group) else resolve_group(group)
@@ -99,8 +123,8 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, method="auto"):
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
     with autocast_off(x2d.device):  # the methods choose their own precisions (fp32 partial sums)
-        chosen = resolve(method, group, x2d, b, world, measurable=True)
+        chosen = resolve(method, group, x2d, b_kn, world, measurable=True)
     with span(f"ok/matmul_reduce_scatter[{chosen}]"), autocast_off(x2d.device):
-        out2d = MatmulReduceScatter.apply(x2d, b, group, method, chosen)
-    out = out2d.view(lead[0] // world, *lead[1:], b.shape[1]).movedim(0, dim)
+        out2d = MatmulReduceScatter.apply(x2d, b, group, method, chosen, transposed)
+    out = out2d.view(lead[0] // world, *lead[1:], out2d.shape[-1]).movedim(0, dim)
     return out.contiguous()  # a no-op for dim 0; like reduce_scatter's output otherwise

@@ -1,0 +1,82 @@
+"""Deferred weight gradients (zero-bubble W): the store, the context that activates it, and how
+an autograd Function hands a weight gradient over to it.
+
+Here, under the ops, so that the ops' own autograd Functions (the fused TP matmuls, ``ops.linear``)
+can defer without importing the pipeline runtime. Inside ``deferring(store)`` a backward that
+supports it computes only the input gradient (the critical path of a pipeline B) and pushes a
+closure computing the weight gradients; ``store.run()`` (the schedule's W) runs them, as
+DualPipe's WeightGradStore does. Everything else computes its weight gradient at once: correct,
+only less of the bubble gets filled. Outside ``deferring`` nothing changes (one context-variable
+read per backward).
+
+A deferred gradient lands in ``.grad`` as autograd's accumulation would (assigned, or added to an
+existing one) but bypasses the tensor's hooks (``register_hook`` and post-accumulate hooks):
+``fsdp`` reduces such gradients at ``step`` instead of during backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+
+from ._autocast import autocast_off
+
+_store: contextvars.ContextVar = contextvars.ContextVar("overlapkernels_weight_grad_store", default=None)
+
+
+class WeightGradStore:
+    """The weight-gradient closures one backward deferred, in the order backward pushed them."""
+
+    def __init__(self):
+        self.closures: list = []
+
+    def run(self) -> None:
+        for fn in self.closures:
+            fn()
+        self.closures = []
+
+
+@contextlib.contextmanager
+def deferring(store: WeightGradStore):
+    """Backward passes run inside defer what they can into ``store``.
+
+    Multithreaded backward is switched off inside: on CUDA the autograd engine runs backward on a
+    thread per device, which context variables do not reach, so the Functions would never see the
+    store. Single-threaded, backward runs on this thread, with the same streams."""
+    token = _store.set(store)
+    try:
+        with torch.autograd.set_multithreading_enabled(False):
+            yield store
+    finally:
+        _store.reset(token)
+
+
+def accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """``param.grad += grad`` as autograd's AccumulateGrad does it (a contiguous copy when none)."""
+    if param.grad is None:
+        param.grad = grad.detach().clone(memory_format=torch.contiguous_format)
+    else:
+        param.grad += grad
+
+
+def defer(params: list, compute) -> bool:
+    """Inside ``deferring``, push a closure adding ``compute()`` (one gradient per tensor of
+    ``params``, in order) to their ``.grad`` and return True; the caller's backward then returns
+    None for them. Else, or if one of ``params`` is not a leaf (autograd must carry its gradient
+    further, e.g. a weight cast by autocast), return False: the caller computes them now.
+
+    ``compute`` runs at W, long after backward: it must keep what it needs (the saved input, the
+    output gradient) and must not communicate, so W needs no peer to run in step."""
+    store = _store.get()
+    if store is None or not params or not all(p.is_leaf for p in params):
+        return False
+
+    def closure():
+        with autocast_off(params[0].device):  # in the dtype backward would have used, even if W runs under autocast
+            grads = compute()
+        for p, g in zip(params, grads, strict=True):
+            accumulate(p, g)
+
+    store.closures.append(closure)
+    return True
