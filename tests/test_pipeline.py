@@ -332,6 +332,31 @@ def test_zero_bubble_split_keeps_autograd_semantics():
             torch.testing.assert_close(got.grad, want.grad, atol=0, rtol=0, msg=name)
 
 
+def test_deferring_runs_backward_on_the_calling_thread():
+    """On CUDA, autograd runs backward on a thread per device, which the deferral's context
+    variable does not reach: inside ``deferring`` multithreaded backward is off (on CPU it
+    never runs elsewhere)."""
+    assert torch.autograd.is_multithreading_enabled()
+    with deferring(pp.WeightGradStore()):
+        assert not torch.autograd.is_multithreading_enabled()
+    assert torch.autograd.is_multithreading_enabled()
+
+
+@pytest.mark.gpu
+def test_zero_bubble_defers_on_cuda():
+    ref = nn.Linear(4, 4).cuda().double()
+    model = pp.enable_zero_bubble(nn.Linear(4, 4).cuda().double())
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 4, device="cuda", dtype=torch.float64)
+    store = pp.WeightGradStore()
+    with deferring(store):
+        model(x.requires_grad_()).sum().backward()
+    assert model.weight.grad is None and len(store.closures) == 1  # the backward saw the store
+    store.run()
+    ref(x).sum().backward()
+    torch.testing.assert_close(model.weight.grad, ref.weight.grad, atol=0, rtol=0)
+
+
 def _dies_mid_step():
     sched = pp.make_schedule("1f1b", 2, 2)
     model = _model(2)

@@ -1,16 +1,19 @@
 """The GPT trained in 4-D compositions (PP with TP/SP, DP, CP) equals single-process training."""
+import contextlib
+
 import pytest
 import torch
 
 import overlapkernels as ok
 from overlapkernels.models import GPT, GPTConfig, shard_dense_state_dict
 from overlapkernels.models.train import Trainer
+from overlapkernels.ops import weight_grad_store
 
 CONFIG = dict(vocab_size=16, hidden=8, num_layers=2, num_heads=2, num_kv_heads=2, ffn_hidden=16, max_seq_len=8)
 
 
-def _compose_on_rank(layout, schedule):
-    config = GPTConfig(**CONFIG, method="decomposed")
+def _compose_on_rank(layout, schedule, sequence_parallel=True, lose_grad=False):
+    config = GPTConfig(**CONFIG, method="decomposed", sequence_parallel=sequence_parallel)
     g = torch.Generator().manual_seed(5)
     batches = [(torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g))
                for _ in range(2)]
@@ -31,8 +34,15 @@ def _compose_on_rank(layout, schedule):
 
     dims = ok.init_parallel(**layout)
     trainer = Trainer(config, dims, schedule=schedule, dtype=torch.float64, dense_state_dict=start, optimizer=sgd)
-    losses = [trainer.step(tokens, targets) for tokens, targets in batches]
-    assert losses == pytest.approx(want_losses, abs=1e-12, rel=1e-12), (losses, want_losses)
+    with _recording_w(trainer.stage, lose_grad) as deferred:
+        losses = [trainer.step(tokens, targets) for tokens, targets in batches]
+    if schedule == "zb-h1":  # every W (m per step) gave each of the stage's linear weights its gradient
+        linears = sorted(n for n, _ in trainer.stage.named_parameters() if n.endswith(_LINEAR_WEIGHTS))
+        assert len(linears) == (7 if trainer.stage.first else 8), linears  # a block: 7; the head
+        assert deferred == [linears] * (2 * trainer.schedule.num_microbatches), deferred
+    else:
+        assert deferred == []
+    assert losses == pytest.approx(want_losses, abs=1e-12, rel=1e-12), f"losses {losses} != {want_losses}"
     want = shard_dense_state_dict(trainer.stage, dense.state_dict())
     for name, t in trainer.sharded.full_state_dict().items():
         if torch.is_tensor(t):
@@ -40,12 +50,58 @@ def _compose_on_rank(layout, schedule):
     return losses
 
 
-@pytest.mark.parametrize("layout, schedule", [
-    (dict(tp=2, pp=2), "1f1b"), (dict(dp=2, pp=2), "gpipe"), (dict(cp=2, pp=2), "1f1b"), (dict(tp=2, dp=2), "1f1b"),
+# the GPT's matmuls with weights: QKV, attention output, MLP gate/up/down, and the LM head
+_LINEAR_WEIGHTS = ("q_weight", "k_weight", "v_weight", "out.weight", "gate_weight", "up_weight", "down.weight",
+                   "lm_head.weight")
+
+
+@contextlib.contextmanager
+def _recording_w(model, lose_grad):
+    """Per W action (``WeightGradStore.run``), the sorted names of the parameters its closures gave
+    gradients to. ``lose_grad``: a planted error only the numbers can show, each W drops the first
+    gradient it computes (on every rank alike: all fail the same check, none waits in a collective)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    run, accumulate = weight_grad_store.WeightGradStore.run, weight_grad_store.accumulate
+    deferred = []
+
+    def recording_run(store):
+        deferred.append([])
+        run(store)
+        deferred[-1].sort()
+
+    def recording_accumulate(param, grad):
+        deferred[-1].append(names[id(param)])
+        if not (lose_grad and len(deferred[-1]) == 1):
+            accumulate(param, grad)
+
+    weight_grad_store.WeightGradStore.run, weight_grad_store.accumulate = recording_run, recording_accumulate
+    try:
+        yield deferred
+    finally:  # the pool's processes run later tests too
+        weight_grad_store.WeightGradStore.run, weight_grad_store.accumulate = run, accumulate
+
+
+@pytest.mark.parametrize("layout, schedule, sp", [
+    (dict(tp=2, pp=2), "1f1b", True), (dict(dp=2, pp=2), "gpipe", True), (dict(cp=2, pp=2), "1f1b", True),
+    (dict(tp=2, dp=2), "1f1b", True),
+    # ZB-H1: B leaves the weight gradients of the GPT's linears to W (SP: fused ops; TP w/o SP; no TP)
+    (dict(tp=2, pp=2), "zb-h1", True), (dict(tp=2, pp=2), "zb-h1", False), (dict(dp=2, pp=2), "zb-h1", True),
 ])
-def test_composition_matches_single_process(rank_pool, layout, schedule):
-    results = rank_pool(4).run(_compose_on_rank, layout, schedule)
+def test_composition_matches_single_process(rank_pool, layout, schedule, sp):
+    results = rank_pool(4).run(_compose_on_rank, layout, schedule, sp)
     assert all(r == results[0] for r in results)
+
+
+def _lost_grad_on_rank():
+    try:
+        _compose_on_rank(dict(tp=2, pp=2), "zb-h1", lose_grad=True)
+    except AssertionError as exc:
+        return str(exc).split()[0]
+    return "missed"
+
+
+def test_planted_lost_weight_grad_is_caught(rank_pool):
+    assert rank_pool(4).run(_lost_grad_on_rank) == ["losses"] * 4
 
 
 def _bad_batch_on_rank():
