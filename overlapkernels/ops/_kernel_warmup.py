@@ -67,7 +67,9 @@ def _signal_kernels(world, budget: sig.WaitBudget) -> None:
 def all_gather_matmul(world, method: str, a_shard: torch.Tensor, bs: list, budget: sig.WaitBudget) -> None:
     w, (m, k) = world.world_size, a_shard.shape
     _signal_kernels(world, budget)
-    a_full = torch.empty(w * m, k, dtype=a_shard.dtype, device=a_shard.device)
+    # zeros, not empty: the GEMMs read every chunk, and garbage there can be NaN (a warning under
+    # the interpreter, and a needless slow path on some GPUs); first call only, so the fill is free
+    a_full = torch.zeros(w * m, k, dtype=a_shard.dtype, device=a_shard.device)
     a_full[:m].copy_(a_shard)
     err = torch.zeros(4, dtype=torch.int32, device=a_shard.device)
     arrived = torch.ones(w, dtype=sig.FLAG_DTYPE, device=a_shard.device)  # every chunk "arrived": no wait
