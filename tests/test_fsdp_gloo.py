@@ -666,3 +666,43 @@ def test_stage3_parameters_outside_forward(rank_pool):
         assert "state_dict() of Linear (fsdp unit '0'): its parameters are sharded (stage 3)" in refusals[0]
         assert all("sharded.full_state_dict()" in r for r in refusals)
         assert refusals[2].startswith("load_state_dict() of Linear")
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(D_IN, D_IN)
+        self.b = nn.Linear(D_IN, D_IN)  # a data-dependent branch: an MoE expert that got no tokens here
+
+    def forward(self, x, use_b):
+        y = self.a(x)
+        return self.b(y) if use_b else y
+
+
+def _cp_branch_on_rank(stage):
+    """CP peers own the same shards and sum them: when only one of them has a gradient for a unit,
+    the other must still take part (no hang) and both must step the unit alike."""
+    rank = dist.get_rank()
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    cp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp, cp = dp_groups[rank % 2], cp_groups[rank // 2]
+    torch.manual_seed(0)
+    model = _Branchy().double()
+    for p in model.parameters():
+        p.context_parallel_group = cp
+    b_before = model.b.weight.detach().clone()
+    sharded = fsdp.shard(model, dp, stage=stage, prefetch=0, optimizer=OPTIMIZERS["sgd"])
+    x = torch.randn(2, D_IN, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    sharded(x, rank % 2 == 0).sum().backward()  # only CP rank 0 routes through b
+    sharded.step()
+    state = sharded.full_state_dict()
+    mine = torch.cat([state[k].reshape(-1) for k in sorted(state)])
+    peers = [torch.empty_like(mine) for _ in range(2)]
+    dist.all_gather(peers, mine, group=cp)
+    assert torch.equal(peers[0], peers[1])  # CP replicas agree
+    return not torch.equal(state["b.weight"], b_before)  # and b stepped on both sides (CP-summed gradient)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_context_parallel_peers_agree_when_only_one_has_a_gradient(rank_pool, stage):
+    assert rank_pool(4).run(_cp_branch_on_rank, stage) == [True] * 4

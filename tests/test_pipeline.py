@@ -1,5 +1,6 @@
 """Pipeline schedules, simulator and executor."""
 import os
+from datetime import timedelta
 
 import pytest
 import torch
@@ -399,3 +400,28 @@ def _planted_on_rank():
 
 def test_planted_error_is_caught(rank_pool):
     assert rank_pool(2).run(_planted_on_rank) == ["caught", "caught"]
+
+
+class _RecordingWork:
+    def __init__(self):
+        self.calls = []
+
+    def wait(self, *args):
+        self.calls.append(args)
+        return True
+
+
+def test_nccl_receives_wait_on_the_stream_and_are_confirmed_at_step_end():
+    """NCCL: a timed wait blocks the host until the transfer lands (WorkNCCL polls every 1 ms),
+    so the runner waits on the stream at the action and applies its timeout once, at the end."""
+    from types import SimpleNamespace
+
+    from overlapkernels.runtime.pipeline.runner import PipelineRunner
+
+    for nccl, first_wait in ((True, ()), (False, (timedelta(seconds=5.0),))):
+        runner = SimpleNamespace(_nccl=nccl, _unconfirmed=[], timeout=5.0)
+        runner._confirm = PipelineRunner._confirm.__get__(runner)
+        work, msg = _RecordingWork(), SimpleNamespace(what="activation", boundary=0, microbatch=1, send=False, peer=0)
+        PipelineRunner._wait(runner, work, msg)
+        assert work.calls == [first_wait]
+        assert runner._unconfirmed == ([(work, msg)] if nccl else [])

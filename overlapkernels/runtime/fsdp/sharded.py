@@ -8,8 +8,15 @@ units (forward order; reverse in backward) are gathered asynchronously ahead of 
 
 Sequence-parallel parameters (norm weights, row-parallel biases under SP) have gradients that are
 partial per TP rank; each unit sums them over the parameter's ``sequence_parallel_group`` tag
-before reducing over DP. Mixed precision as in torch FSDP2: with ``param_dtype`` the floating
-inputs of the wrapped model are cast to it, so callers can keep feeding fp32.
+before reducing over DP; under context parallelism each reduced shard is then summed over the
+units' ``context_parallel_group`` (CP peers own the same shard). Mixed precision as in torch FSDP2:
+with ``param_dtype`` the floating inputs of the wrapped model are cast to it, so callers can keep
+feeding fp32.
+
+At stages 2/3 a unit reduces as soon as all its parameters have gradients, so every rank of the
+DP (and CP) group must produce gradients for the same units in a step, as the model's code path
+does unless it branches on data or rank (unused parameters are fine: they are reduced at the end
+of backward by a collective decision).
 """
 from __future__ import annotations
 
@@ -198,12 +205,18 @@ class ShardedModule(nn.Module):
     def _reduce_leftovers(self, *, async_op: bool) -> None:
         """Reduce-scatter every unit that still holds full gradients on any rank (some of whose
         parameters got no gradient). Decided collectively - one all-reduce of flags - so every
-        rank reduces the same units in the same order."""
-        flags = torch.tensor([u.has_full_grads() for u in self.all_units], dtype=torch.int32,
-                             device=self.all_units[0].device)
+        rank reduces the same units in the same order. A rank with no gradient for a unit that has
+        one elsewhere reduces zeros: its DP/CP peers' collectives need a partner, and every replica
+        must agree on whether the optimizer steps the unit."""
+        has_grad = [u.has_full_grads() or u.reduced_this_step for u in self.all_units]
+        flags = torch.tensor(has_grad, dtype=torch.int32, device=self.all_units[0].device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        # under CP a reduced shard is then summed over the CP group: its ranks must agree too, or
+        # one side would wait in that sum for a peer that decided it had nothing to reduce
+        for cp_group in dict.fromkeys(u.cp_group for u in self.all_units if u.cp_group is not None):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cp_group)
         for unit, flag in zip(self.all_units, flags.tolist()):
-            if flag:
+            if flag and (unit.has_full_grads() or not unit.reduced_this_step):
                 unit.reduce_grads(async_op=async_op)
 
     def _end_of_backward(self) -> None:

@@ -85,6 +85,7 @@ class PipelineRunner:
         self.schedule, self.loss_fn, self.timeout = schedule, loss_fn, timeout
         self.last_stage = schedule.num_stages - 1
         self._joined = False
+        self._nccl = "nccl" in str(dist.get_backend(self.group))
 
     # -- point to point -----------------------------------------------------------------------
     def _tag(self, msg) -> int:
@@ -99,6 +100,18 @@ class PipelineRunner:
                                f"({str(cause).splitlines()[0][:160] if cause else 'no answer'})")
 
     def _wait(self, work, msg) -> None:
+        """Before an action uses a received tensor. NCCL: the compute stream waits for the transfer
+        and the host runs on (a timed wait would hold the host until the transfer lands: WorkNCCL
+        polls every 1 ms, so the host could not queue work ahead); the timeout is applied once, at
+        the step's end (``_confirm``). gloo: a timed host wait here."""
+        if self._nccl:
+            work.wait()
+            self._unconfirmed.append((work, msg))
+            return
+        self._confirm(work, msg)
+
+    def _confirm(self, work, msg) -> None:
+        """A host wait with the runner's timeout; a miss names the stage, microbatch and peer."""
         try:
             with span(f"ok/pipeline/{msg.what}{msg.boundary}.{msg.microbatch}/comm"):
                 ok, cause = work.wait(timedelta(seconds=self.timeout)), None
@@ -175,19 +188,20 @@ class PipelineRunner:
                 raise TypeError(f"{name}={type(t).__name__}: expected a tensor (microbatches split on dim 0)")
             if t is not None and (t.dim() == 0 or t.shape[0] % m):
                 raise ValueError(f"{name}.shape={tuple(t.shape)}: dim 0 must be divisible by {m} microbatches")
-        if not self._joined and "nccl" in str(dist.get_backend(self.group)):
+        if not self._joined and self._nccl:
             # torch: batch_isend_irecv as the group's first NCCL call must involve all its ranks
             dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
         self._joined = True
         inputs_mb = inputs.chunk(m) if has_first else None
         targets_mb = targets.chunk(m) if has_last else None
-        self._sends, self._inbox, self._outbox = [], {}, {}
+        self._sends, self._unconfirmed, self._inbox, self._outbox = [], [], {}, {}
         # Shapes cross each boundary once per step, not once per runner: a middle stage never sees
         # the batch, so only a message can tell it that this step's batch (a sequence length, a
         # last smaller batch) differs from the previous one; a cache would misread it. 80 bytes.
         self._shapes = {}
         state, stores, losses = {}, {}, []
         self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0}  # time in module compute, per op kind
+        self._events = []
         step_start = time.perf_counter()
         with span(f"ok/pipeline[{self.schedule.kind}]"):  # op window: P2P vs the stages' compute
             for k, a in enumerate(self.schedule.actions[self.rank]):
@@ -195,8 +209,12 @@ class PipelineRunner:
                 with span(f"ok/pipeline/{a}"):
                     self._run_action(a, inputs_mb, targets_mb, state, stores, losses)
             self._post_point(self.plan[-1])
-            for work, msg in self._sends:  # done once their peers received
-                self._wait(work, msg)
+            for work, msg in self._sends + self._unconfirmed:  # sends: done once their peers received
+                self._confirm(work, msg)
+        if self._events:  # CUDA: the step's kernels are done before its time is read
+            self._events[-1][2].synchronize()
+            for op, start, end in self._events:
+                self.compute_s[op] += start.elapsed_time(end) / 1e3
         self.step_s = time.perf_counter() - step_start
         return torch.stack(losses).sum() if has_last else None
 
@@ -211,16 +229,14 @@ class PipelineRunner:
                 x = state[(s - 1, mb)]["out"].detach().requires_grad_()
             else:
                 x = self._take("activation", s - 1, mb).requires_grad_()
-            t_op = time.perf_counter()
-            out = self.modules[s](x)
-            if s == self.last_stage:
-                loss = self.loss_fn(out, targets_mb[mb]) / m
-                losses.append(loss.detach())
-                out = loss
-            elif self.schedule.rank_of(s + 1) != self.rank:
+            with self._timed("F"):
+                out = self.modules[s](x)
+                if s == self.last_stage:
+                    out = self.loss_fn(out, targets_mb[mb]) / m
+                    losses.append(out.detach())
+            if s != self.last_stage and self.schedule.rank_of(s + 1) != self.rank:
                 self._send_later("activation", s, mb, out.detach())
             state[(s, mb)] = {"x": x, "out": out}
-            self.compute_s["F"] += time.perf_counter() - t_op
         elif a.op in ("B", "BW"):
             st = state.pop((s, mb))
             if s == self.last_stage:
@@ -229,11 +245,10 @@ class PipelineRunner:
                 grad = state.pop(("grad", s, mb))
             else:
                 grad = self._take("gradient", s, mb)
-            t_op = time.perf_counter()
             if a.op == "B":
                 stores[(s, mb)] = WeightGradStore()
             if st["out"].requires_grad:  # not so for a first stage without parameters
-                with deferring(stores[(s, mb)]) if a.op == "B" else contextlib.nullcontext():
+                with deferring(stores[(s, mb)]) if a.op == "B" else contextlib.nullcontext(), self._timed(a.op):
                     torch.autograd.backward(st["out"], grad)
             if s > 0:
                 # an output that does not depend on the input sends a zero gradient, not none
@@ -242,8 +257,21 @@ class PipelineRunner:
                     state[("grad", s - 1, mb)] = grad_x
                 else:
                     self._send_later("gradient", s - 1, mb, grad_x)
-            self.compute_s[a.op] += time.perf_counter() - t_op
         else:  # W
-            t_op = time.perf_counter()
-            stores.pop((s, mb)).run()
-            self.compute_s["W"] += time.perf_counter() - t_op
+            with self._timed("W"):
+                stores.pop((s, mb)).run()
+
+    @contextlib.contextmanager
+    def _timed(self, op: str):
+        """Adds the enclosed compute to ``compute_s[op]``: host time on CPU; on CUDA a pair of
+        events read at the step's end (host time there would mostly be kernel launches)."""
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((op, start, end))
+        else:
+            t = time.perf_counter()
+            yield
+            self.compute_s[op] += time.perf_counter() - t
