@@ -159,6 +159,26 @@ def test_gpu_timeline_is_used_alone_when_present():
     assert (row["dur_us"], row["comm_us"], row["compute_us"]) == (30, 2, 2)
 
 
+def test_gpu_copies_of_one_call_are_one_window_by_external_id():
+    """An unoverlapped baseline on GPU: the collective's stream, then the GEMM's, so the range's two
+    per-stream copies do not overlap; kineto's External id (the host call that made them) still
+    makes them one call, with the gap between them in its duration and nothing hidden."""
+    def gpu(name, ts, dur, tid, call=None):
+        e = {**_x(name, ts, dur, tid), "cat": "gpu_user_annotation" if name.startswith("ok/") else "kernel"}
+        return {**e, "args": {"External id": call}} if call is not None else e
+
+    op = "ok/all_gather_matmul[baseline]"
+    events = [gpu(op, 100, 40, 7, call=3), gpu("ncclDevKernel_AllGather_RING_LL", 100, 40, 7),
+              gpu(op, 145, 60, 0, call=3), gpu("sm90_xmma_gemm_bf16bf16_bf16f32", 145, 60, 0),
+              gpu(op, 300, 10, 7, call=4), gpu("ncclDevKernel_AllGather_RING_LL", 300, 10, 7)]
+    rows = overlap_report(events)
+    assert [(r["start_us"], r["dur_us"], r["comm_us"], r["compute_us"], r["hidden"]) for r in rows] == [
+        (100, 105, 40, 60, 0.0), (300, 10, 10, 0, 0.0)]
+    # without the id (an older trace), copies that do not overlap cannot be told from two calls
+    no_ids = [{k: v for k, v in e.items() if k != "args"} for e in events]
+    assert len(overlap_report(no_ids)) == 3
+
+
 def _fwd_bwd_ranges(trace_dir):
     """Every op forward and backward on 2 gloo ranks under the profiler -> the range names seen."""
     from overlapkernels.ops.ring_attention import ring_attention

@@ -100,18 +100,27 @@ def _timeline(events: list[dict]) -> list[dict]:
 
 
 def _op_windows(events: list[dict]) -> list[tuple[str, float, float]]:
-    """(name, start, end) per op call. A GPU range shows once per stream it launched work on, so
+    """(name, start, end) per op call. A GPU range shows once per stream it launched work on:
+    copies that carry the host range's ``External id`` (kineto's link to the call that made them)
+    are one call, from the first copy's start to the last one's end, even where the streams' work
+    did not overlap (an unoverlapped baseline: the collective, then the GEMM). Without that id,
     same-named ranges that overlap are one call (back-to-back ones, which only touch, are two)."""
     windows: list[list] = []
     last: dict[str, list] = {}
+    by_call: dict[tuple, list] = {}
     for e in sorted((e for e in events if OP_RANGE.match(e["name"])), key=lambda e: e["ts"]):
         lo, hi = e["ts"], e["ts"] + e["dur"]
-        prev = last.get(e["name"])
-        if prev is not None and lo < prev[2]:
+        call = (e.get("args") or {}).get("External id") if e.get("cat") == "gpu_user_annotation" else None
+        prev = by_call.get((e["name"], call)) if call is not None else last.get(e["name"])
+        if prev is not None and (call is not None or lo < prev[2]):
             prev[2] = max(prev[2], hi)
+            continue
+        window = [e["name"], lo, hi]
+        windows.append(window)
+        if call is not None:
+            by_call[(e["name"], call)] = window
         else:
-            last[e["name"]] = [e["name"], lo, hi]
-            windows.append(last[e["name"]])
+            last[e["name"]] = window
     return [tuple(w) for w in windows]
 
 
