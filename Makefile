@@ -3,7 +3,9 @@
 # machine's disk; a user's CUDA torch is never replaced), install the package with its extras
 # and build csrc/ when nvcc is on PATH. A python3 that is itself a virtualenv's (VIRTUAL_ENV set,
 # or sys.prefix != sys.base_prefix, as on images that put a venv first on PATH) is used as is,
-# and pip runs only when something is missing, so an offline GPU box with torch needs no network.
+# and pip runs only when something is missing (DEPS_IMPORT: all that the tests and `make gpu-check`
+# import; matplotlib, for plots only, is not needed), so an offline GPU box with torch needs no
+# network. pip never runs longer than PIP_TIMEOUT seconds (gpu-check: the time left to its deadline).
 SHELL := /bin/bash
 PYTHON ?= python3
 TORCH_PIN := torch==2.13.0
@@ -11,16 +13,20 @@ IN_VENV := $(shell [ -n "$$VIRTUAL_ENV" ] || $(PYTHON) -c 'import sys; sys.exit(
              2>/dev/null && echo yes)
 PY := $(if $(IN_VENV),$(PYTHON),$(CURDIR)/.venv/bin/python)
 STAMP := .setup-stamp
-DEPS_IMPORT := import overlapkernels, pytest, pytest_timeout, triton, pynvml
+DEPS_IMPORT := import torch, overlapkernels, pytest, pytest_timeout, triton, pynvml
 PYTEST_ARGS ?=
+PIP_TIMEOUT ?= 1800
 
-.PHONY: setup demo test cuda gpu-check clean bench-collectives bench-node
+.PHONY: deps setup demo test cuda gpu-check clean bench-collectives bench-node
 
-setup:
+# The Python side only: a virtualenv, torch, the package and its test dependencies.
+deps:
 	@if [ -z "$(IN_VENV)" ] && [ ! -x .venv/bin/python ]; then $(PYTHON) -m venv .venv; fi
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH_PIN)
+	@$(PY) -c "import torch" 2>/dev/null || timeout $(PIP_TIMEOUT) $(PY) -m pip install $(TORCH_PIN)
 	@if ! $(PY) -c "$(DEPS_IMPORT)" 2>/dev/null || { [ -z "$(IN_VENV)" ] && [ setup.py -nt $(STAMP) ]; }; then \
-	  OVERLAPKERNELS_SKIP_CUDA=1 $(PY) -m pip install -q -e ".[test,bench]" && touch $(STAMP); fi
+	  OVERLAPKERNELS_SKIP_CUDA=1 timeout $(PIP_TIMEOUT) $(PY) -m pip install -q -e ".[test,bench]" && touch $(STAMP); fi
+
+setup: deps
 	@if command -v nvcc >/dev/null 2>&1; then timeout 150 $(PY) csrc/build.py >/dev/null || echo "csrc build failed (see above); CUDA-library features will say how to build it"; \
 	  else echo "nvcc not on PATH: skipping the CUDA library (make cuda builds it)"; fi
 
@@ -38,22 +44,25 @@ test: setup
 cuda:
 	$(PY) csrc/build.py
 
-# On a CUDA machine: build csrc, then scripts/gpu_check.sh: GPU tests and one-GPU benchmarks, each
-# step time-limited, rows to benchmarks/results/gpu-check.csv ($OUT/gpu-check.csv if OUT is set).
-# A failed csrc build fails the csrc tests, not the Triton ones: hence '-'. All of it ends within
-# 8 minutes: the deadline is fixed when make reads this file (before setup), the csrc builds have
-# limits, and the script cuts its steps to the time left.
+# On a CUDA machine: scripts/gpu_check.sh builds csrc (once: deps, not setup, so no second build),
+# then runs the GPU tests and one-GPU benchmarks, each step time-limited, rows to
+# benchmarks/results/gpu-check.csv ($OUT/gpu-check.csv if OUT is set). All of it ends within
+# 8 minutes: the deadline is fixed when make reads this file (before deps), pip (when it must run
+# at all) gets only the time left to it, and the script cuts its probe and steps to the time left.
 gpu-check: GPU_CHECK_DEADLINE := $(shell echo $$(( $$(date +%s) + 465 )))
-gpu-check: setup
-	-timeout 150 $(PY) csrc/build.py
+# deps inherits this; evaluated by the shell when pip would start, never below 1 (timeout 0 = no limit)
+gpu-check: PIP_TIMEOUT = $$(( $(GPU_CHECK_DEADLINE) - $$(date +%s) > 1 ? $(GPU_CHECK_DEADLINE) - $$(date +%s) : 1 ))
+gpu-check: deps
 	PY=$(PY) GPU_CHECK_DEADLINE=$(GPU_CHECK_DEADLINE) bash scripts/gpu_check.sh
 
 # On a multi-GPU NVLink node: every bench kind under torchrun, rows to benchmarks/results/node.csv.
 # Defaults fit any NPROC (sizes derived from the world size) and cover every method; without the
-# csrc library ('-': its build may fail) the CUDA-IPC paths are skipped with the reason, and a kind
-# that fails does not stop the others (`bench all` names it and exits non-zero at the end).
+# csrc library ('-': its build, done here only, may fail) the CUDA-IPC paths are skipped with the
+# reason. A kind that fails on every rank before it communicates does not stop the others (`bench
+# all` names it and exits non-zero at the end); one that fails mid-run stops the job (ranks would
+# otherwise wait in its collectives).
 NPROC ?= 8
-bench-node: setup
+bench-node: deps
 	-$(PY) csrc/build.py
 	$(PY) -m torch.distributed.run --nproc-per-node $(NPROC) -m overlapkernels bench all \
 	  --csv benchmarks/results/node.csv --plot benchmarks/results/node-plots

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from overlapkernels.bench.report import append_csv, environment, format_table
+from overlapkernels.bench.report import RowLog, environment, exit_on_sigterm, format_table
 from overlapkernels.kernels.triton import flash_attn as fa
 from overlapkernels.kernels.triton.flash_attn import FlashConfig
 
@@ -35,59 +35,63 @@ def main(argv=None) -> int:
     s, h, d = args.seq, args.heads, args.head_dim
     q, k, v, do = (torch.randn(1, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     scale = d ** -0.5
-    rows = []
-    default = fa.flash_configs(q.device, q.dtype, max(16, triton.next_power_of_2(d)))
-    for causal in (False, True):
-        flops = 4 * h * s * s * d / (2 if causal else 1)
-        out, lse = fa.block_forward(q, k, v, scale, causal=causal)
-        want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        torch.testing.assert_close(out, want.float(), atol=2e-2, rtol=2e-2)  # never time a wrong kernel
-        delta = (do.float() * out).sum(-1)
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-            t_sdpa = triton.testing.do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)) / 1e3
-            qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-            o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
-            t_sdpa_bwd = triton.testing.do_bench(lambda: torch.autograd.grad(o, (qr, kr, vr), do, retain_graph=True)) / 1e3
-
-        grads = fa.block_backward(q, k, v, do, lse, delta, scale, causal=causal)
-
-        def time_with(cfgs, pass_):
-            with fa.forced_flash_configs(cfgs):
-                if pass_ == "forward":
-                    torch.testing.assert_close(fa.block_forward(q, k, v, scale, causal=causal)[0], out, atol=2e-2,
-                                               rtol=2e-2)
-                    return triton.testing.do_bench(lambda: fa.block_forward(q, k, v, scale, causal=causal)) / 1e3
-                for got, ref in zip(fa.block_backward(q, k, v, do, lse, delta, scale, causal=causal), grads):
-                    torch.testing.assert_close(got, ref, atol=5e-2, rtol=5e-2)  # alternatives agree with default
-                return triton.testing.do_bench(
-                    lambda: fa.block_backward(q, k, v, do, lse, delta, scale, causal=causal)) / 1e3
-
-        trials = [("forward", "default", default), ("backward", "default", default)]
-        trials += [("forward", str(c), fa.FlashConfigs(c, default.dkdv, default.dq)) for c in FWD_ALTERNATIVES
-                   if c != default.fwd]
-        trials += [("backward", f"dkdv {c}", fa.FlashConfigs(default.fwd, c, default.dq))
-                   for c in DKDV_ALTERNATIVES if c != default.dkdv]
-        for pass_, label, cfgs in trials:
-            if label == "default":
-                label = (str(cfgs.fwd) if pass_ == "forward" else f"dkdv {cfgs.dkdv}, dq {cfgs.dq}") + " (default)"
-            try:
-                t = time_with(cfgs, pass_)
-            except Exception as exc:  # noqa: BLE001 - an alternative that does not fit is a row, not a crash
-                print(f"{pass_} {label}: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
-                t = float("nan")
-            t_ref, f = (t_sdpa, flops) if pass_ == "forward" else (t_sdpa_bwd, 2.5 * flops)
-            rows.append({"pass": pass_, "causal": causal, "config": label, "ours_us": t * 1e6, "sdpa_us": t_ref * 1e6,
-                         "ours_tflops": f / t / 1e12, "sdpa_tflops": f / t_ref / 1e12, "vs_sdpa": t_ref / t})
     env = environment("cuda")
-    rows = [{**r, "seq": s, "heads": h, "head_dim": d, "dtype": "bfloat16", **env} for r in rows]
-    print(f"# Triton flash attention vs SDPA (flash), B=1 S={s} H={h} D={d} bf16 on {env['gpu_name']} "
-          f"(torch {env['torch']}, triton {env['triton']}, commit {env['commit']})")
-    print(format_table(rows, [("pass", "pass", ""), ("causal", "causal", ""), ("config", "tiles", ""),
-                              ("ours_us", "ours(us)", ".0f"),
-                              ("sdpa_us", "sdpa(us)", ".0f"), ("ours_tflops", "ours TFLOP/s", ".1f"),
-                              ("sdpa_tflops", "sdpa TFLOP/s", ".1f"), ("vs_sdpa", "vs sdpa", ".3f")]))
-    if args.csv:
-        append_csv(args.csv, rows)
+    # each row goes to the CSV as it is measured; a time limit's SIGTERM still prints the table so far
+    rows = RowLog(args.csv, {"seq": s, "heads": h, "head_dim": d, "dtype": "bfloat16", **env})
+    exit_on_sigterm()
+    try:
+        default = fa.flash_configs(q.device, q.dtype, max(16, triton.next_power_of_2(d)))
+        for causal in (False, True):
+            flops = 4 * h * s * s * d / (2 if causal else 1)
+            out, lse = fa.block_forward(q, k, v, scale, causal=causal)
+            want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            torch.testing.assert_close(out, want.float(), atol=2e-2, rtol=2e-2)  # never time a wrong kernel
+            delta = (do.float() * out).sum(-1)
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                t_sdpa = triton.testing.do_bench(
+                    lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)) / 1e3
+                qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+                o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
+                t_sdpa_bwd = triton.testing.do_bench(
+                    lambda: torch.autograd.grad(o, (qr, kr, vr), do, retain_graph=True)) / 1e3
+
+            grads = fa.block_backward(q, k, v, do, lse, delta, scale, causal=causal)
+
+            def time_with(cfgs, pass_):
+                with fa.forced_flash_configs(cfgs):
+                    if pass_ == "forward":
+                        torch.testing.assert_close(fa.block_forward(q, k, v, scale, causal=causal)[0], out, atol=2e-2,
+                                                   rtol=2e-2)
+                        return triton.testing.do_bench(lambda: fa.block_forward(q, k, v, scale, causal=causal)) / 1e3
+                    for got, ref in zip(fa.block_backward(q, k, v, do, lse, delta, scale, causal=causal), grads):
+                        torch.testing.assert_close(got, ref, atol=5e-2, rtol=5e-2)  # alternatives agree with default
+                    return triton.testing.do_bench(
+                        lambda: fa.block_backward(q, k, v, do, lse, delta, scale, causal=causal)) / 1e3
+
+            trials = [("forward", "default", default), ("backward", "default", default)]
+            trials += [("forward", str(c), fa.FlashConfigs(c, default.dkdv, default.dq)) for c in FWD_ALTERNATIVES
+                       if c != default.fwd]
+            trials += [("backward", f"dkdv {c}", fa.FlashConfigs(default.fwd, c, default.dq))
+                       for c in DKDV_ALTERNATIVES if c != default.dkdv]
+            for pass_, label, cfgs in trials:
+                if label == "default":
+                    label = (str(cfgs.fwd) if pass_ == "forward" else f"dkdv {cfgs.dkdv}, dq {cfgs.dq}") + " (default)"
+                try:
+                    t = time_with(cfgs, pass_)
+                except Exception as exc:  # noqa: BLE001 - an alternative that does not fit is a row, not a crash
+                    print(f"{pass_} {label}: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
+                    t = float("nan")
+                t_ref, f = (t_sdpa, flops) if pass_ == "forward" else (t_sdpa_bwd, 2.5 * flops)
+                rows.add({"pass": pass_, "causal": causal, "config": label, "ours_us": t * 1e6,
+                          "sdpa_us": t_ref * 1e6, "ours_tflops": f / t / 1e12, "sdpa_tflops": f / t_ref / 1e12,
+                          "vs_sdpa": t_ref / t})
+    finally:
+        print(f"# Triton flash attention vs SDPA (flash), B=1 S={s} H={h} D={d} bf16 on {env['gpu_name']} "
+              f"(torch {env['torch']}, triton {env['triton']}, commit {env['commit']})")
+        print(format_table(rows, [("pass", "pass", ""), ("causal", "causal", ""), ("config", "tiles", ""),
+                                  ("ours_us", "ours(us)", ".0f"),
+                                  ("sdpa_us", "sdpa(us)", ".0f"), ("ours_tflops", "ours TFLOP/s", ".1f"),
+                                  ("sdpa_tflops", "sdpa TFLOP/s", ".1f"), ("vs_sdpa", "vs sdpa", ".3f")]))
     return 0
 
 

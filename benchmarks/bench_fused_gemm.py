@@ -9,7 +9,7 @@ import sys
 import torch
 import triton.testing
 
-from overlapkernels.bench.report import append_csv, environment, format_table
+from overlapkernels.bench.report import RowLog, environment, exit_on_sigterm, format_table
 from overlapkernels.kernels.triton.ag_gemm import ag_gemm
 from overlapkernels.kernels.triton.signals import FLAG_DTYPE, polls
 from overlapkernels.kernels.triton.tile_gemm import GemmConfig, gemm_config
@@ -40,35 +40,37 @@ def main(argv=None) -> int:
     arrived = torch.ones(1, dtype=FLAG_DTYPE, device="cuda")
     err = torch.zeros(4, dtype=torch.int32, device="cuda")
     flops = 2 * args.m * args.n * args.k
-    t_mm = triton.testing.do_bench(lambda: torch.mm(a, b), warmup=50, rep=300) / 1e3
-    rows = [{"kernel": "torch.mm", "config": "cuBLAS", "time_us": t_mm * 1e6, "tflops": flops / t_mm / 1e12,
-             "vs_mm": 1.0}]
-    ref = a.float() @ b.float()
-    default = gemm_config(a.device, a.dtype, args.m, args.n, args.k)
-    for name, cfg in [("ag_gemm (default)", default)] + [("ag_gemm", c) for c in ALTERNATIVES if c != default]:
-        def run(cfg=cfg):
-            return ag_gemm(a, b, out, arrived, err, rank=0, world_size=1, epoch=1, budget=polls(1), config=cfg)
-
-        try:
-            run()
-            torch.testing.assert_close(out.float(), ref, atol=0.5, rtol=2e-2)  # never report a wrong kernel's speed
-        except Exception as exc:  # noqa: BLE001 - a config that fails or is wrong is a row, not a crash
-            print(f"{name} {cfg}: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
-            rows.append({"kernel": name, "config": str(cfg), "time_us": float("nan"), "tflops": float("nan"),
-                         "vs_mm": float("nan"), "error": type(exc).__name__})
-            continue
-        t = triton.testing.do_bench(run, warmup=50, rep=300) / 1e3
-        rows.append({"kernel": name, "config": str(cfg), "time_us": t * 1e6, "tflops": flops / t / 1e12,
-                     "vs_mm": t_mm / t})
     env = environment("cuda")
-    rows = [{**r, "M": args.m, "N": args.n, "K": args.k, "dtype": "bfloat16", **env} for r in rows]
-    print(f"# fused GEMM core vs torch.mm, {args.m}x{args.n}x{args.k} bf16 on {env['gpu_name']} "
-          f"(torch {env['torch']}, triton {env['triton']}, commit {env['commit']})")
-    print(format_table(rows, [("kernel", "kernel", ""), ("config", "BMxBNxBK warps stages", ""),
-                              ("time_us", "time(us)", ".1f"), ("tflops", "TFLOP/s", ".1f"),
-                              ("vs_mm", "vs torch.mm", ".3f")]))
-    if args.csv:
-        append_csv(args.csv, rows)
+    # each row goes to the CSV as it is measured; a time limit's SIGTERM still prints the table so far
+    rows = RowLog(args.csv, {"M": args.m, "N": args.n, "K": args.k, "dtype": "bfloat16", **env})
+    exit_on_sigterm()
+    try:
+        t_mm = triton.testing.do_bench(lambda: torch.mm(a, b), warmup=50, rep=300) / 1e3
+        rows.add({"kernel": "torch.mm", "config": "cuBLAS", "time_us": t_mm * 1e6, "tflops": flops / t_mm / 1e12,
+                  "vs_mm": 1.0})
+        ref = a.float() @ b.float()
+        default = gemm_config(a.device, a.dtype, args.m, args.n, args.k)
+        for name, cfg in [("ag_gemm (default)", default)] + [("ag_gemm", c) for c in ALTERNATIVES if c != default]:
+            def run(cfg=cfg):
+                return ag_gemm(a, b, out, arrived, err, rank=0, world_size=1, epoch=1, budget=polls(1), config=cfg)
+
+            try:
+                run()
+                torch.testing.assert_close(out.float(), ref, atol=0.5, rtol=2e-2)  # never report a wrong kernel's speed
+            except Exception as exc:  # noqa: BLE001 - a config that fails or is wrong is a row, not a crash
+                print(f"{name} {cfg}: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
+                rows.add({"kernel": name, "config": str(cfg), "time_us": float("nan"), "tflops": float("nan"),
+                          "vs_mm": float("nan"), "error": type(exc).__name__})
+                continue
+            t = triton.testing.do_bench(run, warmup=50, rep=300) / 1e3
+            rows.add({"kernel": name, "config": str(cfg), "time_us": t * 1e6, "tflops": flops / t / 1e12,
+                      "vs_mm": t_mm / t})
+    finally:
+        print(f"# fused GEMM core vs torch.mm, {args.m}x{args.n}x{args.k} bf16 on {env['gpu_name']} "
+              f"(torch {env['torch']}, triton {env['triton']}, commit {env['commit']})")
+        print(format_table(rows, [("kernel", "kernel", ""), ("config", "BMxBNxBK warps stages", ""),
+                                  ("time_us", "time(us)", ".1f"), ("tflops", "TFLOP/s", ".1f"),
+                                  ("vs_mm", "vs torch.mm", ".3f")]))
     return 0
 
 

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from overlapkernels.bench.report import append_csv, environment, format_table
+from overlapkernels.bench.report import RowLog, environment, exit_on_sigterm, format_table
 from overlapkernels.comm.thread_world import ThreadWorld
 
 
@@ -67,19 +67,21 @@ def main(argv=None) -> int:
         dst.copy_(a_full)
     torch.cuda.synchronize()
     t_copy = (time.perf_counter() - t0) / args.iters * w * (w - 1) / w  # each rank pulls W-1 chunks
-    rows = []
-    for method in ("symm", "fused"):
-        t = max(ThreadWorld(w, device="cuda", timeout=40).run(_rank, method, m, k, n, args.iters))
-        rows.append({"method": method, "world": w, "m": m, "k": k, "n": n, "time_us": t * 1e6,
-                     "gemm_us": t_gemm * 1e6, "copy_us": t_copy * 1e6, "vs_bound": max(t_gemm, t_copy) / t})
     env = environment("cuda")
-    rows = [{**r, **env} for r in rows]
-    print(f"# all_gather_matmul, {w} ranks sharing {env['gpu_name']}, bf16, a_shard {m}x{k} @ {k}x{n} "
-          f"(commit {env['commit']}); vs_bound = max(GEMM, copy) / time (1 = perfect overlap)")
-    print(format_table(rows, [("method", "method", ""), ("time_us", "time(us)", ".0f"), ("gemm_us", "GEMM(us)", ".0f"),
-                              ("copy_us", "copy(us)", ".0f"), ("vs_bound", "vs bound", ".3f")]))
-    if args.csv:
-        append_csv(args.csv, rows)
+    # each row goes to the CSV as it is measured; a time limit's SIGTERM still prints the table so far
+    rows = RowLog(args.csv, env)
+    exit_on_sigterm()
+    try:
+        for method in ("symm", "fused"):
+            t = max(ThreadWorld(w, device="cuda", timeout=40).run(_rank, method, m, k, n, args.iters))
+            rows.add({"method": method, "world": w, "m": m, "k": k, "n": n, "time_us": t * 1e6,
+                      "gemm_us": t_gemm * 1e6, "copy_us": t_copy * 1e6, "vs_bound": max(t_gemm, t_copy) / t})
+    finally:
+        print(f"# all_gather_matmul, {w} ranks sharing {env['gpu_name']}, bf16, a_shard {m}x{k} @ {k}x{n} "
+              f"(commit {env['commit']}); vs_bound = max(GEMM, copy) / time (1 = perfect overlap)")
+        print(format_table(rows, [("method", "method", ""), ("time_us", "time(us)", ".0f"),
+                                  ("gemm_us", "GEMM(us)", ".0f"), ("copy_us", "copy(us)", ".0f"),
+                                  ("vs_bound", "vs bound", ".3f")]))
     return 0
 
 

@@ -9,7 +9,7 @@ import sys
 import torch
 import triton.testing
 
-from overlapkernels.bench.report import append_csv, environment, format_table
+from overlapkernels.bench.report import RowLog, environment, exit_on_sigterm, format_table
 from overlapkernels.kernels import cuda as cuda_lib
 
 
@@ -22,32 +22,33 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_reduce: needs a CUDA GPU", file=sys.stderr)
         return 2
-    rows = []
-    for dtype in (torch.bfloat16, torch.float32):
-        srcs = [torch.randn(args.numel, device="cuda").to(dtype) for _ in range(args.srcs)]
-        dst = torch.empty_like(srcs[0])
-        cuda_lib.reduce_sum(dst, srcs)
-        want = torch.zeros(args.numel, device="cuda")
-        for s in srcs:
-            want += s.float()
-        torch.testing.assert_close(dst, want.to(dtype), atol=0, rtol=0)  # fixed order, fp32: exact
-        t_reduce = triton.testing.do_bench(lambda: cuda_lib.reduce_sum(dst, srcs)) / 1e3
-        src_all = torch.cat(srcs)
-        copy_dst = torch.empty_like(src_all)
-        t_copy = triton.testing.do_bench(lambda: copy_dst.copy_(src_all)) / 1e3
-        moved = (args.srcs + 1) * dst.numel() * dst.element_size()  # read P sources, write one
-        copied = 2 * src_all.numel() * src_all.element_size()       # read and write
-        rows.append({"kernel": "ok_reduce_sum", "dtype": str(dtype).replace("torch.", ""), "srcs": args.srcs,
-                     "numel": args.numel, "time_us": t_reduce * 1e6, "gbps": moved / t_reduce / 1e9,
-                     "copy_gbps": copied / t_copy / 1e9, "vs_copy": (moved / t_reduce) / (copied / t_copy)})
     env = environment("cuda")
-    rows = [{**r, **env} for r in rows]
-    print(f"# csrc reduce vs device-to-device copy on {env['gpu_name']} (commit {env['commit']})")
-    print(format_table(rows, [("kernel", "kernel", ""), ("dtype", "dtype", ""), ("srcs", "srcs", "d"),
-                              ("time_us", "time(us)", ".1f"), ("gbps", "GB/s", ".0f"), ("copy_gbps", "copy GB/s", ".0f"),
-                              ("vs_copy", "vs copy", ".3f")]))
-    if args.csv:
-        append_csv(args.csv, rows)
+    # each row goes to the CSV as it is measured; a time limit's SIGTERM still prints the table so far
+    rows = RowLog(args.csv, env)
+    exit_on_sigterm()
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            srcs = [torch.randn(args.numel, device="cuda").to(dtype) for _ in range(args.srcs)]
+            dst = torch.empty_like(srcs[0])
+            cuda_lib.reduce_sum(dst, srcs)
+            want = torch.zeros(args.numel, device="cuda")
+            for s in srcs:
+                want += s.float()
+            torch.testing.assert_close(dst, want.to(dtype), atol=0, rtol=0)  # fixed order, fp32: exact
+            t_reduce = triton.testing.do_bench(lambda: cuda_lib.reduce_sum(dst, srcs)) / 1e3
+            src_all = torch.cat(srcs)
+            copy_dst = torch.empty_like(src_all)
+            t_copy = triton.testing.do_bench(lambda: copy_dst.copy_(src_all)) / 1e3
+            moved = (args.srcs + 1) * dst.numel() * dst.element_size()  # read P sources, write one
+            copied = 2 * src_all.numel() * src_all.element_size()       # read and write
+            rows.add({"kernel": "ok_reduce_sum", "dtype": str(dtype).replace("torch.", ""), "srcs": args.srcs,
+                      "numel": args.numel, "time_us": t_reduce * 1e6, "gbps": moved / t_reduce / 1e9,
+                      "copy_gbps": copied / t_copy / 1e9, "vs_copy": (moved / t_reduce) / (copied / t_copy)})
+    finally:
+        print(f"# csrc reduce vs device-to-device copy on {env['gpu_name']} (commit {env['commit']})")
+        print(format_table(rows, [("kernel", "kernel", ""), ("dtype", "dtype", ""), ("srcs", "srcs", "d"),
+                                  ("time_us", "time(us)", ".1f"), ("gbps", "GB/s", ".0f"),
+                                  ("copy_gbps", "copy GB/s", ".0f"), ("vs_copy", "vs copy", ".3f")]))
     return 0
 
 

@@ -58,6 +58,10 @@ def build(out_dir: Path | None = None, *, force: bool = False, verbose: bool = T
 
 
 if __name__ == "__main__":
+    if "--find-nvcc" in sys.argv:  # scripts/gpu_check.sh: is there an nvcc to build with (where build() looks)?
+        found = nvcc_path()
+        print(found or "nvcc not found")
+        sys.exit(0 if found else 1)
     try:
         print(build(force="--force" in sys.argv))
     except RuntimeError as exc:

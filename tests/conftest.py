@@ -1,5 +1,6 @@
 """Shared test set-up: the Triton interpreter on CPU, seeds, the gpu marker, rank pools."""
 import os
+import signal
 
 import torch
 
@@ -11,6 +12,15 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from overlapkernels.comm.rank_pool import RankPool  # noqa: E402
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+# A time limit's SIGTERM (`make gpu-check` runs each step under `timeout`) stops pytest as Ctrl-C
+# does: it still prints its summary and writes the junit XML of the tests that ran.
+signal.signal(signal.SIGTERM, _interrupt)
 
 
 def pytest_collection_modifyitems(config, items):

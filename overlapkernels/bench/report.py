@@ -102,6 +102,36 @@ def append_csv(path: str | os.PathLike, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+class RowLog(list):
+    """A benchmark script's rows, each appended to ``csv_path`` (when given) as soon as it is
+    measured, with the ``common`` columns (sizes, environment) added. A script stopped by its time
+    limit (`make gpu-check` shortens the later steps to fit its deadline) thus keeps every row it
+    finished, where writing all rows at the end lost them all."""
+
+    def __init__(self, csv_path: str | os.PathLike | None = None, common: dict | None = None):
+        super().__init__()
+        self.csv_path, self.common = csv_path, dict(common or {})
+
+    def add(self, row: dict) -> dict:
+        row = {**row, **self.common}
+        self.append(row)
+        if self.csv_path:
+            append_csv(self.csv_path, [row])
+        return row
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (a time limit's ``timeout``) raise SystemExit in the main thread: ``finally``
+    blocks still run, so a benchmark prints the rows it has before it goes (they are already in its
+    CSV: :class:`RowLog`)."""
+    import signal
+
+    def _exit(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+
+
 def append_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:
     """Append rows as JSON lines (one object per row; NaN written as null)."""
     import json
