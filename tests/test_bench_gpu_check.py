@@ -188,20 +188,18 @@ def test_every_gpu_bench_script_writes_rows_as_measured():
         assert "RowLog(args.csv" in text and "exit_on_sigterm()" in text and "append_csv" not in text, path.name
 
 
-@pytest.mark.skipif(not os.environ.get("OK_SLEEPING_TEST"), reason="run only by the test below, as its stand-in")
-def test_sleeps_until_stopped():
-    print("sleeping", flush=True)
-    time.sleep(120)
-
-
 def test_pytest_stopped_by_sigterm_still_writes_its_summary_and_xml(tmp_path):
     """conftest.py turns a time limit's SIGTERM into KeyboardInterrupt: the step's log still ends with
     pytest's summary and its XML counts the tests that ran (a plain SIGTERM left neither)."""
+    (tmp_path / "test_stand_in.py").write_text("import time\n\ndef test_passes():\n    pass\n\n"
+                                               "def test_sleeps():\n    print('sleeping', flush=True)\n"
+                                               "    time.sleep(120)\n")
     xml = tmp_path / "step.xml"
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", f"--junitxml={xml}",
-                             f"{__file__}::test_rowlog_appends_each_row_as_it_is_measured",
-                             f"{__file__}::test_sleeps_until_stopped"], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "OK_SLEEPING_TEST": "1"})
+    # -p conftest: this suite's conftest.py as a plugin, for a test file outside tests/
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "conftest",
+                             f"--junitxml={xml}", str(tmp_path / "test_stand_in.py")], cwd=tmp_path,
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}"})
     try:
         for line in proc.stdout:
             if "sleeping" in line:
