@@ -39,7 +39,12 @@ def _run_ranks(rank_main, config: dict, args) -> tuple[list[dict] | None, str]:
         from .parallel import init_default_process_group
 
         init_default_process_group()
+        gate = _kind_gate
+        if gate is not None and not gate.vote(True):
+            raise _KindSkipped("another rank cannot run it (its output says why)")
         rows = rank_main(config)
+        if gate is not None:
+            gate.stage = "done"
         return (rows if dist.get_rank() == 0 else None), ("cuda" if dist.get_backend() == "nccl" else "cpu")
     if args.nproc < 1:
         raise ValueError(f"--nproc {args.nproc}: expected >= 1")
@@ -162,9 +167,70 @@ ALL_KINDS = {"collectives": ["--sizes", "1K:1M", "--iters", "5", "--warmup", "1"
              "layers": ["--seq", "512", "--iters", "3"], "fsdp": [], "pipeline": []}
 
 
+class _KindSkipped(Exception):
+    """Under torchrun, a rank of `bench all` voted not to run the kind: every rank skips it."""
+
+
+class _KindGate:
+    """`bench all` under torchrun: before a kind's first collective every rank votes whether it will
+    run the kind, and the kind runs only if every rank will. A rank that fails before communicating
+    (sizes this world cannot take, an output path its node cannot write) thus makes every rank skip
+    the kind, where alone it would go on to the next kind's collectives while the others wait in
+    this one's. The vote is a gloo all_reduce on a group of its own with a timeout: it never mixes
+    with a kind's own traffic, and a peer that never votes (dead, stuck) ends in an error, not a hang.
+
+    ``stage`` says how far the current kind got on this rank: "before" its vote, "voting",
+    "running" (voted to run, in its collectives), "done" (they completed), "skipped"."""
+
+    def __init__(self, timeout=None):
+        import torch.distributed as dist
+
+        from .parallel import DEFAULT_TIMEOUT, init_default_process_group
+
+        init_default_process_group()
+        self._group = dist.new_group(backend="gloo", timeout=timeout or DEFAULT_TIMEOUT)
+        self.stage = "before"
+
+    def vote(self, run: bool) -> bool:
+        """True when every rank votes to run the kind (then this rank runs it if it voted to)."""
+        import torch
+        import torch.distributed as dist
+
+        self.stage = "voting"
+        flag = torch.tensor([int(run)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        everyone = bool(flag.item())
+        self.stage = "running" if run and everyone else "skipped"
+        return everyone
+
+
+_kind_gate: _KindGate | None = None  # set while `bench all` runs under torchrun: _run_ranks votes through it
+
+
+def _must_stop(stage: str | None) -> bool:
+    """After a kind failed on this rank, must `bench all` stop rather than go on to the next kind?
+    ``stage``: None for spawned --nproc ranks (the pool isolates each kind: go on), else how far the
+    kind got here (_KindGate.stage). Before the vote (the vote tells the others), skipped by every
+    rank, or done (its collectives completed; only the report after them failed): go on. Voting or
+    running: the other ranks may be waiting in collectives this rank will never join: stop."""
+    return stage in ("voting", "running")
+
+
+def _exit_now(code: int) -> None:
+    """Leave at once: a normal exit would tear down communicators with collectives still queued,
+    which can block; torchrun sees the exit code and stops the other ranks."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _bench_all(args) -> int:
     """Every kind in turn; one that fails (bad sizes for this world, a crash) is reported and the
-    rest still run, and the exit status says something failed."""
+    rest still run, and the exit status says something failed. Under torchrun only a kind that
+    fails before it communicates is passed over (by every rank: _KindGate); a rank on which a kind
+    fails mid-run prints why and exits non-zero at once (_must_stop), and torchrun stops the rest."""
+    global _kind_gate
+    gate = _KindGate() if _launched() else None
     failed = []
     for kind, small in ALL_KINDS.items():
         common = ["--nproc", str(args.nproc)]
@@ -172,13 +238,31 @@ def _bench_all(args) -> int:
                             ("--profile", args.profile and os.path.join(args.profile, kind))):  # a trace dir per kind
             common += [flag, value] if value else []
         print(f"\n## bench {kind}", flush=True)
+        if gate is not None:
+            gate.stage = "before"
+        _kind_gate = gate
         try:
             status = main(["bench", kind, *common, *([] if _launched() else small)])
+        except _KindSkipped as exc:
+            print(f"## bench {kind}: skipped: {exc}", file=sys.stderr)
+            status = "skipped"
         except Exception:  # noqa: BLE001 - one kind's crash must not cost the others their rows
             traceback.print_exc()
             status = 1
+        finally:
+            _kind_gate = None
+        if status and _must_stop(gate and gate.stage):
+            print(f"\n## bench all: {kind} failed on this rank while ranks communicate (exit {status}); stopping "
+                  "here, the other ranks cannot finish it", file=sys.stderr)
+            _exit_now(1)
+        if gate is not None and gate.stage == "before":  # it never reached its collectives here: say so
+            try:
+                gate.vote(False)
+            except Exception:  # noqa: BLE001 - a peer that cannot vote is dead or stuck
+                traceback.print_exc()
+                _exit_now(1)
         if status:
-            failed.append(f"{kind} (exit {status})")
+            failed.append(f"{kind} ({status if status == 'skipped' else f'exit {status}'})")
     if failed:
         print(f"\n## bench all: {len(failed)} of {len(ALL_KINDS)} kinds failed: {', '.join(failed)}", file=sys.stderr)
         return 1

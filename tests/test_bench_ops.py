@@ -167,6 +167,139 @@ def test_bench_all_runs_the_rest_after_a_failing_kind(monkeypatch, capsys):
     assert "RuntimeError: rank 1 crashed" in err and "2 of 7 kinds failed: layers (exit 1), fsdp (exit 2)" in err
 
 
+@pytest.mark.parametrize("stage, stop", [(None, False), ("before", False), ("skipped", False), ("done", False),
+                                         ("voting", True), ("running", True)])
+def test_bench_all_stops_only_where_ranks_may_wait_in_collectives(stage, stop):
+    """None: spawned --nproc ranks (the pool isolates a kind); before: this rank's vote tells the others;
+    skipped: every rank skipped it; done: its collectives completed; voting/running: peers may wait."""
+    from overlapkernels import cli
+
+    assert cli._must_stop(stage) is stop
+
+
+class _FakeGate:
+    """Rank 0's vote in a world of 2 whose other rank votes `peer[kind]` (default: to run)."""
+
+    def __init__(self, peer):
+        self.peer, self.votes, self.stage, self.kind = peer, [], "before", None
+
+    def vote(self, run):
+        everyone = run and self.peer.get(self.kind, True)
+        self.votes.append((self.kind, run))
+        self.stage = "running" if everyone else "skipped"
+        return everyone
+
+
+class _Exited(BaseException):
+    pass
+
+
+def _bench_all_under_torchrun(monkeypatch, behaviour, peer=None):
+    """`bench all` as rank 0 under torchrun with fake kinds: behaviour[kind] is "ok", "bad sizes"
+    (fails before its collectives), "crash" (fails in them) or "no rows" (rank 0's report fails after
+    them) -> (status or ("exit", code), kinds run, the gate)."""
+    import torch.distributed as dist
+
+    from overlapkernels import cli, parallel
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(parallel, "init_default_process_group", lambda: None)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+    gate = _FakeGate(peer or {})
+    monkeypatch.setattr(cli, "_KindGate", lambda: gate)
+    monkeypatch.setattr(cli, "_exit_now", lambda code: (_ for _ in ()).throw(_Exited(code)))
+    monkeypatch.setattr(cli, "ALL_KINDS", {kind: [] for kind in behaviour})
+    ran = []
+
+    def kind_main(kind):
+        def run(args):
+            ran.append(kind)
+            gate.kind = kind
+            if behaviour[kind] == "bad sizes":
+                raise ValueError("sizes this world cannot take")
+
+            def rank_main(config):
+                if behaviour[kind] == "crash":
+                    raise RuntimeError("CUDA error on this rank only")
+                return [{}]
+
+            cli._run_ranks(rank_main, {}, args)
+            return 1 if behaviour[kind] == "no rows" else 0
+        return run
+
+    for kind, func in (("layers", "_bench_layers"), ("fsdp", "_bench_fsdp"), ("pipeline", "_bench_pipeline")):
+        monkeypatch.setattr(cli, func, kind_main(kind))
+    try:
+        status = cli._bench_all(cli.build_parser().parse_args(["bench", "all"]))
+    except _Exited as exc:
+        status = ("exit", exc.args[0])
+    return status, ran, gate
+
+
+def test_bench_all_under_torchrun_exits_at_once_when_a_kind_fails_mid_run(monkeypatch, capsys):
+    """A rank whose kind fails in its collectives must not go on to the next kind (the others are
+    still in this one's collectives, and would hang until the NCCL watchdog): it exits non-zero."""
+    status, ran, gate = _bench_all_under_torchrun(monkeypatch, {"layers": "ok", "fsdp": "crash", "pipeline": "ok"})
+    assert status == ("exit", 1) and ran == ["layers", "fsdp"]
+    assert gate.votes == [("layers", True), ("fsdp", True)]
+    err = capsys.readouterr().err
+    assert "RuntimeError: CUDA error on this rank only" in err and "fsdp failed on this rank while ranks" in err
+
+
+def test_bench_all_under_torchrun_passes_over_kinds_every_rank_skips(monkeypatch, capsys):
+    """Bad sizes here: this rank votes not to run it. Bad sizes on the peer: this rank is told and skips
+    it too. A report that fails after the collectives: the ranks are in step, so the rest still run."""
+    status, ran, gate = _bench_all_under_torchrun(monkeypatch, {"layers": "bad sizes", "fsdp": "ok",
+                                                                "pipeline": "no rows"}, peer={"fsdp": False})
+    assert status == 1 and ran == ["layers", "fsdp", "pipeline"]
+    assert gate.votes == [("layers", False), ("fsdp", True), ("pipeline", True)]
+    err = capsys.readouterr().err
+    assert "sizes this world cannot take" in err and "fsdp: skipped: another rank cannot run it" in err
+    assert "3 of 3 kinds failed: layers (exit 2), fsdp (skipped), pipeline (exit 1)" in err
+
+
+def _bench_all_on_rank(fail_rank):
+    """On a gloo rank (torchrun's environment): `bench all` over two kinds whose ranks all_reduce;
+    on `fail_rank` the first fails before communicating."""
+    import torch
+    import torch.distributed as dist
+
+    from overlapkernels import cli
+
+    seen = []
+
+    def kind_main(kind):
+        def run(args):
+            if kind == "fsdp" and dist.get_rank() == fail_rank:
+                raise ValueError("an output path this node cannot write")
+
+            def rank_main(config):
+                t = torch.ones(1)
+                dist.all_reduce(t)
+                seen.append((kind, int(t.item())))
+                return [{}]
+
+            cli._run_ranks(rank_main, {}, args)
+            return 0
+        return run
+
+    saved = cli.ALL_KINDS, cli._bench_fsdp, cli._bench_pipeline
+    cli.ALL_KINDS, cli._bench_fsdp, cli._bench_pipeline = {"fsdp": [], "pipeline": []}, kind_main("fsdp"), \
+        kind_main("pipeline")
+    try:
+        return cli._bench_all(cli.build_parser().parse_args(["bench", "all"])), seen
+    finally:
+        cli.ALL_KINDS, cli._bench_fsdp, cli._bench_pipeline = saved
+
+
+def test_bench_all_ranks_agree_to_skip_a_kind_one_rank_cannot_run(rank_pool):
+    """Real gloo ranks: rank 1 fails the first kind before communicating; rank 0, which could run it,
+    skips it too instead of waiting in its all_reduce, and both run the next kind together."""
+    assert rank_pool(2).run(_bench_all_on_rank, 1, timeout=60) == [(1, [("pipeline", 2)])] * 2
+
+
 def _configs(monkeypatch, argv, env=None, cuda=False):
     """The config a `bench` command line builds, captured instead of running ranks."""
     from overlapkernels import cli
