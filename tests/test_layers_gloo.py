@@ -248,50 +248,57 @@ def _deferred_linears_on_rank(method, drop_closure=False):
     """Column/Row x SP on/off, each against the same layer without deferral: inside ``deferring``
     backward gives the input and bias gradients and leaves the weight's untouched (an existing
     .grad, not None, so accumulation is tested too) behind one closure; W adds what plain backward
-    adds. A frozen weight gets no closure and no gradient. ``drop_closure``: a planted lost W."""
+    adds. A frozen weight gets no closure and no gradient. ``drop_closure``: a planted lost W.
+    Also under activation checkpointing (reentrant or not), where backward's saved tensors are
+    recomputed aliases of the parameters: the closures must still reach the parameters."""
+    from torch.utils.checkpoint import checkpoint
+
     from overlapkernels.ops.weight_grad_store import WeightGradStore, deferring
     from overlapkernels.runtime.pipeline import enable_zero_bubble
 
     tp, _, world, rank = _groups()
     s, b, narrow, wide = 3 * world, 2, 10, 4 * world
     exact = dict(atol=1e-12, rtol=1e-12)
-    for sp in (False, True):
-        for cls, d_in, d_out in ((ColumnParallelLinear, narrow, wide), (RowParallelLinear, wide, narrow)):
-            for frozen in (False, True):
-                torch.manual_seed(0)
-                ref = cls(d_in, d_out, tp, sequence_parallel=sp, method=method, dtype=F64)
-                zb = enable_zero_bubble(cls(d_in, d_out, tp, sequence_parallel=sp, method=method, dtype=F64))
-                assert zb.defer_weight_grad and not ref.defer_weight_grad
-                with torch.no_grad():
-                    for i, (p, q) in enumerate(zip(ref.parameters(), zb.parameters())):
-                        p.copy_(_randn(*p.shape, seed=10 * rank + i))
-                        q.copy_(p)
-                for layer in (ref, zb):
-                    layer.weight.requires_grad_(not frozen)
-                    for i, p in enumerate(layer.parameters()):
-                        p.grad = None if frozen and p is layer.weight else _randn(*p.shape, seed=50 + i)
-                rows = s // world if sp and cls is ColumnParallelLinear else s
-                x = _randn(rows, b, ref.weight.shape[1], seed=20 + rank)
-                xr, xz = x.clone().requires_grad_(), x.clone().requires_grad_()
-                yr = ref(xr)
-                g = _randn(*yr.shape, seed=30 + rank)
-                (yr * g).sum().backward()
-                store = WeightGradStore()
-                before = None if zb.weight.grad is None else zb.weight.grad.clone()
-                with deferring(store):
-                    (zb(xz) * g).sum().backward()
-                what = f"{cls.__name__} sp={sp} frozen={frozen}"
-                assert len(store.closures) == (0 if frozen else 1), what
-                assert (zb.weight.grad is None) if frozen else torch.equal(zb.weight.grad, before), what
-                torch.testing.assert_close(xz.grad, xr.grad, **exact, msg=lambda m: f"{what} input grad: {m}")
-                torch.testing.assert_close(zb.bias.grad, ref.bias.grad, **exact, msg=lambda m: f"{what} bias: {m}")
-                if drop_closure:
-                    store.closures.pop()
-                store.run()
-                assert (zb.weight.grad is None) == frozen, what
-                if not frozen:
-                    torch.testing.assert_close(zb.weight.grad, ref.weight.grad, **exact,
-                                               msg=lambda m: f"{what} weight grad after W: {m}")
+    cases = [(sp, cls, d_in, d_out, frozen, ckpt) for sp in (False, True)
+             for cls, d_in, d_out in ((ColumnParallelLinear, narrow, wide), (RowParallelLinear, wide, narrow))
+             for frozen in (False, True) for ckpt in (None, "non-reentrant", "reentrant")]
+    for sp, cls, d_in, d_out, frozen, ckpt in cases:
+        torch.manual_seed(0)
+        ref = cls(d_in, d_out, tp, sequence_parallel=sp, method=method, dtype=F64)
+        zb = enable_zero_bubble(cls(d_in, d_out, tp, sequence_parallel=sp, method=method, dtype=F64))
+        assert zb.defer_weight_grad and not ref.defer_weight_grad
+        with torch.no_grad():
+            for i, (p, q) in enumerate(zip(ref.parameters(), zb.parameters())):
+                p.copy_(_randn(*p.shape, seed=10 * rank + i))
+                q.copy_(p)
+        for layer in (ref, zb):
+            layer.weight.requires_grad_(not frozen)
+            for i, p in enumerate(layer.parameters()):
+                p.grad = None if frozen and p is layer.weight else _randn(*p.shape, seed=50 + i)
+        rows = s // world if sp and cls is ColumnParallelLinear else s
+        x = _randn(rows, b, ref.weight.shape[1], seed=20 + rank)
+        xr, xz = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yr = ref(xr)
+        g = _randn(*yr.shape, seed=30 + rank)
+        (yr * g).sum().backward()
+        store = WeightGradStore()
+        before = None if zb.weight.grad is None else zb.weight.grad.clone()
+        with deferring(store):
+            y = zb(xz) if ckpt is None else checkpoint(zb, xz, use_reentrant=ckpt == "reentrant")
+            (y * g).sum().backward()
+        what = f"{cls.__name__} sp={sp} frozen={frozen} checkpoint={ckpt}"
+        assert len(store.closures) == (0 if frozen else 1), what
+        assert (zb.weight.grad is None) if frozen else torch.equal(zb.weight.grad, before), what
+        torch.testing.assert_close(xz.grad, xr.grad, **exact, msg=lambda m: f"{what} input grad: {m}")
+        torch.testing.assert_close(zb.bias.grad, ref.bias.grad, **exact, msg=lambda m: f"{what} bias: {m}")
+        if drop_closure:
+            store.closures.pop()
+        store.run()
+        assert (zb.weight.grad is None) == frozen, what
+        if not frozen:
+            torch.testing.assert_close(zb.weight.grad, ref.weight.grad, **exact,
+                                       msg=lambda m: f"{what} weight grad after W: {m}")
+            assert not zb.weight.grad.requires_grad, what  # a gradient, not a graph
     return True
 
 

@@ -56,7 +56,7 @@ class AllGatherMatmul(torch.autograd.Function):
         a_full, outs = _methods.ag_matmul(a_shard, bs, group, method)
         ctx.group, ctx.method_requested, ctx.method = group, method_requested, method
         ctx.save_gathered, ctx.strict, ctx.device = save_gathered, strict_active(), a_shard.device
-        ctx.transposed = transposed
+        ctx.transposed, ctx.grad_targets = transposed, ws  # the weights themselves: see weight_grad_store.defer
         ctx.save_for_backward(a_full if save_gathered else a_shard, *ws)
         ctx.set_materialize_grads(False)
         return (a_full, *outs)
@@ -94,7 +94,7 @@ class AllGatherMatmul(torch.autograd.Function):
             return [g.t() for g in grads] if ctx.transposed else grads
 
         # the ring wgrad communicates: only the local one (a_full kept) may wait for W
-        if wanted and not (ctx.save_gathered and defer([ws[i] for i in wanted], local_wgrads)):
+        if wanted and not (ctx.save_gathered and defer([ctx.grad_targets[i] for i in wanted], local_wgrads)):
             if ctx.save_gathered:
                 results = local_wgrads()
             else:

@@ -23,6 +23,7 @@ class Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight, bias)
+        ctx.grad_targets = (weight, bias)  # the parameters themselves: see weight_grad_store.defer
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -32,7 +33,7 @@ class Linear(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad
         grad_x = grad_out @ weight if need_x else None
         # a frozen weight or bias (requires_grad=False) gets no gradient, as under plain autograd
-        wanted = [(t, kind) for t, kind, need in ((weight, "w", need_w), (bias, "b", need_b)) if need]
+        wanted = [(t, kind) for t, kind, need in zip(ctx.grad_targets, "wb", (need_w, need_b)) if need]
 
         def weight_grads():
             g2 = grad_out.reshape(-1, grad_out.shape[-1])

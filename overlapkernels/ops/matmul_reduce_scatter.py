@@ -55,6 +55,7 @@ class MatmulReduceScatter(torch.autograd.Function):
     def forward(ctx, a, w, group, method_requested, method, transposed):
         ctx.group, ctx.method_requested, ctx.strict, ctx.device = group, method_requested, strict_active(), a.device
         ctx.method, ctx.transposed = method, transposed  # method names backward's op range
+        ctx.grad_targets = (w,)  # the weight itself: see weight_grad_store.defer
         ctx.save_for_backward(a, w)
         return _methods.matmul_rs(a, w.t() if transposed else w, group, method)
 
@@ -83,7 +84,7 @@ class MatmulReduceScatter(torch.autograd.Function):
             grad_b = a.T @ grad_full
             return [grad_b.t() if ctx.transposed else grad_b]
 
-        if not ctx.needs_input_grad[1] or defer([w], wgrad):
+        if not ctx.needs_input_grad[1] or defer(list(ctx.grad_targets), wgrad):
             return grad_a, None, None, None, None, None
         return grad_a, wgrad()[0], None, None, None, None
 

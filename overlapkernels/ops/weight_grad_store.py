@@ -67,13 +67,19 @@ def defer(params: list, compute) -> bool:
     further, e.g. a weight cast by autocast), return False: the caller computes them now.
 
     ``compute`` runs at W, long after backward: it must keep what it needs (the saved input, the
-    output gradient) and must not communicate, so W needs no peer to run in step."""
+    output gradient) and must not communicate, so W needs no peer to run in step.
+
+    ``params`` must be the tensors the Function's forward received (kept on ctx), not its
+    ``saved_tensors``: under activation checkpointing those unpack as recomputed, detached aliases
+    of the parameters, and a gradient accumulated into an alias is lost."""
     store = _store.get()
     if store is None or not params or not all(p.is_leaf for p in params):
         return False
 
     def closure():
-        with autocast_off(params[0].device):  # in the dtype backward would have used, even if W runs under autocast
+        # no_grad: a gradient, not a graph (inputs recomputed by reentrant checkpointing require
+        # grad); autocast off: the dtype backward would have used, even if W runs under autocast
+        with torch.no_grad(), autocast_off(params[0].device):
             grads = compute()
         for p, g in zip(params, grads, strict=True):
             accumulate(p, g)
