@@ -229,7 +229,7 @@ def test_mixed_dtypes_in_one_unit_are_refused(rank_pool):
         assert "unit 'a': parameters must share one device and dtype" in message
 
 
-def _tp_dp_on_rank(layout=None, stage=3):
+def _tp_dp_on_rank(layout=None, stage=3, clip=None):
     """GPT with TP=2 (+SP) inside (or CP=2: ring attention, every gradient partial over CP),
     ZeRO over DP=2, vs the dense GPT on the whole batch."""
     from overlapkernels.layers import TransformerBlock
@@ -245,9 +245,13 @@ def _tp_dp_on_rank(layout=None, stage=3):
     dense = GPT(config, ok.init_parallel(), dtype=torch.float64)
     dense_opt = adamw(dense.parameters())
     start = {k: v.clone() if torch.is_tensor(v) else v for k, v in dense.state_dict().items()}
+    dense_norms = []
     for tokens, targets in batches:
         dense_opt.zero_grad()
         dense.loss(tokens, targets).backward()
+        if clip is not None:
+            dense_norms.append(torch.nn.utils.clip_grad_norm_(dense.parameters(), clip))
+            assert dense_norms[-1] > clip  # the clip bites
         dense_opt.step()
 
     dims = ok.init_parallel(**(layout or dict(tp=2)))
@@ -255,8 +259,11 @@ def _tp_dp_on_rank(layout=None, stage=3):
     model.load_state_dict(shard_dense_state_dict(model, start))
     sharded = fsdp.shard(model, dims.dp_group, stage=stage, units=(TransformerBlock,), optimizer=adamw)
     mine = slice(dims.dp_rank * 2, (dims.dp_rank + 1) * 2)
-    for tokens, targets in batches:
+    for step, (tokens, targets) in enumerate(batches):
         sharded.module.loss(tokens[mine], targets[mine]).backward()
+        if clip is not None:  # the whole model's norm: DP shards, TP partitions and CP replicas each once
+            norm = sharded.clip_grad_norm_(clip, dims=dims)
+            torch.testing.assert_close(norm, dense_norms[step], atol=1e-12, rtol=1e-12)
         sharded.step()
     # stage 3 has freed the model's parameters (its state_dict() refuses): shard onto an unsharded twin
     want = shard_dense_state_dict(GPT(config, dims, dtype=torch.float64), dense.state_dict())
@@ -268,6 +275,11 @@ def _tp_dp_on_rank(layout=None, stage=3):
 
 def test_tp2_by_dp2_with_the_tp_layers(rank_pool):
     assert rank_pool(4).run(_tp_dp_on_rank) == [True] * 4
+
+
+@pytest.mark.parametrize("layout, stage", [(dict(tp=2), 1), (dict(tp=2), 3), (dict(cp=2), 2)])
+def test_clip_grad_norm_matches_the_dense_model(rank_pool, layout, stage):
+    assert rank_pool(4).run(_tp_dp_on_rank, layout, stage, 0.05) == [True] * 4
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -706,3 +718,13 @@ def _cp_branch_on_rank(stage):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_context_parallel_peers_agree_when_only_one_has_a_gradient(rank_pool, stage):
     assert rank_pool(4).run(_cp_branch_on_rank, stage) == [True] * 4
+
+
+@pytest.mark.parametrize("max_norm, norm_type, exc, pattern", [
+    (0.0, 2.0, ValueError, r"max_norm=0.0: expected a positive number"),
+    (1.0, -1, ValueError, r"norm_type=-1: expected a positive number or math.inf"),
+    ("1", 2.0, TypeError, r"max_norm must be a number, got str"),
+])
+def test_clip_grad_norm_bad_arguments_raise_before_communicating(max_norm, norm_type, exc, pattern):
+    with pytest.raises(exc, match=pattern):  # no process group here: it must not get that far
+        ok.clip_grad_norm_([nn.Parameter(torch.ones(2))], max_norm, norm_type, dims=None)

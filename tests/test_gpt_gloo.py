@@ -1,5 +1,7 @@
 """The small GPT under TP (+SP), CP and both vs the same GPT at TP = CP = 1 from the same dense
 weights: same loss, same gathered gradients after one backward."""
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,7 +13,7 @@ from overlapkernels.models import GPT, GPTConfig, gather_dense_state_dict, shard
 CONFIG = dict(vocab_size=32, hidden=16, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden=32, max_seq_len=16)
 
 
-def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2, compiled=False):
+def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2, compiled=False, clip=None):
     config = GPTConfig(**{**CONFIG, "num_kv_heads": kv_heads}, sequence_parallel=sequence_parallel, method=method)
     g = torch.Generator().manual_seed(42)
     tokens = torch.randint(0, CONFIG["vocab_size"], (2, 8), generator=g)
@@ -22,6 +24,9 @@ def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2, compiled=
     dense = GPT(config, ok.init_parallel(), dtype=torch.float64)
     dense_loss = dense.loss(tokens, targets)
     dense_loss.backward()
+    if clip is not None:  # (max_norm, norm_type): clipped in place, so dense_grads below are the clipped ones
+        dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), *clip)
+        assert dense_norm > clip[0]  # the clip bites
     dense_grads = {n: p.grad for n, p in dense.named_parameters()}
 
     dims = ok.init_parallel(**layout_kwargs)
@@ -32,6 +37,9 @@ def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2, compiled=
     loss = (torch.compile(model.loss, backend="aot_eager") if compiled else model.loss)(tokens, targets)
     loss.backward()
     model.sync_grads()
+    if clip is not None:  # the whole model's norm, each element once though TP/CP/DP ranks hold copies
+        norm = ok.clip_grad_norm_(model.parameters(), *clip, dims=dims)
+        torch.testing.assert_close(norm, dense_norm, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(loss, dense_loss, atol=1e-12, rtol=1e-12)
     for name, grad in gather_dense_state_dict(model, grads=True).items():
         torch.testing.assert_close(grad, dense_grads[name], atol=1e-11, rtol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
@@ -53,6 +61,17 @@ def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2, compiled=
 ])
 def test_gpt_matches_dense(rank_pool, layout_kwargs, sequence_parallel, method, kv_heads, compiled):
     losses = rank_pool(4).run(_gpt_on_rank, layout_kwargs, sequence_parallel, method, kv_heads, compiled)
+    assert len(set(losses)) == 1  # every rank reports the same global loss
+
+
+@pytest.mark.parametrize("layout_kwargs, sequence_parallel, clip", [
+    (dict(tp=2), True, (0.05, 2.0)),          # TP-partitioned, SP-replicated and DP-replicated (dp=2) grads
+    (dict(tp=2, cp=2), False, (0.05, 2.0)),   # + CP replicas, norms without SP replicated over TP
+    (dict(tp=2, cp=2), True, (1e-3, math.inf)),
+])
+def test_clip_grad_norm_is_the_dense_models(rank_pool, layout_kwargs, sequence_parallel, clip):
+    """ok.clip_grad_norm_ equals torch's on the dense model, and so do the clipped gradients."""
+    losses = rank_pool(4).run(_gpt_on_rank, layout_kwargs, sequence_parallel, "baseline", 2, False, clip)
     assert len(set(losses)) == 1  # every rank reports the same global loss
 
 

@@ -240,13 +240,42 @@ class ShardedModule(nn.Module):
             self._sync = True
 
     # -- optimizer ----------------------------------------------------------------------------
-    def step(self) -> None:
-        """Optimizer step on the local shards, zero the gradients, re-publish the parameters."""
+    def _finish_gradients(self) -> None:
+        """Every unit's reduced gradient in its master shard (idempotent within a step)."""
         self._reduce_leftovers(async_op=False)  # stage 1, or gradients accumulated under no_sync
         for unit in self.all_units:
             unit.finish_reduce()
             if not unit.reduced_this_step:  # no rank produced a gradient: the optimizer skips it, as torch does
                 unit.master.grad = None
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, *, dims=None) -> torch.Tensor:
+        """Clip the gradients by the norm of the whole model's gradient, as torch's
+        ``clip_grad_norm_`` does for an unsharded model; returns that norm (the same on every
+        rank). Call it on every rank between backward and ``step``. ``dims`` (a ParallelDims):
+        the model is also split over TP/PP/CP (the norm then spans the world, each element counted
+        once); None: pure data parallelism over this module's group."""
+        from ..grad_norm import check_clip_args, global_norm, replicas, scale_
+
+        p = check_clip_args(max_norm, norm_type)
+        self._finish_gradients()
+        pieces = []
+        for unit in self.all_units:
+            if unit.master.grad is None:
+                continue
+            start, offset = unit.rank * unit.shard_numel, 0  # this shard's slice of each parameter
+            for param, n in zip(unit.params, unit.numels):
+                lo, hi = max(offset, start), min(offset + n, start + unit.shard_numel)
+                if lo < hi:
+                    pieces.append((unit.master.grad[lo - start:hi - start], replicas(param, dims, sharded_over_dp=True)))
+                offset += n
+        group = self.group if dims is None else dist.group.WORLD
+        total = global_norm(pieces, p, group, self.all_units[0].device)
+        scale_([u.master.grad for u in self.all_units if u.master.grad is not None], float(max_norm), total)
+        return total
+
+    def step(self) -> None:
+        """Optimizer step on the local shards, zero the gradients, re-publish the parameters."""
+        self._finish_gradients()
         self.optimizer.step()
         for unit in self.all_units:
             unit.master.grad = torch.zeros_like(unit.master)
