@@ -425,3 +425,32 @@ def test_nccl_receives_wait_on_the_stream_and_are_confirmed_at_step_end():
         PipelineRunner._wait(runner, work, msg)
         assert work.calls == [first_wait]
         assert runner._unconfirmed == ([(work, msg)] if nccl else [])
+
+
+class _TupleStage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x), x.sum()
+
+
+def _tuple_stage_on_rank():
+    rank = dist.get_rank()
+    sched = pp.make_schedule("1f1b", 2, 2)
+    stage = _TupleStage() if rank == 0 else nn.Linear(4, 4)
+    runner = pp.PipelineRunner(stage, schedule=sched, loss_fn=lambda out, t: F.mse_loss(out, t), timeout=2.0)
+    try:
+        runner.step(torch.ones(4, 4) if rank == 0 else None, torch.ones(4, 4) if rank == 1 else None)
+    except TypeError as exc:
+        return str(exc)
+    except pp.PipelineTimeout:
+        return "timeout"  # the receiving stage: no activation came
+    return "no error"
+
+
+def test_a_stage_returning_a_tuple_is_named(rank_pool):
+    sender, receiver = rank_pool(2).run(_tuple_stage_on_rank)
+    assert sender.startswith("stage 0 microbatch 0: the stage returned tuple; a pipeline stage passes one tensor")
+    assert receiver == "timeout"

@@ -25,6 +25,14 @@ def _adamw(params):
 
 
 class Trainer:
+    """The GPT trained over ``dims`` (DP x PP x CP x TP): this rank builds its pipeline stage
+    (``dense_state_dict``: start from these dense weights, sharded for this rank), runs
+    ``schedule`` ("gpipe", "1f1b" or "zb-h1"; one stage per rank) over ``num_microbatches``
+    (default: twice the PP size), and steps ``optimizer`` (a factory of the local shard
+    parameters) with ZeRO-1 over DP. ``step(tokens, targets)``: the global [B, S] batch on
+    every rank (B divisible by dp x microbatches); returns the step's mean token loss on every rank.
+    """
+
     def __init__(self, config, dims, *, schedule: str = "1f1b", num_microbatches: int | None = None,
                  optimizer=_adamw, dtype=torch.float32, dense_state_dict: dict | None = None, device=None):
         self.config, self.dims = config, dims

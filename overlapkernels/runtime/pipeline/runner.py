@@ -58,6 +58,20 @@ def _stage_device(modules, group) -> torch.device:
 
 
 class PipelineRunner:
+    """Runs ``schedule`` on this rank's stage module(s), one optimizer step's worth per ``step``.
+
+    ``stage_module_or_modules``: this rank's stage, or with ``num_virtual`` > 1 a list (or
+    ``nn.ModuleList``) of its virtual stages in order: chunk c is stage ``c * num_ranks + rank``.
+    A stage maps one tensor to one tensor (the activation that crosses to the next stage).
+    ``loss_fn(output, target)``: on the last stage, per microbatch; ``step`` divides it by the
+    number of microbatches, so the gradients equal those of the whole batch's mean loss.
+    ``step(inputs, targets)``: the first stage's rank passes ``inputs``, the last stage's
+    ``targets`` (others None); both are split into microbatches along dim 0. Returns the mean
+    microbatch loss on the last stage's rank, None elsewhere; gradients accumulate in the stage
+    modules (zero them, and step the optimizer, yourself). ``timeout`` (s): a peer that does not
+    answer raises ``PipelineTimeout`` naming the stage, microbatch and peer.
+    """
+
     def __init__(self, stage_module_or_modules, group=None, schedule=None, loss_fn=None, *, timeout: float = 300.0,
                  device=None):
         """``device``: where received tensors go; by default that of the stage's first parameter
@@ -234,6 +248,9 @@ class PipelineRunner:
                 if s == self.last_stage:
                     out = self.loss_fn(out, targets_mb[mb]) / m
                     losses.append(out.detach())
+            if s != self.last_stage and not torch.is_tensor(out):
+                raise TypeError(f"stage {s} microbatch {mb}: the stage returned {type(out).__name__}; a pipeline stage "
+                                "passes one tensor to the next (concatenate, or pack extra outputs into it)")
             if s != self.last_stage and self.schedule.rank_of(s + 1) != self.rank:
                 self._send_later("activation", s, mb, out.detach())
             state[(s, mb)] = {"x": x, "out": out}
