@@ -728,3 +728,19 @@ def test_context_parallel_peers_agree_when_only_one_has_a_gradient(rank_pool, st
 def test_clip_grad_norm_bad_arguments_raise_before_communicating(max_norm, norm_type, exc, pattern):
     with pytest.raises(exc, match=pattern):  # no process group here: it must not get that far
         ok.clip_grad_norm_([nn.Parameter(torch.ones(2))], max_norm, norm_type, dims=None)
+
+
+def _clip_in_no_sync_on_rank():
+    sharded = fsdp.shard(nn.Sequential(nn.Linear(D_IN, 3)).double(), stage=2)
+    with sharded.no_sync():
+        sharded(torch.ones(2, D_IN, dtype=torch.float64)).sum().backward()
+        try:
+            sharded.clip_grad_norm_(1.0)
+        except RuntimeError as exc:
+            return str(exc)
+    return "clipped"
+
+
+def test_clip_grad_norm_inside_no_sync_is_refused(rank_pool):
+    assert rank_pool(2).run(_clip_in_no_sync_on_rank) == ["clip_grad_norm_ inside no_sync(): clip once, after the "
+                                                          "last backward of the step"] * 2

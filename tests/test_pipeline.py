@@ -450,7 +450,19 @@ def _tuple_stage_on_rank():
     return "no error"
 
 
-def test_a_stage_returning_a_tuple_is_named(rank_pool):
-    sender, receiver = rank_pool(2).run(_tuple_stage_on_rank)
+def test_a_stage_returning_a_tuple_is_named():
+    with RankPool(2, timeout=60) as pool:  # its own pool: the receiver's timed-out receive stays posted
+        sender, receiver = pool.run(_tuple_stage_on_rank)
     assert sender.startswith("stage 0 microbatch 0: the stage returned tuple; a pipeline stage passes one tensor")
     assert receiver == "timeout"
+
+
+def test_zero_bubble_refuses_ddp_whose_hooks_would_miss_deferred_gradients():
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel.__new__(DistributedDataParallel)  # no process group needed to be refused
+    nn.Module.__init__(ddp)
+    ddp.module = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"^Sequential.1 is DistributedDataParallel: a W-split schedule \(zb-h1\) "
+                                         r"defers weight gradients past DDP's reduction hooks"):
+        pp.enable_zero_bubble(nn.Sequential(nn.Linear(4, 4), ddp))

@@ -10,8 +10,11 @@ only less of the bubble gets filled. Outside ``deferring`` nothing changes (one 
 read per backward).
 
 A deferred gradient lands in ``.grad`` as autograd's accumulation would (assigned, or added to an
-existing one) but bypasses the tensor's hooks (``register_hook`` and post-accumulate hooks):
-``fsdp`` reduces such gradients at ``step`` instead of during backward.
+existing one), but later than the parameter's hooks: during backward they still run, seeing no
+gradient (``register_hook`` hooks get None, post-accumulate hooks an absent ``.grad``), and W calls
+none. So hook-based reducers miss it: ``enable_zero_bubble`` refuses DDP; ``fsdp`` reduces what W
+adds at the next backward's or ``step``'s collective decision (``_reduce_leftovers``). Compiled
+autograd is not supported here: it traces backward, and W would run closures over traced tensors.
 """
 from __future__ import annotations
 

@@ -257,6 +257,8 @@ class ShardedModule(nn.Module):
         from ..grad_norm import check_clip_args, global_norm, replicas, scale_
 
         p = check_clip_args(max_norm, norm_type)
+        if not self._sync:  # what later micro-steps add would be reduced unclipped
+            raise RuntimeError("clip_grad_norm_ inside no_sync(): clip once, after the last backward of the step")
         self._finish_gradients()
         pieces = []
         for unit in self.all_units:

@@ -5,7 +5,11 @@ that can neither deadlock nor pair the wrong tensors under NCCL (no tags, FIFO p
 waits for its receiver); the plan of every rank is checked at construction, before any rank
 communicates. Messages also carry tags, so gloo pairs them by name. A receive is waited for when
 its action needs it, sends at the end of the step, each with a timeout naming the stage,
-microbatch and peer. Only the first and last stages see the data: check batch shapes on every rank
+microbatch and peer. On NCCL a receive only makes the compute stream wait (a timed host wait would
+stall the host until the transfer lands) and its timeout is checked at the step's end; shape
+messages, which the host reads, are waited for at once, so a peer dead at a step's start is
+named. One that dies mid-step can instead surface through NCCL's watchdog (the process group's
+timeout) if something else syncs the host first. Only the first and last stages see the data: check batch shapes on every rank
 before ``step`` (``models.train.Trainer`` does), or a middle stage learns of a bad batch only by its
 timeout. Under a schedule with W actions (ZB-H1) the stage modules' linears defer their weight
 gradients to W (``enable_zero_bubble``, applied here).
@@ -175,7 +179,11 @@ class PipelineRunner:
         if msg.what == "shape":
             return torch.empty(_META_LEN, dtype=torch.int64, device=self.device)
         if msg.boundary not in self._shapes:  # the shape came one batch earlier: read it now
-            meta = self._take("shape", msg.boundary, msg.microbatch)
+            buf, work, shape_msg = self._inbox.pop(("shape", msg.boundary, msg.microbatch))
+            # a timed host wait even on NCCL: the host reads these values now, and an upstream peer
+            # that died is named here, at the first boundary of the step, not by the NCCL watchdog
+            self._confirm(work, shape_msg)
+            meta = buf.cpu()
             nd = int(meta[0])
             self._shapes[msg.boundary] = (tuple(int(v) for v in meta[2:2 + nd]), _DTYPES[int(meta[1])])
         shape, dtype = self._shapes[msg.boundary]
@@ -284,9 +292,10 @@ class PipelineRunner:
         events read at the step's end (host time there would mostly be kernel launches)."""
         if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            stream = torch.cuda.current_stream(self.device)  # the stage's, whatever device is current
+            start.record(stream)
             yield
-            end.record()
+            end.record(stream)
             self._events.append((op, start, end))
         else:
             t = time.perf_counter()

@@ -46,7 +46,19 @@ def splits_weight_grad(module: nn.Module) -> bool:
 def enable_zero_bubble(module: nn.Module) -> nn.Module:
     """Make the layers inside ``module`` that can (see ``splits_weight_grad``) defer their weight
     gradients under a W-split schedule; ``PipelineRunner`` calls it for such schedules. Outside a
-    B action they compute them at once, as before."""
+    B action they compute them at once, as before.
+
+    Refused for a module that is or holds ``DistributedDataParallel``: a deferred gradient reaches
+    ``.grad`` after backward, past the gradient hooks DDP reduces in (they see no gradient for those
+    weights), so DP replicas would drift apart. Use ``fsdp.shard`` over the stage, or all-reduce
+    the gradients yourself after ``runner.step``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    for name, sub in module.named_modules():
+        if isinstance(sub, DistributedDataParallel):
+            raise ValueError(f"{type(module).__name__}{'.' + name if name else ''} is DistributedDataParallel: a "
+                             "W-split schedule (zb-h1) defers weight gradients past DDP's reduction hooks; wrap the "
+                             "stage in fsdp.shard, or all-reduce gradients after runner.step with a 1F1B schedule")
     for sub in module.modules():
         if isinstance(sub, DefersWeightGrad):
             sub.defer_weight_grad = True
