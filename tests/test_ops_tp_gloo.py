@@ -434,3 +434,43 @@ def _autocast_on_rank(method):
 @pytest.mark.parametrize("method", ["baseline", "decomposed"])
 def test_autocast_runs_in_its_dtype(rank_pool, method):
     assert rank_pool(2).run(_autocast_on_rank, method) == [True, True]
+
+
+def _measured_backward_on_rank():
+    """OVERLAPKERNELS_AUTO=measure times backward's dual ops too, under their own shapes (the
+    all-gather's dgrad is a matmul + reduce-scatter of [W*m, N] @ [N, K], and back); grads exact."""
+    import os
+
+    from overlapkernels.ops import measure
+
+    r, w = dist.get_rank(), dist.get_world_size()
+    os.environ["OVERLAPKERNELS_AUTO"] = "measure"
+    try:
+        measure._cache.clear()
+        ok.reset_overlap_stats()
+        shards = [_make((16, 24), torch.float64, 70 + q, True) for q in range(w)]
+        b = _make((24, 8), torch.float64, 80, True).requires_grad_()
+        a = shards[r].clone().requires_grad_()
+        ok.all_gather_matmul(a, b).sum().backward()
+        rows = torch.cat(shards).requires_grad_()
+        ok.matmul_reduce_scatter(rows, b).sum().backward()
+        stats = ok.overlap_stats()
+    finally:
+        del os.environ["OVERLAPKERNELS_AUTO"]
+    ones = torch.ones(16 * w, 8, dtype=torch.float64)
+    _compare("grad a", a.grad, (w * ones @ b.detach().T).chunk(w)[r], True, torch.float64)
+    _compare("grad rows", rows.grad, ones @ b.detach().T, True, torch.float64)
+    keys = sorted((op, shapes) for op, _, *shapes in measure._cache)
+    cpu = torch.device("cpu")
+    assert keys == sorted([("all_gather_matmul", [(16, 24), ((24, 8),), torch.float64, cpu]),  # forward
+                           ("all_gather_matmul", [(16, 8), ((8, 24),), torch.float64, cpu]),  # RS's dgrad
+                           ("matmul_reduce_scatter", [(16 * w, 8), (8, 24), torch.float64, cpu]),  # AG's dgrad
+                           ("matmul_reduce_scatter", [(16 * w, 24), (24, 8), torch.float64, cpu])]), keys
+    reasons = [reason for by_reason in stats.reasons.values() for reason in by_reason]
+    assert sum(stats.values()) == 4 and all(reason.startswith("measured on the first call") for reason in reasons)
+    return {op: method for (op, method) in stats}
+
+
+def test_measured_auto_covers_backward_dual_ops(rank_pool):
+    chosen = rank_pool(2).run(_measured_backward_on_rank)
+    assert chosen[0] == chosen[1]

@@ -20,7 +20,7 @@ OP = "all_gather_matmul"
 
 def resolve(method: str, group, x2d: torch.Tensor, n_total: int, world: int, bs=None) -> str:
     """The method one all-gather + matmul call runs (``auto`` resolved and recorded). One ring step
-    moves a chunk [m, K] and multiplies it by [K, n_total]. ``bs`` (forward calls): lets
+    moves a chunk [m, K] and multiplies it by [K, n_total]. ``bs`` (the operands): lets
     ``OVERLAPKERNELS_AUTO=measure`` time the candidates on these operands."""
     m, k = x2d.shape
     measure = None
@@ -81,7 +81,8 @@ class AllGatherMatmul(torch.autograd.Function):
             g = torch.cat([grad_outs[i] for i in used], dim=1) if len(used) > 1 else grad_outs[used[0]]
             bt = torch.cat([bs[i].T for i in used], dim=0) if len(used) > 1 else bs[used[0]].T
             with strict_in_backward(ctx.strict):
-                method = rs_resolve(ctx.method_requested, group, g, bt, world)  # recorded in overlap_stats too
+                # recorded in overlap_stats too; measured (OVERLAPKERNELS_AUTO=measure) like a forward call
+                method = rs_resolve(ctx.method_requested, group, g, bt, world, measurable=True)
             grad_a = _methods.matmul_rs(g, bt, group, method)
         if ctx.needs_input_grad[0] and grad_a_full is not None:  # the caller used the gathered input
             rs = _methods.reduce_scatter(grad_a_full, group)

@@ -22,7 +22,7 @@ OP = "matmul_reduce_scatter"
 def resolve(method: str, group, a2d: torch.Tensor, b: torch.Tensor, world: int, measurable: bool = False) -> str:
     """The method one matmul + reduce-scatter call runs (``auto`` resolved and recorded). One ring
     step computes a chunk [m, K] @ [K, N] and sends the running sum [m, N] (fp32 for 16-bit).
-    ``measurable`` (forward calls): lets ``OVERLAPKERNELS_AUTO=measure`` time the candidates."""
+    ``measurable``: lets ``OVERLAPKERNELS_AUTO=measure`` time the candidates."""
     m, k, n = a2d.shape[0] // world, a2d.shape[1], b.shape[1]
     elem = torch.empty((), dtype=accumulation_dtype(a2d.dtype)).element_size()
     measure = None
@@ -75,7 +75,8 @@ class MatmulReduceScatter(torch.autograd.Function):
         group = ctx.group
         grad_out = grad_out.contiguous()
         with strict_in_backward(ctx.strict):
-            method = ag_resolve(ctx.method_requested, group, grad_out, b.shape[0], group_size(group))  # recorded too
+            # recorded too; measured (OVERLAPKERNELS_AUTO=measure) like a forward call
+            method = ag_resolve(ctx.method_requested, group, grad_out, b.shape[0], group_size(group), bs=[b.T])
         weights = [b.T] if ctx.needs_input_grad[0] else []
         grad_full, outs = _methods.ag_matmul(grad_out, weights, group, method)
         grad_a = outs[0] if weights else None

@@ -2,14 +2,15 @@
 and keeps the fastest, so "never slower than baseline" holds on the hardware at hand, not only
 where our benchmarks ran.
 
-On the first forward call of an op with a given (shapes, dtype, device, group) every rank runs each
+On the first call of an op with a given (shapes, dtype, device, group) every rank runs each
 candidate a few times (after a warm-up call: compiles, workspaces), the per-method times are
 max-reduced over the group (the slowest rank sets a step's time, and every rank must pick the same
 method), and the fastest is cached for the life of the process. Candidates: ``baseline`` and
 ``decomposed``, plus ``symm``/``fused`` where the group offers peer memory (CUDA, one node). The
-choice and its timings are the reason ``overlap_stats()`` shows. Backward calls (the dual ops
-inside autograd) keep the rules: they run inside the engine, where an extra timed collective is
-neither cheap nor always allowed. Groups of one rank and the thread world keep the rules too.
+choice and its timings are the reason ``overlap_stats()`` shows. Backward's dual ops are measured
+the same way, under their own shapes: every rank runs backward in the same order, so the timed
+collectives pair up as the dual op's own would (not inside CUDA-graph capture: that mode is for
+eager training). Groups of one rank and the thread world keep the rules.
 """
 from __future__ import annotations
 
