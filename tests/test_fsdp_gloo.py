@@ -744,3 +744,49 @@ def _clip_in_no_sync_on_rank():
 def test_clip_grad_norm_inside_no_sync_is_refused(rank_pool):
     assert rank_pool(2).run(_clip_in_no_sync_on_rank) == ["clip_grad_norm_ inside no_sync(): clip once, after the "
                                                           "last backward of the step"] * 2
+
+
+def _lifecycle_on_rank(stage):
+    """A dropped wrapper is freed (torch keeps post-accumulate hooks alive from C++: a strong
+    reference to the wrapper there would leak it, its model and its optimizer state); the
+    optimizer's own zero_grad() and a backward that raised are recovered from with zero_grad()."""
+    import gc
+    import weakref
+
+    def make():
+        torch.manual_seed(0)
+        return fsdp.shard(nn.Sequential(nn.Linear(D_IN, D_HID), nn.Tanh(), nn.Linear(D_HID, 3)).double(),
+                          stage=stage, prefetch=0, optimizer=OPTIMIZERS["sgd"])
+
+    x = torch.randn(4, D_IN, dtype=torch.float64, generator=torch.Generator().manual_seed(dist.get_rank()))
+    dropped = make()
+    dropped(x).sum().backward()
+    dropped.step()
+    model_ref = weakref.ref(dropped.module)
+    del dropped
+    gc.collect()
+    assert model_ref() is None, "a dropped fsdp wrapper kept its model alive"
+
+    ref, sharded = make(), make()
+    for _ in range(2):
+        ref(x).sum().backward()
+        ref.step()
+    out = sharded(x)
+    out.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("planted")))  # backward raises, every rank
+    try:
+        out.sum().backward()
+    except RuntimeError:
+        pass
+    sharded.zero_grad()  # skip the failed step
+    sharded.optimizer.zero_grad()  # the optimizer's own (set_to_none) must not break the next step
+    for _ in range(2):
+        sharded(x).sum().backward()
+        sharded.step()
+    for (name, want), got in zip(ref.full_state_dict().items(), sharded.full_state_dict().values()):
+        assert torch.equal(got, want), name
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_dropped_wrappers_are_freed_and_failed_steps_can_be_skipped(rank_pool, stage):
+    assert rank_pool(2).run(_lifecycle_on_rank, stage) == [True, True]

@@ -125,6 +125,9 @@ def _embedding_and_loss_on_rank():
     for sp in (False, True):
         dense, par = _twins(lambda grp: VocabParallelEmbedding(vocab, dim, grp, sequence_parallel=sp and grp is tp,
                                                                dtype=F64), tp, one)
+        for bad_id in (vocab, -1):  # as nn.Embedding: an IndexError, on every rank before communicating
+            with pytest.raises(IndexError, match=rf"tokens hold ids outside \[0, {vocab}\), e.g. {bad_id}"):
+                par(tokens.masked_fill(tokens == tokens[0, 0], bad_id))
         yd, yp = dense(tokens), par(tokens)
         want = F.embedding(tokens, dense.weight)
         _close("dense twin", yd, want)

@@ -149,6 +149,8 @@ class FlatUnit:
             if self.cp_group is not None:  # a shard of the DP mean, partial over CP: sum it
                 with span(f"ok/fsdp/{self.name}/cp_all_reduce/comm"):
                     dist.all_reduce(out, group=self.cp_group)
+            if self.master.grad is None:  # the optimizer's zero_grad() (set_to_none) ran since the last step
+                self.master.grad = torch.zeros_like(self.master)
             self.master.grad += out.to(self.master_dtype)
         self.pending_reduce = []
 

@@ -21,6 +21,7 @@ of backward by a collective decision).
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -88,9 +89,13 @@ class ShardedModule(nn.Module):
         for unit in self.units:
             unit.module.register_forward_pre_hook(self._pre_forward(unit))
             unit.module.register_forward_hook(self._post_forward(unit))
+        # a weak reference: torch keeps post-accumulate hooks alive from C++, so a bound method would
+        # make param -> hook -> self -> model -> param a cycle gc cannot see, and a dropped wrapper
+        # (model, buffers, optimizer state) would never be freed
+        grad_ready = weakref.WeakMethod(self._grad_ready)
         for unit in self.all_units:
             for p in unit.params:
-                p.register_post_accumulate_grad_hook(self._grad_ready)
+                p.register_post_accumulate_grad_hook(lambda param: (hook := grad_ready()) and hook(param))
         if stage == 3:
             for unit in self.units:
                 unit.free()
@@ -156,6 +161,12 @@ class ShardedModule(nn.Module):
 
     def _pre_forward(self, unit):
         def hook(module, args):
+            if self._backward_armed and torch._C._current_autograd_node() is None:
+                # the last backward raised before its end-of-backward callback ran (a forward
+                # during backward, as checkpointing's recompute, has a current node): re-arm it
+                self._backward_armed = False
+                for u in self.all_units:
+                    u.grads_ready = 0
             if self.stage == 3:
                 unit.gather()
                 for nxt in self._neighbours(unit, +1):
@@ -240,6 +251,20 @@ class ShardedModule(nn.Module):
             self._sync = True
 
     # -- optimizer ----------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        """Drop this step's gradients everywhere: the model's ``.grad``, reductions in flight and
+        the master shards' (what ``step`` does after updating). For skipping a step, e.g. on a
+        non-finite loss, or after a backward that raised. Call it on every rank alike."""
+        self.module.zero_grad(set_to_none=True)
+        for unit in self.all_units:
+            for work, _, _ in unit.pending_reduce:  # collectives already posted: let them finish
+                if work is not None:
+                    work.wait()
+            unit.pending_reduce = []
+            unit.master.grad = torch.zeros_like(unit.master)
+            unit.reduced_this_step, unit.grads_ready = False, 0
+        self._backward_armed = False
+
     def _finish_gradients(self) -> None:
         """Every unit's reduced gradient in its master shard (idempotent within a step)."""
         self._reduce_leftovers(async_op=False)  # stage 1, or gradients accumulated under no_sync
