@@ -775,8 +775,8 @@ def _lifecycle_on_rank(stage):
     out.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("planted")))  # backward raises, every rank
     try:
         out.sum().backward()
-    except RuntimeError:
-        pass
+    except RuntimeError as exc:
+        assert "planted" in str(exc), exc  # only the planted failure, not another one hidden by it
     sharded.zero_grad()  # skip the failed step
     sharded.optimizer.zero_grad()  # the optimizer's own (set_to_none) must not break the next step
     for _ in range(2):

@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..ops._validate import check_ids
 from ..ops.tp_regions import reduce_from_tp_region, reduce_scatter_first_dim
 from ..parallel import resolve_group
 from .linear import _MegatronExtraState, divide, sharded_parameter
@@ -29,11 +30,9 @@ class VocabParallelEmbedding(_MegatronExtraState, nn.Module):
         if tokens.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"tokens must be an integer tensor, got {tokens.dtype}")
         bad = (tokens < 0) | (tokens >= self.num_embeddings)  # nn.Embedding raises IndexError for these
-        if not tokens.is_cuda:
-            if bool(bad.any()):
-                raise IndexError(f"tokens hold ids outside [0, {self.num_embeddings}), e.g. {int(tokens[bad][0])}")
-        else:  # a device-side assert, as nn.Embedding's on CUDA: no host sync per call
-            torch._assert_async(~bad.any(), f"VocabParallelEmbedding: token ids outside [0, {self.num_embeddings})")
+        check_ids(tokens, bad, lambda first: IndexError(f"tokens hold ids outside [0, {self.num_embeddings}), e.g. "
+                                                        f"{first}"),
+                  f"VocabParallelEmbedding: token ids outside [0, {self.num_embeddings})")
         outside = (tokens < self.vocab_start_index) | (tokens >= self.vocab_end_index)
         local_ids = (tokens - self.vocab_start_index).masked_fill(outside, 0)
         out = self.weight[local_ids].masked_fill(outside.unsqueeze(-1), 0.0)  # other ranks own these rows

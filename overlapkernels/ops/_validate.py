@@ -60,3 +60,14 @@ def check_dim(name: str, dim, tensor: torch.Tensor, tensor_name: str) -> int:
         raise ValueError(f"{name}={dim} is the last dim of {tensor_name}, which the matmul contracts; expected one "
                          f"of 0..{nd - 2} (or {-nd}..-2)")
     return dim % nd
+
+
+def check_ids(ids: torch.Tensor, bad: torch.Tensor, error, device_message: str) -> None:
+    """Raise ``error(first bad id)`` where ``bad`` (a mask over ``ids``) has any; on CUDA a
+    device-side assert instead (as torch's own embedding and cross-entropy do): reading the mask
+    would sync the host on every call."""
+    if not ids.is_cuda:
+        if bool(bad.any()):
+            raise error(int(ids[bad][0]))
+    else:
+        torch._assert_async(~bad.any(), device_message)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from .._compat import eager_under_compile
 from ..comm import collectives as C
 from ..parallel import resolve_group
+from ._validate import check_ids
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -76,11 +77,8 @@ def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, ignore_ind
     group = resolve_group(group)
     vocab = logits_shard.shape[-1] * dist.get_world_size(group)
     bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
-    if not target.is_cuda:
-        if bool(bad.any()):  # F.cross_entropy raises here too; identical on every rank, before communicating
-            raise ValueError(f"target holds ids outside [0, {vocab}) that are not ignore_index={ignore_index}, "
-                             f"e.g. {int(target[bad][0])}")
-    else:  # a device-side assert, as F.cross_entropy's on CUDA: reading `bad` would sync the host every call
-        torch._assert_async(~bad.any(), f"vocab_parallel_cross_entropy: target holds ids outside [0, {vocab}) that "
-                                        f"are not ignore_index={ignore_index}")
+    # F.cross_entropy raises here too; identical on every rank, before communicating
+    check_ids(target, bad, lambda first: ValueError(f"target holds ids outside [0, {vocab}) that are not "
+                                                    f"ignore_index={ignore_index}, e.g. {first}"),
+              f"vocab_parallel_cross_entropy: target ids outside [0, {vocab}), not ignore_index={ignore_index}")
     return _VocabParallelCrossEntropy.apply(logits_shard, target.long(), group, ignore_index, float(label_smoothing))

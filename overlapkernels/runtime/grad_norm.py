@@ -50,7 +50,7 @@ def global_norm(pieces, norm_type: float, group, device: torch.device) -> torch.
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
     else:
         for t, count in pieces:  # fp64 sums: many ranks' shares of a large model
-            total += torch.linalg.vector_norm(t.detach().double(), p).to(device) ** p / count
+            total += torch.linalg.vector_norm(t.detach(), p, dtype=torch.float64).to(device) ** p / count
         dist.all_reduce(total, group=group)
         total = total ** (1.0 / p)
     widest = max((t.dtype for t, _ in pieces), key=lambda d: torch.finfo(d).bits, default=torch.float32)

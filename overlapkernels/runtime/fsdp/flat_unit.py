@@ -143,15 +143,20 @@ class FlatUnit:
 
     def finish_reduce(self) -> None:
         """Wait for in-flight reduce-scatters and add them to the master gradient shard."""
+        if not self.pending_reduce:
+            return
+        total = None
         for work, out, _ in self.pending_reduce:
             if work is not None:
                 work.wait()
-            if self.cp_group is not None:  # a shard of the DP mean, partial over CP: sum it
-                with span(f"ok/fsdp/{self.name}/cp_all_reduce/comm"):
-                    dist.all_reduce(out, group=self.cp_group)
-            if self.master.grad is None:  # the optimizer's zero_grad() (set_to_none) ran since the last step
-                self.master.grad = torch.zeros_like(self.master)
-            self.master.grad += out.to(self.master_dtype)
+            out = out.to(self.master_dtype)  # accumulated as the master is, never in a 16-bit reduce_dtype
+            total = out if total is None else total.add_(out)
+        if self.cp_group is not None:  # shards of the DP mean, partial over CP: one sum for all of them
+            with span(f"ok/fsdp/{self.name}/cp_all_reduce/comm"):
+                dist.all_reduce(total, group=self.cp_group)
+        if self.master.grad is None:  # the optimizer's zero_grad() (set_to_none) ran since the last step
+            self.master.grad = torch.zeros_like(self.master)
+        self.master.grad += total
         self.pending_reduce = []
 
     def has_full_grads(self) -> bool:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ...profiling.ranges import span
+from ..grad_norm import check_clip_args, global_norm, replicas, scale_
 from .flat_unit import FlatUnit
 
 
@@ -279,8 +280,6 @@ class ShardedModule(nn.Module):
         rank). Call it on every rank between backward and ``step``. ``dims`` (a ParallelDims):
         the model is also split over TP/PP/CP (the norm then spans the world, each element counted
         once); None: pure data parallelism over this module's group."""
-        from ..grad_norm import check_clip_args, global_norm, replicas, scale_
-
         p = check_clip_args(max_norm, norm_type)
         if not self._sync:  # what later micro-steps add would be reduced unclipped
             raise RuntimeError("clip_grad_norm_ inside no_sync(): clip once, after the last backward of the step")

@@ -161,9 +161,10 @@ class PipelineRunner:
                 else:
                     self._inbox[msg.label] = (t, work, msg)
 
-    def _take(self, what, boundary, mb):
+    def _take(self, what, boundary, mb, *, host: bool = False):
+        """A received tensor; ``host``: the host reads it, so wait with the timeout even on NCCL."""
         buf, work, msg = self._inbox.pop((what, boundary, mb))
-        self._wait(work, msg)
+        (self._confirm if host else self._wait)(work, msg)
         return buf
 
     def _outgoing(self, msg):
@@ -179,11 +180,9 @@ class PipelineRunner:
         if msg.what == "shape":
             return torch.empty(_META_LEN, dtype=torch.int64, device=self.device)
         if msg.boundary not in self._shapes:  # the shape came one batch earlier: read it now
-            buf, work, shape_msg = self._inbox.pop(("shape", msg.boundary, msg.microbatch))
-            # a timed host wait even on NCCL: the host reads these values now, and an upstream peer
-            # that died is named here, at the first boundary of the step, not by the NCCL watchdog
-            self._confirm(work, shape_msg)
-            meta = buf.cpu()
+            # host: an upstream peer that died is named here, at the step's first boundary, not by
+            # the NCCL watchdog
+            meta = self._take("shape", msg.boundary, msg.microbatch, host=True).cpu()
             nd = int(meta[0])
             self._shapes[msg.boundary] = (tuple(int(v) for v in meta[2:2 + nd]), _DTYPES[int(meta[1])])
         shape, dtype = self._shapes[msg.boundary]
