@@ -1,0 +1,195 @@
+"""fsdp.save / fsdp.load on gloo ranks: bit-identical resume, atomic saves, resharding to other
+world sizes, per-rank optimizer state, and one checkpoint for a TP x DP job."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import overlapkernels as ok
+from overlapkernels.runtime import fsdp
+from test_fsdp_gloo import D_IN, H, OPTIMIZERS, SPNet, _batches, _loss, _net, _reference
+
+
+def _checkpoint_on_rank(path, stage):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    batches = _batches(4, 4, world)
+
+    def run(sharded, steps):
+        for x, y in steps:
+            mine = slice(rank * 4, (rank + 1) * 4)
+            _loss(sharded(x[mine]), y[mine]).backward()
+            sharded.step()
+
+    make = lambda: fsdp.shard(_net(), stage=stage, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))  # noqa: E731
+    straight = make()
+    run(straight, batches)
+    first = make()
+    run(first, batches[:2])
+    fsdp.save(first, path)
+    fsdp.save(first, path)  # overwriting a checkpoint goes through the same atomic switch
+    resumed = make()
+    fsdp.load(resumed, path)
+    run(resumed, batches[2:])
+    a, b = straight.full_state_dict(), resumed.full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a), "resume is not bit-identical"
+    # an interrupted save (temp dir left behind, old checkpoint moved aside) stays loadable
+    if rank == 0:
+        os.makedirs(path + ".tmp", exist_ok=True)
+        os.replace(path, path + ".old")
+    dist.barrier()
+    again = make()
+    fsdp.load(again, path)
+    c = again.full_state_dict()
+    d = first.full_state_dict()
+    assert all(torch.equal(c[k], d[k]) for k in c)
+    # another model shape is refused by name
+    other = fsdp.shard(nn.Sequential(nn.Linear(2, 2)).double(), stage=stage)
+    try:
+        fsdp.load(other, path)
+    except ValueError as exc:
+        assert "holds units" in str(exc)
+    else:
+        raise AssertionError("no ValueError")
+    return True
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_checkpoint_resume_is_bit_identical_and_atomic(rank_pool, tmp_path, stage):
+    assert rank_pool(2).run(_checkpoint_on_rank, str(tmp_path / "ckpt"), stage) == [True, True]
+
+
+def _checkpoint_after_crash_on_rank(path):
+    sharded = fsdp.shard(_net(), stage=2)
+    fsdp.save(sharded, path)
+    if dist.get_rank() == 0:  # a crash after the switch but before the old one was deleted
+        os.makedirs(path + ".old", exist_ok=True)
+    dist.barrier()
+    fsdp.save(sharded, path)  # must not trip over the leftover
+    fsdp.load(sharded, path)
+    return not os.path.exists(path + ".old")
+
+
+def test_save_after_a_crash_that_left_both_checkpoints(rank_pool, tmp_path):
+    assert rank_pool(2).run(_checkpoint_after_crash_on_rank, str(tmp_path / "c")) == [True, True]
+
+
+def _reshard_save_on_rank(path, stage, opt_name):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    per_rank = 8 // world
+    sharded = fsdp.shard(_net(), stage=stage, optimizer=OPTIMIZERS[opt_name])
+    for x, y in _batches(4, per_rank, world)[:2]:
+        _loss(sharded(x[rank * per_rank:(rank + 1) * per_rank]), y[rank * per_rank:(rank + 1) * per_rank]).backward()
+        sharded.step()
+    fsdp.save(sharded, path)
+    return True
+
+
+def _reshard_resume_on_rank(path, stage, opt_name):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    per_rank = 8 // world
+    sharded = fsdp.shard(_net(), stage=stage, optimizer=OPTIMIZERS[opt_name])
+    fsdp.load(sharded, path)
+    for x, y in _batches(4, per_rank, world)[2:]:  # the same global batches, split over this world
+        _loss(sharded(x[rank * per_rank:(rank + 1) * per_rank]), y[rank * per_rank:(rank + 1) * per_rank]).backward()
+        sharded.step()
+    got, want = sharded.full_state_dict(), _reference(4, per_rank, world, opt_name)
+    for name in want:  # parameters and optimizer state came back right, or steps 3-4 would differ
+        torch.testing.assert_close(got[name], want[name], atol=1e-12, rtol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+def test_checkpoint_reshards_to_other_world_sizes(rank_pool, tmp_path, opt_name):
+    """Saved on 2 ranks, resumed on 4 (where the 1-element root unit leaves 3 ranks empty shards)
+    and on 1: the run continues exactly as the single-process reference."""
+    path = str(tmp_path / "ckpt")
+    assert rank_pool(2).run(_reshard_save_on_rank, path, 3, opt_name) == [True] * 2
+    assert rank_pool(4).run(_reshard_resume_on_rank, path, 2, opt_name) == [True] * 4
+    assert rank_pool(1).run(_reshard_resume_on_rank, path, 3, opt_name) == [True]
+
+
+def _per_rank_state_on_rank(path, load_only):
+    rank = dist.get_rank()
+    sharded = fsdp.shard(_net(), stage=2, optimizer=OPTIMIZERS["sgd"])
+    first = sharded.all_units[0].master
+    if not load_only:
+        _loss(sharded(torch.ones(2, D_IN, dtype=torch.float64)), torch.zeros(2, 3, dtype=torch.float64)).backward()
+        sharded.step()
+        # a statistic per rank and not shaped like the shard (as block-quantised optimizers keep)
+        sharded.optimizer.state[first]["absmax"] = torch.full((rank + 1,), float(rank))
+        fsdp.save(sharded, path)
+    fresh = fsdp.shard(_net(), stage=2, optimizer=OPTIMIZERS["sgd"])
+    try:
+        fsdp.load(fresh, path)
+    except ValueError as exc:
+        return str(exc)
+    got = fresh.optimizer.state[fresh.all_units[0].master]
+    assert torch.equal(got["absmax"], torch.full((rank + 1,), float(rank))), got["absmax"]
+    assert torch.equal(got["momentum_buffer"], sharded.optimizer.state[first]["momentum_buffer"]) or load_only
+    return "ok"
+
+
+def test_per_rank_optimizer_state_stays_per_rank(rank_pool, tmp_path):
+    """State that differs between ranks and is not shaped like the shard cannot be resharded: it
+    comes back rank by rank at the same world size (not one rank's copy for all, as a single key
+    would give), and another world size is refused naming the state."""
+    path = str(tmp_path / "ckpt")
+    assert rank_pool(2).run(_per_rank_state_on_rank, path, False) == ["ok", "ok"]
+    refused = rank_pool(4).run(_per_rank_state_on_rank, path, True)
+    assert all("optimizer state ['0/absmax'] differs between ranks" in r and "only on 2 ranks, not 4" in r
+               for r in refused), refused
+
+
+def _tp_dp_checkpoint_on_rank(path, save):
+    """One checkpoint for the job: every rank passes the same path under TP=2 x DP."""
+    dims = ok.init_parallel(tp=2)
+    sgd = OPTIMIZERS["sgd"]
+    g = torch.Generator().manual_seed(6)
+    batches = [torch.randn(4, 4, H, generator=g, dtype=torch.float64) for _ in range(4)]
+
+    def make():
+        torch.manual_seed(0)
+        return fsdp.shard(SPNet(dims.tp_group, True), dims.dp_group, stage=3, optimizer=sgd)
+
+    def train(sharded, steps):
+        per = 4 // dims.dp_size
+        for x in steps:
+            rows = x.chunk(2, 0)[dims.tp_rank][:, dims.dp_rank * per:(dims.dp_rank + 1) * per]
+            (sharded(rows).pow(2).sum() * dims.dp_size / x.numel()).backward()
+            sharded.step()
+
+    if save:  # on 4 ranks: save after 2 steps, and check that a load gives back exactly that state
+        first = make()
+        train(first, batches[:2])
+        fsdp.save(first, path)
+        saved = first.full_state_dict()
+        train(first, batches[2:])
+        fsdp.load(first, path)
+        assert all(torch.equal(saved[k], v) for k, v in first.full_state_dict().items() if torch.is_tensor(v))
+    straight = make()
+    train(straight, batches)
+    resumed = make()
+    fsdp.load(resumed, path)  # on 2 ranks (DP=1): the same parts, resharded over DP
+    train(resumed, batches[2:])
+    a, b = straight.full_state_dict(), resumed.full_state_dict()
+    for k in a:
+        if torch.is_tensor(a[k]):
+            torch.testing.assert_close(b[k], a[k], atol=1e-12, rtol=1e-12, msg=lambda m, n=k: f"{n}: {m}")
+    return True
+
+
+def _tp1_load_on_rank(path):
+    try:
+        fsdp.load(fsdp.shard(SPNet(ok.init_parallel().tp_group, False), stage=2), path)
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_checkpoint_under_tp2_by_dp2(rank_pool, tmp_path):
+    path = str(tmp_path / "ckpt")
+    assert rank_pool(4).run(_tp_dp_checkpoint_on_rank, path, True) == [True] * 4
+    assert rank_pool(2).run(_tp_dp_checkpoint_on_rank, path, False) == [True] * 2
+    for message in rank_pool(2).run(_tp1_load_on_rank, path):  # TP=1: another model split, refused
+        assert "holds 2 model parts (one per tp/pp/cp coordinate); this job has 1" in message, message
