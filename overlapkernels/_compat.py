@@ -27,7 +27,34 @@ def eager_under_compile(fn):
 
 
 _interp_lock = threading.Lock()
-_interp_state = {"active": 0, "scope": None, "installed": False}
+_interp_state = {"active": 0, "scope": None, "installed": False, "fixed": False}
+
+
+def fix_triton_interpreter() -> None:
+    """Make triton 3.6's interpreter work with numpy >= 2.4. Idempotent.
+
+    Why: while a kernel runs, the 3.6 interpreter gives ``tl.tensor`` an ``__index__`` of
+    ``int(handle.data)`` on a one-element array, which numpy 2.4 refuses ("only 0-dimensional
+    arrays can be converted to Python scalars"), so ``range(tl.program_id(0), ...)`` fails;
+    triton 3.9 squeezes first. We wrap its language patch to squeeze too (the same on 3.9)."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as interp
+    except ImportError:  # pragma: no cover - triton is an install requirement
+        return
+    with _interp_lock:
+        if _interp_state["fixed"]:
+            return
+        orig_patch = interp._patch_lang
+
+        def patch_lang(fn):
+            scope = orig_patch(fn)
+            if hasattr(scope, "set_attr"):  # triton >= 3.6: undone with the rest of the patch
+                scope.set_attr(tl.core.tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+            return scope
+
+        interp._patch_lang = patch_lang
+        _interp_state["fixed"] = True
 
 
 def make_triton_interpreter_threadsafe() -> None:
@@ -41,6 +68,7 @@ def make_triton_interpreter_threadsafe() -> None:
     interpreter's copy-back of CPU arguments onto themselves, which could overwrite a peer's
     concurrent write into a symmetric buffer. Idempotent; a no-op without the interpreter module.
     """
+    fix_triton_interpreter()  # first, so the original patch taken below keeps the fix
     with _interp_lock:
         if _interp_state["installed"]:
             return
@@ -108,3 +136,25 @@ def make_triton_interpreter_threadsafe() -> None:
         interp.GridExecutor.__call__ = grid_call
         interp.GridExecutor._restore_args_dev = restore_args_dev
         _interp_state["installed"] = True
+
+
+def group_timeout(group: dist.ProcessGroup):
+    """The timeout of ``group``'s collectives as a timedelta, or None where torch does not say."""
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None
+
+
+def set_group_timeout(group: dist.ProcessGroup, timeout) -> None:
+    """Give ``group``'s collectives ``timeout`` (a timedelta).
+
+    Why a private torch helper: ``new_group`` takes a timeout, but DeviceMesh creates its groups
+    without one, so each gets the backend's default (30 min on gloo, 10 on NCCL) whatever the
+    default group was given. ``_set_pg_timeout`` (torch 2.11 and 2.13 alike) is how torch itself
+    changes a live group's timeout; without it the groups keep the backend's default."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is not None:
+        setter(timeout, group)
