@@ -4,6 +4,8 @@ Every rank rebuilds the whole problem from one seed (its own and its peers' inpu
 compute the unsharded reference itself. Inputs of small integers make every sum exact in any
 order: those cases compare bitwise (atol=0), outputs and gradients alike.
 """
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -315,6 +317,36 @@ def test_bad_peer_memory_setting_is_rejected_by_name(monkeypatch):
                                          r"'symm_mem', 'ipc'\]"):
         peer_memory_unavailable_reason(torch.device("cuda", 0))
     assert peer_memory_unavailable_reason(torch.device("cpu")) == "tensors are on cpu, peer memory needs CUDA"
+
+
+class _PooledSymmHandle:
+    """Mimics torch >= 2.11 symmetric memory: tensors are carved out of pooled blocks, so
+    buffer_ptrs and get_buffer(r, ..., storage_offset) count from each rank's block base."""
+
+    def __init__(self, blocks):
+        self.blocks = blocks  # rank -> flat block (a CPU tensor standing in for the peer mapping)
+        self.buffer_ptrs = [b.data_ptr() for b in blocks]
+
+    def get_buffer(self, rank, sizes, dtype, storage_offset=0):
+        flat = self.blocks[rank].view(dtype)
+        return flat[storage_offset:storage_offset + math.prod(sizes)].view(sizes)
+
+
+def test_symm_mem_peer_views_use_each_ranks_offset_into_its_block():
+    from overlapkernels.comm.process_world import symm_mem_peer_views
+
+    blocks = [torch.arange(64, dtype=torch.float32) + 100 * r for r in range(3)]
+    offsets = [16, 32, 16]  # bytes: rank 1 sits elsewhere in its block than ranks 0 and 2
+    local = blocks[1][8:12].view(2, 2)
+    peers = symm_mem_peer_views(_PooledSymmHandle(blocks), offsets, local, rank=1)
+    assert peers[1].data_ptr() == local.data_ptr()
+    assert [p[0, 0].item() for p in peers] == [4.0, 108.0, 204.0]
+    # block bases as addresses (what torch 2.11's buffer_ptrs give) would miss the tensor: caught
+    with pytest.raises(RuntimeError, match=r"rank 1's view of its own buffer is at 0x.*OVERLAPKERNELS_PEER_MEMORY=ipc"):
+        symm_mem_peer_views(_PooledSymmHandle(blocks), [0, 0, 0], local, rank=1)
+    with pytest.raises(RuntimeError, match=r"rank 2's buffer starts 6 bytes into its block, expected a "
+                                           r"non-negative multiple of 4"):
+        symm_mem_peer_views(_PooledSymmHandle(blocks), [16, 32, 6], local, rank=1)
 
 
 def test_pending_device_errors_are_raised_on_demand_and_reported_at_exit(monkeypatch, capsys):

@@ -72,6 +72,24 @@ def resolve_peer_memory(requested: str, *, has_symm_mem: bool, ipc_built: bool) 
     return None, f"{why}CUDA IPC needs the overlapkernels CUDA library, which is not built; {BUILD_HINT}"
 
 
+def symm_mem_peer_views(handle, offsets: list, local: torch.Tensor, rank: int) -> tuple:
+    """Every rank's copy of ``local`` from a symmetric-memory ``handle``: rank r's tensor starts
+    ``offsets[r]`` bytes into its block (``handle.get_buffer`` counts from the block base).
+    Checked: our own view must be ``local`` itself, since the kernels index peers by address."""
+    item = local.element_size()
+    hint = f"(torch {torch.__version__}); {PEER_MEMORY_ENV}=ipc on every rank uses CUDA IPC instead"
+    for r, offset in enumerate(offsets):
+        if not isinstance(offset, int) or offset < 0 or offset % item:
+            raise RuntimeError(f"torch symmetric memory: rank {r}'s buffer starts {offset!r} bytes into its "
+                               f"block, expected a non-negative multiple of {item} {hint}")
+    peers = tuple(handle.get_buffer(r, tuple(local.shape), local.dtype, offset // item)
+                  for r, offset in enumerate(offsets))
+    if peers[rank].data_ptr() != local.data_ptr():
+        raise RuntimeError(f"torch symmetric memory: rank {rank}'s view of its own buffer is at "
+                           f"{peers[rank].data_ptr():#x}, not at the tensor's address {local.data_ptr():#x} {hint}")
+    return peers
+
+
 def requested_peer_memory() -> str:
     return os.environ.get(PEER_MEMORY_ENV, "auto")
 
@@ -152,16 +170,17 @@ class ProcessPeerWorld:
         except RuntimeError as exc:
             raise RuntimeError(f"torch symmetric memory failed on {self.device} ({exc}); "
                                f"{PEER_MEMORY_ENV}=ipc on every rank uses CUDA IPC instead") from exc
+        # Where the tensor sits in its symmetric block: torch >= 2.11 carves symm_mem.empty()
+        # tensors out of a memory pool, so buffer_ptrs (and get_buffer's offset 0) are block bases,
+        # not tensor addresses. Ranks exchange their offsets rather than assume them equal.
+        offsets = [None] * self.world_size
+        with torch.cuda.device(self.device):
+            dist.all_gather_object(offsets, local.data_ptr() - handle.buffer_ptrs[self.rank], group=self.group)
         # nobody may write into a peer's buffer before that peer's fill has landed
         torch.cuda.current_stream(self.device).synchronize()
         self.barrier()
-        peers = tuple(handle.get_buffer(r, tuple(shape), dtype) for r in range(self.world_size))
-        if handle.buffer_ptrs[self.rank] != local.data_ptr() or peers[self.rank].data_ptr() != local.data_ptr():
-            # the kernels index peers' buffers by these addresses: they must be where the tensors are
-            raise RuntimeError(f"torch symmetric memory: buffer_ptrs[{self.rank}]={handle.buffer_ptrs[self.rank]:#x} "
-                               f"is not the tensor's address {local.data_ptr():#x} (torch {torch.__version__}); "
-                               f"{PEER_MEMORY_ENV}=ipc on every rank uses CUDA IPC instead")
-        ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
+        peers = symm_mem_peer_views(handle, offsets, local, self.rank)
+        ptrs = torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=self.device)
         return SymmetricTensor(self.rank, self.world_size, local, ptrs, peers, handle)
 
     def _alloc_ipc(self, shape: tuple, dtype: torch.dtype, fill) -> SymmetricTensor:
