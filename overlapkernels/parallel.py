@@ -6,12 +6,15 @@ the returned ``ParallelDims`` and pass it (or its groups) on.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from . import _compat
 
 AXES = ("dp", "pp", "cp", "tp")
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -93,19 +96,46 @@ def init_default_process_group(backend: str | None = None, timeout: timedelta = 
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
-def init_parallel(tp: int = 1, cp: int = 1, pp: int = 1, dp: int = -1, backend: str | None = None) -> ParallelDims:
+def resolve_timeout(timeout) -> timedelta | None:
+    """``timeout`` as a timedelta: seconds (int/float) or a timedelta, positive and finite; None stays None."""
+    if timeout is None or isinstance(timeout, timedelta):
+        seconds = None if timeout is None else timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"timeout={timeout!r}: expected seconds (int or float) or a datetime.timedelta")
+    if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"timeout={timeout!r}: expected a positive, finite duration")
+    return None if seconds is None else timedelta(seconds=seconds)
+
+
+def init_parallel(tp: int = 1, cp: int = 1, pp: int = 1, dp: int = -1, backend: str | None = None, *,
+                  timeout: float | timedelta | None = None) -> ParallelDims:
     """Create the ("dp", "pp", "cp", "tp") mesh; initialises the default group when needed.
 
     Sizes are checked against the world size before any rank communicates, so a bad layout
     raises the same ``ValueError`` on every rank instead of hanging some of them.
+
+    ``timeout`` (seconds or a timedelta) bounds every collective on the mesh's groups (the
+    default group too, when it is created here or an axis spans every rank). ``None``: the
+    default group's timeout (10 minutes when created here), not the backend's own default for
+    new groups (30 minutes on gloo), so a dead peer fails every group alike. A group whose collective timed out is broken
+    for good (gloo and NCCL abort it): end the job, or build a new mesh.
     """
+    timeout = resolve_timeout(timeout)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     sizes = resolve_sizes(world_size, tp=tp, cp=cp, pp=pp, dp=dp)
-    init_default_process_group(backend)
+    init_default_process_group(backend, timeout=timeout or DEFAULT_TIMEOUT)
     from torch.distributed.device_mesh import init_device_mesh
 
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device_type, tuple(sizes[a] for a in AXES), mesh_dim_names=AXES)
+    group_timeout = timeout or _compat.group_timeout(dist.group.WORLD) or DEFAULT_TIMEOUT
+    for axis in AXES:
+        group = mesh.get_group(axis)
+        # an axis spanning every rank may be the default group itself: given a timeout, it takes it too
+        if timeout is not None or group is not dist.group.WORLD:
+            _compat.set_group_timeout(group, group_timeout)
     return ParallelDims(mesh=mesh, dp_size=sizes["dp"], pp_size=sizes["pp"], cp_size=sizes["cp"], tp_size=sizes["tp"])
 
 

@@ -107,3 +107,50 @@ def test_single_process_without_launcher():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "1", "1", "0", "gloo"]
+
+
+def _timeouts_on_rank(kwargs):
+    from overlapkernels._compat import group_timeout
+    dims = ok.init_parallel(**kwargs)
+    world = group_timeout(dist.group.WORLD).total_seconds()
+    return world, {axis: group_timeout(getattr(dims, f"{axis}_group")).total_seconds() for axis in AXES}
+
+
+def test_mesh_groups_take_the_default_groups_timeout(rank_pool):
+    """DeviceMesh would give its groups the backend's default (30 min on gloo) whatever the
+    default group has; without a timeout they get the default group's."""
+    for world, axes in rank_pool(4).run(_timeouts_on_rank, dict(tp=2)):
+        assert world != 1800 and set(axes.values()) == {world}, (world, axes)
+
+
+def test_timeout_reaches_every_mesh_group(rank_pool):
+    for world, axes in rank_pool(4).run(_timeouts_on_rank, dict(tp=2, cp=2, timeout=7.5)):
+        assert axes == {"dp": 7.5, "pp": 7.5, "cp": 7.5, "tp": 7.5}
+
+
+def _absent_peer_on_rank(timeout):
+    dims = ok.init_parallel(tp=2, timeout=timeout)  # TP groups {0, 1} and {2, 3}, not the pool's world
+    if dist.get_rank() == 1:
+        return None  # never joins: rank 0's collective must time out, not hang
+    try:
+        dist.all_reduce(torch.ones(1), group=dims.tp_group)
+    except RuntimeError as exc:
+        return str(exc)
+    return "completed"
+
+
+def test_a_collective_without_its_peer_times_out(rank_pool):
+    message, absent, *others = rank_pool(4).run(_absent_peer_on_rank, 0.5, timeout=60)
+    assert "completed" not in message and "timed out" in message.lower(), message
+    assert absent is None and others == ["completed"] * 2  # ranks 2 and 3: a healthy TP group
+
+
+@pytest.mark.parametrize("timeout, error, message", [
+    (0, ValueError, "timeout=0: expected a positive, finite duration"),
+    (float("inf"), ValueError, "timeout=inf"),
+    ("60", TypeError, "timeout='60': expected seconds"),
+    (True, TypeError, "timeout=True"),
+])
+def test_bad_timeout_raises_before_communicating(timeout, error, message):
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ok.init_parallel(timeout=timeout)
