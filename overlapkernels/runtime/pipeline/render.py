@@ -1,6 +1,8 @@
 """Text (and optionally PNG) timelines of a schedule or a simulation."""
 from __future__ import annotations
 
+import warnings
+
 from .schedule import Schedule
 from .simulate import SimResult, simulate
 
@@ -9,7 +11,7 @@ _WIDTH = 6  # characters per unit of time
 
 def render(sched_or_res, path: str | None = None) -> str:
     """A text timeline, one row per rank (unit op costs for a bare schedule). With ``path`` and
-    matplotlib installed, also a PNG there."""
+    matplotlib installed, also a PNG there (without it, a warning says none was written)."""
     res = sched_or_res if isinstance(sched_or_res, SimResult) else simulate(sched_or_res, t_w=1.0) \
         if _has_split(sched_or_res) else simulate(sched_or_res)
     unit = min((e - s for tl in res.timeline for s, e, _ in tl if e > s), default=1.0)
@@ -40,6 +42,8 @@ def _png(res: SimResult, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        warnings.warn(f"render: no PNG written to {path!r}: it needs matplotlib (pip install 'overlapkernels[bench]')",
+                      stacklevel=3)
         return
     colors = {"F": "tab:blue", "B": "tab:orange", "BW": "tab:orange", "W": "tab:green"}
     fig, ax = plt.subplots(figsize=(max(6, res.makespan / 2), 0.6 * len(res.timeline) + 1))
