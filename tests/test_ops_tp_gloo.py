@@ -506,3 +506,18 @@ def _measured_backward_on_rank():
 def test_measured_auto_covers_backward_dual_ops(rank_pool):
     chosen = rank_pool(2).run(_measured_backward_on_rank)
     assert chosen[0] == chosen[1]
+
+
+def test_reasons_stay_bounded_over_many_shapes():
+    """Reasons name sizes: a long run of distinct shapes counts its later reasons under one entry."""
+    from overlapkernels.ops import dispatch
+
+    ok.reset_overlap_stats()
+    for rows in range(dispatch.MAX_REASONS_PER_KEY + 50):
+        dispatch.record("all_gather_matmul", dispatch.Choice("baseline", f"{rows} rows per rank"))
+    dispatch.record("all_gather_matmul", dispatch.Choice("baseline", "0 rows per rank"))  # a known one still counts as itself
+    stats = ok.overlap_stats(reset=True)
+    by_reason = stats.reasons[("all_gather_matmul", "baseline")]
+    assert stats[("all_gather_matmul", "baseline")] == dispatch.MAX_REASONS_PER_KEY + 51
+    assert len(by_reason) == dispatch.MAX_REASONS_PER_KEY + 1 and by_reason[dispatch.OTHER_REASONS] == 50
+    assert by_reason["0 rows per rank"] == 2 and sum(by_reason.values()) == dispatch.MAX_REASONS_PER_KEY + 51

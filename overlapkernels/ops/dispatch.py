@@ -56,6 +56,10 @@ class OverlapStats(dict):
 _lock = threading.Lock()
 _counts: Counter = Counter()
 _reasons: dict = {}
+# Reasons name sizes, so a run of many shapes (variable sequence lengths) would grow them without
+# bound: past this many distinct reasons per (op, method) the rest are counted under one entry.
+MAX_REASONS_PER_KEY = 100
+OTHER_REASONS = f"other reasons (past {MAX_REASONS_PER_KEY} distinct ones; the overlapkernels.ops debug log has each)"
 _strict = contextvars.ContextVar("overlapkernels_strict_overlap", default=False)
 
 
@@ -102,7 +106,9 @@ def strict_in_backward(active_at_forward: bool):
 def record(op: str, choice: Choice) -> None:
     with _lock:
         _counts[(op, choice.method)] += 1
-        _reasons.setdefault((op, choice.method), Counter())[choice.reason] += 1
+        by_reason = _reasons.setdefault((op, choice.method), Counter())
+        known = choice.reason in by_reason or len(by_reason) < MAX_REASONS_PER_KEY
+        by_reason[choice.reason if known else OTHER_REASONS] += 1
     log.debug("%s: method=%s (%s)", op, choice.method, choice.reason)
 
 
