@@ -521,3 +521,39 @@ def test_reasons_stay_bounded_over_many_shapes():
     assert stats[("all_gather_matmul", "baseline")] == dispatch.MAX_REASONS_PER_KEY + 51
     assert len(by_reason) == dispatch.MAX_REASONS_PER_KEY + 1 and by_reason[dispatch.OTHER_REASONS] == 50
     assert by_reason["0 rows per rank"] == 2 and sum(by_reason.values()) == dispatch.MAX_REASONS_PER_KEY + 51
+
+
+def _mismatched_calls_on_rank():
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL: a rank calling with other shapes or options is named on every
+    rank, before the P2P ring (which gloo would abort on); agreeing calls still run."""
+    r = dist.get_rank()
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    errors = []
+    try:
+        b = torch.ones(8, 3)
+        calls = [
+            lambda: ok.all_gather_matmul(torch.ones(4 + (r == 1), 8), b, method="decomposed"),
+            lambda: ok.all_gather_matmul(torch.ones(4, 8), b, method="decomposed" if r else "baseline"),
+            lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), b, scatter_dim=0 if r else -2, method="decomposed"),
+        ]
+        for call in calls:
+            try:
+                call()
+                errors.append(None)
+            except ValueError as exc:
+                errors.append(str(exc))
+        out = ok.all_gather_matmul(torch.ones(4, 8), b, method="decomposed")  # agreeing: runs
+        assert torch.equal(out, torch.full((4 * dist.get_world_size(), 3), 8.0))
+    finally:
+        dist.set_debug_level(level)
+    return errors
+
+
+def test_ranks_that_disagree_are_named_under_distributed_debug(rank_pool):
+    for errors in rank_pool(2).run(_mismatched_calls_on_rank):
+        shapes, method, dims = errors
+        assert shapes.startswith("all_gather_matmul: the ranks of the group disagree on a_shard (rank 0: "
+                                 "a_shard=[4, 8] float32; rank 1: a_shard=[5, 8] float32)"), shapes
+        assert "disagree on method (rank 0: method='baseline'; rank 1: method='decomposed')" in method, method
+        assert dims is None  # scatter_dim -2 and 0 are the same dim of a 2-D a: no disagreement

@@ -183,6 +183,27 @@ def test_bad_input_raises_before_communicating(rank_pool):
     assert rank_pool(2).run(_bad_inputs_on_rank) == [2, 2]
 
 
+def _disagreeing_ranks_on_rank():
+    r, level = dist.get_rank(), dist.get_debug_level()
+    q = torch.ones(1, 4, 2, 8, dtype=torch.float64)
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        ok.ring_attention(q, q, q, causal=r == 0, layout="zigzag")
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        dist.set_debug_level(level)
+
+
+def test_disagreeing_ranks_are_named_under_distributed_debug(rank_pool):
+    """A causal rank beside a non-causal one would silently compute a mix of the two (and other
+    shapes would abort gloo); with TORCH_DISTRIBUTED_DEBUG=DETAIL every rank is told instead."""
+    for message in rank_pool(2).run(_disagreeing_ranks_on_rank):
+        assert message == ("ring_attention: the ranks of the group disagree on causal (rank 0: causal=True; "
+                           "rank 1: causal=False); every rank must make the same call "
+                           "(TORCH_DISTRIBUTED_DEBUG=DETAIL check)")
+
+
 def test_group_of_one_is_plain_attention():
     """A 1-rank world in this process: the ring degenerates to one block."""
     import os

@@ -71,3 +71,30 @@ def check_ids(ids: torch.Tensor, bad: torch.Tensor, error, device_message: str) 
             raise error(int(ids[bad][0]))
     else:
         torch._assert_async(~bad.any(), device_message)
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_describe(v) for v in value) + "]"
+    return repr(value)
+
+
+def check_same_on_every_rank(group, op: str, **args) -> None:
+    """Under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (torch's own switch), every rank of ``group`` must
+    call ``op`` with the same shapes, dtypes and options, else ValueError on every rank naming the
+    ranks and what differs. Why our own: torch checks its collectives that way, but not the P2P
+    rings and peer-memory methods, where a mismatch aborts gloo or hangs. Off by default: it costs
+    a collective per call."""
+    if is_peer_world(group) or dist.get_debug_level() != dist.DebugLevel.DETAIL:
+        return
+    mine = {name: _describe(value) for name, value in args.items()}
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    differ = [name for name in mine if len({str(theirs.get(name)) for theirs in everyone}) > 1]
+    if differ:
+        ranks = "; ".join(f"rank {r}: " + ", ".join(f"{n}={theirs.get(n)}" for n in differ)
+                          for r, theirs in enumerate(everyone))
+        raise ValueError(f"{op}: the ranks of the group disagree on {', '.join(differ)} ({ranks}); "
+                         "every rank must make the same call (TORCH_DISTRIBUTED_DEBUG=DETAIL check)")

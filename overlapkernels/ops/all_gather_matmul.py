@@ -10,7 +10,7 @@ from ..parallel import resolve_group
 from ..profiling.ranges import span
 from . import _methods
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands, cast_weights
-from ._validate import check_dim, check_tensor, check_weights, group_size, is_peer_world
+from ._validate import check_dim, check_same_on_every_rank, check_tensor, check_weights, group_size, is_peer_world
 from .dispatch import check_method, choose, strict_active, strict_in_backward
 from .measure import auto_mode, measured
 from .weight_grad_store import defer
@@ -139,6 +139,8 @@ def _all_gather_matmul(a_shard, b, group, gather_dim, return_gathered, method, s
         raise TypeError(f"return_gathered must be a bool, got {type(return_gathered).__name__}")
     group = group if is_peer_world(group) else resolve_group(group)
     _methods.check_available(method, group, a_shard.device)
+    check_same_on_every_rank(group, "all_gather_matmul", a_shard=a_shard, b=bs, gather_dim=gather_dim,
+                             return_gathered=return_gathered, method=method)
     world = group_size(group)
 
     x = a_shard.movedim(gather_dim, 0)

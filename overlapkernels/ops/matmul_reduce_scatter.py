@@ -11,7 +11,7 @@ from ..profiling.ranges import span
 from . import _methods
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands
 from ._collective_methods import accumulation_dtype
-from ._validate import check_dim, check_tensor, check_weights, group_size, is_peer_world
+from ._validate import check_dim, check_same_on_every_rank, check_tensor, check_weights, group_size, is_peer_world
 from .dispatch import check_method, choose, strict_active, strict_in_backward
 from .measure import auto_mode, measured
 from .weight_grad_store import defer
@@ -121,6 +121,7 @@ def _matmul_reduce_scatter(a, b, group, scatter_dim, method, transposed):
         raise ValueError(f"a.shape[scatter_dim={scatter_dim}]={a.shape[dim]} is not divisible by the group "
                          f"size {world}")
     _methods.check_available(method, group, a.device)
+    check_same_on_every_rank(group, "matmul_reduce_scatter", a=a, b=b_kn, scatter_dim=dim, method=method)
     x = a.movedim(dim, 0)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])

@@ -23,6 +23,7 @@ from ..kernels import attention_ref
 from ..parallel import resolve_group
 from ..profiling.ranges import span
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands
+from ._validate import check_same_on_every_rank
 from .sequence_shard import check_layout, segments
 
 FORMATS = ("bshd", "sbhd")
@@ -272,6 +273,8 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, lay
     _validate(q, k, v, qkv_format, layout, softmax_scale)
     group = resolve_group(group)
     scale = _check_scale(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    check_same_on_every_rank(group, "ring_attention", q=q, k=k, v=v, causal=bool(causal), softmax_scale=scale,
+                             layout=layout, qkv_format=qkv_format)
     backend = "triton" if q.is_cuda else "torch"
     with span("ok/ring_attention"), autocast_off(q.device):  # the kernels keep fp32 softmax statistics
         out, lse = RingAttention.apply(_to_bhsd(q, qkv_format), _to_bhsd(k, qkv_format), _to_bhsd(v, qkv_format),
