@@ -61,6 +61,8 @@ OK_API int ok_free(int32_t device, void* ptr);
 #ifdef __CUDACC__
 #include <cuda_runtime.h>
 // Makes `device` current until the end of the scope; error() is nonzero if that failed.
+// Restoring calls cudaSetDevice, which opens a context on the previous device if it had none;
+// the Python wrappers (kernels/cuda.py) make `device` current first, so that never happens.
 class OkDeviceGuard {
  public:
   explicit OkDeviceGuard(int device) {

@@ -162,3 +162,24 @@ def _ipc_on_rank():
 @pytest.mark.gpu
 def test_ipc_buffers_between_two_processes(rank_pool):
     assert rank_pool(2).run(_ipc_on_rank) == [True, True]
+
+
+def test_library_calls_run_with_their_device_current(monkeypatch):
+    """The library's device guard would restore a thread's previous device with cudaSetDevice,
+    opening a context on it (GPU 0 for a thread that never chose one); calls switch with torch's
+    guard first, so the library never switches."""
+    import contextlib
+
+    current, seen = [0], []
+
+    @contextlib.contextmanager
+    def device(index):
+        previous, current[0] = current[0], index
+        yield
+        current[0] = previous
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", device)
+    call = lambda index: seen.append((index, current[0])) or 0  # noqa: E731
+    assert cuda_lib._on(3, call, 3) == 0 and cuda_lib._on(0, call, 0) == 0
+    assert seen == [(3, 3), (0, 0)] and current == [0]

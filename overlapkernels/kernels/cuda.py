@@ -109,6 +109,17 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def _on(index: int, call, *args) -> int:
+    """``call(*args)`` with device ``index`` current. Why: the library's device guard restores the
+    thread's previous device with cudaSetDevice, which creates a context there when it had none
+    (a thread that never chose a device is on GPU 0: every rank would open one on GPU 0). torch's
+    guard restores without creating one, so we switch here and the library never has to."""
+    if torch.cuda.current_device() == index:
+        return call(*args)
+    with torch.cuda.device(index):
+        return call(*args)
+
+
 def _flag_arg(what: str, flag: torch.Tensor) -> None:
     if flag.dtype not in (torch.int32, torch.uint32) or flag.numel() != 1:
         raise ValueError(f"{what}: flag must be a 1-element int32 tensor (a view into a signal pad), got "
@@ -128,7 +139,8 @@ def signal_set(flag: torch.Tensor, value: int, *, stream=None) -> None:
     lib = load()
     _require_cuda("signal_set", flag=flag)
     _flag_arg("signal_set", flag)
-    _check(lib, lib.ok_signal_set(_index(flag.device), flag.data_ptr(), value, _stream(stream, flag.device)),
+    index = _index(flag.device)
+    _check(lib, _on(index, lib.ok_signal_set, index, flag.data_ptr(), value, _stream(stream, flag.device)),
            "signal_set")
 
 
@@ -142,8 +154,9 @@ def signal_wait(flag: torch.Tensor, expected: int, *, error_record: torch.Tensor
     if error_record.dtype != torch.int32 or error_record.numel() < 4:
         raise ValueError(f"signal_wait: error_record must be int32 with >= 4 elements, got "
                          f"{error_record.dtype} x {error_record.numel()}")
-    err = lib.ok_signal_wait(_index(flag.device), flag.data_ptr(), expected, int(timeout_s * 1e9),
-                             error_record.data_ptr(), op_id(op), rank, chunk, _stream(stream, flag.device))
+    index = _index(flag.device)
+    err = _on(index, lib.ok_signal_wait, index, flag.data_ptr(), expected, int(timeout_s * 1e9),
+              error_record.data_ptr(), op_id(op), rank, chunk, _stream(stream, flag.device))
     _check(lib, err, "signal_wait")
 
 
@@ -176,8 +189,9 @@ def reduce_sum(dst: torch.Tensor, srcs, *, stream=None) -> torch.Tensor:
     if not dst.is_contiguous():
         raise ValueError("reduce_sum: dst must be contiguous")
     ptrs = (ctypes.c_void_p * len(srcs))(*[s.data_ptr() for s in srcs])
-    err = lib.ok_reduce_sum(_index(dst.device), dst.data_ptr(), ptrs, len(srcs), dst.numel(), _DTYPE_CODES[dst.dtype],
-                            _stream(stream, dst.device))
+    index = _index(dst.device)
+    err = _on(index, lib.ok_reduce_sum, index, dst.data_ptr(), ptrs, len(srcs), dst.numel(), _DTYPE_CODES[dst.dtype],
+              _stream(stream, dst.device))
     _check(lib, err, "reduce_sum")
     return dst
 
@@ -194,7 +208,8 @@ def ipc_alloc(nbytes: int, device) -> tuple[int, bytes]:
     """A fresh ``cudaMalloc`` of ``nbytes`` on ``device`` -> (device pointer, IPC handle bytes)."""
     lib, device = load(), _cuda_device(device)
     ptr, handle = ctypes.c_void_p(), ctypes.create_string_buffer(IPC_HANDLE_BYTES)
-    _check(lib, lib.ok_ipc_alloc(device.index, nbytes, ctypes.byref(ptr), handle), f"ipc_alloc({nbytes} B)")
+    _check(lib, _on(device.index, lib.ok_ipc_alloc, device.index, nbytes, ctypes.byref(ptr), handle),
+           f"ipc_alloc({nbytes} B)")
     return ptr.value, handle.raw
 
 
@@ -204,18 +219,18 @@ def ipc_open(handle: bytes, device) -> int:
     if not isinstance(handle, bytes) or len(handle) != IPC_HANDLE_BYTES:
         raise ValueError(f"ipc_open: handle must be {IPC_HANDLE_BYTES} bytes from ipc_alloc")
     ptr = ctypes.c_void_p()
-    _check(lib, lib.ok_ipc_open(device.index, handle, ctypes.byref(ptr)), "ipc_open")
+    _check(lib, _on(device.index, lib.ok_ipc_open, device.index, handle, ctypes.byref(ptr)), "ipc_open")
     return ptr.value
 
 
 def ipc_close(ptr: int, device) -> None:
     lib, device = load(), _cuda_device(device)
-    _check(lib, lib.ok_ipc_close(device.index, ptr), "ipc_close")
+    _check(lib, _on(device.index, lib.ok_ipc_close, device.index, ptr), "ipc_close")
 
 
 def free(ptr: int, device) -> None:
     lib, device = load(), _cuda_device(device)
-    _check(lib, lib.ok_free(device.index, ptr), "free")
+    _check(lib, _on(device.index, lib.ok_free, device.index, ptr), "free")
 
 
 def tensor_at(ptr: int, shape, dtype: torch.dtype, device) -> torch.Tensor:
