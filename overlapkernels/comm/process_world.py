@@ -190,7 +190,8 @@ class ProcessPeerWorld:
         local = cuda_lib.tensor_at(ptr, shape, dtype, self.device)
         local.fill_(fill)
         handles = [None] * self.world_size
-        dist.all_gather_object(handles, handle, group=self.group)
+        with torch.cuda.device(self.device):  # NCCL stages objects on the current device
+            dist.all_gather_object(handles, handle, group=self.group)
         peers = tuple(local if r == self.rank else
                       cuda_lib.tensor_at(cuda_lib.ipc_open(h, self.device), shape, dtype, self.device)
                       for r, h in enumerate(handles))
