@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import types
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -43,9 +44,9 @@ def fix_triton_interpreter() -> None:
     except ImportError:  # pragma: no cover - triton is an install requirement
         return
     with _interp_lock:
-        if _interp_state["fixed"]:
+        orig_patch = getattr(interp, "_patch_lang", None)
+        if _interp_state["fixed"] or orig_patch is None:  # None: another triton, whose interpreter we leave alone
             return
-        orig_patch = interp._patch_lang
 
         def patch_lang(fn):
             scope = orig_patch(fn)
@@ -138,23 +139,40 @@ def make_triton_interpreter_threadsafe() -> None:
         _interp_state["installed"] = True
 
 
+def _backends(group: dist.ProcessGroup) -> list:
+    """The backends serving ``group``, unwrapped from the collective-checking wrapper that
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` puts around them."""
+    found = []
+    for device in getattr(group, "_device_types", ()):
+        try:
+            backend = group._get_backend(device)
+        except (RuntimeError, ValueError):
+            continue
+        backend = getattr(backend, "wrapped_pg", backend)
+        if all(backend is not seen for seen in found):
+            found.append(backend)
+    return found
+
+
 def group_timeout(group: dist.ProcessGroup):
     """The timeout of ``group``'s collectives as a timedelta, or None where torch does not say."""
-    for device in ("cuda", "cpu"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout
-        except (AttributeError, RuntimeError, ValueError):
-            continue
+    for backend in _backends(group):
+        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+        if timeout is not None:
+            return timeout
     return None
 
 
 def set_group_timeout(group: dist.ProcessGroup, timeout) -> None:
-    """Give ``group``'s collectives ``timeout`` (a timedelta).
+    """Give ``group``'s collectives ``timeout`` (a timedelta); warns where torch offers no way.
 
-    Why a private torch helper: ``new_group`` takes a timeout, but DeviceMesh creates its groups
-    without one, so each gets the backend's default (30 min on gloo, 10 on NCCL) whatever the
-    default group was given. ``_set_pg_timeout`` (torch 2.11 and 2.13 alike) is how torch itself
-    changes a live group's timeout; without it the groups keep the backend's default."""
-    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-    if setter is not None:
-        setter(timeout, group)
+    Why private torch API: ``new_group`` takes a timeout, but DeviceMesh creates its groups without
+    one, so each gets the backend's default (30 min on gloo, 10 on NCCL) whatever the default group
+    was given. torch's own ``_set_pg_timeout`` does what this does (torch 2.11 and 2.13 alike) but
+    skips the wrapper that ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` adds, so we unwrap first."""
+    backends = [b for b in _backends(group) if hasattr(b, "_set_default_timeout")]
+    for backend in backends:
+        backend._set_default_timeout(timeout)
+    if not backends:
+        warnings.warn(f"overlapkernels: cannot set the timeout of process group {group} on torch "
+                      f"{torch.__version__}; it keeps the backend's default", stacklevel=3)

@@ -6,7 +6,6 @@ the returned ``ParallelDims`` and pass it (or its groups) on.
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -97,16 +96,20 @@ def init_default_process_group(backend: str | None = None, timeout: timedelta = 
 
 
 def resolve_timeout(timeout) -> timedelta | None:
-    """``timeout`` as a timedelta: seconds (int/float) or a timedelta, positive and finite; None stays None."""
-    if timeout is None or isinstance(timeout, timedelta):
-        seconds = None if timeout is None else timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
+    """``timeout`` as a timedelta: seconds (int/float) or a timedelta, finite and at least 1 ms
+    (gloo counts whole milliseconds); None stays None."""
+    if timeout is not None and not isinstance(timeout, timedelta) and (
+            not isinstance(timeout, (int, float)) or isinstance(timeout, bool)):
         raise TypeError(f"timeout={timeout!r}: expected seconds (int or float) or a datetime.timedelta")
-    if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"timeout={timeout!r}: expected a positive, finite duration")
-    return None if seconds is None else timedelta(seconds=seconds)
+    if timeout is None:
+        return None
+    try:
+        resolved = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+    except (OverflowError, ValueError):  # nan, inf, beyond timedelta's range
+        resolved = None
+    if resolved is None or resolved < timedelta(milliseconds=1):
+        raise ValueError(f"timeout={timeout!r}: expected a finite duration of at least 1 ms")
+    return resolved
 
 
 def init_parallel(tp: int = 1, cp: int = 1, pp: int = 1, dp: int = -1, backend: str | None = None, *,
@@ -119,8 +122,9 @@ def init_parallel(tp: int = 1, cp: int = 1, pp: int = 1, dp: int = -1, backend: 
     ``timeout`` (seconds or a timedelta) bounds every collective on the mesh's groups (the
     default group too, when it is created here or an axis spans every rank). ``None``: the
     default group's timeout (10 minutes when created here), not the backend's own default for
-    new groups (30 minutes on gloo), so a dead peer fails every group alike. A group whose collective timed out is broken
-    for good (gloo and NCCL abort it): end the job, or build a new mesh.
+    new groups (30 minutes on gloo), so a dead peer fails every group alike. A group whose
+    collective timed out is broken for good (gloo and NCCL abort it): end the job, or build a
+    new mesh.
     """
     timeout = resolve_timeout(timeout)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
