@@ -183,3 +183,10 @@ def test_library_calls_run_with_their_device_current(monkeypatch):
     call = lambda index: seen.append((index, current[0])) or 0  # noqa: E731
     assert cuda_lib._on(3, call, 3) == 0 and cuda_lib._on(0, call, 0) == 0
     assert seen == [(3, 3), (0, 0)] and current == [0]
+    # and every wrapper that hands a device to the library goes through _on
+    import inspect
+    import re
+
+    source = inspect.getsource(cuda_lib)
+    direct = re.findall(r"(?<!_on\()\blib\.ok_(signal_set|signal_wait|reduce_sum|ipc_\w+|free)\(", source)
+    assert direct == [], direct

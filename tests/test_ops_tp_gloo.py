@@ -524,8 +524,9 @@ def test_reasons_stay_bounded_over_many_shapes():
 
 
 def _mismatched_calls_on_rank():
-    """TORCH_DISTRIBUTED_DEBUG=DETAIL: a rank calling with other shapes or options is named on every
-    rank, before the P2P ring (which gloo would abort on); agreeing calls still run."""
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL: a rank calling with other shapes or options, or one whose own
+    checks reject its call, is named on every rank before the op communicates (gloo would abort
+    in the P2P ring, or the others would wait for the rejected rank); agreeing calls still run."""
     r = dist.get_rank()
     level = dist.get_debug_level()
     dist.set_debug_level(dist.DebugLevel.DETAIL)
@@ -535,13 +536,16 @@ def _mismatched_calls_on_rank():
         calls = [
             lambda: ok.all_gather_matmul(torch.ones(4 + (r == 1), 8), b, method="decomposed"),
             lambda: ok.all_gather_matmul(torch.ones(4, 8), b, method="decomposed" if r else "baseline"),
+            lambda: ok.all_gather_matmul(torch.ones(4, 8, requires_grad=r == 1), b, save_gathered=r == 0),
+            lambda: ok.matmul_reduce_scatter(torch.ones(4 + r, 8), b, method="decomposed"),  # 5 rows: rank 1 rejects
+            lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), b, method="symm" if r else "decomposed"),
             lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), b, scatter_dim=0 if r else -2, method="decomposed"),
         ]
         for call in calls:
             try:
                 call()
                 errors.append(None)
-            except ValueError as exc:
+            except (ValueError, TypeError) as exc:
                 errors.append(str(exc))
         out = ok.all_gather_matmul(torch.ones(4, 8), b, method="decomposed")  # agreeing: runs
         assert torch.equal(out, torch.full((4 * dist.get_world_size(), 3), 8.0))
@@ -551,9 +555,19 @@ def _mismatched_calls_on_rank():
 
 
 def test_ranks_that_disagree_are_named_under_distributed_debug(rank_pool):
-    for errors in rank_pool(2).run(_mismatched_calls_on_rank):
-        shapes, method, dims = errors
-        assert shapes.startswith("all_gather_matmul: the ranks of the group disagree on a_shard (rank 0: "
-                                 "a_shard=[4, 8] float32; rank 1: a_shard=[5, 8] float32)"), shapes
+    hint = "; every rank must make the same call (TORCH_DISTRIBUTED_DEBUG=DETAIL check)"
+    errors = rank_pool(2).run(_mismatched_calls_on_rank)
+    for shapes, method, grads, _, _, dims in errors:
+        assert shapes == ("all_gather_matmul: the ranks of the group disagree on a_shard (rank 0: a_shard=[4, 8] "
+                          "float32; rank 1: a_shard=[5, 8] float32)" + hint), shapes
         assert "disagree on method (rank 0: method='baseline'; rank 1: method='decomposed')" in method, method
+        assert grads.startswith("all_gather_matmul: the ranks of the group disagree on a_shard, save_gathered (rank "
+                                "0: a_shard=[4, 8] float32, save_gathered=True; rank 1: a_shard=[4, 8] float32 (gets "
+                                "a gradient), save_gathered=False)"), grads
         assert dims is None  # scatter_dim -2 and 0 are the same dim of a 2-D a: no disagreement
+    # the rank whose own check failed raises that error; the other is told which rank and why
+    assert errors[1][3] == "a.shape[scatter_dim=0]=5 is not divisible by the group size 2"
+    assert errors[0][3] == ("matmul_reduce_scatter: other ranks' arguments were rejected (rank 1: ValueError: "
+                            "a.shape[scatter_dim=0]=5 is not divisible by the group size 2)" + hint)
+    assert "needs CUDA" in errors[1][4] and errors[0][4].startswith(
+        "matmul_reduce_scatter: other ranks' arguments were rejected (rank 1: ValueError: ")

@@ -136,3 +136,29 @@ def test_thread_world_reports_errors_and_timeouts():
             ThreadWorld(2).run(stuck, timeout=0.5)
     finally:
         release.set()
+
+
+def test_interpreter_indexes_one_element_program_ids():
+    """While a kernel runs, the interpreter turns tl tensors into ints with ``__index__`` (as in
+    ``range(tl.program_id(0), ...)``); triton 3.6 did ``int(array([i]))``, which numpy >= 2.4
+    refuses. Ours squeezes first, and the language patch is undone with the rest."""
+    import operator
+    import types
+
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    from overlapkernels._compat import fix_triton_interpreter
+
+    fix_triton_interpreter()  # installed on import of overlapkernels.kernels.triton; idempotent
+
+    before = tl.core.tensor.__dict__.get("__index__")
+    scope = interp._patch_lang(types.SimpleNamespace(__globals__={"tl": tl, "core": tl.core}))
+    try:
+        pid = object.__new__(tl.core.tensor)
+        pid.handle = types.SimpleNamespace(data=np.array([3], dtype=np.int32))
+        assert operator.index(pid) == 3 and list(range(pid, 6)) == [3, 4, 5]
+    finally:
+        scope.restore()
+    assert tl.core.tensor.__dict__.get("__index__") is before

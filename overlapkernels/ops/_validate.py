@@ -1,5 +1,8 @@
-"""Argument checks shared by the fused ops; all run before any rank communicates."""
+"""Argument checks shared by the fused ops; all run before the op communicates (the cross-rank one
+under TORCH_DISTRIBUTED_DEBUG=DETAIL compares calls, and errors, before that)."""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -75,26 +78,51 @@ def check_ids(ids: torch.Tensor, bad: torch.Tensor, error, device_message: str) 
 
 def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
-        return f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+        grad = " (gets a gradient)" if value.requires_grad and torch.is_grad_enabled() else ""
+        return f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}{grad}"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_describe(v) for v in value) + "]"
     return repr(value)
 
 
-def check_same_on_every_rank(group, op: str, **args) -> None:
-    """Under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (torch's own switch), every rank of ``group`` must
-    call ``op`` with the same shapes, dtypes and options, else ValueError on every rank naming the
-    ranks and what differs. Why our own: torch checks its collectives that way, but not the P2P
-    rings and peer-memory methods, where a mismatch aborts gloo or hangs. Off by default: it costs
-    a collective per call."""
+class _Call:
+    """What the ranks compare: the op sets ``args`` once its own checks have passed."""
+    args: dict | None = None
+
+
+@contextlib.contextmanager
+def same_call_on_every_rank(group, op: str, device=None):
+    """Wraps an op's argument checks. Under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (torch's own switch)
+    the ranks of ``group`` then compare their calls (``call.args``: shapes, dtypes, whether a
+    gradient flows, options that change the communication) and their checks' errors, and every
+    rank raises, naming the ranks and what differs, before any communication of the op. Why our
+    own: torch checks its collectives that way, but not our P2P rings and peer-memory methods, where
+    a mismatch aborts gloo or hangs; and a rank whose checks failed would otherwise leave the others
+    waiting. Off by default: it costs an object all-gather (a host sync on NCCL) per call."""
+    call = _Call()
     if is_peer_world(group) or dist.get_debug_level() != dist.DebugLevel.DETAIL:
+        yield call
         return
-    mine = {name: _describe(value) for name, value in args.items()}
+    error = None
+    try:
+        yield call
+    except Exception as exc:  # told to the other ranks first, then raised here as it was
+        error = exc
+    mine = (None if error is None else f"{type(error).__name__}: {error}",
+            {name: _describe(value) for name, value in (call.args or {}).items()})
     everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    differ = [name for name in mine if len({str(theirs.get(name)) for theirs in everyone}) > 1]
+    on_gpu = isinstance(device, torch.device) and device.type == "cuda"
+    with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():  # NCCL stages objects there
+        dist.all_gather_object(everyone, mine, group=group)
+    if error is not None:
+        raise error
+    hint = "every rank must make the same call (TORCH_DISTRIBUTED_DEBUG=DETAIL check)"
+    failed = [f"rank {r}: {theirs}" for r, (theirs, _) in enumerate(everyone) if theirs]
+    if failed:
+        raise ValueError(f"{op}: other ranks' arguments were rejected ({'; '.join(failed)}); {hint}")
+    args = [theirs for _, theirs in everyone]
+    differ = [name for name in mine[1] if len({str(theirs.get(name)) for theirs in args}) > 1]
     if differ:
         ranks = "; ".join(f"rank {r}: " + ", ".join(f"{n}={theirs.get(n)}" for n in differ)
-                          for r, theirs in enumerate(everyone))
-        raise ValueError(f"{op}: the ranks of the group disagree on {', '.join(differ)} ({ranks}); "
-                         "every rank must make the same call (TORCH_DISTRIBUTED_DEBUG=DETAIL check)")
+                          for r, theirs in enumerate(args))
+        raise ValueError(f"{op}: the ranks of the group disagree on {', '.join(differ)} ({ranks}); {hint}")

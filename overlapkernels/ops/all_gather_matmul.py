@@ -10,7 +10,7 @@ from ..parallel import resolve_group
 from ..profiling.ranges import span
 from . import _methods
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands, cast_weights
-from ._validate import check_dim, check_same_on_every_rank, check_tensor, check_weights, group_size, is_peer_world
+from ._validate import check_dim, check_tensor, check_weights, group_size, is_peer_world, same_call_on_every_rank
 from .dispatch import check_method, choose, strict_active, strict_in_backward
 from .measure import auto_mode, measured
 from .weight_grad_store import defer
@@ -129,18 +129,20 @@ def all_gather_linear(x_shard, weights, group=None, *, gather_dim=0, method="aut
 
 
 def _all_gather_matmul(a_shard, b, group, gather_dim, return_gathered, method, save_gathered, transposed):
-    check_tensor("a_shard", a_shard, min_dim=2)
-    amp = autocast_dtype(a_shard.device)  # inside torch.autocast: run in its dtype, as a matmul would
-    a_shard, b = cast_operands(amp, a_shard)[0], cast_weights(amp, b)
-    bs, single = check_weights([w.t() for w in b] if transposed else b, a_shard, "a_shard")
-    gather_dim = check_dim("gather_dim", gather_dim, a_shard, "a_shard")
-    method = check_method(method)
-    if not isinstance(return_gathered, bool):
-        raise TypeError(f"return_gathered must be a bool, got {type(return_gathered).__name__}")
     group = group if is_peer_world(group) else resolve_group(group)
-    _methods.check_available(method, group, a_shard.device)
-    check_same_on_every_rank(group, "all_gather_matmul", a_shard=a_shard, b=bs, gather_dim=gather_dim,
-                             return_gathered=return_gathered, method=method)
+    op = "all_gather_linear" if transposed else "all_gather_matmul"
+    with same_call_on_every_rank(group, op, getattr(a_shard, "device", None)) as call:
+        check_tensor("a_shard", a_shard, min_dim=2)
+        amp = autocast_dtype(a_shard.device)  # inside torch.autocast: run in its dtype, as a matmul would
+        a_shard, b = cast_operands(amp, a_shard)[0], cast_weights(amp, b)
+        bs, single = check_weights([w.t() for w in b] if transposed else b, a_shard, "a_shard")
+        gather_dim = check_dim("gather_dim", gather_dim, a_shard, "a_shard")
+        method = check_method(method)
+        if not isinstance(return_gathered, bool):
+            raise TypeError(f"return_gathered must be a bool, got {type(return_gathered).__name__}")
+        _methods.check_available(method, group, a_shard.device)
+        # save_gathered decides whether backward gathers again; gradients decide whether it runs at all
+        call.args = dict(a_shard=a_shard, b=bs, gather_dim=gather_dim, method=method, save_gathered=bool(save_gathered))
     world = group_size(group)
 
     x = a_shard.movedim(gather_dim, 0)

@@ -11,7 +11,7 @@ from ..profiling.ranges import span
 from . import _methods
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands
 from ._collective_methods import accumulation_dtype
-from ._validate import check_dim, check_same_on_every_rank, check_tensor, check_weights, group_size, is_peer_world
+from ._validate import check_dim, check_tensor, check_weights, group_size, is_peer_world, same_call_on_every_rank
 from .dispatch import check_method, choose, strict_active, strict_in_backward
 from .measure import auto_mode, measured
 from .weight_grad_store import defer
@@ -107,21 +107,23 @@ def linear_reduce_scatter(x, weight, group=None, *, scatter_dim=0, method="auto"
 
 
 def _matmul_reduce_scatter(a, b, group, scatter_dim, method, transposed):
-    check_tensor("a", a, min_dim=2)
-    if isinstance(b, (list, tuple)):
-        raise TypeError(f"b must be a single [K, N] tensor, got {type(b).__name__}")
-    a, b = cast_operands(autocast_dtype(a.device), a, b)  # inside torch.autocast: its dtype, as a matmul
-    b_kn = b.t() if transposed else b  # [K, N]: what is checked and what the methods multiply by
-    check_weights(b_kn, a, "a")
-    dim = check_dim("scatter_dim", scatter_dim, a, "a")
-    method = check_method(method)
     group = group if is_peer_world(group) else resolve_group(group)
-    world = group_size(group)
-    if a.shape[dim] % world:
-        raise ValueError(f"a.shape[scatter_dim={scatter_dim}]={a.shape[dim]} is not divisible by the group "
-                         f"size {world}")
-    _methods.check_available(method, group, a.device)
-    check_same_on_every_rank(group, "matmul_reduce_scatter", a=a, b=b_kn, scatter_dim=dim, method=method)
+    op = "linear_reduce_scatter" if transposed else "matmul_reduce_scatter"
+    with same_call_on_every_rank(group, op, getattr(a, "device", None)) as call:
+        check_tensor("a", a, min_dim=2)
+        if isinstance(b, (list, tuple)):
+            raise TypeError(f"b must be a single [K, N] tensor, got {type(b).__name__}")
+        a, b = cast_operands(autocast_dtype(a.device), a, b)  # inside torch.autocast: its dtype, as a matmul
+        b_kn = b.t() if transposed else b  # [K, N]: what is checked and what the methods multiply by
+        check_weights(b_kn, a, "a")
+        dim = check_dim("scatter_dim", scatter_dim, a, "a")
+        method = check_method(method)
+        world = group_size(group)
+        if a.shape[dim] % world:
+            raise ValueError(f"a.shape[scatter_dim={scatter_dim}]={a.shape[dim]} is not divisible by the group "
+                             f"size {world}")
+        _methods.check_available(method, group, a.device)
+        call.args = dict(a=a, b=b_kn, scatter_dim=dim, method=method)
     x = a.movedim(dim, 0)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])

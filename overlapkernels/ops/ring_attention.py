@@ -23,7 +23,7 @@ from ..kernels import attention_ref
 from ..parallel import resolve_group
 from ..profiling.ranges import span
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands
-from ._validate import check_same_on_every_rank
+from ._validate import same_call_on_every_rank
 from .sequence_shard import check_layout, segments
 
 FORMATS = ("bshd", "sbhd")
@@ -268,13 +268,14 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, lay
     16/32-bit inputs; fp64 inputs keep fp64, since rounding it to fp32 would cap an fp64 check of
     it (or of gradients through it) at fp32 precision.
     """
-    if isinstance(q, torch.Tensor):  # inside torch.autocast: its dtype, as SDPA would
-        q, k, v = cast_operands(autocast_dtype(q.device), q, k, v)
-    _validate(q, k, v, qkv_format, layout, softmax_scale)
     group = resolve_group(group)
-    scale = _check_scale(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    check_same_on_every_rank(group, "ring_attention", q=q, k=k, v=v, causal=bool(causal), softmax_scale=scale,
-                             layout=layout, qkv_format=qkv_format)
+    with same_call_on_every_rank(group, "ring_attention", getattr(q, "device", None)) as call:
+        if isinstance(q, torch.Tensor):  # inside torch.autocast: its dtype, as SDPA would
+            q, k, v = cast_operands(autocast_dtype(q.device), q, k, v)
+        _validate(q, k, v, qkv_format, layout, softmax_scale)
+        scale = _check_scale(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        call.args = dict(q=q, k=k, v=v, causal=bool(causal), softmax_scale=scale, layout=layout,
+                         qkv_format=qkv_format)
     backend = "triton" if q.is_cuda else "torch"
     with span("ok/ring_attention"), autocast_off(q.device):  # the kernels keep fp32 softmax statistics
         out, lse = RingAttention.apply(_to_bhsd(q, qkv_format), _to_bhsd(k, qkv_format), _to_bhsd(v, qkv_format),
