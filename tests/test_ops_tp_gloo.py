@@ -309,6 +309,37 @@ def test_bad_peer_timeout_is_rejected_by_name(monkeypatch, raw):
     assert peer_wait_timeout() == 60.0
 
 
+def _peer_memory_across_nodes_on_rank():
+    """4 ranks as 2 nodes of 2 (torchrun numbers each node's ranks consecutively): peer memory is
+    offered to a group inside a node, refused (by name) for one across nodes; auto's measured
+    candidates follow. Symmetric memory is faked present: only the node rule is under test."""
+    import os
+
+    from overlapkernels.comm import process_world as pw
+    from overlapkernels.ops import measure
+
+    dims = ok.init_parallel(tp=2)
+    saved, has_symm = os.environ["LOCAL_WORLD_SIZE"], pw.torch_has_symmetric_memory
+    os.environ["LOCAL_WORLD_SIZE"], pw.torch_has_symmetric_memory = "2", lambda: True
+    try:
+        cuda = torch.device("cuda", 0)
+        return (pw.group_nodes(dims.tp_group), pw.group_nodes(dist.group.WORLD),
+                pw.peer_memory_unavailable_reason(cuda, dims.tp_group), pw.peer_memory_unavailable_reason(cuda, None),
+                pw.peer_memory_unavailable_reason(cuda, dist.group.WORLD),
+                measure.candidates(dims.tp_group, cuda), measure.candidates(dist.group.WORLD, cuda))
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"], pw.torch_has_symmetric_memory = saved, has_symm
+
+
+def test_peer_memory_is_refused_for_groups_across_nodes(rank_pool):
+    for tp_nodes, world_nodes, tp_why, no_group_why, world_why, tp_methods, world_methods in \
+            rank_pool(4).run(_peer_memory_across_nodes_on_rank):
+        assert (tp_nodes, world_nodes, tp_why, no_group_why) == (1, 2, None, None)
+        assert world_why == "the group's ranks [0, 1, 2, 3] span 2 nodes"
+        assert tp_methods == ["baseline", "decomposed", "symm", "fused"]
+        assert world_methods == ["baseline", "decomposed"]
+
+
 def test_bad_peer_memory_setting_is_rejected_by_name(monkeypatch):
     from overlapkernels.comm.process_world import peer_memory_unavailable_reason
 

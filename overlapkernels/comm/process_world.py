@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import socket
 import sys
 import warnings
 
@@ -99,8 +100,18 @@ def _device_uuid(device: torch.device) -> str:
     return str(getattr(torch.cuda.get_device_properties(device), "uuid", device))
 
 
-def peer_memory_unavailable_reason(device: torch.device) -> str | None:
-    """None when symmetric memory or CUDA IPC can serve ``device``; else why not."""
+def group_nodes(group: dist.ProcessGroup) -> int | None:
+    """How many nodes ``group``'s ranks sit on, by the launcher's numbering (torchrun: each node's
+    ``LOCAL_WORLD_SIZE`` ranks are consecutive); None when no launcher says. No communication."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if not local.isdigit() or int(local) < 1:
+        return None
+    return len({rank // int(local) for rank in dist.get_process_group_ranks(group)})
+
+
+def peer_memory_unavailable_reason(device: torch.device, group: dist.ProcessGroup | None = None) -> str | None:
+    """None when symmetric memory or CUDA IPC can serve ``device`` (and ``group``, when given: one
+    node); else why not."""
     if device.type != "cuda":
         return f"tensors are on {device}, peer memory needs CUDA"
     from ..kernels import cuda as cuda_lib
@@ -108,6 +119,8 @@ def peer_memory_unavailable_reason(device: torch.device) -> str | None:
     peer_wait_timeout()  # a bad setting raises here, before anything communicates
     _, why = resolve_peer_memory(requested_peer_memory(), has_symm_mem=torch_has_symmetric_memory(),
                                  ipc_built=cuda_lib.is_loadable())
+    if why is None and group is not None and (nodes := group_nodes(group) or 1) > 1:
+        why = f"the group's ranks {dist.get_process_group_ranks(group)} span {nodes} nodes"
     return why
 
 
@@ -131,15 +144,18 @@ class ProcessPeerWorld:
             raise ValueError(why)
         ranks, mine = [None] * self.world_size, _device_uuid(device)
         with torch.cuda.device(device):  # NCCL stages objects on the current device
-            dist.all_gather_object(ranks, (kind, mine), group=group)
-        kinds = [k for k, _ in ranks]
+            dist.all_gather_object(ranks, (kind, mine, socket.gethostname()), group=group)
+        kinds, hosts = [k for k, _, _ in ranks], sorted({h for _, _, h in ranks})
         if len(set(kinds)) > 1:  # mixed kinds would deadlock in alloc_symmetric
             raise ValueError(f"ranks chose different peer memory {kinds} (set {PEER_MEMORY_ENV} alike on every "
                              "rank, and install the same torch and CUDA library everywhere)")
+        if len(hosts) > 1:  # the launcher did not say (group_nodes); every rank sees the same hosts
+            raise ValueError(f"peer memory ('symm'/'fused') needs the group on one node; its ranks are on {hosts}: "
+                             "use 'decomposed' or 'baseline'")
         self.peer_memory = kind
         # ranks sharing this GPU (tests, or MPS): each persistent kernel takes only its share of SMs,
         # or ranks spinning on each other's signals could hold every SM
-        self.ranks_per_device = max(1, sum(uuid == mine for _, uuid in ranks))
+        self.ranks_per_device = max(1, sum(uuid == mine for _, uuid, _ in ranks))
 
     @property
     def wait_timeout(self) -> float:

@@ -41,7 +41,7 @@ def candidates(group, device: torch.device) -> list:
     if device.type == "cuda":
         from ..comm.process_world import peer_memory_unavailable_reason
 
-        if peer_memory_unavailable_reason(device) is None:
+        if peer_memory_unavailable_reason(device, group) is None:  # CUDA IPC or symm_mem, one node
             found += ["symm", "fused"]
     return found
 
