@@ -225,6 +225,50 @@ def test_sequence_parallel_tags_and_helper_group(rank_pool):
     assert rank_pool(4).run(_sp_tags_on_rank) == [True] * 4
 
 
+def _block_under_fsdp2_on_rank():
+    """Our TP + SP block composed with torch's FSDP2 over DP (tp=2 x dp=2), as torchtitan-style
+    clients do. FSDP2 swaps in DTensor parameters, dropping the attributes that tag the norms'
+    partial gradients; the helper still finds them by name and sums each rank's local shard over
+    TP. Reference: the same block unwrapped, fed the whole batch."""
+    from torch.distributed.fsdp import fully_shard
+
+    from overlapkernels.layers import TransformerBlock
+
+    dims = ok.init_parallel(tp=2, dp=2)
+    tp, dp = dims.tp_group, dims.dp_size
+
+    def make():
+        torch.manual_seed(0)
+        block = TransformerBlock(16, 4, 2, 32, tp, sequence_parallel=True, dtype=F64)
+        with torch.no_grad():
+            for p in block.parameters():  # norms start at 1: randomise so every term is tested
+                p.copy_(p + 0.1 * _randn(*p.shape, seed=p.numel()))
+        return block
+
+    x = _randn(8, 4, 16, seed=3).chunk(2, dim=0)[dims.tp_rank]  # [S/tp, B, H]: SP splits the sequence
+    ref, wrapped = make(), make()
+    ref(x).sum().backward()
+    allreduce_sequence_parallel_grads(ref)
+    fully_shard(wrapped, mesh=dims.mesh["dp"])
+    wrapped(x.chunk(dp, dim=1)[dims.dp_rank]).sum().backward()  # DP splits the batch; FSDP2 averages
+    names = [n for n, _ in wrapped.named_parameters()]
+    partial = {n: p.grad.full_tensor() * dp for n, p in wrapped.named_parameters()}
+    touched = allreduce_sequence_parallel_grads(wrapped)
+    summed = {n: p.grad.full_tensor() * dp for n, p in wrapped.named_parameters()}
+    want = dict(ref.named_parameters())
+    for name in names:
+        _close(f"grad {name}", summed[name], want[name].grad)
+    norms = [n for n in names if "norm" in n]
+    # the planted bug (tags lost, nothing summed) is what the comparison catches
+    stale = [n for n in norms if not torch.allclose(partial[n], want[n].grad, **TOL)]
+    return touched, norms, stale
+
+
+def test_sequence_parallel_grads_under_torch_fsdp2(rank_pool):
+    for touched, norms, stale in rank_pool(4).run(_block_under_fsdp2_on_rank):
+        assert touched == 2 and norms == ["attn_norm.weight", "mlp_norm.weight"] and stale == norms
+
+
 def _planted_on_rank():
     """Shard the dense weights along the wrong dim: the dense-twin comparison must catch it."""
     tp, one, world, rank = _groups()

@@ -146,7 +146,7 @@ class RowParallelLinear(DefersWeightGrad, _MegatronExtraState, nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=self.weight.dtype, device=self.weight.device))
             # under SP each rank adds the bias to its own rows: its gradient is partial per rank
-            mark_sequence_parallel(self.bias, sequence_parallel, self.group)
+            mark_sequence_parallel(self.bias, sequence_parallel, self.group, owner=self)
         else:
             self.register_parameter("bias", None)
 
