@@ -261,12 +261,18 @@ def _block_under_fsdp2_on_rank():
     norms = [n for n in names if "norm" in n]
     # the planted bug (tags lost, nothing summed) is what the comparison catches
     stale = [n for n in norms if not torch.allclose(partial[n], want[n].grad, **TOL)]
-    return touched, norms, stale
+    try:  # the wrapper dropped the TP tags the global norm needs: refused, not mis-clipped
+        ok.clip_grad_norm_(wrapped.parameters(), 1.0, dims=dims)
+        clip = None
+    except TypeError as exc:
+        clip = str(exc)
+    return touched, norms, stale, clip
 
 
 def test_sequence_parallel_grads_under_torch_fsdp2(rank_pool):
-    for touched, norms, stale in rank_pool(4).run(_block_under_fsdp2_on_rank):
+    for touched, norms, stale, clip in rank_pool(4).run(_block_under_fsdp2_on_rank):
         assert touched == 2 and norms == ["attn_norm.weight", "mlp_norm.weight"] and stale == norms
+        assert clip.startswith("clip_grad_norm_: a gradient is a DTensor"), clip
 
 
 def _planted_on_rank():

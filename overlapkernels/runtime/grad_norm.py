@@ -71,6 +71,13 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *, dims) -> torch.Tenso
     ``fsdp.shard`` use ``ShardedModule.clip_grad_norm_`` instead: the gradients live in its shards."""
     p = check_clip_args(max_norm, norm_type)
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    for q in params:
+        if q.grad is not None and hasattr(q.grad, "to_local"):
+            # torch's FSDP2 (fully_shard) swaps in DTensor parameters without the tensor_model_parallel
+            # tags this needs, so a TP-split weight would count as a replica: refuse, not mis-clip
+            raise TypeError("clip_grad_norm_: a gradient is a DTensor (parameters wrapped by torch's FSDP2 "
+                            "fully_shard?); this needs plain per-rank gradients with their TP tags: shard with "
+                            "ok's fsdp.shard and use ShardedModule.clip_grad_norm_")
     grads = [(q.grad, replicas(q, dims)) for q in params if q.grad is not None]
     device = grads[0][0].device if grads else (params[0].device if params else torch.device("cpu"))
     if dist.get_backend() == "nccl" and device.type != "cuda":
