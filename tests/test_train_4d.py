@@ -12,7 +12,7 @@ from overlapkernels.ops import weight_grad_store
 CONFIG = dict(vocab_size=16, hidden=8, num_layers=2, num_heads=2, num_kv_heads=2, ffn_hidden=16, max_seq_len=8)
 
 
-def _compose_on_rank(layout, schedule, sequence_parallel=True, lose_grad=False):
+def _compose_on_rank(layout, schedule, sequence_parallel=True, lose_grad=False, zero_stage=1):
     config = GPTConfig(**CONFIG, method="decomposed", sequence_parallel=sequence_parallel)
     g = torch.Generator().manual_seed(5)
     batches = [(torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g))
@@ -33,7 +33,8 @@ def _compose_on_rank(layout, schedule, sequence_parallel=True, lose_grad=False):
         want_losses.append(float(loss))
 
     dims = ok.init_parallel(**layout)
-    trainer = Trainer(config, dims, schedule=schedule, dtype=torch.float64, dense_state_dict=start, optimizer=sgd)
+    trainer = Trainer(config, dims, schedule=schedule, dtype=torch.float64, dense_state_dict=start, optimizer=sgd,
+                      zero_stage=zero_stage)
     with _recording_w(trainer.stage, lose_grad) as deferred:
         losses = [trainer.step(tokens, targets) for tokens, targets in batches]
     if schedule == "zb-h1":  # every W (m per step) gave each of the stage's linear weights its gradient
@@ -43,7 +44,9 @@ def _compose_on_rank(layout, schedule, sequence_parallel=True, lose_grad=False):
     else:
         assert deferred == []
     assert losses == pytest.approx(want_losses, abs=1e-12, rel=1e-12), f"losses {losses} != {want_losses}"
-    want = shard_dense_state_dict(trainer.stage, dense.state_dict())
+    # an unsharded twin of this rank's stage gives the layout (a ZeRO-3 stage has no state_dict of its own)
+    twin = GPT(config, dims, dtype=torch.float64, pipeline_stage=(dims.pp_rank, dims.pp_size))
+    want = shard_dense_state_dict(twin, dense.state_dict())
     for name, t in trainer.sharded.full_state_dict().items():
         if torch.is_tensor(t):
             torch.testing.assert_close(t, want[name], atol=1e-10, rtol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
@@ -90,6 +93,19 @@ def _recording_w(model, lose_grad):
 def test_composition_matches_single_process(rank_pool, layout, schedule, sp):
     results = rank_pool(4).run(_compose_on_rank, layout, schedule, sp)
     assert all(r == results[0] for r in results)
+
+
+@pytest.mark.parametrize("zero_stage, schedule", [(2, "zb-h1"), (3, "1f1b")])
+def test_pipeline_with_zero_2_and_3_matches_single_process(rank_pool, zero_stage, schedule):
+    """ZeRO-2/3 under a pipeline (DeepSpeed allows only ZeRO-1 there): each microbatch's gradients
+    are reduce-scattered in its own backward (ZB-H1: in its W) and accumulate in the shards."""
+    results = rank_pool(4).run(_compose_on_rank, dict(dp=2, pp=2), schedule, zero_stage=zero_stage)
+    assert all(r == results[0] for r in results)
+
+
+def test_bad_zero_stage_is_refused():
+    with pytest.raises(ValueError, match=r"zero_stage=0: expected 1, 2 or 3"):
+        Trainer(GPTConfig(**CONFIG), None, zero_stage=0)
 
 
 def _lost_grad_on_rank():

@@ -1,9 +1,9 @@
 """4-D training of the GPT: DP x PP x CP x TP in one mesh.
 
 Each rank builds its pipeline stage of the GPT (TP + SP inside, ring attention over CP), runs the
-schedule's microbatches through ``PipelineRunner`` and takes a ZeRO-1 step over DP
-(``fsdp.shard(stage=1)``: gradients reduce-scattered and averaged once per step, after the last
-microbatch). fsdp itself sums the partial gradients: sequence-parallel ones over TP, and, under
+schedule's microbatches through ``PipelineRunner`` and takes a ZeRO step over DP
+(``fsdp.shard``; stage 1 by default: gradients reduce-scattered and averaged once per step, after
+the last microbatch). fsdp itself sums the partial gradients: sequence-parallel ones over TP, and, under
 CP, every reduced shard over CP (the GPT tags its parameters with its CP group).
 """
 from __future__ import annotations
@@ -29,12 +29,18 @@ class Trainer:
     (``dense_state_dict``: start from these dense weights, sharded for this rank), runs
     ``schedule`` ("gpipe", "1f1b" or "zb-h1"; one stage per rank) over ``num_microbatches``
     (default: twice the PP size), and steps ``optimizer`` (a factory of the local shard
-    parameters) with ZeRO-1 over DP. ``step(tokens, targets)``: the global [B, S] batch on
-    every rank (B divisible by dp x microbatches); returns the step's mean token loss on every rank.
+    parameters) with ZeRO over DP: ``zero_stage`` 1 (default), 2 or 3, each composed with every
+    schedule (DeepSpeed allows only ZeRO-1 with pipelines); 2 and 3 reduce-scatter each
+    microbatch's gradients during its backward, 3 also gathers each unit's parameters around its
+    forward and backward. ``step(tokens, targets)``: the global [B, S] batch on every rank (B
+    divisible by dp x microbatches); returns the step's mean token loss on every rank.
     """
 
     def __init__(self, config, dims, *, schedule: str = "1f1b", num_microbatches: int | None = None,
-                 optimizer=_adamw, dtype=torch.float32, dense_state_dict: dict | None = None, device=None):
+                 optimizer=_adamw, dtype=torch.float32, dense_state_dict: dict | None = None, device=None,
+                 zero_stage: int = 1):
+        if zero_stage not in (1, 2, 3) or isinstance(zero_stage, bool):
+            raise ValueError(f"zero_stage={zero_stage!r}: expected 1, 2 or 3")
         self.config, self.dims = config, dims
         # NCCL moves CUDA tensors only: the stage lives on this rank's GPU there, on the CPU under gloo
         self.device = torch.device(device) if device is not None else (
@@ -42,7 +48,7 @@ class Trainer:
         self.stage = GPT(config, dims, dtype=dtype, device=self.device, pipeline_stage=(dims.pp_rank, dims.pp_size))
         if dense_state_dict is not None:
             self.stage.load_state_dict(shard_dense_state_dict(self.stage, dense_state_dict))
-        self.sharded = fsdp.shard(self.stage, dims.dp_group, stage=1, optimizer=optimizer)
+        self.sharded = fsdp.shard(self.stage, dims.dp_group, stage=zero_stage, optimizer=optimizer)
         m = num_microbatches or 2 * dims.pp_size
         self.schedule = pp.make_schedule(schedule, dims.pp_size, m)
         self.runner = pp.PipelineRunner(self.sharded, dims.pp_group, schedule=self.schedule, loss_fn=self._loss)
