@@ -1,0 +1,362 @@
+"""How the TP ops choose and police their method, on gloo ranks and in-process: auto's rules and
+strict mode, overlap_stats and its reasons, measured auto (forward and backward), the process
+world's peer-memory rules (kinds, timeouts, nodes, torch 2.11's pooled symmetric memory), and the
+cross-rank call check under TORCH_DISTRIBUTED_DEBUG=DETAIL. The numerics are in test_ops_tp_gloo.py.
+"""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import overlapkernels as ok
+from test_ops_tp_gloo import _compare, _make
+
+
+# ------------------------------------------------------------------------- auto, stats, strict mode
+def _auto_and_strict_on_rank():
+    ok.reset_overlap_stats()
+    small = torch.ones(4, 8, dtype=torch.float64)
+    big = torch.ones(128, 512, dtype=torch.float64)  # 512 KiB ring messages, 0.75 flop/B: decomposed pays off
+    w_small, w_big = torch.ones(8, 3, dtype=torch.float64), torch.ones(512, 3, dtype=torch.float64)
+    ok.all_gather_matmul(small, w_small)
+    ok.all_gather_matmul(big, w_big)
+    ok.all_gather_matmul(small, w_small, method="decomposed")
+    stats = ok.overlap_stats()
+    try:
+        with ok.strict_overlap():
+            ok.all_gather_matmul(big, w_big)  # fine: overlapped
+            ok.all_gather_matmul(small, w_small, method="baseline")  # explicit: not a fallback
+            ok.all_gather_matmul(small, w_small)
+        strict_error = None
+    except ok.StrictOverlapError as exc:
+        strict_error = str(exc)
+    return dict(stats), {k: list(v) for k, v in stats.reasons.items()}, strict_error, _strict_backward_error()
+
+
+def _strict_backward_error():
+    """On CUDA the autograd engine runs backward on its own thread, where strict_overlap()'s
+    context is unset: the op must carry forward's strictness into its backward. K = 1024: the
+    forward matmul + reduce-scatter overlaps (256 flop/B), its backward all-gather + GEMM would not."""
+    import threading
+
+    a = torch.ones(128, 1024, dtype=torch.float64, requires_grad=True)
+    b = torch.ones(1024, 1024, dtype=torch.float64)
+    with ok.strict_overlap():
+        out = ok.matmul_reduce_scatter(a, b)
+    errors = []
+
+    def run_backward():
+        try:
+            out.sum().backward()
+        except ok.StrictOverlapError as exc:
+            errors.append(str(exc))
+
+    worker = threading.Thread(target=run_backward)  # a new thread starts with an empty context
+    worker.start()
+    worker.join()
+    return errors[0] if errors else None
+
+
+def test_auto_records_choice_and_strict_mode_raises(rank_pool):
+    for counts, reasons, strict_error, backward_error in rank_pool(2).run(_auto_and_strict_on_rank):
+        assert counts == {("all_gather_matmul", "baseline"): 1, ("all_gather_matmul", "decomposed"): 2}
+        assert any("gloo ring message 256 B <" in r for r in reasons[("all_gather_matmul", "baseline")])
+        assert "requested" in reasons[("all_gather_matmul", "decomposed")]
+        assert strict_error and "all_gather_matmul: strict_overlap() is active" in strict_error
+        assert "gloo ring message 256 B" in strict_error
+        assert backward_error and "all_gather_matmul: strict_overlap() is active" in backward_error
+        assert "256 GEMM flop per byte sent > 128" in backward_error
+
+
+@pytest.mark.parametrize("requested, has_symm, ipc_built, kind", [
+    ("auto", True, True, "symm_mem"), ("auto", True, False, "symm_mem"), ("auto", False, True, "ipc"),
+    ("symm_mem", True, True, "symm_mem"), ("ipc", True, True, "ipc"), ("ipc", False, True, "ipc")])
+def test_peer_memory_choice(requested, has_symm, ipc_built, kind):
+    """Process groups on CUDA get symmetric buffers from torch's symmetric memory, or from CUDA IPC
+    where this torch lacks it (or OVERLAPKERNELS_PEER_MEMORY=ipc asks for it)."""
+    from overlapkernels.comm.process_world import resolve_peer_memory
+
+    assert resolve_peer_memory(requested, has_symm_mem=has_symm, ipc_built=ipc_built) == (kind, None)
+
+
+@pytest.mark.parametrize("requested, has_symm, ipc_built, why", [
+    ("auto", False, False, r"has no symmetric memory and CUDA IPC needs the overlapkernels CUDA library.*make cuda"),
+    ("symm_mem", False, True, r"OVERLAPKERNELS_PEER_MEMORY=symm_mem but this torch .* has no symmetric memory"),
+    ("ipc", True, False, r"^CUDA IPC needs the overlapkernels CUDA library, which is not built")])
+def test_peer_memory_unavailable_says_why(requested, has_symm, ipc_built, why):
+    import re
+
+    from overlapkernels.comm.process_world import resolve_peer_memory
+
+    kind, message = resolve_peer_memory(requested, has_symm_mem=has_symm, ipc_built=ipc_built)
+    assert kind is None and re.search(why, message), message
+
+
+@pytest.mark.parametrize("raw", ["0", "-3", "soon", "inf", "nan"])
+def test_bad_peer_timeout_is_rejected_by_name(monkeypatch, raw):
+    from overlapkernels.comm.process_world import peer_memory_unavailable_reason, peer_wait_timeout
+
+    monkeypatch.setenv("OVERLAPKERNELS_PEER_TIMEOUT", raw)
+    with pytest.raises(ValueError, match=f"OVERLAPKERNELS_PEER_TIMEOUT='{raw}': expected a positive number"):
+        peer_memory_unavailable_reason(torch.device("cuda", 0))
+    monkeypatch.setenv("OVERLAPKERNELS_PEER_TIMEOUT", "2.5")
+    assert peer_wait_timeout() == 2.5
+    monkeypatch.delenv("OVERLAPKERNELS_PEER_TIMEOUT")
+    assert peer_wait_timeout() == 60.0
+
+
+def _peer_memory_across_nodes_on_rank():
+    """4 ranks as 2 nodes of 2 (torchrun numbers each node's ranks consecutively): peer memory is
+    offered to a group inside a node, refused (by name) for one across nodes; auto's measured
+    candidates follow. Symmetric memory is faked present: only the node rule is under test."""
+    import os
+
+    from overlapkernels.comm import process_world as pw
+    from overlapkernels.ops import measure
+
+    dims = ok.init_parallel(tp=2)
+    saved, has_symm = os.environ["LOCAL_WORLD_SIZE"], pw.torch_has_symmetric_memory
+    os.environ["LOCAL_WORLD_SIZE"], pw.torch_has_symmetric_memory = "2", lambda: True
+    try:
+        cuda = torch.device("cuda", 0)
+        return (pw.group_nodes(dims.tp_group), pw.group_nodes(dist.group.WORLD),
+                pw.peer_memory_unavailable_reason(cuda, dims.tp_group), pw.peer_memory_unavailable_reason(cuda, None),
+                pw.peer_memory_unavailable_reason(cuda, dist.group.WORLD),
+                measure.candidates(dims.tp_group, cuda), measure.candidates(dist.group.WORLD, cuda))
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"], pw.torch_has_symmetric_memory = saved, has_symm
+
+
+def test_peer_memory_is_refused_for_groups_across_nodes(rank_pool):
+    for tp_nodes, world_nodes, tp_why, no_group_why, world_why, tp_methods, world_methods in \
+            rank_pool(4).run(_peer_memory_across_nodes_on_rank):
+        assert (tp_nodes, world_nodes, tp_why, no_group_why) == (1, 2, None, None)
+        assert world_why == "the group's ranks [0, 1, 2, 3] span 2 nodes"
+        assert tp_methods == ["baseline", "decomposed", "symm", "fused"]
+        assert world_methods == ["baseline", "decomposed"]
+
+
+def test_bad_peer_memory_setting_is_rejected_by_name(monkeypatch):
+    from overlapkernels.comm.process_world import peer_memory_unavailable_reason
+
+    monkeypatch.setenv("OVERLAPKERNELS_PEER_MEMORY", "nvshmem")
+    with pytest.raises(ValueError, match=r"OVERLAPKERNELS_PEER_MEMORY='nvshmem': expected one of \['auto', "
+                                         r"'symm_mem', 'ipc'\]"):
+        peer_memory_unavailable_reason(torch.device("cuda", 0))
+    assert peer_memory_unavailable_reason(torch.device("cpu")) == "tensors are on cpu, peer memory needs CUDA"
+
+
+class _PooledSymmHandle:
+    """Mimics torch >= 2.11 symmetric memory: tensors are carved out of pooled blocks, so
+    buffer_ptrs and get_buffer(r, ..., storage_offset) count from each rank's block base."""
+
+    def __init__(self, blocks):
+        self.blocks = blocks  # rank -> flat block (a CPU tensor standing in for the peer mapping)
+        self.buffer_ptrs = [b.data_ptr() for b in blocks]
+
+    def get_buffer(self, rank, sizes, dtype, storage_offset=0):
+        flat = self.blocks[rank].view(dtype)
+        return flat[storage_offset:storage_offset + math.prod(sizes)].view(sizes)
+
+
+def test_symm_mem_peer_views_use_each_ranks_offset_into_its_block():
+    from overlapkernels.comm.process_world import symm_mem_peer_views
+
+    blocks = [torch.arange(64, dtype=torch.float32) + 100 * r for r in range(3)]
+    offsets = [16, 32, 16]  # bytes: rank 1 sits elsewhere in its block than ranks 0 and 2
+    local = blocks[1][8:12].view(2, 2)
+    peers = symm_mem_peer_views(_PooledSymmHandle(blocks), offsets, local, rank=1)
+    assert peers[1].data_ptr() == local.data_ptr()
+    assert [p[0, 0].item() for p in peers] == [4.0, 108.0, 204.0]
+    # block bases as addresses (what torch 2.11's buffer_ptrs give) would miss the tensor: caught
+    with pytest.raises(RuntimeError, match=r"rank 1's view of its own buffer is at 0x.*OVERLAPKERNELS_PEER_MEMORY=ipc"):
+        symm_mem_peer_views(_PooledSymmHandle(blocks), [0, 0, 0], local, rank=1)
+    with pytest.raises(RuntimeError, match=r"rank 2's buffer starts 6 bytes into its block, expected a "
+                                           r"non-negative multiple of 4"):
+        symm_mem_peer_views(_PooledSymmHandle(blocks), [16, 32, 6], local, rank=1)
+
+
+def test_pending_device_errors_are_raised_on_demand_and_reported_at_exit(monkeypatch, capsys):
+    """symm/fused on GPUs raise a wait's timeout one call late (no host sync per call): the last
+    call's must still surface - check_pending_errors() raises it, the exit hook prints it."""
+    from types import SimpleNamespace
+
+    from overlapkernels.comm import process_world as pw
+    from overlapkernels.kernels.errors import SignalTimeoutError
+
+    def flush():
+        raise SignalTimeoutError("ok/all_gather_matmul[fused]: rank 1 timed out waiting for chunk 0 from rank 0")
+
+    monkeypatch.setattr(pw, "_worlds", {"k": SimpleNamespace(_errors=SimpleNamespace(flush=flush))})
+    with pytest.raises(SignalTimeoutError, match="rank 1 timed out waiting for chunk 0"):
+        pw.check_pending_errors()
+    pw.report_pending_errors()
+    assert "overlapkernels: SignalTimeoutError: ok/all_gather_matmul[fused]: rank 1" in capsys.readouterr().err
+
+
+def _measured_auto_on_rank():
+    import os
+
+    from overlapkernels.ops import measure
+
+    r, w = dist.get_rank(), dist.get_world_size()
+    os.environ["OVERLAPKERNELS_AUTO"] = "measure"
+    try:
+        measure._cache.clear()
+        ok.reset_overlap_stats()
+        g = torch.Generator().manual_seed(5)
+        shards = [torch.randn(16, 24, generator=g, dtype=torch.float64) for _ in range(w)]
+        b = torch.randn(24, 8, generator=g, dtype=torch.float64)
+        a_all = [torch.randn(16 * w, 24, generator=g, dtype=torch.float64) for _ in range(w)]
+        for _ in range(2):  # the second call of each shape takes the cached choice
+            out = ok.all_gather_matmul(shards[r], b)
+            torch.testing.assert_close(out, torch.cat(shards) @ b, atol=1e-12, rtol=1e-12)
+            out = ok.matmul_reduce_scatter(a_all[r], b)
+            torch.testing.assert_close(out, sum(x @ b for x in a_all).chunk(w)[r], atol=1e-12, rtol=1e-12)
+        stats = ok.overlap_stats()
+    finally:
+        del os.environ["OVERLAPKERNELS_AUTO"]
+    chosen = {op: method for (op, method), count in stats.items()}
+    reasons = [reason for by_reason in stats.reasons.values() for reason in by_reason]
+    assert sorted(stats.values()) == [2, 2] and len(measure._cache) == 2, (dict(stats), measure._cache)
+    assert all(reason.startswith("measured on the first call") and "baseline" in reason and "decomposed" in reason
+               for reason in reasons), reasons
+    return chosen
+
+
+def test_measured_auto_times_candidates_once_and_ranks_agree(rank_pool):
+    """OVERLAPKERNELS_AUTO=measure: the first call of a shape times baseline and decomposed, every
+    rank keeps the same (slowest-rank) fastest method, later calls reuse it, results stay exact."""
+    chosen = rank_pool(2).run(_measured_auto_on_rank)
+    assert chosen[0] == chosen[1] and set(chosen[0]) == {"all_gather_matmul", "matmul_reduce_scatter"}
+
+
+def _bad_auto_mode_on_rank():
+    import os
+    import re
+
+    os.environ["OVERLAPKERNELS_AUTO"] = "fastest"
+    try:
+        for call in (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3)),
+                     lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 3))):
+            try:
+                call()
+            except ValueError as exc:
+                assert re.search(r"OVERLAPKERNELS_AUTO='fastest': expected one of \['rules', 'measure'\]", str(exc))
+            else:
+                raise AssertionError("no ValueError")
+    finally:
+        del os.environ["OVERLAPKERNELS_AUTO"]
+    total = torch.ones(1)
+    dist.all_reduce(total)  # nobody communicated before raising
+    return int(total)
+
+
+def test_bad_auto_mode_is_rejected_by_name_before_communicating(rank_pool):
+    assert rank_pool(2).run(_bad_auto_mode_on_rank) == [2, 2]
+
+
+def _measured_backward_on_rank():
+    """OVERLAPKERNELS_AUTO=measure times backward's dual ops too, under their own shapes (the
+    all-gather's dgrad is a matmul + reduce-scatter of [W*m, N] @ [N, K], and back); grads exact."""
+    import os
+
+    from overlapkernels.ops import measure
+
+    r, w = dist.get_rank(), dist.get_world_size()
+    os.environ["OVERLAPKERNELS_AUTO"] = "measure"
+    try:
+        measure._cache.clear()
+        ok.reset_overlap_stats()
+        shards = [_make((16, 24), torch.float64, 70 + q, True) for q in range(w)]
+        b = _make((24, 8), torch.float64, 80, True).requires_grad_()
+        a = shards[r].clone().requires_grad_()
+        ok.all_gather_matmul(a, b).sum().backward()
+        rows = torch.cat(shards).requires_grad_()
+        ok.matmul_reduce_scatter(rows, b).sum().backward()
+        stats = ok.overlap_stats()
+    finally:
+        del os.environ["OVERLAPKERNELS_AUTO"]
+    ones = torch.ones(16 * w, 8, dtype=torch.float64)
+    _compare("grad a", a.grad, (w * ones @ b.detach().T).chunk(w)[r], True, torch.float64)
+    _compare("grad rows", rows.grad, ones @ b.detach().T, True, torch.float64)
+    keys = sorted((op, shapes) for op, _, *shapes in measure._cache)
+    cpu = torch.device("cpu")
+    assert keys == sorted([("all_gather_matmul", [(16, 24), ((24, 8),), torch.float64, cpu]),  # forward
+                           ("all_gather_matmul", [(16, 8), ((8, 24),), torch.float64, cpu]),  # RS's dgrad
+                           ("matmul_reduce_scatter", [(16 * w, 8), (8, 24), torch.float64, cpu]),  # AG's dgrad
+                           ("matmul_reduce_scatter", [(16 * w, 24), (24, 8), torch.float64, cpu])]), keys
+    reasons = [reason for by_reason in stats.reasons.values() for reason in by_reason]
+    assert sum(stats.values()) == 4 and all(reason.startswith("measured on the first call") for reason in reasons)
+    return {op: method for (op, method) in stats}
+
+
+def test_measured_auto_covers_backward_dual_ops(rank_pool):
+    chosen = rank_pool(2).run(_measured_backward_on_rank)
+    assert chosen[0] == chosen[1]
+
+
+def test_reasons_stay_bounded_over_many_shapes():
+    """Reasons name sizes: a long run of distinct shapes counts its later reasons under one entry."""
+    from overlapkernels.ops import dispatch
+
+    ok.reset_overlap_stats()
+    for rows in range(dispatch.MAX_REASONS_PER_KEY + 50):
+        dispatch.record("all_gather_matmul", dispatch.Choice("baseline", f"{rows} rows per rank"))
+    dispatch.record("all_gather_matmul", dispatch.Choice("baseline", "0 rows per rank"))  # a known one still counts as itself
+    stats = ok.overlap_stats(reset=True)
+    by_reason = stats.reasons[("all_gather_matmul", "baseline")]
+    assert stats[("all_gather_matmul", "baseline")] == dispatch.MAX_REASONS_PER_KEY + 51
+    assert len(by_reason) == dispatch.MAX_REASONS_PER_KEY + 1 and by_reason[dispatch.OTHER_REASONS] == 50
+    assert by_reason["0 rows per rank"] == 2 and sum(by_reason.values()) == dispatch.MAX_REASONS_PER_KEY + 51
+
+
+def _mismatched_calls_on_rank():
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL: a rank calling with other shapes or options, or one whose own
+    checks reject its call, is named on every rank before the op communicates (gloo would abort
+    in the P2P ring, or the others would wait for the rejected rank); agreeing calls still run."""
+    r = dist.get_rank()
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    errors = []
+    try:
+        b = torch.ones(8, 3)
+        calls = [
+            lambda: ok.all_gather_matmul(torch.ones(4 + (r == 1), 8), b, method="decomposed"),
+            lambda: ok.all_gather_matmul(torch.ones(4, 8), b, method="decomposed" if r else "baseline"),
+            lambda: ok.all_gather_matmul(torch.ones(4, 8, requires_grad=r == 1), b, save_gathered=r == 0),
+            lambda: ok.matmul_reduce_scatter(torch.ones(4 + r, 8), b, method="decomposed"),  # 5 rows: rank 1 rejects
+            lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), b, method="symm" if r else "decomposed"),
+            lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), b, scatter_dim=0 if r else -2, method="decomposed"),
+        ]
+        for call in calls:
+            try:
+                call()
+                errors.append(None)
+            except (ValueError, TypeError) as exc:
+                errors.append(str(exc))
+        out = ok.all_gather_matmul(torch.ones(4, 8), b, method="decomposed")  # agreeing: runs
+        assert torch.equal(out, torch.full((4 * dist.get_world_size(), 3), 8.0))
+    finally:
+        dist.set_debug_level(level)
+    return errors
+
+
+def test_ranks_that_disagree_are_named_under_distributed_debug(rank_pool):
+    hint = "; every rank must make the same call (TORCH_DISTRIBUTED_DEBUG=DETAIL check)"
+    errors = rank_pool(2).run(_mismatched_calls_on_rank)
+    for shapes, method, grads, _, _, dims in errors:
+        assert shapes == ("all_gather_matmul: the ranks of the group disagree on a_shard (rank 0: a_shard=[4, 8] "
+                          "float32; rank 1: a_shard=[5, 8] float32)" + hint), shapes
+        assert "disagree on method (rank 0: method='baseline'; rank 1: method='decomposed')" in method, method
+        assert grads.startswith("all_gather_matmul: the ranks of the group disagree on a_shard, save_gathered (rank "
+                                "0: a_shard=[4, 8] float32, save_gathered=True; rank 1: a_shard=[4, 8] float32 (gets "
+                                "a gradient), save_gathered=False)"), grads
+        assert dims is None  # scatter_dim -2 and 0 are the same dim of a 2-D a: no disagreement
+    # the rank whose own check failed raises that error; the other is told which rank and why
+    assert errors[1][3] == "a.shape[scatter_dim=0]=5 is not divisible by the group size 2"
+    assert errors[0][3] == ("matmul_reduce_scatter: other ranks' arguments were rejected (rank 1: ValueError: "
+                            "a.shape[scatter_dim=0]=5 is not divisible by the group size 2)" + hint)
+    assert "needs CUDA" in errors[1][4] and errors[0][4].startswith(
+        "matmul_reduce_scatter: other ranks' arguments were rejected (rank 1: ValueError: ")
