@@ -176,3 +176,30 @@ def set_group_timeout(group: dist.ProcessGroup, timeout) -> None:
     if not backends:
         warnings.warn(f"overlapkernels: cannot set the timeout of process group {group} on torch "
                       f"{torch.__version__}; it keeps the backend's default", stacklevel=3)
+
+
+def fsdp2_sharded_params(module) -> dict:
+    """``{(id(owning module), parameter name): sharded parameter}`` for every parameter torch's FSDP2
+    (``fully_shard``) manages under ``module``; empty without FSDP2.
+
+    Why torch internals: after backward with ``set_reshard_after_backward(False)`` a module holds
+    FSDP2's unsharded parameter, which has no gradient; the gradient sits on the sharded one,
+    reachable only through FSDP2's state (the same in torch 2.11 and 2.13). If that moves we raise:
+    silently finding no gradient would let sequence-parallel weights drift apart."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch >= 2.6 has it
+        return {}
+    found = {}
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        try:
+            group = sub._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in (group.fsdp_params if group is not None else ()):
+                info = fsdp_param._module_info
+                found[(id(info.module), info.param_name)] = fsdp_param.sharded_param
+        except AttributeError as exc:
+            raise RuntimeError(f"torch {torch.__version__}: FSDP2's parameter state moved ({exc}); overlapkernels "
+                               "cannot find the sharded gradients of a fully_shard module") from exc
+    return found

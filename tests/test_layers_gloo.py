@@ -225,11 +225,12 @@ def test_sequence_parallel_tags_and_helper_group(rank_pool):
     assert rank_pool(4).run(_sp_tags_on_rank) == [True] * 4
 
 
-def _block_under_fsdp2_on_rank():
+def _block_under_fsdp2_on_rank(reshard_after_backward):
     """Our TP + SP block composed with torch's FSDP2 over DP (tp=2 x dp=2), as torchtitan-style
     clients do. FSDP2 swaps in DTensor parameters, dropping the attributes that tag the norms'
     partial gradients; the helper still finds them by name and sums each rank's local shard over
-    TP. Reference: the same block unwrapped, fed the whole batch."""
+    TP, also when the module holds FSDP2's unsharded parameters after backward (no gradient there).
+    Reference: the same block unwrapped, fed the whole batch."""
     from torch.distributed.fsdp import fully_shard
 
     from overlapkernels.layers import TransformerBlock
@@ -250,17 +251,20 @@ def _block_under_fsdp2_on_rank():
     ref(x).sum().backward()
     allreduce_sequence_parallel_grads(ref)
     fully_shard(wrapped, mesh=dims.mesh["dp"])
+    wrapped.set_reshard_after_backward(reshard_after_backward)
     wrapped(x.chunk(dp, dim=1)[dims.dp_rank]).sum().backward()  # DP splits the batch; FSDP2 averages
-    names = [n for n, _ in wrapped.named_parameters()]
-    partial = {n: p.grad.full_tensor() * dp for n, p in wrapped.named_parameters()}
+    partial = None
+    if reshard_after_backward:  # the module holds the sharded parameters: their gradients before the sum
+        partial = {n: p.grad.full_tensor() * dp for n, p in wrapped.named_parameters()}
     touched = allreduce_sequence_parallel_grads(wrapped)
+    wrapped.reshard()  # (a no-op when already resharded) the sharded parameters, with their gradients
     summed = {n: p.grad.full_tensor() * dp for n, p in wrapped.named_parameters()}
     want = dict(ref.named_parameters())
-    for name in names:
+    for name in summed:
         _close(f"grad {name}", summed[name], want[name].grad)
-    norms = [n for n in names if "norm" in n]
+    norms = [n for n in summed if "norm" in n]
     # the planted bug (tags lost, nothing summed) is what the comparison catches
-    stale = [n for n in norms if not torch.allclose(partial[n], want[n].grad, **TOL)]
+    stale = partial and [n for n in norms if not torch.allclose(partial[n], want[n].grad, **TOL)]
     try:  # the wrapper dropped the TP tags the global norm needs: refused, not mis-clipped
         ok.clip_grad_norm_(wrapped.parameters(), 1.0, dims=dims)
         clip = None
@@ -269,9 +273,11 @@ def _block_under_fsdp2_on_rank():
     return touched, norms, stale, clip
 
 
-def test_sequence_parallel_grads_under_torch_fsdp2(rank_pool):
-    for touched, norms, stale, clip in rank_pool(4).run(_block_under_fsdp2_on_rank):
-        assert touched == 2 and norms == ["attn_norm.weight", "mlp_norm.weight"] and stale == norms
+@pytest.mark.parametrize("reshard_after_backward", [True, False])
+def test_sequence_parallel_grads_under_torch_fsdp2(rank_pool, reshard_after_backward):
+    for touched, norms, stale, clip in rank_pool(4).run(_block_under_fsdp2_on_rank, reshard_after_backward):
+        assert touched == 2 and norms == ["attn_norm.weight", "mlp_norm.weight"]
+        assert stale == (norms if reshard_after_backward else None)
         assert clip.startswith("clip_grad_norm_: a gradient is a DTensor"), clip
 
 

@@ -106,35 +106,37 @@ def test_bad_peer_timeout_is_rejected_by_name(monkeypatch, raw):
     assert peer_wait_timeout() == 60.0
 
 
-def _peer_memory_across_nodes_on_rank():
-    """4 ranks as 2 nodes of 2 (torchrun numbers each node's ranks consecutively): peer memory is
-    offered to a group inside a node, refused (by name) for one across nodes; auto's measured
-    candidates follow. Symmetric memory is faked present: only the node rule is under test."""
-    import os
+def _peer_memory_across_hosts_on_rank():
+    """4 ranks as 2 hosts of 2, rank 3 without peer memory: the ranks ask each other (no launcher
+    numbering) and every rank of a group gets the same answer, yes only for TP group {0, 1} (one
+    host, all able); measured auto then offers symm/fused to that group alone. Peer memory is faked:
+    only the agreement is under test (the host check in the peer world itself needs CUDA)."""
+    import socket
 
     from overlapkernels.comm import process_world as pw
     from overlapkernels.ops import measure
 
     dims = ok.init_parallel(tp=2)
-    saved, has_symm = os.environ["LOCAL_WORLD_SIZE"], pw.torch_has_symmetric_memory
-    os.environ["LOCAL_WORLD_SIZE"], pw.torch_has_symmetric_memory = "2", lambda: True
+    r = dist.get_rank()
+    unavailable, hostname, agreed = pw.peer_memory_unavailable_reason, socket.gethostname, pw.group_has_peer_memory
+    pw.peer_memory_unavailable_reason = lambda device: "no peer memory here" if r == 3 else None
+    socket.gethostname = lambda: f"node{r // 2}"
+    pw._group_peer_memory.clear()
     try:
+        cpu = torch.device("cpu")  # stands in for the GPU: all_gather_object over gloo
+        tp_ok, world_ok = pw.group_has_peer_memory(dims.tp_group, cpu), pw.group_has_peer_memory(dist.group.WORLD, cpu)
+        pw.group_has_peer_memory = lambda group, device: tp_ok if group is dims.tp_group else world_ok
         cuda = torch.device("cuda", 0)
-        return (pw.group_nodes(dims.tp_group), pw.group_nodes(dist.group.WORLD),
-                pw.peer_memory_unavailable_reason(cuda, dims.tp_group), pw.peer_memory_unavailable_reason(cuda, None),
-                pw.peer_memory_unavailable_reason(cuda, dist.group.WORLD),
-                measure.candidates(dims.tp_group, cuda), measure.candidates(dist.group.WORLD, cuda))
+        return tp_ok, world_ok, measure.candidates(dims.tp_group, cuda), measure.candidates(dist.group.WORLD, cuda)
     finally:
-        os.environ["LOCAL_WORLD_SIZE"], pw.torch_has_symmetric_memory = saved, has_symm
+        pw.peer_memory_unavailable_reason, socket.gethostname, pw.group_has_peer_memory = unavailable, hostname, agreed
+        pw._group_peer_memory.clear()
 
 
-def test_peer_memory_is_refused_for_groups_across_nodes(rank_pool):
-    for tp_nodes, world_nodes, tp_why, no_group_why, world_why, tp_methods, world_methods in \
-            rank_pool(4).run(_peer_memory_across_nodes_on_rank):
-        assert (tp_nodes, world_nodes, tp_why, no_group_why) == (1, 2, None, None)
-        assert world_why == "the group's ranks [0, 1, 2, 3] span 2 nodes"
-        assert tp_methods == ["baseline", "decomposed", "symm", "fused"]
-        assert world_methods == ["baseline", "decomposed"]
+def test_peer_memory_needs_every_rank_able_and_one_host(rank_pool):
+    results = rank_pool(4).run(_peer_memory_across_hosts_on_rank)
+    both, two = ["baseline", "decomposed", "symm", "fused"], ["baseline", "decomposed"]
+    assert results == [(True, False, both, two)] * 2 + [(False, False, two, two)] * 2
 
 
 def test_bad_peer_memory_setting_is_rejected_by_name(monkeypatch):

@@ -47,7 +47,11 @@ def _compose_on_rank(layout, schedule, sequence_parallel=True, lose_grad=False, 
     # an unsharded twin of this rank's stage gives the layout (a ZeRO-3 stage has no state_dict of its own)
     twin = GPT(config, dims, dtype=torch.float64, pipeline_stage=(dims.pp_rank, dims.pp_size))
     want = shard_dense_state_dict(twin, dense.state_dict())
-    for name, t in trainer.sharded.full_state_dict().items():
+    full = trainer.sharded.full_state_dict()
+    assert set(full) == set(want) and trainer.sharded.stage == zero_stage
+    if zero_stage == 3:  # between steps a ZeRO-3 stage keeps only its shards
+        assert all(p.numel() == 0 for p in trainer.stage.parameters())
+    for name, t in full.items():
         if torch.is_tensor(t):
             torch.testing.assert_close(t, want[name], atol=1e-10, rtol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
     return losses
@@ -95,7 +99,7 @@ def test_composition_matches_single_process(rank_pool, layout, schedule, sp):
     assert all(r == results[0] for r in results)
 
 
-@pytest.mark.parametrize("zero_stage, schedule", [(2, "zb-h1"), (3, "1f1b")])
+@pytest.mark.parametrize("zero_stage, schedule", [(2, "zb-h1"), (2, "gpipe"), (3, "1f1b"), (3, "zb-h1")])
 def test_pipeline_with_zero_2_and_3_matches_single_process(rank_pool, zero_stage, schedule):
     """ZeRO-2/3 under a pipeline (DeepSpeed allows only ZeRO-1 there): each microbatch's gradients
     are reduce-scattered in its own backward (ZB-H1: in its W) and accumulate in the shards."""
@@ -104,8 +108,9 @@ def test_pipeline_with_zero_2_and_3_matches_single_process(rank_pool, zero_stage
 
 
 def test_bad_zero_stage_is_refused():
-    with pytest.raises(ValueError, match=r"zero_stage=0: expected 1, 2 or 3"):
-        Trainer(GPTConfig(**CONFIG), None, zero_stage=0)
+    for bad in (0, 4, 2.0, True, "2"):
+        with pytest.raises(ValueError, match=rf"zero_stage={bad!r}: expected 1, 2 or 3".replace(".", r"\.")):
+            Trainer(GPTConfig(**CONFIG), None, zero_stage=bad)
 
 
 def _lost_grad_on_rank():

@@ -15,6 +15,7 @@ Not yet run on a multi-GPU node by this project: the algorithms are proven in th
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import os
 import socket
@@ -100,18 +101,9 @@ def _device_uuid(device: torch.device) -> str:
     return str(getattr(torch.cuda.get_device_properties(device), "uuid", device))
 
 
-def group_nodes(group: dist.ProcessGroup) -> int | None:
-    """How many nodes ``group``'s ranks sit on, by the launcher's numbering (torchrun: each node's
-    ``LOCAL_WORLD_SIZE`` ranks are consecutive); None when no launcher says. No communication."""
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    if not local.isdigit() or int(local) < 1:
-        return None
-    return len({rank // int(local) for rank in dist.get_process_group_ranks(group)})
-
-
-def peer_memory_unavailable_reason(device: torch.device, group: dist.ProcessGroup | None = None) -> str | None:
-    """None when symmetric memory or CUDA IPC can serve ``device`` (and ``group``, when given: one
-    node); else why not."""
+def peer_memory_unavailable_reason(device: torch.device) -> str | None:
+    """None when symmetric memory or CUDA IPC can serve ``device``; else why not. (That the group
+    sits on one node is checked where the ranks meet: ``ProcessPeerWorld``, ``group_has_peer_memory``.)"""
     if device.type != "cuda":
         return f"tensors are on {device}, peer memory needs CUDA"
     from ..kernels import cuda as cuda_lib
@@ -119,9 +111,26 @@ def peer_memory_unavailable_reason(device: torch.device, group: dist.ProcessGrou
     peer_wait_timeout()  # a bad setting raises here, before anything communicates
     _, why = resolve_peer_memory(requested_peer_memory(), has_symm_mem=torch_has_symmetric_memory(),
                                  ipc_built=cuda_lib.is_loadable())
-    if why is None and group is not None and (nodes := group_nodes(group) or 1) > 1:
-        why = f"the group's ranks {dist.get_process_group_ranks(group)} span {nodes} nodes"
     return why
+
+
+_group_peer_memory: dict = {}
+
+
+def group_has_peer_memory(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether every rank of ``group`` can use peer memory and they all sit on one host.
+    Collective (once per group and setting, then cached): every rank calls it at the same point,
+    and every rank gets the same answer. Why ask the ranks rather than the launcher's numbering
+    (LOCAL_WORLD_SIZE): that can be inherited from an outer launcher, ranks can be renumbered and
+    nodes can differ in size, and ranks that disagreed would then disagree on what to run."""
+    key = (group.group_name, device, requested_peer_memory())
+    if key not in _group_peer_memory:
+        mine = (socket.gethostname(), peer_memory_unavailable_reason(device) is None)
+        everyone = [None] * dist.get_world_size(group)
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            dist.all_gather_object(everyone, mine, group=group)
+        _group_peer_memory[key] = len({host for host, _ in everyone}) == 1 and all(ok for _, ok in everyone)
+    return _group_peer_memory[key]
 
 
 class ProcessPeerWorld:
@@ -149,7 +158,7 @@ class ProcessPeerWorld:
         if len(set(kinds)) > 1:  # mixed kinds would deadlock in alloc_symmetric
             raise ValueError(f"ranks chose different peer memory {kinds} (set {PEER_MEMORY_ENV} alike on every "
                              "rank, and install the same torch and CUDA library everywhere)")
-        if len(hosts) > 1:  # the launcher did not say (group_nodes); every rank sees the same hosts
+        if len(hosts) > 1:  # every rank sees the same hosts, so every rank raises
             raise ValueError(f"peer memory ('symm'/'fused') needs the group on one node; its ranks are on {hosts}: "
                              "use 'decomposed' or 'baseline'")
         self.peer_memory = kind

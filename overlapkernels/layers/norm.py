@@ -17,6 +17,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from .. import _compat
 from ..comm.collectives import all_reduce_coalesced
 
 
@@ -27,9 +28,16 @@ def mark_sequence_parallel(param: nn.Parameter, sequence_parallel: bool, group=N
     param.sequence_parallel = bool(sequence_parallel)
     if sequence_parallel and group is not None:
         param.sequence_parallel_group = group
-    if sequence_parallel and owner is not None:
-        name = next(n for n, p in owner.named_parameters(recurse=False) if p is param)
-        owner.__dict__.setdefault("_sequence_parallel_params", {})[name] = group
+    if owner is not None:
+        name = next((n for n, p in owner.named_parameters(recurse=False) if p is param), None)
+        if name is None:
+            raise ValueError(f"mark_sequence_parallel: owner {type(owner).__name__} does not hold this parameter "
+                             "directly (register it on the module first)")
+        remembered = owner.__dict__.setdefault("_sequence_parallel_params", {})
+        if sequence_parallel:
+            remembered[name] = group
+        else:
+            remembered.pop(name, None)
 
 
 class RMSNorm(nn.Module):
@@ -56,10 +64,12 @@ def _sequence_parallel_params(module: nn.Module):
     """(param, group) for every SP parameter of ``module``, in parameter order (the same on every
     rank): those its modules remember by name (whatever object now holds the name: FSDP2 swaps in
     DTensors), then those only tagged (Megatron's, or a client's)."""
-    found = {}
+    found, sharded = {}, _compat.fsdp2_sharded_params(module)
     for sub in module.modules():
         for name, group in getattr(sub, "_sequence_parallel_params", {}).items():
-            param = sub._parameters.get(name)
+            # under FSDP2 the gradient is on its sharded parameter, also when the module holds the
+            # unsharded one (set_reshard_after_backward(False))
+            param = sharded.get((id(sub), name), sub._parameters.get(name))
             if param is not None:
                 found.setdefault(id(param), (param, group))
     for param in module.parameters():
@@ -74,8 +84,10 @@ def allreduce_sequence_parallel_grads(module: nn.Module, group=None) -> int:
     the parameter's own ``sequence_parallel_group`` tag, else over the world (one coalesced
     all-reduce per group). Returns how many parameters it touched.
 
-    Works under torch's FSDP2 too: call it after backward; each rank then sums its local shard of
-    the DTensor gradient (the same shard index on every TP rank of a DP coordinate).
+    Call it once per optimizer step, after the last backward (gradients accumulate across
+    microbatches; summing after each would sum the running total again). Works under torch's
+    FSDP2 too: each rank then sums its local shard of the DTensor gradient (the same shard index
+    on every TP rank of a DP coordinate).
     Parameters sharded by ``fsdp.shard`` with a group tag are skipped: fsdp sums them itself
     before reducing over DP, and a second sum here would multiply them by the TP size."""
     by_group = defaultdict(list)  # insertion order = parameter order: the same on every rank

@@ -39,7 +39,7 @@ class Trainer:
     def __init__(self, config, dims, *, schedule: str = "1f1b", num_microbatches: int | None = None,
                  optimizer=_adamw, dtype=torch.float32, dense_state_dict: dict | None = None, device=None,
                  zero_stage: int = 1):
-        if zero_stage not in (1, 2, 3) or isinstance(zero_stage, bool):
+        if not isinstance(zero_stage, int) or isinstance(zero_stage, bool) or zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage={zero_stage!r}: expected 1, 2 or 3")
         self.config, self.dims = config, dims
         # NCCL moves CUDA tensors only: the stage lives on this rank's GPU there, on the CPU under gloo

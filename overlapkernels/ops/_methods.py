@@ -17,7 +17,7 @@ def unavailable_reason(method: str, group, device) -> str | None:
         return None
     from ..comm.process_world import peer_memory_unavailable_reason
 
-    reason = peer_memory_unavailable_reason(device, group)
+    reason = peer_memory_unavailable_reason(device)
     if reason:
         return (f"method={method!r} needs peer memory (CUDA tensors on one NVLink node, or a thread-world group in "
                 f"CPU tests): {reason}; use 'decomposed' or 'baseline'")

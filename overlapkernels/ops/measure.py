@@ -39,9 +39,11 @@ def auto_mode() -> str:
 def candidates(group, device: torch.device) -> list:
     found = ["baseline", "decomposed"]
     if device.type == "cuda":
-        from ..comm.process_world import peer_memory_unavailable_reason
+        from ..comm.process_world import group_has_peer_memory
 
-        if peer_memory_unavailable_reason(device, group) is None:  # CUDA IPC or symm_mem, one node
+        # every rank must time the same methods: measuring is collective already, so the ranks agree
+        # on peer memory (all able, one node) rather than each deciding alone
+        if group_has_peer_memory(group, device):
             found += ["symm", "fused"]
     return found
 
