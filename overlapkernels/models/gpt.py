@@ -136,6 +136,7 @@ def shard_dense_state_dict(model: nn.Module, dense: dict, group=None) -> dict:
     """This rank's state dict from a dense (TP=1) one: tensor-parallel parameters are cut along
     their ``partition_dim`` over the TP group (``group``, else ``model.dims.tp_group``); the rest
     is copied. Works for any module built from the parallel layers."""
+    _refuse_dtensors(model, "shard_dense_state_dict")
     out = {}
     group = group if group is not None else _tp_group_of(model)
     params = dict(model.named_parameters())
@@ -156,6 +157,7 @@ def gather_dense_state_dict(model: nn.Module, group=None, *, grads: bool = False
     """The dense (TP=1) state dict - or, with ``grads``, the dense gradients - on every rank. The
     state dict has every key of ``model.state_dict()`` (buffers and ``_extra_state`` as they are),
     so a dense model loads it strictly."""
+    _refuse_dtensors(model, "gather_dense_state_dict")
     group = group if group is not None else _tp_group_of(model)
     params = dict(model.named_parameters())
     dense = {}
@@ -170,6 +172,16 @@ def gather_dense_state_dict(model: nn.Module, group=None, *, grads: bool = False
         return dense
     return {name: dense[name] if name in params else (value.detach().clone() if torch.is_tensor(value) else value)
             for name, value in model.state_dict().items()}
+
+
+def _refuse_dtensors(model: nn.Module, what: str) -> None:
+    """Both helpers read each parameter's TP tags; torch's FSDP2 (fully_shard) replaces the
+    parameters with DTensors without them, and a 'dense' dict of TP shards would be silently wrong."""
+    for name, param in model.named_parameters():
+        if hasattr(param, "to_local"):
+            raise TypeError(f"{what}: parameter {name!r} is a DTensor (a model wrapped by torch's FSDP2 "
+                            "fully_shard?); use it on the model before wrapping, or gather with "
+                            "torch.distributed.checkpoint's state-dict APIs")
 
 
 def _tp_group_of(model):
