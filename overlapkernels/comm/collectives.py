@@ -2,6 +2,8 @@
 versions (via ``_compat``). The autograd wrappers of later ops are built on these."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -39,6 +41,17 @@ def all_to_all(x: torch.Tensor, group=None, *, async_op: bool = False):
         raise ValueError(f"all_to_all: x.shape[0]={x.shape[0]} is not divisible by the group size {world}")
     out = torch.empty_like(x)
     return out, dist.all_to_all_single(out, x.contiguous(), group=group, async_op=async_op)
+
+
+def all_gather_objects(obj, group=None, device=None) -> list:
+    """Every rank's picklable ``obj``, in rank order. NCCL stages the objects on the current CUDA
+    device, so ``device`` (where the caller's tensors live) is made current for the call."""
+    group = resolve_group(group)
+    everyone = [None] * dist.get_world_size(group)
+    on_gpu = device is not None and torch.device(device).type == "cuda"
+    with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
+        dist.all_gather_object(everyone, obj, group=group)
+    return everyone
 
 
 def all_reduce_coalesced(tensors: list, group=None) -> None:

@@ -15,7 +15,6 @@ Not yet run on a multi-GPU node by this project: the algorithms are proven in th
 from __future__ import annotations
 
 import atexit
-import contextlib
 import math
 import os
 import socket
@@ -25,6 +24,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from .collectives import all_gather_objects
 from .side_stream import CudaSideStream
 from .symmetric import SymmetricTensor
 
@@ -126,9 +126,7 @@ def group_has_peer_memory(group: dist.ProcessGroup, device: torch.device) -> boo
     key = (group.group_name, device, requested_peer_memory())
     if key not in _group_peer_memory:
         mine = (socket.gethostname(), peer_memory_unavailable_reason(device) is None)
-        everyone = [None] * dist.get_world_size(group)
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            dist.all_gather_object(everyone, mine, group=group)
+        everyone = all_gather_objects(mine, group, device)
         _group_peer_memory[key] = len({host for host, _ in everyone}) == 1 and all(ok for _, ok in everyone)
     return _group_peer_memory[key]
 
@@ -151,9 +149,8 @@ class ProcessPeerWorld:
                                         ipc_built=cuda_lib.is_loadable())
         if kind is None:
             raise ValueError(why)
-        ranks, mine = [None] * self.world_size, _device_uuid(device)
-        with torch.cuda.device(device):  # NCCL stages objects on the current device
-            dist.all_gather_object(ranks, (kind, mine, socket.gethostname()), group=group)
+        mine = _device_uuid(device)
+        ranks = all_gather_objects((kind, mine, socket.gethostname()), group, device)
         kinds, hosts = [k for k, _, _ in ranks], sorted({h for _, _, h in ranks})
         if len(set(kinds)) > 1:  # mixed kinds would deadlock in alloc_symmetric
             raise ValueError(f"ranks chose different peer memory {kinds} (set {PEER_MEMORY_ENV} alike on every "
@@ -198,9 +195,7 @@ class ProcessPeerWorld:
         # Where the tensor sits in its symmetric block: torch >= 2.11 carves symm_mem.empty()
         # tensors out of a memory pool, so buffer_ptrs (and get_buffer's offset 0) are block bases,
         # not tensor addresses. Ranks exchange their offsets rather than assume them equal.
-        offsets = [None] * self.world_size
-        with torch.cuda.device(self.device):
-            dist.all_gather_object(offsets, local.data_ptr() - handle.buffer_ptrs[self.rank], group=self.group)
+        offsets = all_gather_objects(local.data_ptr() - handle.buffer_ptrs[self.rank], self.group, self.device)
         # nobody may write into a peer's buffer before that peer's fill has landed
         torch.cuda.current_stream(self.device).synchronize()
         self.barrier()
@@ -214,9 +209,7 @@ class ProcessPeerWorld:
         ptr, handle = cuda_lib.ipc_alloc(max(math.prod(shape), 1) * dtype.itemsize, self.device)
         local = cuda_lib.tensor_at(ptr, shape, dtype, self.device)
         local.fill_(fill)
-        handles = [None] * self.world_size
-        with torch.cuda.device(self.device):  # NCCL stages objects on the current device
-            dist.all_gather_object(handles, handle, group=self.group)
+        handles = all_gather_objects(handle, self.group, self.device)
         peers = tuple(local if r == self.rank else
                       cuda_lib.tensor_at(cuda_lib.ipc_open(h, self.device), shape, dtype, self.device)
                       for r, h in enumerate(handles))

@@ -7,6 +7,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from ..comm.collectives import all_gather_objects
 from ..parallel import resolve_group
 
 
@@ -110,10 +111,7 @@ def same_call_on_every_rank(group, op: str, device=None):
         error = exc
     mine = (None if error is None else f"{type(error).__name__}: {error}",
             {name: _describe(value) for name, value in (call.args or {}).items()})
-    everyone = [None] * dist.get_world_size(group)
-    on_gpu = isinstance(device, torch.device) and device.type == "cuda"
-    with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():  # NCCL stages objects there
-        dist.all_gather_object(everyone, mine, group=group)
+    everyone = all_gather_objects(mine, group, device)
     if error is not None:
         raise error
     hint = "every rank must make the same call (TORCH_DISTRIBUTED_DEBUG=DETAIL check)"
