@@ -1,6 +1,5 @@
-"""Pipeline schedules, simulator and executor."""
+"""The pipeline executor on gloo ranks (schedules, simulator and P2P plans: test_pipeline_schedule.py)."""
 import os
-import sys
 from datetime import timedelta
 
 import pytest
@@ -11,101 +10,8 @@ from torch.nn import functional as F
 
 from overlapkernels.comm.rank_pool import RankError, RankPool
 from overlapkernels.runtime import pipeline as pp
-from overlapkernels.runtime.pipeline import p2p
 from overlapkernels.runtime.pipeline.weight_grad import deferring
-
-
-def _cases():
-    for p in (2, 3, 4):
-        for m in (p, 2 * p, 3 * p + 1):
-            for kind in pp.KINDS:
-                for v in ((1, 2) if kind == "interleaved-1f1b" else (1,)):
-                    if kind == "interleaved-1f1b" and m % p:
-                        continue
-                    yield kind, p, m, v
-
-
-@pytest.mark.parametrize("kind, p, m, v", list(_cases()))
-def test_every_schedule_is_valid(kind, p, m, v):
-    sched = pp.make_schedule(kind, p, m, num_virtual=v)
-    pp.validate(sched)
-    ops = {"F"} | ({"B", "W"} if kind == "zb-h1" else {"BW"})
-    assert {a.op for acts in sched.actions for a in acts} == ops
-    assert sum(len(a) for a in sched.actions) == p * v * m * len(ops)
-
-
-@pytest.mark.parametrize("p, m", [(2, 2), (2, 7), (3, 6), (4, 4), (4, 13)])
-def test_simulator_reproduces_published_bubbles(p, m):
-    for kind in ("gpipe", "1f1b"):
-        res = pp.simulate(pp.make_schedule(kind, p, m), t_f=1.0, t_b=1.0)
-        assert res.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
-        assert res.peak_activations == ([m] * p if kind == "gpipe" else [p - r for r in range(p)])
-    one_f_one_b = pp.simulate(pp.make_schedule("1f1b", p, m), t_f=1.0, t_b=2.0)  # BW = B + W
-    zb = pp.simulate(pp.make_schedule("zb-h1", p, m), t_f=1.0, t_b=1.0, t_w=1.0)
-    idle = lambda r: r.makespan * p - sum(r.busy)  # noqa: E731
-    assert idle(zb) == pytest.approx(idle(one_f_one_b) / 3)  # ZB-H1: a third of 1F1B's bubble
-    assert zb.peak_activations == one_f_one_b.peak_activations
-    if m % p == 0:
-        for v in (1, 2):
-            res = pp.simulate(pp.make_schedule("interleaved-1f1b", p, m, num_virtual=v))
-            assert res.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
-
-
-def test_comm_time_and_busy():
-    res = pp.simulate(pp.make_schedule("gpipe", 2, 2), t_f=1.0, t_b=2.0, t_comm=0.5)
-    assert res.busy == [6.0, 6.0]
-    assert res.makespan == pytest.approx(1 + 0.5 + 1 + 1 + 2 + 0.5 + 2 + 2 - 1 + 0.0) or res.makespan > 6
-
-
-def test_deadlock_and_broken_schedules_are_named():
-    sched = pp.make_schedule("1f1b", 2, 2)
-    sched.actions[1] = [sched.actions[1][1], sched.actions[1][0]] + sched.actions[1][2:]  # BW before its F
-    with pytest.raises(pp.ScheduleError, match=r"^deadlock: BW1.0 needs F1.0, which rank 1 queues after it; "
-                                                r"next on each rank: BW0.0, BW1.0$"):
-        pp.validate(sched)
-    A = pp.Action  # a loop across ranks: BW0.0 waits for BW1.0, queued behind F1.1, which waits for F0.1
-    sched.actions = [[A("F", 0, 0), A("BW", 0, 0), A("F", 0, 1), A("BW", 0, 1)],
-                     [A("F", 1, 0), A("F", 1, 1), A("BW", 1, 0), A("BW", 1, 1)]]
-    with pytest.raises(pp.ScheduleError, match=r"^deadlock: BW0.0 needs BW1.0, which rank 1 queues after F1.1 "):
-        pp.validate(sched)
-    sched = pp.make_schedule("gpipe", 2, 2)
-    sched.actions[0].pop()
-    with pytest.raises(pp.ScheduleError, match=r"expected either BW or both B and W"):
-        pp.validate(sched)
-    sched = pp.make_schedule("gpipe", 2, 2)
-    sched.actions[0][0] = pp.Action("F", 1, 0)
-    with pytest.raises(pp.ScheduleError, match=r"rank 0: F1.0 belongs to rank 1"):
-        pp.validate(sched)
-
-
-def test_bad_arguments_name_the_allowed_values():
-    with pytest.raises(ValueError, match=r"kind='dualpipe': expected one of"):
-        pp.make_schedule("dualpipe", 2, 4)
-    with pytest.raises(ValueError, match=r"multiple of num_stages=4 \(allowed: 4, 8, 12, ...\); got 6"):
-        pp.make_schedule("interleaved-1f1b", 4, 6, num_virtual=2)
-    with pytest.raises(ValueError, match=r"num_virtual=2 needs kind='interleaved-1f1b'"):
-        pp.make_schedule("1f1b", 2, 4, num_virtual=2)
-    with pytest.raises(ValueError, match=r"num_microbatches=0"):
-        pp.make_schedule("gpipe", 2, 0)
-
-
-def test_render_text():
-    text = pp.render(pp.make_schedule("zb-h1", 3, 4))
-    assert text.splitlines()[0].startswith("zb-h1: 3 ranks, 4 microbatches") and "rank 2:" in text
-    assert "W0.0" in text
-
-
-def test_render_png(tmp_path):
-    pytest.importorskip("matplotlib")  # the [bench] extra; without it render draws no PNG
-    pp.render(pp.make_schedule("zb-h1", 3, 4), str(tmp_path / "zb.png"))
-    assert (tmp_path / "zb.png").stat().st_size > 0
-
-
-def test_render_without_matplotlib_says_no_png_was_written(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    with pytest.warns(UserWarning, match="no PNG written to .*needs matplotlib"):
-        text = pp.render(pp.make_schedule("gpipe", 2, 2), str(tmp_path / "g.png"))
-    assert text.startswith("gpipe: 2 ranks") and not (tmp_path / "g.png").exists()
+from test_pipeline_schedule import _replay_like_nccl
 
 
 # ---------------------------------------------------------------------------------- executor
@@ -166,35 +72,6 @@ def _executor_on_rank(kind, m, v, module_list=False):
     return loss is not None, log
 
 
-def _replay_like_nccl(logs):
-    """NCCL's rules on the batches each rank posted (independent of ``p2p.check_comm_plan``): per
-    direction the n-th send meets the n-th receive, which must be the same message and shape;
-    a rank's batches run in order and a send completes only while its receiver's batch runs."""
-    p = len(logs)
-    partner = {}
-    for a in range(p):
-        for b in range(p):
-            sends = [(i, j, op) for i, batch in enumerate(logs[a]) for j, op in enumerate(batch) if op[0] and op[1] == b]
-            recvs = [(i, j, op) for i, batch in enumerate(logs[b]) for j, op in enumerate(batch)
-                     if not op[0] and op[1] == a]
-            assert [op[2:] for _, _, op in sends] == [op[2:] for _, _, op in recvs], f"rank {a} -> rank {b}"
-            for (i, j, _), (k, n, _) in zip(sends, recvs):
-                partner[(a, i, j)], partner[(b, k, n)] = (b, k, n), (a, i, j)
-    cur, matched, moved = [0] * p, set(), True
-    while moved:
-        moved = False
-        for r in range(p):
-            while cur[r] < len(logs[r]):
-                for j in range(len(logs[r][cur[r]])):
-                    q, k, n = partner[(r, cur[r], j)]
-                    if cur[q] == k:
-                        matched |= {(r, cur[r], j), (q, k, n)}
-                if any((r, cur[r], j) not in matched for j in range(len(logs[r][cur[r]]))):
-                    break
-                cur[r], moved = cur[r] + 1, True
-    assert cur == [len(log) for log in logs], f"deadlock: ranks stuck at batches {cur}"
-
-
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("kind, v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)])
 @pytest.mark.parametrize("more", [0, 1])
@@ -204,70 +81,6 @@ def test_executor_gradients_equal_full_batch(rank_pool, world, kind, v, more):
     results = rank_pool(world).run(_executor_on_rank, kind, m, v, module_list=v > 1 and world == 2)
     assert sum(has_loss for has_loss, _ in results) == 1  # only the last stage reports the loss
     _replay_like_nccl([log for _, log in results])
-
-
-def _unbatched_plan(sched):
-    """The order of the old runner (the audit's finding): one isend or irecv at a time, receives
-    just before their action, sends just after it."""
-    plan = []
-    for rank, actions in enumerate(sched.actions):
-        announced, pending, points = set(), [], []
-        for a in actions:
-            recvs, sends = p2p._traffic(sched, rank, a, announced)
-            points.append([(msg,) for msg in pending + recvs])
-            pending = sends
-        plan.append(points + [[(msg,) for msg in pending]])
-    return plan
-
-
-def _as_log(plan):
-    return [[[(m.send, m.peer, m.what, m.boundary, m.microbatch, ()) for m in batch] for point in points
-             for batch in point] for points in plan]
-
-
-@pytest.mark.parametrize("kind, p, m, v", list(_cases()))
-def test_p2p_plan_keeps_nccl_rules(kind, p, m, v):
-    sched = pp.make_schedule(kind, p, m, num_virtual=v)
-    plan = p2p.comm_plan(sched)
-    p2p.check_comm_plan(sched, plan)
-    _replay_like_nccl(_as_log(plan))
-    assert all(len(point) == len(acts) + 1 for point, acts in zip(plan, sched.actions))
-
-
-def test_p2p_checks_catch_crossed_and_mismatched_orders():
-    sched = pp.make_schedule("1f1b", 2, 2)  # the audit's case: act 1 and grad 0 cross
-    with pytest.raises(pp.ScheduleError, match=r"P2P deadlock: rank 0's batch before BW0.0 waits to 'send to "
-                                               r"rank 1: activation 0->1 microbatch 1', which rank 1 posts only in its "
-                                               r"batch before F1.1"):
-        p2p.check_comm_plan(sched, _unbatched_plan(sched))
-    with pytest.raises(AssertionError, match="deadlock"):
-        _replay_like_nccl(_as_log(_unbatched_plan(sched)))
-    # Megatron's 1F1B rule (one action's sends with the next one's receives) on interleaved: two
-    # ranks each send a gradient the other receives only after its next forward
-    sched = pp.make_schedule("interleaved-1f1b", 2, 4, num_virtual=2)
-    per_action = []
-    for rank, actions in enumerate(sched.actions):
-        announced, pending, points = set(), [], []
-        for a in actions:
-            recvs, sends = p2p._traffic(sched, rank, a, announced)
-            shape = [msg for msg in recvs if msg.what == "shape"]  # sizes the activation: a batch earlier
-            batches = [pending + shape, [msg for msg in recvs if msg.what != "shape"]] if shape else [pending + recvs]
-            points.append([tuple(b) for b in batches if b])
-            pending = sends
-        per_action.append(points + [[tuple(pending)] if pending else []])
-    with pytest.raises(pp.ScheduleError, match="P2P deadlock"):
-        p2p.check_comm_plan(sched, per_action)
-    with pytest.raises(AssertionError, match="deadlock"):
-        _replay_like_nccl(_as_log(per_action))
-    # microbatches out of order on one side: NCCL would hand rank 1 microbatch 1 as microbatch 0
-    sched = pp.make_schedule("gpipe", 2, 2)
-    sched.actions[0][:2] = sched.actions[0][1::-1]
-    with pytest.raises(pp.ScheduleError, match=r"P2P mismatch: message #0 from rank 0 to rank 1 is shape 0->1 "
-                                               r"microbatch 1, but rank 1 posts 'receive from rank 0: activation "
-                                               r"0->1 microbatch 1' for it"):
-        p2p.check_comm_plan(sched, p2p.comm_plan(sched))
-    with pytest.raises(AssertionError, match="rank 0 -> rank 1"):
-        _replay_like_nccl(_as_log(p2p.comm_plan(sched)))
 
 
 def _odd_stages_on_rank(first_param_less):
