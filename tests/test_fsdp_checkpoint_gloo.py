@@ -9,7 +9,8 @@ from torch import nn
 
 import overlapkernels as ok
 from overlapkernels.runtime import fsdp
-from test_fsdp_gloo import D_IN, H, OPTIMIZERS, SPNet, _batches, _loss, _net, _reference
+from test_fsdp_gloo import D_IN, OPTIMIZERS, _batches, _loss, _net, _reference
+from test_fsdp_parallel_gloo import H, SPNet
 
 
 def _checkpoint_on_rank(path, stage):

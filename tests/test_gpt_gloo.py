@@ -38,7 +38,9 @@ def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2, compiled=
     loss.backward()
     model.sync_grads()
     if clip is not None:  # the whole model's norm, each element once though TP/CP/DP ranks hold copies
-        norm = ok.clip_grad_norm_(model.parameters(), *clip, dims=dims)
+        # both forms: the parameters (each carries its TP tag), and the model (whose layers remember
+        # the tags by name: the form torch's FSDP2 needs)
+        norm = ok.clip_grad_norm_(model if dims.cp_size > 1 else model.parameters(), *clip, dims=dims)
         torch.testing.assert_close(norm, dense_norm, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(loss, dense_loss, atol=1e-12, rtol=1e-12)
     for name, grad in gather_dense_state_dict(model, grads=True).items():

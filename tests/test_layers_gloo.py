@@ -225,12 +225,19 @@ def test_sequence_parallel_tags_and_helper_group(rank_pool):
     assert rank_pool(4).run(_sp_tags_on_rank) == [True] * 4
 
 
+def _tp_sum(t, group):
+    t = t.clone()
+    dist.all_reduce(t, group=group)
+    return t
+
+
 def _block_under_fsdp2_on_rank(reshard_after_backward):
     """Our TP + SP block composed with torch's FSDP2 over DP (tp=2 x dp=2), as torchtitan-style
     clients do. FSDP2 swaps in DTensor parameters, dropping the attributes that tag the norms'
     partial gradients; the helper still finds them by name and sums each rank's local shard over
     TP, also when the module holds FSDP2's unsharded parameters after backward (no gradient there).
-    Reference: the same block unwrapped, fed the whole batch."""
+    ``ok.clip_grad_norm_(model)`` likewise finds the TP-split weights' dropped tags by name: the
+    block's norm, each weight counted once. Reference: the same block unwrapped, fed the whole batch."""
     from torch.distributed.fsdp import fully_shard
 
     from overlapkernels.layers import TransformerBlock
@@ -257,11 +264,19 @@ def _block_under_fsdp2_on_rank(reshard_after_backward):
     if reshard_after_backward:  # the module holds the sharded parameters: their gradients before the sum
         partial = {n: p.grad.full_tensor() * dp for n, p in wrapped.named_parameters()}
     touched = allreduce_sequence_parallel_grads(wrapped)
+    # the block's whole gradient norm, by hand: TP-split weights summed over TP, the rest counted once
+    want = dict(ref.named_parameters())
+    squares = sum((p.grad.double() ** 2).sum() if not getattr(p, "tensor_model_parallel", False)
+                  else _tp_sum((p.grad.double() ** 2).sum(), tp) for p in want.values())
+    ref_norm = squares.sqrt() / dp  # FSDP2 averages the DP ranks' gradients of their halves of the batch
+    # our clip finds the TP tags FSDP2 dropped (by name) and the gradients on its sharded parameters
+    norm = ok.clip_grad_norm_(wrapped, ref_norm.item() / 4, dims=dims)
+    _close("norm", norm, ref_norm)
+    coef = (ref_norm / 4) / (ref_norm + 1e-6)  # torch's clip coefficient: every gradient scaled by it
     wrapped.reshard()  # (a no-op when already resharded) the sharded parameters, with their gradients
     summed = {n: p.grad.full_tensor() * dp for n, p in wrapped.named_parameters()}
-    want = dict(ref.named_parameters())
     for name in summed:
-        _close(f"grad {name}", summed[name], want[name].grad)
+        _close(f"grad {name}", summed[name], want[name].grad * coef)
     norms = [n for n in summed if "norm" in n]
     # the planted bug (tags lost, nothing summed) is what the comparison catches
     stale = partial and [n for n in norms if not torch.allclose(partial[n], want[n].grad, **TOL)]

@@ -12,6 +12,7 @@ from ..ops.sequence_shard import check_layout, segments
 from ..parallel import resolve_group
 from .linear import (DefersWeightGrad, RowParallelLinear, _MegatronExtraState, column_parallel, divide,
                      sharded_parameter)
+from .tags import remember_tensor_parallel
 
 
 def rope(x, positions, base: float = 10000.0):
@@ -53,6 +54,7 @@ class ParallelSelfAttention(DefersWeightGrad, _MegatronExtraState, nn.Module):
         self.v_weight = sharded_parameter((num_kv_heads * d, hidden), 0, self.group, init_method, dtype, device)
         self.out = RowParallelLinear(hidden, hidden, self.group, bias=False, sequence_parallel=sequence_parallel,
                                      method=method, dtype=dtype, device=device, init_method=init_method)
+        remember_tensor_parallel(self)
 
     def _check_length(self, x) -> None:
         """Zigzag CP holds two equal segments per rank: an odd local length would only fail inside

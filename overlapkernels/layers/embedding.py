@@ -9,6 +9,7 @@ from ..ops._validate import check_ids
 from ..ops.tp_regions import reduce_from_tp_region, reduce_scatter_first_dim
 from ..parallel import resolve_group
 from .linear import _MegatronExtraState, divide, sharded_parameter
+from .tags import remember_tensor_parallel
 
 
 class VocabParallelEmbedding(_MegatronExtraState, nn.Module):
@@ -25,6 +26,7 @@ class VocabParallelEmbedding(_MegatronExtraState, nn.Module):
         self.vocab_start_index, self.vocab_end_index = rank * per_rank, (rank + 1) * per_rank
         self.sequence_parallel = sequence_parallel
         self.weight = sharded_parameter((num_embeddings, embedding_dim), 0, self.group, init_method, dtype, device)
+        remember_tensor_parallel(self)
 
     def forward(self, tokens):
         if tokens.dtype not in (torch.int64, torch.int32):

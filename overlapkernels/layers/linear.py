@@ -19,6 +19,7 @@ from ..ops.matmul_reduce_scatter import linear_reduce_scatter
 from ..ops.tp_regions import copy_to_tp_region, gather_last_dim, reduce_from_tp_region, split_last_dim
 from ..parallel import resolve_group
 from .norm import mark_sequence_parallel
+from .tags import mark_tensor_parallel, remember_tensor_parallel
 
 
 def default_init(weight: torch.Tensor) -> None:
@@ -40,12 +41,6 @@ def sharded_parameter(full_shape, partition_dim: int, group, init_method, dtype,
     param = nn.Parameter(local.to(device=device, dtype=dtype or torch.get_default_dtype()).contiguous())
     mark_tensor_parallel(param, partition_dim)
     return param
-
-
-def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> None:
-    param.tensor_model_parallel = True
-    param.partition_dim = partition_dim
-    param.partition_stride = 1
 
 
 def local_matmul(x, weight, defer_weight_grad: bool):
@@ -116,6 +111,7 @@ class ColumnParallelLinear(DefersWeightGrad, _MegatronExtraState, nn.Module):
             mark_tensor_parallel(self.bias, 0)
         else:
             self.register_parameter("bias", None)
+        remember_tensor_parallel(self)
 
     def forward(self, x):
         (out,) = column_parallel(x, [self.weight], [self.bias], self.group, sequence_parallel=self.sequence_parallel,
@@ -149,6 +145,7 @@ class RowParallelLinear(DefersWeightGrad, _MegatronExtraState, nn.Module):
             mark_sequence_parallel(self.bias, sequence_parallel, self.group, owner=self)
         else:
             self.register_parameter("bias", None)
+        remember_tensor_parallel(self)
 
     def forward(self, x):
         if not self.input_is_parallel:

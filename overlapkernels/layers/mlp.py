@@ -9,6 +9,7 @@ from ..ops.dispatch import check_method
 from ..parallel import resolve_group
 from .linear import (DefersWeightGrad, RowParallelLinear, _MegatronExtraState, column_parallel, divide,
                      sharded_parameter)
+from .tags import remember_tensor_parallel
 
 
 class ParallelMLP(DefersWeightGrad, _MegatronExtraState, nn.Module):
@@ -25,6 +26,7 @@ class ParallelMLP(DefersWeightGrad, _MegatronExtraState, nn.Module):
         self.up_weight = sharded_parameter((ffn_hidden, hidden), 0, self.group, init_method, dtype, device)
         self.down = RowParallelLinear(ffn_hidden, hidden, self.group, bias=False, sequence_parallel=sequence_parallel,
                                       method=method, dtype=dtype, device=device, init_method=init_method)
+        remember_tensor_parallel(self)
 
     def forward(self, x):
         gate, up = column_parallel(x, [self.gate_weight, self.up_weight], [None, None], self.group,

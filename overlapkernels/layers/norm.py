@@ -6,9 +6,9 @@ group after backward, as Megatron does. Such parameters carry ``sequence_paralle
 when the layer knows its TP group, ``sequence_parallel_group``: ``fsdp.shard`` (whose stages 2/3
 drop full gradients during backward, before a client could sum them) and
 ``allreduce_sequence_parallel_grads`` read the group from that tag. The owning module also keeps
-the names (``_sequence_parallel_params``): wrappers that replace parameters, as torch's FSDP2
-``fully_shard`` does with DTensors, drop attributes set on the old ones, and a norm whose
-partial gradients nobody sums lets the TP ranks' copies drift apart silently.
+the names (``tags.py``): wrappers that replace parameters, as torch's FSDP2 ``fully_shard`` does
+with DTensors, drop attributes set on the old ones, and a norm whose partial gradients nobody sums
+lets the TP ranks' copies drift apart silently.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from .. import _compat
 from ..comm.collectives import all_reduce_coalesced
+from .tags import SEQUENCE_PARALLEL, remembered
 
 
 def mark_sequence_parallel(param: nn.Parameter, sequence_parallel: bool, group=None, *,
@@ -33,11 +33,11 @@ def mark_sequence_parallel(param: nn.Parameter, sequence_parallel: bool, group=N
         if name is None:
             raise ValueError(f"mark_sequence_parallel: owner {type(owner).__name__} does not hold this parameter "
                              "directly (register it on the module first)")
-        remembered = owner.__dict__.setdefault("_sequence_parallel_params", {})
+        remembered_here = owner.__dict__.setdefault(SEQUENCE_PARALLEL, {})
         if sequence_parallel:
-            remembered[name] = group
+            remembered_here[name] = group
         else:
-            remembered.pop(name, None)
+            remembered_here.pop(name, None)
 
 
 class RMSNorm(nn.Module):
@@ -64,14 +64,9 @@ def _sequence_parallel_params(module: nn.Module):
     """(param, group) for every SP parameter of ``module``, in parameter order (the same on every
     rank): those its modules remember by name (whatever object now holds the name: FSDP2 swaps in
     DTensors), then those only tagged (Megatron's, or a client's)."""
-    found, sharded = {}, _compat.fsdp2_sharded_params(module)
-    for sub in module.modules():
-        for name, group in getattr(sub, "_sequence_parallel_params", {}).items():
-            # under FSDP2 the gradient is on its sharded parameter, also when the module holds the
-            # unsharded one (set_reshard_after_backward(False))
-            param = sharded.get((id(sub), name), sub._parameters.get(name))
-            if param is not None:
-                found.setdefault(id(param), (param, group))
+    found = {}
+    for param, group in remembered(module, SEQUENCE_PARALLEL):
+        found.setdefault(id(param), (param, group))
     for param in module.parameters():
         if getattr(param, "sequence_parallel", False):
             found.setdefault(id(param), (param, getattr(param, "sequence_parallel_group", None)))

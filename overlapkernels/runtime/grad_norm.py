@@ -17,14 +17,20 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from .. import _compat
 
 
-def replicas(param, dims, *, sharded_over_dp: bool = False) -> int:
+def replicas(param, dims, *, sharded_over_dp: bool = False, partitioned: bool | None = None) -> int:
     """Ranks holding the same values of ``param``'s gradient (``dims``: a ParallelDims, or None
-    for a group of pure data parallelism, whose copies FSDP shards)."""
+    for a group of pure data parallelism, whose copies FSDP shards). ``partitioned``: whether it is
+    split over TP, when known otherwise than by its ``tensor_model_parallel`` tag."""
     if dims is None:
         return 1
-    tp = 1 if getattr(param, "tensor_model_parallel", False) else dims.tp_size
+    if partitioned is None:
+        partitioned = getattr(param, "tensor_model_parallel", False)
+    tp = 1 if partitioned else dims.tp_size
     return tp * dims.cp_size * (1 if sharded_over_dp else dims.dp_size)
 
 
@@ -63,23 +69,69 @@ def scale_(tensors, max_norm: float, total: torch.Tensor) -> None:
         t.mul_(coef.to(t.device, t.dtype))
 
 
+def dtensor_replicas(grad, partitioned_over_tp: bool, dims) -> int:
+    """Ranks holding the same values as this rank's local shard of a DTensor gradient (torch's FSDP2):
+    its mesh shards it over the ranks of its ``Shard`` dimensions, which must lie among the
+    parameter's copies (DP, CP, and TP unless partitioned over TP); the other copies replicate it."""
+    placements = grad.placements
+    if any(pl.is_partial() for pl in placements):
+        raise ValueError(f"clip_grad_norm_: a DTensor gradient with placements {placements} is still a partial "
+                         "sum (Partial); clip after the gradients are reduced")
+    sharded = math.prod(grad.device_mesh.size(i) for i, pl in enumerate(placements) if pl.is_shard())
+    if dims is None:
+        copies = dist.get_world_size()
+    else:
+        copies = (1 if partitioned_over_tp else dims.tp_size) * dims.cp_size * dims.dp_size
+    if copies % sharded:
+        raise ValueError(f"clip_grad_norm_: a DTensor gradient is sharded over {sharded} ranks, which does not "
+                         f"divide its {copies} copies (DP x CP{'' if partitioned_over_tp else ' x TP'} of dims): "
+                         "shard it over DP (and CP) ranks only")
+    return copies // sharded
+
+
+def _tagged_parameters(parameters, dims) -> list:
+    """``(parameter, partitioned over TP)``: from a module, through its memory of the tags (which
+    finds FSDP2's sharded parameters), else from the parameters' own tags."""
+    if isinstance(parameters, nn.Module):
+        from ..layers.tags import TENSOR_PARALLEL, gradient_holders, remembered
+
+        sharded = _compat.fsdp2_sharded_params(parameters)
+        partitioned = {id(q) for q, _ in remembered(parameters, TENSOR_PARALLEL, sharded)}
+        return [(q, id(q) in partitioned or getattr(q, "tensor_model_parallel", False))
+                for q in gradient_holders(parameters, sharded)]
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if dims is not None and dims.tp_size > 1:
+        for q in params:
+            if q.grad is not None and hasattr(q.grad, "to_local") and not hasattr(q, "tensor_model_parallel"):
+                # torch's FSDP2 (fully_shard) swaps in DTensor parameters without the tensor_model_parallel
+                # tags: a TP-split weight would count as a replica. The module remembers them by name.
+                raise TypeError("clip_grad_norm_: a gradient is a DTensor without its TP tags (parameters wrapped "
+                                "by torch's FSDP2 fully_shard?); pass the model itself, "
+                                "ok.clip_grad_norm_(model, max_norm, dims=dims), whose layers remember their tags")
+    return [(q, getattr(q, "tensor_model_parallel", False)) for q in params]
+
+
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *, dims) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for parameters of a model split as ``dims`` describes
     (a ``ParallelDims`` from ``ok.init_parallel``): the norm of the whole model's gradient, the
     same on every rank, and every rank clips by the same factor. Call it on every rank, once the
     gradients are complete (after ``model.sync_grads()`` and any DP averaging). Under
-    ``fsdp.shard`` use ``ShardedModule.clip_grad_norm_`` instead: the gradients live in its shards."""
+    ``fsdp.shard`` use ``ShardedModule.clip_grad_norm_`` instead: the gradients live in its shards.
+
+    ``parameters``: a tensor, an iterable of them, or the model (``nn.Module``). Pass the model
+    under torch's FSDP2 (``fully_shard``): its DTensor parameters lost the TP tags, which our
+    layers remember by name, and each rank's local shard is counted once per copy."""
     p = check_clip_args(max_norm, norm_type)
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    for q in params:
-        if q.grad is not None and hasattr(q.grad, "to_local"):
-            # torch's FSDP2 (fully_shard) swaps in DTensor parameters without the tensor_model_parallel
-            # tags this needs, so a TP-split weight would count as a replica: refuse, not mis-clip
-            raise TypeError("clip_grad_norm_: a gradient is a DTensor (parameters wrapped by torch's FSDP2 "
-                            "fully_shard?); this needs plain per-rank gradients with their TP tags: shard with "
-                            "ok's fsdp.shard and use ShardedModule.clip_grad_norm_")
-    grads = [(q.grad, replicas(q, dims)) for q in params if q.grad is not None]
-    device = grads[0][0].device if grads else (params[0].device if params else torch.device("cpu"))
+    params = _tagged_parameters(parameters, dims)
+    grads = []
+    for q, partitioned in params:
+        if q.grad is None:
+            continue
+        if hasattr(q.grad, "to_local"):  # a view of the local shard: clipping scales the DTensor in place
+            grads.append((q.grad.to_local(), dtensor_replicas(q.grad, partitioned, dims)))
+        else:
+            grads.append((q.grad, replicas(q, dims, partitioned=partitioned)))
+    device = grads[0][0].device if grads else (params[0][0].device if params else torch.device("cpu"))
     if dist.get_backend() == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     total = global_norm(grads, p, dist.group.WORLD, device)

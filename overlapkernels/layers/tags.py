@@ -1,0 +1,64 @@
+"""Megatron's parameter tags, and the owning modules' memory of them by name.
+
+Megatron tags a weight split over the TP group ``tensor_model_parallel`` (with ``partition_dim``):
+gradient clipping counts it once per TP rank, not once per replica, and the dense state-dict
+helpers gather it. A parameter whose gradient is partial per TP rank under sequence parallelism
+is tagged ``sequence_parallel`` (see ``norm.py``). Wrappers that replace parameters, as torch's
+FSDP2 ``fully_shard`` does with DTensors, drop attributes set on the old objects; a clip that then
+counts a TP-split weight as a replica clips each TP rank by a different factor, and their
+replicated weights drift apart silently. So the owning module also remembers the names, and
+``remembered`` finds whatever object holds each name now.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from .. import _compat
+
+TENSOR_PARALLEL = "_tensor_parallel_params"  # on the owner: {parameter name: partition_dim}
+SEQUENCE_PARALLEL = "_sequence_parallel_params"  # on the owner: {parameter name: TP group or None}
+
+
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> None:
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = 1
+
+
+def remember_tensor_parallel(owner: nn.Module) -> None:
+    """Remember by name every parameter ``owner`` holds directly that is tagged ``tensor_model_parallel``
+    (call it once the layer has registered its parameters)."""
+    memory = owner.__dict__.setdefault(TENSOR_PARALLEL, {})
+    for name, param in owner.named_parameters(recurse=False):
+        if getattr(param, "tensor_model_parallel", False):
+            memory[name] = param.partition_dim
+
+
+def remembered(module: nn.Module, key: str, sharded: dict | None = None) -> list:
+    """``(parameter, value)`` for every name that ``module``'s modules remember under ``key``, in
+    module order (the same on every rank). The parameter is the object that holds the gradient:
+    the current one, or under FSDP2 its sharded parameter, also when the module holds the
+    unsharded one (``set_reshard_after_backward(False)``). ``sharded``: ``_compat.fsdp2_sharded_params``
+    of ``module`` when the caller already has it."""
+    sharded = _compat.fsdp2_sharded_params(module) if sharded is None else sharded
+    found = []
+    for sub in module.modules():
+        for name, value in sub.__dict__.get(key, {}).items():
+            param = sharded.get((id(sub), name), sub._parameters.get(name))
+            if param is not None:
+                found.append((param, value))
+    return found
+
+
+def gradient_holders(module: nn.Module, sharded: dict | None = None) -> list:
+    """Every parameter of ``module`` once, in order, as the object that holds its gradient (see
+    ``remembered``)."""
+    sharded = _compat.fsdp2_sharded_params(module) if sharded is None else sharded
+    holders, seen = [], set()
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            param = sharded.get((id(sub), name), param)
+            if param is not None and id(param) not in seen:
+                seen.add(id(param))
+                holders.append(param)
+    return holders

@@ -1,0 +1,251 @@
+"""fsdp.shard composed with the other parallelisms (TP + SP layers, the GPT, CP peers) on gloo
+ranks vs the dense model on the whole batch, and gradient clipping over all of them (ours under
+fsdp.shard, and under torch's FSDP2)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import overlapkernels as ok
+from overlapkernels.runtime import fsdp
+from overlapkernels.runtime.grad_norm import dtensor_replicas
+from test_fsdp_gloo import D_IN, OPTIMIZERS
+
+
+def _tp_dp_on_rank(layout=None, stage=3, clip=None):
+    """GPT with TP=2 (+SP) inside (or CP=2: ring attention, every gradient partial over CP),
+    ZeRO over DP=2, vs the dense GPT on the whole batch."""
+    from overlapkernels.layers import TransformerBlock
+    from overlapkernels.models import GPT, GPTConfig, shard_dense_state_dict
+
+    config = GPTConfig(vocab_size=16, hidden=8, num_layers=2, num_heads=2, num_kv_heads=2, ffn_hidden=16,
+                       max_seq_len=8, method="decomposed")
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randint(0, 16, (4, 8), generator=g), torch.randint(0, 16, (4, 8), generator=g))
+               for _ in range(2)]
+    adamw = OPTIMIZERS["sgd"]  # scale-sensitive: a missing average or a double TP sum would show
+    torch.manual_seed(0)
+    dense = GPT(config, ok.init_parallel(), dtype=torch.float64)
+    dense_opt = adamw(dense.parameters())
+    start = {k: v.clone() if torch.is_tensor(v) else v for k, v in dense.state_dict().items()}
+    dense_norms = []
+    for tokens, targets in batches:
+        dense_opt.zero_grad()
+        dense.loss(tokens, targets).backward()
+        if clip is not None:
+            dense_norms.append(torch.nn.utils.clip_grad_norm_(dense.parameters(), clip))
+            assert dense_norms[-1] > clip  # the clip bites
+        dense_opt.step()
+
+    dims = ok.init_parallel(**(layout or dict(tp=2)))
+    model = GPT(config, dims, dtype=torch.float64)
+    model.load_state_dict(shard_dense_state_dict(model, start))
+    sharded = fsdp.shard(model, dims.dp_group, stage=stage, units=(TransformerBlock,), optimizer=adamw)
+    mine = slice(dims.dp_rank * 2, (dims.dp_rank + 1) * 2)
+    for step, (tokens, targets) in enumerate(batches):
+        sharded.module.loss(tokens[mine], targets[mine]).backward()
+        if clip is not None:  # the whole model's norm: DP shards, TP partitions and CP replicas each once
+            norm = sharded.clip_grad_norm_(clip, dims=dims)
+            torch.testing.assert_close(norm, dense_norms[step], atol=1e-12, rtol=1e-12)
+        sharded.step()
+    # stage 3 has freed the model's parameters (its state_dict() refuses): shard onto an unsharded twin
+    want = shard_dense_state_dict(GPT(config, dims, dtype=torch.float64), dense.state_dict())
+    for name, t in sharded.full_state_dict().items():
+        if torch.is_tensor(t):
+            torch.testing.assert_close(t, want[name], atol=1e-10, rtol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+    return True
+
+
+def test_tp2_by_dp2_with_the_tp_layers(rank_pool):
+    assert rank_pool(4).run(_tp_dp_on_rank) == [True] * 4
+
+
+@pytest.mark.parametrize("layout, stage", [(dict(tp=2), 1), (dict(tp=2), 3), (dict(cp=2), 2)])
+def test_clip_grad_norm_matches_the_dense_model(rank_pool, layout, stage):
+    assert rank_pool(4).run(_tp_dp_on_rank, layout, stage, 0.05) == [True] * 4
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_cp2_by_dp2_sums_context_parallel_gradients(rank_pool, stage):
+    """Stage 3 frees the full gradients during backward: only fsdp can sum them over CP."""
+    assert rank_pool(4).run(_tp_dp_on_rank, dict(cp=2), stage) == [True] * 4
+
+
+# -- sequence parallelism: any model built from the layers, not only the GPT -----------------------
+H = 8
+
+
+class SPNet(nn.Module):
+    """Every kind of sequence-parallel parameter: RMSNorm and LayerNorm weights, the row bias."""
+
+    def __init__(self, group, sp):
+        from overlapkernels.layers import ColumnParallelLinear, LayerNorm, RMSNorm, RowParallelLinear
+
+        super().__init__()
+        self.norm = RMSNorm(H, sequence_parallel=sp, group=group, dtype=torch.float64)
+        self.fc1 = ColumnParallelLinear(H, 2 * H, group, sequence_parallel=sp, method="baseline", dtype=torch.float64)
+        self.fc2 = RowParallelLinear(2 * H, H, group, sequence_parallel=sp, method="baseline", dtype=torch.float64)
+        self.ln = LayerNorm(H, sequence_parallel=sp, group=group, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.ln(x + self.fc2(torch.tanh(self.fc1(self.norm(x)))))
+
+
+def _sp_layers_on_rank(stage):
+    """TP=2 (+SP) x DP=2, 2 SGD steps, vs the same layers on one rank over the whole batch."""
+    from overlapkernels.layers import allreduce_sequence_parallel_grads
+    from overlapkernels.models import shard_dense_state_dict
+
+    sgd = OPTIMIZERS["sgd"]
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randn(4, 4, H, generator=g, dtype=torch.float64) for _ in range(2)]  # [S, B, H]
+    torch.manual_seed(0)
+    dense = SPNet(ok.init_parallel().tp_group, False)
+    with torch.no_grad():  # norms start at 1 and biases at 0: make every term visible
+        for p in dense.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.1)
+    start = {k: v.clone() if torch.is_tensor(v) else v for k, v in dense.state_dict().items()}
+    dense_opt = sgd(dense.parameters())
+    for x in batches:
+        dense_opt.zero_grad()
+        dense(x).pow(2).mean().backward()
+        dense_opt.step()
+
+    dims = ok.init_parallel(tp=2)
+    twin = SPNet(dims.tp_group, True)  # unsharded: stage 3 frees the sharded model's parameters
+    model = SPNet(dims.tp_group, True)
+    model.load_state_dict(shard_dense_state_dict(model, start, dims.tp_group))
+    sharded = fsdp.shard(model, dims.dp_group, stage=stage, optimizer=sgd)
+    for x in batches:
+        rows, cols = x.chunk(2, 0)[dims.tp_rank], slice(dims.dp_rank * 2, dims.dp_rank * 2 + 2)
+        # mean over all elements: this rank's sum over the whole count, times DP (fsdp averages over DP)
+        (sharded(rows[:, cols]).pow(2).sum() * 2 / x.numel()).backward()
+        if stage == 1:  # what a plain-TP client does: fsdp already sums tagged parameters, so a no-op
+            assert allreduce_sequence_parallel_grads(model) == 0
+        sharded.step()
+    want = shard_dense_state_dict(twin, dense.state_dict(), dims.tp_group)
+    for name, t in sharded.full_state_dict().items():
+        if torch.is_tensor(t):
+            torch.testing.assert_close(t, want[name], atol=1e-12, rtol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_sequence_parallel_layers_tp2_by_dp2(rank_pool, stage):
+    assert rank_pool(4).run(_sp_layers_on_rank, stage) == [True] * 4
+
+
+def _untagged_sp_on_rank():
+    from overlapkernels.layers import RMSNorm
+
+    model = nn.Sequential(nn.Linear(4, 4), RMSNorm(4, sequence_parallel=True))  # no group: fsdp cannot sum it
+    fsdp.shard(model, stage=1)  # stage 1 keeps full gradients: the client may still sum them itself
+    try:
+        fsdp.shard(model, stage=2)
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_sequence_parallel_parameter_without_group_is_refused(rank_pool):
+    for message in rank_pool(2).run(_untagged_sp_on_rank):
+        assert "parameter '1.weight' has sequence_parallel=True but no sequence_parallel_group: with stage=2" \
+            in message, message
+
+
+# -- CP peers, and clipping -------------------------------------------------------------------------
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(D_IN, D_IN)
+        self.b = nn.Linear(D_IN, D_IN)  # a data-dependent branch: an MoE expert that got no tokens here
+
+    def forward(self, x, use_b):
+        y = self.a(x)
+        return self.b(y) if use_b else y
+
+
+def _cp_branch_on_rank(stage):
+    """CP peers own the same shards and sum them: when only one of them has a gradient for a unit,
+    the other must still take part (no hang) and both must step the unit alike."""
+    rank = dist.get_rank()
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    cp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp, cp = dp_groups[rank % 2], cp_groups[rank // 2]
+    torch.manual_seed(0)
+    model = _Branchy().double()
+    for p in model.parameters():
+        p.context_parallel_group = cp
+    b_before = model.b.weight.detach().clone()
+    sharded = fsdp.shard(model, dp, stage=stage, prefetch=0, optimizer=OPTIMIZERS["sgd"])
+    x = torch.randn(2, D_IN, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    sharded(x, rank % 2 == 0).sum().backward()  # only CP rank 0 routes through b
+    sharded.step()
+    state = sharded.full_state_dict()
+    mine = torch.cat([state[k].reshape(-1) for k in sorted(state)])
+    peers = [torch.empty_like(mine) for _ in range(2)]
+    dist.all_gather(peers, mine, group=cp)
+    assert torch.equal(peers[0], peers[1])  # CP replicas agree
+    return not torch.equal(state["b.weight"], b_before)  # and b stepped on both sides (CP-summed gradient)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_context_parallel_peers_agree_when_only_one_has_a_gradient(rank_pool, stage):
+    assert rank_pool(4).run(_cp_branch_on_rank, stage) == [True] * 4
+
+
+@pytest.mark.parametrize("max_norm, norm_type, exc, pattern", [
+    (0.0, 2.0, ValueError, r"max_norm=0.0: expected a positive number"),
+    (1.0, -1, ValueError, r"norm_type=-1: expected a positive number or math.inf"),
+    ("1", 2.0, TypeError, r"max_norm must be a number, got str"),
+])
+def test_clip_grad_norm_bad_arguments_raise_before_communicating(max_norm, norm_type, exc, pattern):
+    with pytest.raises(exc, match=pattern):  # no process group here: it must not get that far
+        ok.clip_grad_norm_([nn.Parameter(torch.ones(2))], max_norm, norm_type, dims=None)
+
+
+def _clip_in_no_sync_on_rank():
+    sharded = fsdp.shard(nn.Sequential(nn.Linear(D_IN, 3)).double(), stage=2)
+    with sharded.no_sync():
+        sharded(torch.ones(2, D_IN, dtype=torch.float64)).sum().backward()
+        try:
+            sharded.clip_grad_norm_(1.0)
+        except RuntimeError as exc:
+            return str(exc)
+    return "clipped"
+
+
+def test_clip_grad_norm_inside_no_sync_is_refused(rank_pool):
+    assert rank_pool(2).run(_clip_in_no_sync_on_rank) == ["clip_grad_norm_ inside no_sync(): clip once, after the "
+                                                          "last backward of the step"] * 2
+
+
+class _Mesh:
+    def __init__(self, *sizes):
+        self.sizes = sizes
+
+    def size(self, i):
+        return self.sizes[i]
+
+
+def _dtensor_grad(placements, *mesh_sizes):
+    return SimpleNamespace(placements=placements, device_mesh=_Mesh(*mesh_sizes))
+
+
+def test_dtensor_gradient_shards_count_once_per_copy():
+    """torch's FSDP2 under ok.clip_grad_norm_: this rank's local shard of a DTensor gradient is held
+    by the copies its mesh does not shard over (each copy's share is divided by their number)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    dims = SimpleNamespace(tp_size=2, cp_size=2, dp_size=4)
+    # FSDP2 over DP: a TP-split weight's shard is also held by its CP peer; a replicated one by TP peers too
+    assert dtensor_replicas(_dtensor_grad([Shard(0)], 4), True, dims) == 2
+    assert dtensor_replicas(_dtensor_grad([Shard(0)], 4), False, dims) == 4
+    # torchtitan's dp_shard_cp mesh (FSDP2 over DP x CP), and HSDP (replicate over 2, shard over 2)
+    assert dtensor_replicas(_dtensor_grad([Shard(0)], 8), True, dims) == 1
+    assert dtensor_replicas(_dtensor_grad([Replicate(), Shard(0)], 2, 2), True, dims) == 4
+    with pytest.raises(ValueError, match=r"sharded over 3 ranks, which does not divide its 8 copies \(DP x CP of"):
+        dtensor_replicas(_dtensor_grad([Shard(0)], 3), True, dims)
+    with pytest.raises(ValueError, match=r"still a partial sum \(Partial\); clip after the gradients are reduced"):
+        dtensor_replicas(_dtensor_grad([Partial()], 4), True, dims)
