@@ -56,7 +56,7 @@ def _run_ranks(rank_main, config: dict, args) -> tuple[list[dict] | None, str]:
 
 
 def _report(rows: list[dict], device: str, columns, title: str, args) -> int:
-    from .bench.report import append_csv, append_jsonl, environment, format_table
+    from .bench.report import append_csv, append_json, environment, format_table
 
     if not rows:
         print(f"# {title}: no rows (every requested method was skipped, see above)")
@@ -72,7 +72,7 @@ def _report(rows: list[dict], device: str, columns, title: str, args) -> int:
         append_csv(args.csv, rows)
         print(f"# appended {len(rows)} rows to {args.csv}")
     if getattr(args, "json_out", None):
-        append_jsonl(args.json_out, rows)
+        append_json(args.json_out, rows)
         print(f"# appended {len(rows)} rows to {args.json_out}")
     if getattr(args, "plot", None):
         from .bench.plot import plot_rows
@@ -308,30 +308,6 @@ def _default(value, derived):
     return derived if value is None else value
 
 
-def _check_outputs(args) -> None:
-    """Unusable --csv/--json/--plot/--profile paths fail now, before any rank starts, rather than
-    after the whole run (losing its rows)."""
-    from pathlib import Path
-
-    for flag, value, is_dir in (("--csv", getattr(args, "csv", None), False),
-                                ("--json", getattr(args, "json_out", None), False),
-                                ("--plot", getattr(args, "plot", None), True),
-                                ("--profile", getattr(args, "profile", None), True)):
-        if not value:
-            continue
-        path = Path(value)
-        want = "a directory (created if missing)" if is_dir else "a file (created if missing, else appended to)"
-        if path.exists() and path.is_dir() != is_dir:
-            raise ValueError(f"{flag} {value}: is a {'file' if is_dir else 'directory'}; expected {want}")
-        nearest = path  # the path itself, or the closest existing folder it would be created under
-        while not nearest.exists() and nearest != nearest.parent:
-            nearest = nearest.parent
-        if nearest != path and not nearest.is_dir():
-            raise ValueError(f"{flag} {value}: {nearest} is a file, so {value} cannot be created; expected {want}")
-        if not os.access(nearest, os.W_OK):
-            raise ValueError(f"{flag} {value}: {nearest} is not writable; expected {want}")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="overlapkernels", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -414,8 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=_bench_pipeline)
     every = kinds.add_parser("all", help="every bench kind in turn (small sizes on CPU ranks)")
     every.add_argument("--nproc", type=int, default=4, help="CPU ranks to spawn when not under torchrun")
-    for flag, metavar in (("--csv", "FILE"), ("--json", "FILE"), ("--plot", "DIR"), ("--profile", "DIR")):
-        every.add_argument(flag, metavar=metavar, dest="json_out" if flag == "--json" else None)
+    every.add_argument("--csv", metavar="FILE")
+    every.add_argument("--json", metavar="FILE", dest="json_out")
+    _output_dir_args(every)
     every.set_defaults(func=_bench_all)
     return parser
 
@@ -444,16 +421,26 @@ def _rank_args(parser, *, iters: int, warmup: int) -> None:
     parser.add_argument("--warmup", type=int, default=warmup)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before spawned ranks are killed")
     parser.add_argument("--csv", help="append result rows (with hardware, versions, commit, date) to this CSV")
-    parser.add_argument("--json", dest="json_out", help="append result rows as JSON lines to this file")
-    parser.add_argument("--profile", metavar="DIR", help="write a torch.profiler chrome trace per rank into DIR")
-    parser.add_argument("--plot", metavar="DIR", help="write DIR/<kind>.png (needs matplotlib)")
+    parser.add_argument("--json", dest="json_out", metavar="FILE",
+                        help="add result rows to this JSON array (JSON Lines when FILE ends in .jsonl)")
+    _output_dir_args(parser)
+
+
+def _output_dir_args(parser) -> None:
+    """--profile and --plot: a directory, or the default one when given bare."""
+    parser.add_argument("--profile", metavar="DIR", nargs="?", const="traces",
+                        help="write a torch.profiler chrome trace per rank into DIR (default: traces)")
+    parser.add_argument("--plot", metavar="DIR", nargs="?", const="plots",
+                        help="write DIR/<kind>.png (needs matplotlib; default DIR: plots)")
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "bench":
-            _check_outputs(args)
+            from .bench.report import check_output_paths
+
+            check_output_paths(**{name: getattr(args, name, None) for name in ("csv", "json_out", "plot", "profile")})
         return args.func(args)
     except ValueError as exc:  # bad input: a one-line message, not a traceback
         print(f"overlapkernels: error: {exc}", file=sys.stderr)

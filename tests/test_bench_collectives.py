@@ -164,6 +164,28 @@ def test_jsonl_rows_and_env_schema(tmp_path):
     assert rows == [{"op": "x", "efficiency": None}, {"op": "y", "efficiency": 0.5}]
 
 
+def test_json_rows_are_one_array_that_later_runs_extend(tmp_path):
+    """--json FILE: json.load reads every run's rows (NaN as null); a .jsonl name gets JSON Lines."""
+    import json as _json
+    import math
+
+    from overlapkernels.bench.report import append_json
+
+    path = tmp_path / "out" / "rows.json"
+    append_json(path, [{"op": "x", "efficiency": math.nan}])
+    append_json(path, [{"op": "y", "efficiency": 0.5}, {"op": "z", "efficiency": 1.0}])
+    assert _json.loads(path.read_text()) == [{"op": "x", "efficiency": None}, {"op": "y", "efficiency": 0.5},
+                                             {"op": "z", "efficiency": 1.0}]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["rows.json"]  # no partial file left
+    lines = tmp_path / "rows.jsonl"
+    append_json(lines, [{"op": "x"}])
+    append_json(lines, [{"op": "y"}])
+    assert [_json.loads(line) for line in lines.read_text().splitlines()] == [{"op": "x"}, {"op": "y"}]
+    path.write_text("[1, 2")  # a torn file: refused by name, not overwritten
+    with pytest.raises(ValueError, match=r"rows.json: holds no JSON array of rows"):
+        append_json(path, [{"op": "w"}])
+
+
 def test_csv_shared_by_benchmarks_with_other_columns(tmp_path):
     """`bench all` and `make gpu-check` append several benchmarks' rows to one file: a row with new
     columns rewrites the file under the union, and every value stays under its own header."""

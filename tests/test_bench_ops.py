@@ -360,12 +360,26 @@ def test_unusable_output_paths_fail_before_running(monkeypatch, capsys, tmp_path
     monkeypatch.setattr(cli, "_run_ranks", lambda *a: pytest.fail("ranks started"))
     a_file = tmp_path / "f.txt"
     a_file.write_text("")
+    not_rows = tmp_path / "rows.json"  # JSON Lines, or any other text, under a .json name
+    not_rows.write_text('{"op": "x"}\n{"op": "y"}\n')
     for flag, value, message in (("--csv", tmp_path, "is a directory; expected a file"),
                                  ("--json", tmp_path, "is a directory; expected a file"),
                                  ("--profile", a_file, "is a file; expected a directory"),
                                  ("--plot", a_file, "is a file; expected a directory"),
-                                 ("--csv", a_file / "rows.csv", "f.txt is a file, so")):
+                                 ("--csv", a_file / "rows.csv", "f.txt is a file, so"),
+                                 ("--json", not_rows, "holds no JSON array of rows")):
         for kind in ("fsdp", "all"):
             assert cli.main(["bench", kind, flag, str(value)]) == 2
             err = capsys.readouterr().err
             assert f"{flag} {value}: " in err and message in err, err
+
+
+def test_bare_profile_and_plot_take_default_folders():
+    from overlapkernels import cli
+
+    args = cli.build_parser().parse_args(["bench", "fsdp", "--profile", "--plot", "--nproc", "2"])
+    assert (args.profile, args.plot, args.nproc) == ("traces", "plots", 2)
+    args = cli.build_parser().parse_args(["bench", "all", "--plot", "p", "--profile"])
+    assert (args.profile, args.plot) == ("traces", "p")
+    args = cli.build_parser().parse_args(["bench", "fsdp"])
+    assert (args.profile, args.plot) == (None, None)

@@ -132,14 +132,74 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, _exit)
 
 
+def _json_safe(row: dict) -> dict:
+    import math
+
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}  # NaN -> null
+
+
 def append_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:
     """Append rows as JSON lines (one object per row; NaN written as null)."""
     import json
-    import math
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         for row in rows:
-            clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
-            f.write(json.dumps(clean) + "\n")
+            f.write(json.dumps(_json_safe(row)) + "\n")
+
+
+def existing_json_rows(path: str | os.PathLike) -> list:
+    """The rows a ``--json`` file already holds: [] for a missing or empty file, else its JSON array
+    (ValueError naming the file otherwise, so that a run never ends unable to save its rows)."""
+    import json
+
+    path = Path(path)
+    text = path.read_text() if path.is_file() else ""
+    if not text.strip():
+        return []
+    try:
+        rows = json.loads(text)
+    except ValueError:
+        rows = None
+    if not isinstance(rows, list):
+        raise ValueError(f"--json {path}: holds no JSON array of rows; expected a new file, one written by "
+                         "--json, or a name ending in .jsonl for JSON Lines")
+    return rows
+
+
+def append_json(path: str | os.PathLike, rows: list[dict]) -> None:
+    """``--json``: one JSON array of row objects, extended by later runs (``json.load`` reads it),
+    or JSON Lines appended when the name ends in ``.jsonl``. NaN is written as null."""
+    import json
+
+    path = Path(path)
+    if path.suffix == ".jsonl":
+        return append_jsonl(path, rows)
+    every = existing_json_rows(path) + [_json_safe(row) for row in rows]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(every, indent=1, allow_nan=False) + "\n")
+    os.replace(partial, path)  # readers see the old rows or all of them, never half a file
+
+
+def check_output_paths(csv=None, json_out=None, plot=None, profile=None) -> None:
+    """Unusable --csv/--json/--plot/--profile paths fail now, before any rank starts, rather than
+    after the whole run (losing its rows)."""
+    for flag, value, is_dir in (("--csv", csv, False), ("--json", json_out, False), ("--plot", plot, True),
+                                ("--profile", profile, True)):
+        if not value:
+            continue
+        path = Path(value)
+        want = "a directory (created if missing)" if is_dir else "a file (created if missing, else appended to)"
+        if path.exists() and path.is_dir() != is_dir:
+            raise ValueError(f"{flag} {value}: is a {'file' if is_dir else 'directory'}; expected {want}")
+        nearest = path  # the path itself, or the closest existing folder it would be created under
+        while not nearest.exists() and nearest != nearest.parent:
+            nearest = nearest.parent
+        if nearest != path and not nearest.is_dir():
+            raise ValueError(f"{flag} {value}: {nearest} is a file, so {value} cannot be created; expected {want}")
+        if not os.access(nearest, os.W_OK):
+            raise ValueError(f"{flag} {value}: {nearest} is not writable; expected {want}")
+        if flag == "--json" and path.suffix != ".jsonl":
+            existing_json_rows(path)  # a file that is no JSON array of rows: refused now
