@@ -197,8 +197,9 @@ def fsdp2_sharded_params(module) -> dict:
         try:
             group = sub._get_fsdp_state()._fsdp_param_group
             for fsdp_param in (group.fsdp_params if group is not None else ()):
-                info = fsdp_param._module_info
-                found[(id(info.module), info.param_name)] = fsdp_param.sharded_param
+                info = fsdp_param._module_info  # a tied parameter: every (module, name) that holds it
+                for owner, name in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]:
+                    found[(id(owner), name)] = fsdp_param.sharded_param
         except AttributeError as exc:
             raise RuntimeError(f"torch {torch.__version__}: FSDP2's parameter state moved ({exc}); overlapkernels "
                                "cannot find the sharded gradients of a fully_shard module") from exc

@@ -165,16 +165,17 @@ def test_jsonl_rows_and_env_schema(tmp_path):
 
 
 def test_json_rows_are_one_array_that_later_runs_extend(tmp_path):
-    """--json FILE: json.load reads every run's rows (NaN as null); a .jsonl name gets JSON Lines."""
+    """--json FILE: json.load reads every run's rows (NaN and infinities as null); a .jsonl name gets JSON Lines."""
     import json as _json
     import math
 
     from overlapkernels.bench.report import append_json
 
     path = tmp_path / "out" / "rows.json"
-    append_json(path, [{"op": "x", "efficiency": math.nan}])
+    append_json(path, [{"op": "x", "efficiency": math.nan, "speedup": math.inf}])
     append_json(path, [{"op": "y", "efficiency": 0.5}, {"op": "z", "efficiency": 1.0}])
-    assert _json.loads(path.read_text()) == [{"op": "x", "efficiency": None}, {"op": "y", "efficiency": 0.5},
+    assert _json.loads(path.read_text()) == [{"op": "x", "efficiency": None, "speedup": None},
+                                             {"op": "y", "efficiency": 0.5},
                                              {"op": "z", "efficiency": 1.0}]
     assert sorted(p.name for p in path.parent.iterdir()) == ["rows.json"]  # no partial file left
     lines = tmp_path / "rows.jsonl"

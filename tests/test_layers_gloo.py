@@ -300,6 +300,43 @@ def test_sequence_parallel_grads_under_torch_fsdp2(rank_pool, reshard_after_back
         assert refused == ["clip_grad_norm_", "gather_dense_state_dict", "shard_dense_state_dict"]
 
 
+def _tied_under_fsdp2_on_rank():
+    """A weight two modules share (a tied embedding and head): FSDP2 keeps one sharded parameter for
+    it, and both names must find it, whichever module remembers its tags."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from overlapkernels import _compat
+
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    second.weight = first.weight
+    model = nn.Sequential(first, second)
+    fully_shard(model, mesh=ok.init_parallel().mesh["dp"])
+    model.set_reshard_after_backward(False)
+    model(torch.ones(2, 4)).sum().backward()
+    found = _compat.fsdp2_sharded_params(model)
+    # after backward the modules hold the unsharded parameter; the gradient is on the sharded one
+    return (found[(id(first), "weight")] is found[(id(second), "weight")], first.weight.grad is None,
+            hasattr(found[(id(second), "weight")].grad, "to_local"))
+
+
+def test_tied_parameters_under_torch_fsdp2_are_found_by_every_name(rank_pool):
+    assert rank_pool(2).run(_tied_under_fsdp2_on_rank) == [(True, True, True)] * 2
+
+
+def _clip_without_dims_on_rank():
+    """dims=None: pure data parallelism over the world; replicated gradients count once."""
+    from torch import nn
+
+    p = nn.Parameter(torch.zeros(3, dtype=F64))
+    p.grad = torch.tensor([3.0, 4.0, 0.0], dtype=F64)  # the same on every rank, as DDP leaves it
+    return float(ok.clip_grad_norm_([p], 10.0, dims=None)), float(ok.clip_grad_norm_([p], 10.0, 1.0, dims=None))
+
+
+def test_clip_grad_norm_without_dims_is_data_parallel(rank_pool):
+    assert rank_pool(2).run(_clip_without_dims_on_rank) == [(5.0, 7.0)] * 2
+
+
 def _planted_on_rank():
     """Shard the dense weights along the wrong dim: the dense-twin comparison must catch it."""
     tp, one, world, rank = _groups()

@@ -135,7 +135,8 @@ def exit_on_sigterm() -> None:
 def _json_safe(row: dict) -> dict:
     import math
 
-    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}  # NaN -> null
+    # standard JSON has no NaN or infinities: null
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
 
 
 def append_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:
@@ -155,7 +156,10 @@ def existing_json_rows(path: str | os.PathLike) -> list:
     import json
 
     path = Path(path)
-    text = path.read_text() if path.is_file() else ""
+    try:
+        text = path.read_text() if path.is_file() else ""
+    except OSError as exc:
+        raise ValueError(f"--json {path}: cannot be read ({exc.strerror}); expected a readable file") from exc
     if not text.strip():
         return []
     try:
@@ -199,7 +203,10 @@ def check_output_paths(csv=None, json_out=None, plot=None, profile=None) -> None
             nearest = nearest.parent
         if nearest != path and not nearest.is_dir():
             raise ValueError(f"{flag} {value}: {nearest} is a file, so {value} cannot be created; expected {want}")
-        if not os.access(nearest, os.W_OK):
+        if not os.access(nearest, os.W_OK) and not (flag == "--json" and path.suffix != ".jsonl"):
             raise ValueError(f"{flag} {value}: {nearest} is not writable; expected {want}")
-        if flag == "--json" and path.suffix != ".jsonl":
+        if flag == "--json" and path.suffix != ".jsonl":  # rewritten whole through a rename in its folder
+            folder = nearest if nearest != path else path.parent
+            if not os.access(folder, os.W_OK):
+                raise ValueError(f"{flag} {value}: {folder} is not writable; expected {want} in a writable folder")
             existing_json_rows(path)  # a file that is no JSON array of rows: refused now

@@ -24,10 +24,10 @@ from .. import _compat
 
 def replicas(param, dims, *, sharded_over_dp: bool = False, partitioned: bool | None = None) -> int:
     """Ranks holding the same values of ``param``'s gradient (``dims``: a ParallelDims, or None
-    for a group of pure data parallelism, whose copies FSDP shards). ``partitioned``: whether it is
+    for pure data parallelism over the world). ``partitioned``: whether it is
     split over TP, when known otherwise than by its ``tensor_model_parallel`` tag."""
-    if dims is None:
-        return 1
+    if dims is None:  # every rank of the world holds a copy, unless sharded over it (fsdp)
+        return 1 if sharded_over_dp else dist.get_world_size()
     if partitioned is None:
         partitioned = getattr(param, "tensor_model_parallel", False)
     tp = 1 if partitioned else dims.tp_size
@@ -120,7 +120,10 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *, dims) -> torch.Tenso
 
     ``parameters``: a tensor, an iterable of them, or the model (``nn.Module``). Pass the model
     under torch's FSDP2 (``fully_shard``): its DTensor parameters lost the TP tags, which our
-    layers remember by name, and each rank's local shard is counted once per copy."""
+    layers remember by name, and after backward with reshard-after-backward off the module holds
+    unsharded parameters without gradients, which only the model form looks past; each rank's
+    local shard is counted once per copy. ``dims=None``: pure data parallelism over the world
+    (plain gradients are replicas on every rank, DTensor ones sharded over their mesh)."""
     p = check_clip_args(max_norm, norm_type)
     params = _tagged_parameters(parameters, dims)
     grads = []
