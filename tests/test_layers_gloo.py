@@ -236,8 +236,9 @@ def _block_under_fsdp2_on_rank(reshard_after_backward):
     clients do. FSDP2 swaps in DTensor parameters, dropping the attributes that tag the norms'
     partial gradients; the helper still finds them by name and sums each rank's local shard over
     TP, also when the module holds FSDP2's unsharded parameters after backward (no gradient there).
-    ``ok.clip_grad_norm_(model)`` likewise finds the TP-split weights' dropped tags by name: the
-    block's norm, each weight counted once. Reference: the same block unwrapped, fed the whole batch."""
+    ``ok.clip_grad_norm_(model)`` and ``gather_dense_state_dict`` likewise find the TP-split weights'
+    dropped tags by name: the block's norm, each weight counted once, and its dense weights and
+    gradients. Reference: the same block unwrapped, fed the whole batch."""
     from torch.distributed.fsdp import fully_shard
 
     from overlapkernels.layers import TransformerBlock
@@ -273,6 +274,14 @@ def _block_under_fsdp2_on_rank(reshard_after_backward):
     norm = ok.clip_grad_norm_(wrapped, ref_norm.item() / 4, dims=dims)
     _close("norm", norm, ref_norm)
     coef = (ref_norm / 4) / (ref_norm + 1e-6)  # torch's clip coefficient: every gradient scaled by it
+    # the dense export: DTensors gathered over DP, then TP-split weights (tags found by name) over TP
+    want_dense, want_grads = gather_dense_state_dict(ref, tp), gather_dense_state_dict(ref, tp, grads=True)
+    got_dense, got_grads = gather_dense_state_dict(wrapped, tp), gather_dense_state_dict(wrapped, tp, grads=True)
+    assert list(got_dense) == list(want_dense) and list(got_grads) == list(want_grads)
+    for name, want_value in want_dense.items():  # weights, and Megatron's _extra_state (None) as they are
+        assert torch.equal(got_dense[name], want_value) if torch.is_tensor(want_value) else got_dense[name] is None
+    for name in want_grads:
+        _close(f"dense grad {name}", got_grads[name] * dp, want_grads[name] * coef)
     wrapped.reshard()  # (a no-op when already resharded) the sharded parameters, with their gradients
     summed = {n: p.grad.full_tensor() * dp for n, p in wrapped.named_parameters()}
     for name in summed:
@@ -282,7 +291,6 @@ def _block_under_fsdp2_on_rank(reshard_after_backward):
     stale = partial and [n for n in norms if not torch.allclose(partial[n], want[n].grad, **TOL)]
     refused = []  # the wrapper dropped the TP tags these need: refused, not silently wrong
     for call in (lambda: ok.clip_grad_norm_(wrapped.parameters(), 1.0, dims=dims),
-                 lambda: gather_dense_state_dict(wrapped, tp),
                  lambda: shard_dense_state_dict(wrapped, {}, tp)):
         try:
             call()
@@ -297,7 +305,7 @@ def test_sequence_parallel_grads_under_torch_fsdp2(rank_pool, reshard_after_back
     for touched, norms, stale, refused in rank_pool(4).run(_block_under_fsdp2_on_rank, reshard_after_backward):
         assert touched == 2 and norms == ["attn_norm.weight", "mlp_norm.weight"]
         assert stale == (norms if reshard_after_backward else None)
-        assert refused == ["clip_grad_norm_", "gather_dense_state_dict", "shard_dense_state_dict"]
+        assert refused == ["clip_grad_norm_", "shard_dense_state_dict"]
 
 
 def _tied_under_fsdp2_on_rank():

@@ -50,15 +50,23 @@ def remembered(module: nn.Module, key: str, sharded: dict | None = None) -> list
     return found
 
 
-def gradient_holders(module: nn.Module, sharded: dict | None = None) -> list:
-    """Every parameter of ``module`` once, in order, as the object that holds its gradient (see
-    ``remembered``)."""
+def tensor_parallel_parameters(module: nn.Module, sharded: dict | None = None) -> list:
+    """``(names, parameter, partition_dim)`` for every parameter of ``module`` once, in
+    ``named_parameters`` order; ``names``: every name it has (several when tied); ``partition_dim``
+    is None unless it is split over TP (by its tag, or by the name a module remembers, also when
+    only one holder of a tied parameter remembers it). The parameter is the object that holds the
+    gradient (see ``remembered``)."""
     sharded = _compat.fsdp2_sharded_params(module) if sharded is None else sharded
-    holders, seen = [], set()
-    for sub in module.modules():
+    split = {id(param): dim for param, dim in remembered(module, TENSOR_PARALLEL, sharded)}
+    found = {}  # id -> (names, parameter): insertion order is named_parameters order
+    for prefix, sub in module.named_modules(remove_duplicate=False):
         for name, param in sub._parameters.items():
             param = sharded.get((id(sub), name), param)
-            if param is not None and id(param) not in seen:
-                seen.add(id(param))
-                holders.append(param)
-    return holders
+            if param is not None:
+                names, _ = found.setdefault(id(param), ([], param))
+                full = f"{prefix}.{name}" if prefix else name
+                if full not in names:
+                    names.append(full)
+    return [(names, param, split.get(id(param), param.partition_dim if getattr(param, "tensor_model_parallel", False)
+                                     else None))
+            for names, param in found.values()]

@@ -156,32 +156,40 @@ def shard_dense_state_dict(model: nn.Module, dense: dict, group=None) -> dict:
 def gather_dense_state_dict(model: nn.Module, group=None, *, grads: bool = False) -> dict:
     """The dense (TP=1) state dict - or, with ``grads``, the dense gradients - on every rank. The
     state dict has every key of ``model.state_dict()`` (buffers and ``_extra_state`` as they are),
-    so a dense model loads it strictly."""
-    _refuse_dtensors(model, "gather_dense_state_dict")
+    so a dense model loads it strictly. Works under torch's FSDP2 too (to export a trained model):
+    its DTensors are gathered over their mesh, and the TP split is known from the names our layers
+    remember (FSDP2 drops the tags). Every rank of the model's TP and FSDP2 groups must call it."""
+    from ..layers.tags import tensor_parallel_parameters
+
     group = group if group is not None else _tp_group_of(model)
-    params = dict(model.named_parameters())
+    world = dist.get_world_size(group)
     dense = {}
-    for name, param in params.items():
-        t = (param.grad if grads else param).detach()
-        if getattr(param, "tensor_model_parallel", False) and dist.get_world_size(group) > 1:
-            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    for names, param, partition_dim in tensor_parallel_parameters(model):  # the same order on every rank
+        t = param.grad if grads else param
+        if t is None:
+            continue
+        t = t.detach()
+        if hasattr(t, "full_tensor"):  # FSDP2's shard: all-gather over its mesh
+            t = t.full_tensor()
+        if partition_dim is not None and world > 1:
+            parts = [torch.empty_like(t) for _ in range(world)]
             dist.all_gather(parts, t.contiguous(), group=group)
-            t = torch.cat(parts, dim=param.partition_dim)
-        dense[name] = t.clone()
+            t = torch.cat(parts, dim=partition_dim)
+        t = t.clone()
+        dense.update((name, t) for name in names)  # tied: one tensor under each of its names, as state_dict does
     if grads:
         return dense
-    return {name: dense[name] if name in params else (value.detach().clone() if torch.is_tensor(value) else value)
+    return {name: dense[name] if name in dense else (value.detach().clone() if torch.is_tensor(value) else value)
             for name, value in model.state_dict().items()}
 
 
 def _refuse_dtensors(model: nn.Module, what: str) -> None:
-    """Both helpers read each parameter's TP tags; torch's FSDP2 (fully_shard) replaces the
-    parameters with DTensors without them, and a 'dense' dict of TP shards would be silently wrong."""
+    """Sharding reads each parameter's TP tags and loads plain tensors; torch's FSDP2 (fully_shard)
+    replaces the parameters with DTensors without them: load the dense dict before wrapping."""
     for name, param in model.named_parameters():
         if hasattr(param, "to_local"):
             raise TypeError(f"{what}: parameter {name!r} is a DTensor (a model wrapped by torch's FSDP2 "
-                            "fully_shard?); use it on the model before wrapping, or gather with "
-                            "torch.distributed.checkpoint's state-dict APIs")
+                            "fully_shard?); load the dense state dict into the model before wrapping it")
 
 
 def _tp_group_of(model):

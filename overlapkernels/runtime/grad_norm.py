@@ -19,8 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import _compat
-
 
 def replicas(param, dims, *, sharded_over_dp: bool = False, partitioned: bool | None = None) -> int:
     """Ranks holding the same values of ``param``'s gradient (``dims``: a ParallelDims, or None
@@ -93,12 +91,9 @@ def _tagged_parameters(parameters, dims) -> list:
     """``(parameter, partitioned over TP)``: from a module, through its memory of the tags (which
     finds FSDP2's sharded parameters), else from the parameters' own tags."""
     if isinstance(parameters, nn.Module):
-        from ..layers.tags import TENSOR_PARALLEL, gradient_holders, remembered
+        from ..layers.tags import tensor_parallel_parameters
 
-        sharded = _compat.fsdp2_sharded_params(parameters)
-        partitioned = {id(q) for q, _ in remembered(parameters, TENSOR_PARALLEL, sharded)}
-        return [(q, id(q) in partitioned or getattr(q, "tensor_model_parallel", False))
-                for q in gradient_holders(parameters, sharded)]
+        return [(q, dim is not None) for _, q, dim in tensor_parallel_parameters(parameters)]
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     if dims is not None and dims.tp_size > 1:
         for q in params:
