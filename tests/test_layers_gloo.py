@@ -332,6 +332,25 @@ def test_tied_parameters_under_torch_fsdp2_are_found_by_every_name(rank_pool):
     assert rank_pool(2).run(_tied_under_fsdp2_on_rank) == [(True, True, True)] * 2
 
 
+def _tied_dense_export_on_rank():
+    """A TP weight two layers share: the dense dict holds the whole weight under both names."""
+    from torch import nn
+
+    tp, one, world, rank = _groups()
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": ColumnParallelLinear(4, 2 * world, tp, bias=False, dtype=F64),
+                           "b": ColumnParallelLinear(4, 2 * world, tp, bias=False, dtype=F64)})
+    model["b"].weight = model["a"].weight
+    dense = gather_dense_state_dict(model, tp)
+    shards = [torch.empty_like(model["a"].weight) for _ in range(world)]
+    dist.all_gather(shards, model["a"].weight.detach(), group=tp)
+    return sorted(dense), dense["a.weight"] is dense["b.weight"], torch.equal(dense["b.weight"], torch.cat(shards))
+
+
+def test_tied_tensor_parallel_weight_exports_dense_under_each_name(rank_pool):
+    assert rank_pool(2).run(_tied_dense_export_on_rank) == [(["a._extra_state", "a.weight", "b._extra_state", "b.weight"], True, True)] * 2
+
+
 def _clip_without_dims_on_rank():
     """dims=None: pure data parallelism over the world; replicated gradients count once."""
     from torch import nn
