@@ -1,0 +1,178 @@
+"""Megatron's parameter tags and the layers' memory of them: the sequence-parallel gradient sum,
+clipping and the dense export, also under torch's FSDP2 (which drops the tags), and tied weights."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import overlapkernels as ok
+from overlapkernels.layers import ColumnParallelLinear, RowParallelLinear, allreduce_sequence_parallel_grads
+from overlapkernels.models import gather_dense_state_dict, shard_dense_state_dict
+from test_layers_gloo import F64, TOL, _close, _groups, _randn
+
+
+def _sp_tags_on_rank():
+    """Layers tag their sequence-parallel parameters with the TP group, and the helper sums over
+    that group by default (over the world, in TP=2 x DP=2, it would also sum over DP)."""
+    from overlapkernels.layers import LayerNorm, RMSNorm
+
+    dims = ok.init_parallel(tp=2)
+    tp = dims.tp_group
+    row = RowParallelLinear(4, 4, tp, sequence_parallel=True, dtype=F64)
+    norms = [RMSNorm(4, sequence_parallel=True, group=tp, dtype=F64),
+             LayerNorm(4, sequence_parallel=True, group=tp, dtype=F64)]
+    tagged = [row.bias] + [p for n in norms for p in n.parameters()]
+    assert all(p.sequence_parallel and p.sequence_parallel_group is tp for p in tagged)
+    assert not hasattr(row.weight, "sequence_parallel_group")
+    assert not hasattr(RMSNorm(4, sequence_parallel=True).weight, "sequence_parallel_group")  # no group given
+    assert not hasattr(RMSNorm(4, group=tp).weight, "sequence_parallel_group")  # not sequence parallel
+    module = torch.nn.ModuleList([row, *norms])
+    for p in module.parameters():
+        p.grad = torch.full_like(p, float(dist.get_rank() + 1))
+    assert allreduce_sequence_parallel_grads(module) == len(tagged)
+    tp_sum = sum(r + 1 for r in dist.get_process_group_ranks(tp))
+    assert all(torch.equal(p.grad, torch.full_like(p, float(tp_sum))) for p in tagged)
+    assert torch.equal(row.weight.grad, torch.full_like(row.weight, float(dist.get_rank() + 1)))  # untouched
+    return True
+
+
+def test_sequence_parallel_tags_and_helper_group(rank_pool):
+    assert rank_pool(4).run(_sp_tags_on_rank) == [True] * 4
+
+
+def _tp_sum(t, group):
+    t = t.clone()
+    dist.all_reduce(t, group=group)
+    return t
+
+
+def _block_under_fsdp2_on_rank(reshard_after_backward):
+    """Our TP + SP block composed with torch's FSDP2 over DP (tp=2 x dp=2), as torchtitan-style
+    clients do. FSDP2 swaps in DTensor parameters, dropping the attributes that tag the norms'
+    partial gradients; the helper still finds them by name and sums each rank's local shard over
+    TP, also when the module holds FSDP2's unsharded parameters after backward (no gradient there).
+    ``ok.clip_grad_norm_(model)`` and ``gather_dense_state_dict`` likewise find the TP-split weights'
+    dropped tags by name: the block's norm, each weight counted once, and its dense weights and
+    gradients. Reference: the same block unwrapped, fed the whole batch."""
+    from torch.distributed.fsdp import fully_shard
+
+    from overlapkernels.layers import TransformerBlock
+
+    dims = ok.init_parallel(tp=2, dp=2)
+    tp, dp = dims.tp_group, dims.dp_size
+
+    def make():
+        torch.manual_seed(0)
+        block = TransformerBlock(16, 4, 2, 32, tp, sequence_parallel=True, dtype=F64)
+        with torch.no_grad():
+            for p in block.parameters():  # norms start at 1: randomise so every term is tested
+                p.copy_(p + 0.1 * _randn(*p.shape, seed=p.numel()))
+        return block
+
+    x = _randn(8, 4, 16, seed=3).chunk(2, dim=0)[dims.tp_rank]  # [S/tp, B, H]: SP splits the sequence
+    ref, wrapped = make(), make()
+    ref(x).sum().backward()
+    allreduce_sequence_parallel_grads(ref)
+    fully_shard(wrapped, mesh=dims.mesh["dp"])
+    wrapped.set_reshard_after_backward(reshard_after_backward)
+    wrapped(x.chunk(dp, dim=1)[dims.dp_rank]).sum().backward()  # DP splits the batch; FSDP2 averages
+    partial = None
+    if reshard_after_backward:  # the module holds the sharded parameters: their gradients before the sum
+        partial = {n: p.grad.full_tensor() * dp for n, p in wrapped.named_parameters()}
+    touched = allreduce_sequence_parallel_grads(wrapped)
+    # the block's whole gradient norm, by hand: TP-split weights summed over TP, the rest counted once
+    want = dict(ref.named_parameters())
+    squares = sum((p.grad.double() ** 2).sum() if not getattr(p, "tensor_model_parallel", False)
+                  else _tp_sum((p.grad.double() ** 2).sum(), tp) for p in want.values())
+    ref_norm = squares.sqrt() / dp  # FSDP2 averages the DP ranks' gradients of their halves of the batch
+    # our clip finds the TP tags FSDP2 dropped (by name) and the gradients on its sharded parameters
+    norm = ok.clip_grad_norm_(wrapped, ref_norm.item() / 4, dims=dims)
+    _close("norm", norm, ref_norm)
+    coef = (ref_norm / 4) / (ref_norm + 1e-6)  # torch's clip coefficient: every gradient scaled by it
+    # the dense export: DTensors gathered over DP, then TP-split weights (tags found by name) over TP
+    want_dense, want_grads = gather_dense_state_dict(ref, tp), gather_dense_state_dict(ref, tp, grads=True)
+    got_dense, got_grads = gather_dense_state_dict(wrapped, tp), gather_dense_state_dict(wrapped, tp, grads=True)
+    assert list(got_dense) == list(want_dense) and list(got_grads) == list(want_grads)
+    for name, want_value in want_dense.items():  # weights, and Megatron's _extra_state (None) as they are
+        assert torch.equal(got_dense[name], want_value) if torch.is_tensor(want_value) else got_dense[name] is None
+    for name in want_grads:
+        _close(f"dense grad {name}", got_grads[name] * dp, want_grads[name] * coef)
+    wrapped.reshard()  # (a no-op when already resharded) the sharded parameters, with their gradients
+    summed = {n: p.grad.full_tensor() * dp for n, p in wrapped.named_parameters()}
+    for name in summed:
+        _close(f"grad {name}", summed[name], want[name].grad * coef)
+    norms = [n for n in summed if "norm" in n]
+    # the planted bug (tags lost, nothing summed) is what the comparison catches
+    stale = partial and [n for n in norms if not torch.allclose(partial[n], want[n].grad, **TOL)]
+    refused = []  # the wrapper dropped the TP tags these need: refused, not silently wrong
+    for call in (lambda: ok.clip_grad_norm_(wrapped.parameters(), 1.0, dims=dims),
+                 lambda: shard_dense_state_dict(wrapped, {}, tp)):
+        try:
+            call()
+            refused.append(None)
+        except TypeError as exc:
+            refused.append(str(exc).split(":")[0])
+    return touched, norms, stale, refused
+
+
+@pytest.mark.parametrize("reshard_after_backward", [True, False])
+def test_sequence_parallel_grads_under_torch_fsdp2(rank_pool, reshard_after_backward):
+    for touched, norms, stale, refused in rank_pool(4).run(_block_under_fsdp2_on_rank, reshard_after_backward):
+        assert touched == 2 and norms == ["attn_norm.weight", "mlp_norm.weight"]
+        assert stale == (norms if reshard_after_backward else None)
+        assert refused == ["clip_grad_norm_", "shard_dense_state_dict"]
+
+
+def _tied_under_fsdp2_on_rank():
+    """A weight two modules share (a tied embedding and head): FSDP2 keeps one sharded parameter for
+    it, and both names must find it, whichever module remembers its tags."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from overlapkernels import _compat
+
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    second.weight = first.weight
+    model = nn.Sequential(first, second)
+    fully_shard(model, mesh=ok.init_parallel().mesh["dp"])
+    model.set_reshard_after_backward(False)
+    model(torch.ones(2, 4)).sum().backward()
+    found = _compat.fsdp2_sharded_params(model)
+    # after backward the modules hold the unsharded parameter; the gradient is on the sharded one
+    return (found[(id(first), "weight")] is found[(id(second), "weight")], first.weight.grad is None,
+            hasattr(found[(id(second), "weight")].grad, "to_local"))
+
+
+def test_tied_parameters_under_torch_fsdp2_are_found_by_every_name(rank_pool):
+    assert rank_pool(2).run(_tied_under_fsdp2_on_rank) == [(True, True, True)] * 2
+
+
+def _tied_dense_export_on_rank():
+    """A TP weight two layers share: the dense dict holds the whole weight under both names."""
+    from torch import nn
+
+    tp, one, world, rank = _groups()
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": ColumnParallelLinear(4, 2 * world, tp, bias=False, dtype=F64),
+                           "b": ColumnParallelLinear(4, 2 * world, tp, bias=False, dtype=F64)})
+    model["b"].weight = model["a"].weight
+    dense = gather_dense_state_dict(model, tp)
+    shards = [torch.empty_like(model["a"].weight) for _ in range(world)]
+    dist.all_gather(shards, model["a"].weight.detach(), group=tp)
+    return sorted(dense), dense["a.weight"] is dense["b.weight"], torch.equal(dense["b.weight"], torch.cat(shards))
+
+
+def test_tied_tensor_parallel_weight_exports_dense_under_each_name(rank_pool):
+    assert rank_pool(2).run(_tied_dense_export_on_rank) == [(["a._extra_state", "a.weight", "b._extra_state", "b.weight"], True, True)] * 2
+
+
+def _clip_without_dims_on_rank():
+    """dims=None: pure data parallelism over the world; replicated gradients count once."""
+    from torch import nn
+
+    p = nn.Parameter(torch.zeros(3, dtype=F64))
+    p.grad = torch.tensor([3.0, 4.0, 0.0], dtype=F64)  # the same on every rank, as DDP leaves it
+    return float(ok.clip_grad_norm_([p], 10.0, dims=None)), float(ok.clip_grad_norm_([p], 10.0, 1.0, dims=None))
+
+
+def test_clip_grad_norm_without_dims_is_data_parallel(rank_pool):
+    assert rank_pool(2).run(_clip_without_dims_on_rank) == [(5.0, 7.0)] * 2
