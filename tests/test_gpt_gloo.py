@@ -103,3 +103,58 @@ def _bad_seq_on_rank():
     one = torch.ones(1)
     dist.all_reduce(one)
     return True
+
+
+def _gpt_under_fsdp2_on_rank(layout_kwargs, reshard_after_backward):
+    """The GPT with CP (and TP + SP) wrapped by torch's FSDP2 over DP: sync_grads sums the CP-partial
+    gradients on FSDP2's shards (also when the modules hold unsharded parameters after backward),
+    and the dense export equals the dense model's gradients. Every DP rank feeds the whole batch,
+    so FSDP2's average over DP is the dense gradient."""
+    from torch.distributed.fsdp import fully_shard
+
+    config = GPTConfig(**CONFIG, sequence_parallel=True, method="baseline")
+    g = torch.Generator().manual_seed(42)
+    tokens, targets = (torch.randint(0, CONFIG["vocab_size"], (2, 8), generator=g) for _ in range(2))
+    torch.manual_seed(0)
+    dense = GPT(config, ok.init_parallel(), dtype=torch.float64)
+    dense.loss(tokens, targets).backward()
+    dims = ok.init_parallel(**layout_kwargs)
+    model = GPT(config, dims, dtype=torch.float64)
+    model.load_state_dict(shard_dense_state_dict(model, dense.state_dict()))
+    for block in model.blocks.values():
+        fully_shard(block, mesh=dims.mesh["dp"])
+    fully_shard(model, mesh=dims.mesh["dp"])
+    model.set_reshard_after_backward(reshard_after_backward)
+    model.loss(tokens, targets).backward()
+    model.sync_grads()
+    for name, grad in gather_dense_state_dict(model, grads=True).items():
+        want = dict(dense.named_parameters())[name].grad
+        torch.testing.assert_close(grad, want, atol=1e-11, rtol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("layout_kwargs, reshard_after_backward", [(dict(cp=2), True), (dict(cp=2), False),
+                                                                    (dict(tp=2, cp=2), True)])
+def test_gpt_context_parallel_under_torch_fsdp2(rank_pool, layout_kwargs, reshard_after_backward):
+    assert rank_pool(4).run(_gpt_under_fsdp2_on_rank, layout_kwargs, reshard_after_backward) == [True] * 4
+
+
+def _gpt_fsdp2_over_dp_and_cp_on_rank():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dims = ok.init_parallel(cp=2)
+    model = fully_shard(GPT(GPTConfig(**CONFIG, method="baseline"), dims, dtype=torch.float64),
+                        mesh=init_device_mesh("cpu", (4,)))  # DP x CP: FSDP2 averages over CP already
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    model.loss(tokens, tokens).backward()
+    try:
+        model.sync_grads()
+    except ValueError as exc:
+        return str(exc).split(";")[0]
+
+
+def test_gpt_under_fsdp2_over_a_mesh_with_cp_peers_is_refused(rank_pool):
+    assert rank_pool(4).run(_gpt_fsdp2_over_dp_and_cp_on_rank) == [
+        "sync_grads: torch's FSDP2 shards these parameters over a mesh that holds CP peers (it averaged their "
+        "partial gradients, 1/cp of the sum)"] * 4
