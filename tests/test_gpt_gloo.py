@@ -108,7 +108,7 @@ def _bad_seq_on_rank():
 def _gpt_under_fsdp2_on_rank(layout_kwargs, reshard_after_backward):
     """The GPT with CP (and TP + SP) wrapped by torch's FSDP2 over DP: sync_grads sums the CP-partial
     gradients on FSDP2's shards (also when the modules hold unsharded parameters after backward),
-    and the dense export equals the dense model's gradients. Every DP rank feeds the whole batch,
+    and the global norm and the dense export equal the dense model's. Every DP rank feeds the whole batch,
     so FSDP2's average over DP is the dense gradient."""
     from torch.distributed.fsdp import fully_shard
 
@@ -127,6 +127,9 @@ def _gpt_under_fsdp2_on_rank(layout_kwargs, reshard_after_backward):
     model.set_reshard_after_backward(reshard_after_backward)
     model.loss(tokens, targets).backward()
     model.sync_grads()
+    dense_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in dense.parameters()]))
+    # the whole model's norm (1e9: nothing clipped): TP shards, CP and TP replicas and DP shards each once
+    torch.testing.assert_close(ok.clip_grad_norm_(model, 1e9, dims=dims), dense_norm, atol=1e-12, rtol=1e-12)
     for name, grad in gather_dense_state_dict(model, grads=True).items():
         want = dict(dense.named_parameters())[name].grad
         torch.testing.assert_close(grad, want, atol=1e-11, rtol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
