@@ -93,6 +93,27 @@ def test_peer_memory_unavailable_says_why(requested, has_symm, ipc_built, why):
     assert kind is None and re.search(why, message), message
 
 
+def test_cuda_graph_capture_keeps_peer_memory_methods_out(monkeypatch):
+    """symm/fused count calls on the host: captured, every replay would reuse stale flags. Under
+    capture they are refused by name, and auto neither picks them nor times candidates (a host sync)."""
+    from overlapkernels.ops import _methods, dispatch
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    process_group = object()  # not a thread world: a CUDA process group's peer memory
+    for method in ("symm", "fused"):
+        assert "cannot be captured in a CUDA graph" in _methods.unavailable_reason(method, process_group, cuda)
+    assert _methods.unavailable_reason("decomposed", process_group, cuda) is None
+    common = dict(world_size=8, rows_per_rank=4096, step_bytes=1 << 24, step_flops=1 << 36, peer_memory=False)
+    choice = dispatch.choose("all_gather_matmul", "auto", device=cuda, **common,
+                             measure=lambda: dispatch.Choice("fused", "measured"))
+    assert choice.method == "decomposed"  # the rule, not the (cached) measurement
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert dispatch.choose("all_gather_matmul", "auto", device=cuda, **common,
+                           measure=lambda: dispatch.Choice("fused", "measured")).method == "fused"
+    ok.reset_overlap_stats()
+
+
 @pytest.mark.parametrize("raw", ["0", "-3", "soon", "inf", "nan"])
 def test_bad_peer_timeout_is_rejected_by_name(monkeypatch, raw):
     from overlapkernels.comm.process_world import peer_memory_unavailable_reason, peer_wait_timeout

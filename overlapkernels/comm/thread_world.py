@@ -124,9 +124,11 @@ class ThreadWorld:
                 if self.device.type == "cuda":  # one stream per rank: ranks run concurrently on the GPU
                     torch.cuda.set_device(self.device)
                     stream = torch.cuda.Stream(self.device)
-                    with torch.cuda.stream(stream):
-                        results[rank] = fn(ctx, *args, **kwargs)
-                    stream.synchronize()
+                    try:
+                        with torch.cuda.stream(stream):
+                            results[rank] = fn(ctx, *args, **kwargs)
+                    finally:  # also on an error: its kernels may still use buffers the next run reuses
+                        stream.synchronize()
                 else:
                     results[rank] = fn(ctx, *args, **kwargs)
             except threading.BrokenBarrierError:  # a consequence, reported after the cause

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from . import _collective_methods as coll
 from ._validate import is_peer_world
-from .dispatch import PEER_MEMORY_METHODS
+from .dispatch import PEER_MEMORY_METHODS, capturing
 
 
 def unavailable_reason(method: str, group, device) -> str | None:
@@ -15,6 +15,10 @@ def unavailable_reason(method: str, group, device) -> str | None:
         return None
     if method not in PEER_MEMORY_METHODS:
         return None
+    if capturing(device):
+        return (f"method={method!r} cannot be captured in a CUDA graph: its call counters live on the host, so "
+                "every replay would wait for flags an earlier call already set and read half-written buffers; "
+                "use 'decomposed' or 'baseline'")
     from ..comm.process_world import peer_memory_unavailable_reason
 
     reason = peer_memory_unavailable_reason(device)

@@ -96,27 +96,29 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
             sig.set_flag_now(ws.arrived[src:src + 1], epoch)
 
     side = world.side_stream()
-    for step in range(1, w):
-        side.submit(partial(pull, (r + step) % w))
+    try:  # the copy stream writes a_full and err until joined: join it on an error too
+        for step in range(1, w):
+            side.submit(partial(pull, (r + step) % w))
 
-    # 3. compute as chunks arrive
-    a_flat = a_full.view(w * m, k)
-    outs = [torch.empty(w * m, b.shape[1], dtype=shard.dtype, device=shard.device) for b in bs]
-    if method == "fused":
-        with span("ok/ag_matmul/fused_gemm/compute"):
-            for b, out in zip(bs, outs):
-                ag_gemm(a_flat, b, out, ws.arrived, err, rank=r, world_size=w, epoch=epoch, budget=budget,
-                        ranks_per_device=world.ranks_per_device)
-    else:
-        for step in range(w):
-            c = (r + step) % w
-            if c != r:
-                sig.wait_flag(ws.arrived[c:c + 1], epoch, err, budget, code=sig.ERR_READY_TIMEOUT, rank=r, chunk=c,
-                              peer=c)
-            with span(f"ok/ag_matmul/chunk{c}/compute"):
+        # 3. compute as chunks arrive
+        a_flat = a_full.view(w * m, k)
+        outs = [torch.empty(w * m, b.shape[1], dtype=shard.dtype, device=shard.device) for b in bs]
+        if method == "fused":
+            with span("ok/ag_matmul/fused_gemm/compute"):
                 for b, out in zip(bs, outs):
-                    torch.matmul(a_full[c], b, out=out[c * m:(c + 1) * m])
-    side.synchronize()
+                    ag_gemm(a_flat, b, out, ws.arrived, err, rank=r, world_size=w, epoch=epoch, budget=budget,
+                            ranks_per_device=world.ranks_per_device)
+        else:
+            for step in range(w):
+                c = (r + step) % w
+                if c != r:
+                    sig.wait_flag(ws.arrived[c:c + 1], epoch, err, budget, code=sig.ERR_READY_TIMEOUT, rank=r, chunk=c,
+                                  peer=c)
+                with span(f"ok/ag_matmul/chunk{c}/compute"):
+                    for b, out in zip(bs, outs):
+                        torch.matmul(a_full[c], b, out=out[c * m:(c + 1) * m])
+    finally:
+        side.synchronize()
     world.check_errors(err, _op_name("all_gather_matmul", method), epoch)
     return a_flat, outs
 
@@ -133,11 +135,13 @@ def _reduce_scatter_partials(world, method: str, dtype, m: int, n: int, device, 
         if owner != r:
             sig.wait_flag(ws.pads.local[w + owner:w + owner + 1], epoch - 1, err, budget,
                           code=sig.ERR_CONSUMED_TIMEOUT, rank=r, chunk=owner, peer=owner)
-    ws.counted += fill_slots(ws, err)  # 2.
-    for q in range(w):  # 3. every rank's partial of our chunk is here
-        sig.wait_flag(ws.pads.local[q:q + 1], ws.counted, err, budget, code=sig.ERR_PARTIAL_TIMEOUT, rank=r,
-                      chunk=r, peer=q)
-    world.side_stream().synchronize()
+    try:  # the copy stream reads the partials and writes err until joined: join it on an error too
+        ws.counted += fill_slots(ws, err)  # 2.
+        for q in range(w):  # 3. every rank's partial of our chunk is here
+            sig.wait_flag(ws.pads.local[q:q + 1], ws.counted, err, budget, code=sig.ERR_PARTIAL_TIMEOUT, rank=r,
+                          chunk=r, peer=q)
+    finally:
+        world.side_stream().synchronize()
     world.check_errors(err, _op_name("matmul_reduce_scatter", method), epoch)
     acc = torch.zeros(m, n, dtype=accumulation_dtype(dtype), device=device)
     for q in range(w):  # fixed order: bitwise reproducible whatever order partials arrived in

@@ -112,6 +112,12 @@ def record(op: str, choice: Choice) -> None:
     log.debug("%s: method=%s (%s)", op, choice.method, choice.reason)
 
 
+def capturing(device: torch.device) -> bool:
+    """Is this CUDA stream being captured into a graph? Then nothing may sync the host, and the
+    peer-memory methods may not run (their call counters would be frozen into the graph)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def check_method(method) -> str:
     if method not in METHODS:
         raise ValueError(f"method={method!r}: expected one of {list(METHODS)}")
@@ -129,7 +135,7 @@ def choose(op: str, method: str, *, world_size: int, rows_per_rank: int, step_by
         choice = Choice(method, "requested")
     elif world_size == 1:
         choice = Choice("baseline", "world size 1: nothing to overlap")
-    elif measure is not None and not peer_memory:
+    elif measure is not None and not peer_memory and not capturing(device):  # (timing syncs the host)
         choice = measure()
     elif peer_memory:
         choice = Choice("fused", "peer-memory world: persistent Triton GEMM waiting on chunk signals")
