@@ -234,6 +234,32 @@ def test_gpu_warmup_launches_touch_only_scratch(method):
     assert ThreadWorld(2, timeout=60).run(_warmup_launches_on_rank, method) == [True, True]
 
 
+class _FakeCudaWorld:
+    device = torch.device("cuda", 0)
+
+    def __init__(self, shares_context):
+        self.shares_context, self.barriers, self._spaces = shares_context, 0, {}
+
+    def workspace(self, key, make):
+        return self._spaces.setdefault(key, make(self))
+
+    def barrier(self):
+        self.barriers += 1
+
+
+@pytest.mark.parametrize("shares_context, barriers", [(True, 2), (False, 0)])
+def test_warmup_meets_at_barriers_only_in_a_shared_context(monkeypatch, shares_context, barriers):
+    """Processes of their own warm up alone: a rank-local signature part (TF32, alignment) that
+    differed between ranks would otherwise pair barriers wrongly. One context (threads) must meet."""
+    from overlapkernels.ops import _kernel_warmup as warmup
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    world, launches = _FakeCudaWorld(shares_context), []
+    for key in ("a", "a", "b"):
+        warmup.warm(world, key, lambda k=key: launches.append(k))
+    assert launches == ["a", "b"] and world.barriers == 2 * barriers
+
+
 @pytest.mark.parametrize("smem_kb, dtype, rows, n, k, want", [
     (227, torch.bfloat16, 4096, 8192, 1024, "CUDA_GEMM_16BIT"),        # H100/H200, a large chunk
     (227, torch.bfloat16, 4096, 8192, 1376, "CUDA_GEMM_16BIT_SMALL"),  # ragged K: the big tile spills

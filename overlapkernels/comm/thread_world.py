@@ -33,6 +33,7 @@ class ThreadRank:
         self.world_size = world.world_size
         self.device = world.device
         self.ranks_per_device = world.world_size if world.device.type == "cuda" else 1
+        self.shares_context = world.device.type == "cuda"  # one process: one CUDA context for every rank
         self.timeout = world.timeout
         # device-side waits give up well before run() stops waiting for the threads, so a hang is
         # reported as the wait that failed (op, rank, chunk, peer) and no kernel outlives the call

@@ -4,10 +4,15 @@ Loading a module can need a context-wide synchronisation (CUDA lazy loading; Tri
 compiled kernel at its first launch). If that happens while a kernel of the same context spins on
 a flag that only the loading thread's next kernel would set, nothing moves until the wait times
 out - and the one-GPU world (ranks as threads of one process, one context) is exactly that. So the
-first call of each op signature launches every kernel it uses once on scratch buffers, then
-synchronises and meets the other ranks at a barrier; no launch after that loads anything. Later
-calls with the same signature skip all of it. Nothing happens on CPU (the interpreter loads
-nothing).
+first call of each op signature launches every kernel it uses once on scratch buffers and
+synchronises; no launch after that loads anything. Later calls with the same signature skip all
+of it. Nothing happens on CPU (the interpreter loads nothing).
+
+Ranks that share a context (the thread world) also meet at barriers around it: a load or a device
+synchronise there waits for every rank's kernels. Ranks in processes of their own do not: a load
+waits only for its own process's kernels, whose peers keep launching, and a barrier would pair up
+wrongly (a hang) the first time a signature part that is the rank's own (the TF32 switch, a
+pointer's alignment) differed between ranks.
 """
 from __future__ import annotations
 
@@ -22,21 +27,24 @@ from ._collective_methods import accumulation_dtype
 
 
 def warm(world, key, launch_all) -> None:
-    """Run ``launch_all()`` once per ``key`` in ``world`` (collective: every rank passes the same
-    keys in the same order, as they make the same op calls)."""
+    """Run ``launch_all()`` once per ``key`` in ``world`` (in a shared context a collective: every
+    rank passes the same keys in the same order, as they make the same op calls)."""
     if world.device.type != "cuda":
         return
     done = world.workspace(("kernel-warmup",), lambda _world: set())
     key = (key, torch.backends.cuda.matmul.allow_tf32, tile_gemm._forced)  # both change the compiled variant
     if key in done:
         return
-    # first every rank's earlier kernels finish (they may spin until a peer's next launch), then
-    # the loads, then nobody spins before everyone has loaded
-    world.barrier()
+    shared = getattr(world, "shares_context", False)
+    # first (in a shared context: every rank's) earlier kernels finish - they may spin until a
+    # peer's next launch - then the loads, then nobody spins before everyone has loaded
+    if shared:
+        world.barrier()
     torch.cuda.synchronize(world.device)
     launch_all()
     torch.cuda.synchronize(world.device)
-    world.barrier()
+    if shared:
+        world.barrier()
     done.add(key)
 
 
