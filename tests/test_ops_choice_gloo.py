@@ -127,6 +127,26 @@ def test_bad_peer_timeout_is_rejected_by_name(monkeypatch, raw):
     assert peer_wait_timeout() == 60.0
 
 
+@pytest.mark.parametrize("raw", ["0", "-2", "many", "1.5", ""])
+def test_reserved_sms_setting(monkeypatch, raw):
+    """The SMs fused GEMMs leave free (for the flag kernels, and NCCL's beside them): checked by name
+    before anything communicates, and it sizes the persistent grid."""
+    from types import SimpleNamespace
+
+    from overlapkernels.comm.process_world import peer_memory_unavailable_reason
+    from overlapkernels.kernels.triton import tile_gemm
+
+    monkeypatch.setenv("OVERLAPKERNELS_RESERVED_SMS", raw)
+    with pytest.raises(ValueError, match=f"OVERLAPKERNELS_RESERVED_SMS='{raw}': expected a whole number of SMs >= 1"):
+        peer_memory_unavailable_reason(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setenv("OVERLAPKERNELS_RESERVED_SMS", "20")
+    assert tile_gemm.num_programs(cuda, 1000) == 112 and tile_gemm.num_programs(cuda, 1000, ranks_per_device=2) == 56
+    monkeypatch.delenv("OVERLAPKERNELS_RESERVED_SMS")
+    assert tile_gemm.num_programs(cuda, 1000) == 128 and tile_gemm.num_programs(cuda, 7) == 7
+
+
 def _peer_memory_across_hosts_on_rank():
     """4 ranks as 2 hosts of 2, rank 3 without peer memory: the ranks ask each other (no launcher
     numbering) and every rank of a group gets the same answer, yes only for TP group {0, 1} (one

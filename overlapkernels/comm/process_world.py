@@ -108,7 +108,10 @@ def peer_memory_unavailable_reason(device: torch.device) -> str | None:
         return f"tensors are on {device}, peer memory needs CUDA"
     from ..kernels import cuda as cuda_lib
 
-    peer_wait_timeout()  # a bad setting raises here, before anything communicates
+    from ..kernels.triton.tile_gemm import reserved_sms
+
+    peer_wait_timeout()  # bad settings raise here, before anything communicates
+    reserved_sms()
     _, why = resolve_peer_memory(requested_peer_memory(), has_symm_mem=torch_has_symmetric_memory(),
                                  ipc_built=cuda_lib.is_loadable())
     return why

@@ -3,6 +3,7 @@ tile configuration each device gets."""
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +11,8 @@ import triton
 import triton.language as tl
 
 
-RESERVED_SMS = 4  # left free for the copy stream's wait/signal kernels
+RESERVED_SMS = 4  # left free for the copy stream's wait/signal kernels (default)
+RESERVED_SMS_ENV = "OVERLAPKERNELS_RESERVED_SMS"
 
 
 @triton.jit
@@ -137,8 +139,21 @@ def num_programs(device: torch.device, tiles: int, ranks_per_device: int = 1) ->
     held every SM those kernels could never be scheduled (deadlock)."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(tiles, (sms - RESERVED_SMS) // ranks_per_device))
+        return max(1, min(tiles, (sms - reserved_sms()) // ranks_per_device))
     return max(1, min(tiles, 2))
+
+
+def reserved_sms() -> int:
+    """SMs the persistent GEMMs leave free: ``$OVERLAPKERNELS_RESERVED_SMS``, default 4 (the flag
+    kernels need one). Raise it when NCCL collectives (FSDP, DP, CP) run beside ``fused``: their
+    kernels take free SMs too, and the flag kernels would queue behind them. Read at every call;
+    set it alike on every rank."""
+    raw = os.environ.get(RESERVED_SMS_ENV)
+    if raw is None:
+        return RESERVED_SMS
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ValueError(f"{RESERVED_SMS_ENV}={raw!r}: expected a whole number of SMs >= 1")
+    return int(raw)
 
 
 def check_gemm_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
