@@ -156,7 +156,8 @@ def test_jsonl_rows_and_env_schema(tmp_path):
     from overlapkernels.bench.report import append_jsonl, environment
 
     env = environment("cpu")
-    assert set(env) == {"device", "gpu_name", "driver", "nvlink", "torch", "triton", "version", "commit", "date"}
+    assert set(env) == {"device", "gpu_name", "driver", "nvlink", "torch", "triton", "version", "commit", "date",
+                        "settings"}
     assert env["device"].startswith("cpu") and env["gpu_name"] == env["nvlink"] == ""  # CPU rows say CPU
     path = tmp_path / "rows.jsonl"
     append_jsonl(path, [{"op": "x", "efficiency": math.nan}, {"op": "y", "efficiency": 0.5}])

@@ -1,5 +1,6 @@
 """`overlapkernels info`: exits 0 without a GPU; the NVML path checked against a fake NVML."""
 import json
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -21,6 +22,23 @@ def test_info_without_gpu_exits_zero():
     data = json.loads(_cli("info", "--json").stdout)
     assert data["software"]["backends"]["gloo"] is True
     assert isinstance(data["gpu"]["available"], bool)
+
+
+def test_settings_in_effect_are_recorded(monkeypatch):
+    """OVERLAPKERNELS_* change what runs (auto mode, SM reserve, ...): info and every bench row say so."""
+    from overlapkernels.bench.report import environment
+    from overlapkernels.profiling.inventory import settings
+
+    for key in [k for k in os.environ if k.startswith("OVERLAPKERNELS_")]:
+        monkeypatch.delenv(key)
+    assert settings() == {} and environment("cpu")["settings"] == ""
+    assert "settings      defaults" in format_inventory(inventory())
+    monkeypatch.setenv("OVERLAPKERNELS_RESERVED_SMS", "16")
+    monkeypatch.setenv("OVERLAPKERNELS_AUTO", "measure")
+    monkeypatch.setenv("OTHER_AUTO", "x")
+    assert settings() == {"OVERLAPKERNELS_AUTO": "measure", "OVERLAPKERNELS_RESERVED_SMS": "16"}
+    assert environment("cpu")["settings"] == "OVERLAPKERNELS_AUTO=measure OVERLAPKERNELS_RESERVED_SMS=16"
+    assert "settings      OVERLAPKERNELS_AUTO=measure OVERLAPKERNELS_RESERVED_SMS=16" in format_inventory(inventory())
 
 
 class FakeNVML:

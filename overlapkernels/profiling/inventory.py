@@ -5,6 +5,7 @@ GPU, driver and permissions. Without a GPU or driver it says so instead of faili
 """
 from __future__ import annotations
 
+import os
 import platform
 import sys
 
@@ -122,7 +123,14 @@ def software_inventory() -> dict:
         "torch": torch.__version__, "triton": triton_version, "cuda_runtime": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(), "backends": backends,
         "cuda_library": {"built": cuda_lib.is_built(), "path": str(cuda_lib.library_path())},
+        "settings": settings(),
     }
+
+
+def settings() -> dict:
+    """The ``OVERLAPKERNELS_*`` environment variables set in this process (the rest keep defaults):
+    they change what ops run (auto mode, peer memory, SM reserve, timeouts), so runs record them."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("OVERLAPKERNELS_")}
 
 
 def inventory(nvml=None) -> dict:
@@ -137,7 +145,8 @@ def format_inventory(info: dict) -> str:
              f"triton        {sw['triton']}",
              "backends      " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in sw["backends"].items()),
              f"cuda library  {'built' if sw['cuda_library']['built'] else 'not built (make cuda)'}: "
-             f"{sw['cuda_library']['path']}"]
+             f"{sw['cuda_library']['path']}",
+             "settings      " + (" ".join(f"{k}={v}" for k, v in sw["settings"].items()) or "defaults")]
     if not gpu["available"]:
         lines.append(f"GPU           none: {gpu['reason']}")
         return "\n".join(lines)
