@@ -104,6 +104,10 @@ def test_cuda_graph_capture_keeps_peer_memory_methods_out(monkeypatch):
     for method in ("symm", "fused"):
         assert "cannot be captured in a CUDA graph" in _methods.unavailable_reason(method, process_group, cuda)
     assert _methods.unavailable_reason("decomposed", process_group, cuda) is None
+    from overlapkernels.comm.thread_world import ThreadRank, ThreadWorld
+
+    thread_rank = ThreadRank(ThreadWorld(2, timeout=5), 0)  # the one-GPU test world: refused alike
+    assert "cannot be captured in a CUDA graph" in _methods.unavailable_reason("fused", thread_rank, cuda)
     common = dict(world_size=8, rows_per_rank=4096, step_bytes=1 << 24, step_flops=1 << 36, peer_memory=False)
     choice = dispatch.choose("all_gather_matmul", "auto", device=cuda, **common,
                              measure=lambda: dispatch.Choice("fused", "measured"))

@@ -12,6 +12,7 @@ the ranks' backward passes would run one after another and deadlock at their fir
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import traceback
@@ -128,8 +129,11 @@ class ThreadWorld:
                     try:
                         with torch.cuda.stream(stream):
                             results[rank] = fn(ctx, *args, **kwargs)
-                    finally:  # also on an error: its kernels may still use buffers the next run reuses
-                        stream.synchronize()
+                    except BaseException:  # its kernels may still use buffers the next run reuses
+                        with contextlib.suppress(Exception):  # (a second error must not hide the first)
+                            stream.synchronize()
+                        raise
+                    stream.synchronize()
                 else:
                     results[rank] = fn(ctx, *args, **kwargs)
             except threading.BrokenBarrierError:  # a consequence, reported after the cause

@@ -125,23 +125,25 @@ class GPT(nn.Module):
         Not needed under ``fsdp.shard``, which sums both itself; parameters it manages are skipped
         here (summing twice would multiply them by the TP or CP size). Under torch's FSDP2 over the
         DP mesh it sums each rank's gradient shards; a mesh that also holds CP peers is refused."""
-        if self.sequence_parallel:
-            allreduce_sequence_parallel_grads(self, self.dims.tp_group)
-        if self.cp_group is not None:  # (under fsdp.shard the units sum over CP themselves)
-            from ..layers.tags import tensor_parallel_parameters
+        from ..layers.tags import tensor_parallel_parameters
 
+        grads = []
+        if self.cp_group is not None:  # (under fsdp.shard the units sum over CP themselves)
             # under torch's FSDP2 over DP: each rank's local gradient shard (a view), the same
             # shard index on its CP peers (they share the DP coordinate), found also when the
             # modules hold unsharded parameters after backward
             grads = [p.grad for _, p, _ in tensor_parallel_parameters(self)
                      if p.grad is not None and not getattr(p, "_fsdp_sums_context_parallel", False)]
             peers = set(dist.get_process_group_ranks(self.cp_group)) - {dist.get_rank()}
-            for grad in grads:
+            for grad in grads:  # before any sum: a refused call leaves the gradients as they were
                 if hasattr(grad, "device_mesh") and peers & set(grad.device_mesh.mesh.flatten().tolist()):
                     # a mesh over DP x CP has already averaged over CP, and CP peers hold other shards
                     raise ValueError("sync_grads: torch's FSDP2 shards these parameters over a mesh that holds CP "
                                      "peers (it averaged their partial gradients, 1/cp of the sum); wrap the "
                                      "model with fully_shard(..., mesh=dims.mesh['dp'])")
+        if self.sequence_parallel:
+            allreduce_sequence_parallel_grads(self, self.dims.tp_group)
+        if self.cp_group is not None:
             all_reduce_coalesced([g.to_local() if hasattr(g, "to_local") else g for g in grads], self.cp_group)
 
 

@@ -9,16 +9,16 @@ from .dispatch import PEER_MEMORY_METHODS, capturing
 def unavailable_reason(method: str, group, device) -> str | None:
     """Why ``method`` (resolved, not "auto") cannot run on ``group`` with tensors on ``device``;
     None when it can. Checked before a call is recorded or anything communicates."""
+    if method in PEER_MEMORY_METHODS and capturing(device):
+        return (f"method={method!r} cannot be captured in a CUDA graph: its call counters live on the host, so "
+                "every replay would wait for flags an earlier call already set and read half-written buffers; "
+                "use 'decomposed' or 'baseline'")
     if is_peer_world(group):
         if method not in PEER_MEMORY_METHODS:
             return f"method={method!r} needs a process group; a thread-world group runs 'symm' or 'fused'"
         return None
     if method not in PEER_MEMORY_METHODS:
         return None
-    if capturing(device):
-        return (f"method={method!r} cannot be captured in a CUDA graph: its call counters live on the host, so "
-                "every replay would wait for flags an earlier call already set and read half-written buffers; "
-                "use 'decomposed' or 'baseline'")
     from ..comm.process_world import peer_memory_unavailable_reason
 
     reason = peer_memory_unavailable_reason(device)

@@ -25,6 +25,7 @@ Matmul + reduce-scatter (pads: counts[0:W], released[W:2W]):
 """
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import torch
@@ -56,6 +57,13 @@ class _Workspace:
 def _workspace(world, kind: str, method: str, slots_shape: tuple, dtype) -> _Workspace:
     key = (kind, method, slots_shape, dtype)
     return world.workspace(key, lambda w: _Workspace(w, slots_shape, dtype))
+
+
+def _join_quietly(side) -> None:
+    """On an error: wait for the copy stream (it still writes buffers the allocator would reuse),
+    without letting a second error hide the first."""
+    with contextlib.suppress(Exception):
+        side.synchronize()
 
 
 def _op_name(op: str, method: str) -> str:
@@ -117,8 +125,10 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
                 with span(f"ok/ag_matmul/chunk{c}/compute"):
                     for b, out in zip(bs, outs):
                         torch.matmul(a_full[c], b, out=out[c * m:(c + 1) * m])
-    finally:
-        side.synchronize()
+    except BaseException:
+        _join_quietly(side)
+        raise
+    side.synchronize()
     world.check_errors(err, _op_name("all_gather_matmul", method), epoch)
     return a_flat, outs
 
@@ -140,8 +150,10 @@ def _reduce_scatter_partials(world, method: str, dtype, m: int, n: int, device, 
         for q in range(w):  # 3. every rank's partial of our chunk is here
             sig.wait_flag(ws.pads.local[q:q + 1], ws.counted, err, budget, code=sig.ERR_PARTIAL_TIMEOUT, rank=r,
                           chunk=r, peer=q)
-    finally:
-        world.side_stream().synchronize()
+    except BaseException:
+        _join_quietly(world.side_stream())
+        raise
+    world.side_stream().synchronize()
     world.check_errors(err, _op_name("matmul_reduce_scatter", method), epoch)
     acc = torch.zeros(m, n, dtype=accumulation_dtype(dtype), device=device)
     for q in range(w):  # fixed order: bitwise reproducible whatever order partials arrived in
