@@ -178,6 +178,35 @@ def _peer_memory_across_hosts_on_rank():
         pw._group_peer_memory.clear()
 
 
+def _bad_setting_on_one_rank():
+    """Rank 1 alone has a bad OVERLAPKERNELS_RESERVED_SMS: every rank raises naming it, instead of
+    rank 1 raising and the others waiting in the agreement's collective."""
+    import os
+
+    from overlapkernels.comm import process_world as pw
+    from overlapkernels.kernels.triton.tile_gemm import reserved_sms
+
+    r = dist.get_rank()
+    unavailable = pw.peer_memory_unavailable_reason
+    pw.peer_memory_unavailable_reason = lambda device: reserved_sms() and None  # the settings check, on "CUDA"
+    if r == 1:
+        os.environ["OVERLAPKERNELS_RESERVED_SMS"] = "lots"
+    pw._group_peer_memory.clear()
+    try:
+        pw.group_has_peer_memory(dist.group.WORLD, torch.device("cpu"))
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        os.environ.pop("OVERLAPKERNELS_RESERVED_SMS", None)
+        pw.peer_memory_unavailable_reason = unavailable
+        pw._group_peer_memory.clear()
+
+
+def test_a_bad_setting_on_one_rank_is_reported_by_every_rank(rank_pool):
+    assert rank_pool(2).run(_bad_setting_on_one_rank) == [
+        "rank 1: OVERLAPKERNELS_RESERVED_SMS='lots': expected a whole number of SMs >= 1"] * 2
+
+
 def test_peer_memory_needs_every_rank_able_and_one_host(rank_pool):
     results = rank_pool(4).run(_peer_memory_across_hosts_on_rank)
     both, two = ["baseline", "decomposed", "symm", "fused"], ["baseline", "decomposed"]

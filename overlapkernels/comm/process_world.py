@@ -126,11 +126,16 @@ def group_has_peer_memory(group: dist.ProcessGroup, device: torch.device) -> boo
     and every rank gets the same answer. Why ask the ranks rather than the launcher's numbering
     (LOCAL_WORLD_SIZE): that can be inherited from an outer launcher, ranks can be renumbered and
     nodes can differ in size, and ranks that disagreed would then disagree on what to run."""
-    key = (group.group_name, device, requested_peer_memory())
+    key = (group.group_name, device, os.environ.get(PEER_MEMORY_ENV))
     if key not in _group_peer_memory:
-        mine = (socket.gethostname(), peer_memory_unavailable_reason(device) is None)
-        everyone = all_gather_objects(mine, group, device)
-        _group_peer_memory[key] = len({host for host, _ in everyone}) == 1 and all(ok for _, ok in everyone)
+        try:
+            able, error = peer_memory_unavailable_reason(device) is None, None
+        except ValueError as exc:  # a bad setting here: every rank is told, none is left waiting
+            able, error = False, str(exc)
+        everyone = all_gather_objects((socket.gethostname(), able, error), group, device)
+        if errors := [f"rank {r}: {e}" for r, (_, _, e) in enumerate(everyone) if e]:
+            raise ValueError("; ".join(errors))
+        _group_peer_memory[key] = len({host for host, _, _ in everyone}) == 1 and all(ok for _, ok, _ in everyone)
     return _group_peer_memory[key]
 
 
