@@ -176,3 +176,23 @@ def _clip_without_dims_on_rank():
 
 def test_clip_grad_norm_without_dims_is_data_parallel(rank_pool):
     assert rank_pool(2).run(_clip_without_dims_on_rank) == [(5.0, 7.0)] * 2
+
+
+def _fsdp2_over_the_tp_axis_on_rank():
+    """FSDP2 wrapped over the TP axis by mistake: the mesh has the right size to pass a count check,
+    but its ranks hold other TP shards; the norm is refused by name, not computed from a mix."""
+    from torch.distributed.fsdp import fully_shard
+
+    dims = ok.init_parallel(tp=2, dp=2)
+    layer = fully_shard(ColumnParallelLinear(4, 8, dims.tp_group, dtype=F64, method="baseline"), mesh=dims.mesh["tp"])
+    layer(_randn(3, 2, 4, seed=0)).sum().backward()
+    try:
+        ok.clip_grad_norm_(layer, 1.0, dims=dims)
+    except ValueError as exc:
+        return str(exc).split(";")[0]
+
+
+def test_fsdp2_mesh_over_other_model_parts_is_refused(rank_pool):
+    for message in rank_pool(4).run(_fsdp2_over_the_tp_axis_on_rank):
+        assert message.startswith("clip_grad_norm_: a DTensor gradient's mesh spans ranks [") and \
+            message.endswith("which hold other parts of the model (another pipeline stage or TP shard)"), message

@@ -76,6 +76,12 @@ def dtensor_replicas(grad, partitioned_over_tp: bool, dims) -> int:
         raise ValueError(f"clip_grad_norm_: a DTensor gradient with placements {placements} is still a partial "
                          "sum (Partial); clip after the gradients are reduced")
     sharded = math.prod(grad.device_mesh.size(i) for i, pl in enumerate(placements) if pl.is_shard())
+    if getattr(dims, "mesh", None) is not None:
+        strangers = set(grad.device_mesh.mesh.flatten().tolist()) - _copy_ranks(dims, partitioned_over_tp)
+        if strangers:
+            other = "another pipeline stage or TP shard" if partitioned_over_tp else "another pipeline stage"
+            raise ValueError(f"clip_grad_norm_: a DTensor gradient's mesh spans ranks {sorted(strangers)}, which hold "
+                             f"other parts of the model ({other}); shard it over DP (and CP) ranks only")
     if dims is None:
         copies = dist.get_world_size()
     else:
@@ -85,6 +91,17 @@ def dtensor_replicas(grad, partitioned_over_tp: bool, dims) -> int:
                          f"divide its {copies} copies (DP x CP{'' if partitioned_over_tp else ' x TP'} of dims): "
                          "shard it over DP (and CP) ranks only")
     return copies // sharded
+
+
+def _copy_ranks(dims, partitioned_over_tp: bool) -> set:
+    """The ranks holding a copy of this rank's part of a parameter: its pipeline stage, and its TP
+    shard when the parameter is split over TP."""
+    from ..parallel import AXES
+
+    index = [slice(None)] * len(AXES)
+    for axis in ("pp", "tp") if partitioned_over_tp else ("pp",):
+        index[AXES.index(axis)] = dims.mesh.get_local_rank(axis)
+    return set(dims.mesh.mesh[tuple(index)].flatten().tolist())
 
 
 def _tagged_parameters(parameters, dims) -> list:
