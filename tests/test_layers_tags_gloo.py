@@ -50,9 +50,9 @@ def _block_under_fsdp2_on_rank(reshard_after_backward):
     clients do. FSDP2 swaps in DTensor parameters, dropping the attributes that tag the norms'
     partial gradients; the helper still finds them by name and sums each rank's local shard over
     TP, also when the module holds FSDP2's unsharded parameters after backward (no gradient there).
-    ``ok.clip_grad_norm_(model)`` and ``gather_dense_state_dict`` likewise find the TP-split weights'
-    dropped tags by name: the block's norm, each weight counted once, and its dense weights and
-    gradients. Reference: the same block unwrapped, fed the whole batch."""
+    ``ok.clip_grad_norm_(model)`` and the dense state-dict helpers likewise find the TP-split weights'
+    dropped tags by name: the block's norm, each weight counted once, its dense weights and
+    gradients, and a dense import into a wrapped block. Reference: the same block unwrapped, fed the whole batch."""
     from torch.distributed.fsdp import fully_shard
 
     from overlapkernels.layers import TransformerBlock
@@ -103,23 +103,30 @@ def _block_under_fsdp2_on_rank(reshard_after_backward):
     norms = [n for n in summed if "norm" in n]
     # the planted bug (tags lost, nothing summed) is what the comparison catches
     stale = partial and [n for n in norms if not torch.allclose(partial[n], want[n].grad, **TOL)]
-    refused = []  # the wrapper dropped the TP tags these need: refused, not silently wrong
-    for call in (lambda: ok.clip_grad_norm_(wrapped.parameters(), 1.0, dims=dims),
-                 lambda: shard_dense_state_dict(wrapped, {}, tp)):
-        try:
-            call()
-            refused.append(None)
-        except TypeError as exc:
-            refused.append(str(exc).split(":")[0])
-    return touched, norms, stale, refused
+    try:  # the parameters alone lost the TP tags: refused, not silently wrong
+        ok.clip_grad_norm_(wrapped.parameters(), 1.0, dims=dims)
+        refused = None
+    except TypeError as exc:
+        refused = str(exc).split(":")[0]
+    # and the dense import into a wrapped block (zeroed first): every weight back, exactly
+    fresh = make()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    fully_shard(fresh, mesh=dims.mesh["dp"])
+    fresh.load_state_dict(shard_dense_state_dict(fresh, want_dense, tp), strict=True)
+    back = gather_dense_state_dict(fresh, tp)
+    imported = all(torch.equal(back[n], v) for n, v in want_dense.items() if torch.is_tensor(v))
+    return touched, norms, stale, refused, imported
 
 
 @pytest.mark.parametrize("reshard_after_backward", [True, False])
 def test_sequence_parallel_grads_under_torch_fsdp2(rank_pool, reshard_after_backward):
-    for touched, norms, stale, refused in rank_pool(4).run(_block_under_fsdp2_on_rank, reshard_after_backward):
+    for touched, norms, stale, refused, imported in rank_pool(4).run(_block_under_fsdp2_on_rank,
+                                                                     reshard_after_backward):
         assert touched == 2 and norms == ["attn_norm.weight", "mlp_norm.weight"]
         assert stale == (norms if reshard_after_backward else None)
-        assert refused == ["clip_grad_norm_", "shard_dense_state_dict"]
+        assert refused == "clip_grad_norm_" and imported
 
 
 def _tied_under_fsdp2_on_rank():

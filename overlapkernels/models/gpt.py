@@ -150,21 +150,31 @@ class GPT(nn.Module):
 def shard_dense_state_dict(model: nn.Module, dense: dict, group=None) -> dict:
     """This rank's state dict from a dense (TP=1) one: tensor-parallel parameters are cut along
     their ``partition_dim`` over the TP group (``group``, else ``model.dims.tp_group``); the rest
-    is copied. Works for any module built from the parallel layers."""
-    _refuse_dtensors(model, "shard_dense_state_dict")
-    out = {}
+    is copied. Works for any module built from the parallel layers, also wrapped by torch's FSDP2
+    (between steps, its parameters sharded): the TP split comes from the names the layers remember,
+    and each value becomes a DTensor laid out as its parameter, cut locally (no communication)."""
+    from ..layers.tags import tensor_parallel_parameters
+
     group = group if group is not None else _tp_group_of(model)
-    params = dict(model.named_parameters())
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    params = {name: (param, dim) for names, param, dim in tensor_parallel_parameters(model) for name in names}
+    out = {}
     for name, value in model.state_dict().items():
         if name not in params:  # buffers, Megatron's _extra_state: as the dense model has them
             out[name] = dense.get(name, value)
             continue
-        param, full = params[name], dense[name]
-        if getattr(param, "tensor_model_parallel", False):
-            full = full.chunk(dist.get_world_size(group), dim=param.partition_dim)[dist.get_rank(group)]
-        if full.shape != param.shape:
+        (param, partition_dim), full = params[name], dense[name]
+        if partition_dim is not None:
+            full = full.chunk(world, dim=partition_dim)[rank]
+        if full.shape != param.shape:  # (a DTensor's shape is its whole tensor's)
             raise ValueError(f"{name}: dense shape {tuple(dense[name].shape)} does not shard to {tuple(param.shape)}")
-        out[name] = full.clone()
+        if hasattr(param, "device_mesh"):  # FSDP2: this rank's piece, in the parameter's layout
+            from torch.distributed.tensor import distribute_tensor
+
+            out[name] = distribute_tensor(full.to(param.device, param.dtype), param.device_mesh, param.placements,
+                                          src_data_rank=None)
+        else:
+            out[name] = full.clone()
     return out
 
 
@@ -196,15 +206,6 @@ def gather_dense_state_dict(model: nn.Module, group=None, *, grads: bool = False
         return dense
     return {name: dense[name] if name in dense else (value.detach().clone() if torch.is_tensor(value) else value)
             for name, value in model.state_dict().items()}
-
-
-def _refuse_dtensors(model: nn.Module, what: str) -> None:
-    """Sharding reads each parameter's TP tags and loads plain tensors; torch's FSDP2 (fully_shard)
-    replaces the parameters with DTensors without them: load the dense dict before wrapping."""
-    for name, param in model.named_parameters():
-        if hasattr(param, "to_local"):
-            raise TypeError(f"{what}: parameter {name!r} is a DTensor (a model wrapped by torch's FSDP2 "
-                            "fully_shard?); load the dense state dict into the model before wrapping it")
 
 
 def _tp_group_of(model):
