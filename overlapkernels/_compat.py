@@ -204,3 +204,17 @@ def fsdp2_sharded_params(module) -> dict:
             raise RuntimeError(f"torch {torch.__version__}: FSDP2's parameter state moved ({exc}); overlapkernels "
                                "cannot find the sharded gradients of a fully_shard module") from exc
     return found
+
+
+def distribute_locally(tensor, mesh, placements):
+    """A DTensor of ``tensor`` (the same on every rank of ``mesh``) laid out as ``placements``, each
+    rank cutting its own piece: no communication. Why not plain ``distribute_tensor``: by default it
+    scatters from rank 0; ``src_data_rank=None`` (torch >= 2.7) is the local cut."""
+    import inspect
+
+    from torch.distributed.tensor import distribute_tensor
+
+    if "src_data_rank" not in inspect.signature(distribute_tensor).parameters:
+        raise RuntimeError(f"torch {torch.__version__}: distribute_tensor cannot cut locally (src_data_rank, "
+                           "torch >= 2.7); load the dense state dict before wrapping the model with FSDP2")
+    return distribute_tensor(tensor, mesh, placements, src_data_rank=None)

@@ -169,7 +169,8 @@ def _tied_dense_export_on_rank():
 
 
 def test_tied_tensor_parallel_weight_exports_dense_under_each_name(rank_pool):
-    assert rank_pool(2).run(_tied_dense_export_on_rank) == [(["a._extra_state", "a.weight", "b._extra_state", "b.weight"], True, True)] * 2
+    names = ["a._extra_state", "a.weight", "b._extra_state", "b.weight"]
+    assert rank_pool(2).run(_tied_dense_export_on_rank) == [(names, True, True)] * 2
 
 
 def _clip_without_dims_on_rank():
@@ -203,3 +204,34 @@ def test_fsdp2_mesh_over_other_model_parts_is_refused(rank_pool):
     for message in rank_pool(4).run(_fsdp2_over_the_tp_axis_on_rank):
         assert message.startswith("clip_grad_norm_: a DTensor gradient's mesh spans ranks [") and \
             message.endswith("which hold other parts of the model (another pipeline stage or TP shard)"), message
+
+
+def _one_stage_refuses_on_rank():
+    """Only pipeline stage 1 wraps its layer over the wrong axis: its ranks raise, and the stage-0
+    ranks, which had nothing to refuse, get a NaN norm instead of waiting in the all-reduce."""
+    from torch.distributed.fsdp import fully_shard
+
+    dims = ok.init_parallel(tp=2, pp=2)
+    layer = ColumnParallelLinear(4, 8, dims.tp_group, dtype=F64, method="baseline")
+    fully_shard(layer, mesh=dims.mesh["tp" if dims.pp_rank == 1 else "dp"])
+    layer(_randn(3, 2, 4, seed=0)).sum().backward()
+    try:
+        norm = ok.clip_grad_norm_(layer, 1.0, dims=dims)
+    except ValueError as exc:
+        return dims.pp_rank, "refused" if "hold other parts of the model" in str(exc) else str(exc)
+    return dims.pp_rank, "nan" if torch.isnan(norm) and torch.isnan(layer.weight.grad.to_local()).all() else str(norm)
+
+
+def test_a_rank_refusing_its_gradients_leaves_no_rank_waiting(rank_pool):
+    outcomes = sorted(rank_pool(4).run(_one_stage_refuses_on_rank))
+    assert outcomes == [(0, "nan"), (0, "nan"), (1, "refused"), (1, "refused")]
+
+
+def test_dense_import_under_fsdp2_on_an_old_torch_says_what_to_do(monkeypatch):
+    import torch.distributed.tensor as dtensor
+
+    from overlapkernels import _compat
+
+    monkeypatch.setattr(dtensor, "distribute_tensor", lambda tensor, device_mesh=None, placements=None: tensor)
+    with pytest.raises(RuntimeError, match=r"cannot cut locally \(src_data_rank, torch >= 2.7\); load the dense"):
+        _compat.distribute_locally(torch.zeros(2), None, None)

@@ -133,7 +133,7 @@ def group_has_peer_memory(group: dist.ProcessGroup, device: torch.device) -> boo
         except ValueError as exc:  # a bad setting here: every rank is told, none is left waiting
             able, error = False, str(exc)
         everyone = all_gather_objects((socket.gethostname(), able, error), group, device)
-        if errors := [f"rank {r}: {e}" for r, (_, _, e) in enumerate(everyone) if e]:
+        if errors := [f"rank {dist.get_global_rank(group, r)}: {e}" for r, (_, _, e) in enumerate(everyone) if e]:
             raise ValueError("; ".join(errors))
         _group_peer_memory[key] = len({host for host, _, _ in everyone}) == 1 and all(ok for _, ok, _ in everyone)
     return _group_peer_memory[key]

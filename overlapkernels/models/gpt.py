@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import _compat
 from ..comm.collectives import all_reduce_coalesced
 from ..layers import ColumnParallelLinear, RMSNorm, TransformerBlock, VocabParallelEmbedding
 from ..layers.norm import allreduce_sequence_parallel_grads
@@ -169,10 +170,8 @@ def shard_dense_state_dict(model: nn.Module, dense: dict, group=None) -> dict:
         if full.shape != param.shape:  # (a DTensor's shape is its whole tensor's)
             raise ValueError(f"{name}: dense shape {tuple(dense[name].shape)} does not shard to {tuple(param.shape)}")
         if hasattr(param, "device_mesh"):  # FSDP2: this rank's piece, in the parameter's layout
-            from torch.distributed.tensor import distribute_tensor
-
-            out[name] = distribute_tensor(full.to(param.device, param.dtype), param.device_mesh, param.placements,
-                                          src_data_rank=None)
+            out[name] = _compat.distribute_locally(full.detach().to(param.device, param.dtype), param.device_mesh,
+                                                   param.placements)
         else:
             out[name] = full.clone()
     return out

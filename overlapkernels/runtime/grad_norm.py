@@ -43,22 +43,27 @@ def check_clip_args(max_norm, norm_type) -> float:
     return float(norm_type)
 
 
-def global_norm(pieces, norm_type: float, group, device: torch.device) -> torch.Tensor:
-    """The norm over all ranks of ``group`` of ``pieces``: (gradient tensor, its replica count)."""
+def global_norm(pieces, norm_type: float, group, device: torch.device, *, refused: bool = False) -> torch.Tensor:
+    """The norm over all ranks of ``group`` of ``pieces``: (gradient tensor, its replica count).
+    ``refused``: this rank refused its gradients; it still takes part in the all-reduce (the others
+    wait in it) and the norm comes out NaN on every rank, with no extra collective or host read."""
     p = float(norm_type)
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # [this rank's share, refused]
+    total[1] = float(refused)
     if p == math.inf:
         for t, _ in pieces:
             if t.numel():
-                total = torch.maximum(total, t.detach().abs().max().double().to(device))
+                total[0] = torch.maximum(total[0], t.detach().abs().max().double().to(device))
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        norm = total[0]
     else:
         for t, count in pieces:  # fp64 sums: many ranks' shares of a large model
-            total += torch.linalg.vector_norm(t.detach(), p, dtype=torch.float64).to(device) ** p / count
+            total[0] += torch.linalg.vector_norm(t.detach(), p, dtype=torch.float64).to(device) ** p / count
         dist.all_reduce(total, group=group)
-        total = total ** (1.0 / p)
+        norm = total[0] ** (1.0 / p)
+    norm = torch.where(total[1] > 0, torch.full_like(norm, math.nan), norm)
     widest = max((t.dtype for t, _ in pieces), key=lambda d: torch.finfo(d).bits, default=torch.float32)
-    return total.to(widest if torch.finfo(widest).bits >= 32 else torch.float32)
+    return norm.to(widest if torch.finfo(widest).bits >= 32 else torch.float32)
 
 
 def scale_(tensors, max_norm: float, total: torch.Tensor) -> None:
@@ -135,20 +140,29 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *, dims) -> torch.Tenso
     layers remember by name, and after backward with reshard-after-backward off the module holds
     unsharded parameters without gradients, which only the model form looks past; each rank's
     local shard is counted once per copy. ``dims=None``: pure data parallelism over the world
-    (plain gradients are replicas on every rank, DTensor ones sharded over their mesh)."""
+    (plain gradients are replicas on every rank, DTensor ones sharded over their mesh).
+
+    A rank that refuses its gradients (a TypeError or ValueError naming why) still joins the
+    all-reduce before raising, and the other ranks' norm is NaN: their gradients become NaN, never
+    silently mis-clipped, while the refusing rank's error stops the job."""
     p = check_clip_args(max_norm, norm_type)
-    params = _tagged_parameters(parameters, dims)
-    grads = []
-    for q, partitioned in params:
-        if q.grad is None:
-            continue
-        if hasattr(q.grad, "to_local"):  # a view of the local shard: clipping scales the DTensor in place
-            grads.append((q.grad.to_local(), dtensor_replicas(q.grad, partitioned, dims)))
-        else:
-            grads.append((q.grad, replicas(q, dims, partitioned=partitioned)))
+    params, grads, refusal = [], [], None
+    try:
+        params = _tagged_parameters(parameters, dims)
+        for q, partitioned in params:
+            if q.grad is None:
+                continue
+            if hasattr(q.grad, "to_local"):  # a view of the local shard: clipping scales the DTensor in place
+                grads.append((q.grad.to_local(), dtensor_replicas(q.grad, partitioned, dims)))
+            else:
+                grads.append((q.grad, replicas(q, dims, partitioned=partitioned)))
+    except (TypeError, ValueError) as exc:  # only some ranks may refuse (one pipeline stage's mesh)
+        grads, refusal = [], exc
     device = grads[0][0].device if grads else (params[0][0].device if params else torch.device("cpu"))
     if dist.get_backend() == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    total = global_norm(grads, p, dist.group.WORLD, device)
+    total = global_norm(grads, p, dist.group.WORLD, device, refused=refusal is not None)
+    if refusal is not None:  # after the all-reduce, so no rank is left waiting in it
+        raise refusal
     scale_([g for g, _ in grads], float(max_norm), total)
     return total
