@@ -205,10 +205,9 @@ def check_output_paths(csv=None, json_out=None, plot=None, profile=None) -> None
             nearest = nearest.parent
         if nearest != path and not nearest.is_dir():
             raise ValueError(f"{flag} {value}: {nearest} is a file, so {value} cannot be created; expected {want}")
-        if not os.access(nearest, os.W_OK) and not (flag == "--json" and path.suffix != ".jsonl"):
-            raise ValueError(f"{flag} {value}: {nearest} is not writable; expected {want}")
-        if flag == "--json" and path.suffix != ".jsonl":  # rewritten whole through a rename in its folder
-            folder = nearest if nearest != path else path.parent
-            if not os.access(folder, os.W_OK):
-                raise ValueError(f"{flag} {value}: {folder} is not writable; expected {want} in a writable folder")
+        rewritten = flag == "--json" and path.suffix != ".jsonl"  # a JSON array: replaced through its folder
+        writable = path.parent if rewritten and nearest == path else nearest
+        if not os.access(writable, os.W_OK):
+            raise ValueError(f"{flag} {value}: {writable} is not writable; expected {want}")
+        if rewritten:
             existing_json_rows(path)  # a file that is no JSON array of rows: refused now

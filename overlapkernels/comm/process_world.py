@@ -107,7 +107,6 @@ def peer_memory_unavailable_reason(device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"tensors are on {device}, peer memory needs CUDA"
     from ..kernels import cuda as cuda_lib
-
     from ..kernels.triton.tile_gemm import reserved_sms
 
     peer_wait_timeout()  # bad settings raise here, before anything communicates

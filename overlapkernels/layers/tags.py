@@ -67,6 +67,8 @@ def tensor_parallel_parameters(module: nn.Module, sharded: dict | None = None) -
                 full = f"{prefix}.{name}" if prefix else name
                 if full not in names:
                     names.append(full)
-    return [(names, param, split.get(id(param), param.partition_dim if getattr(param, "tensor_model_parallel", False)
-                                     else None))
-            for names, param in found.values()]
+    def partition_dim(param):
+        tagged = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+        return split.get(id(param), tagged)
+
+    return [(names, param, partition_dim(param)) for names, param in found.values()]

@@ -136,8 +136,9 @@ class GPT(nn.Module):
             grads = [p.grad for _, p, _ in tensor_parallel_parameters(self)
                      if p.grad is not None and not getattr(p, "_fsdp_sums_context_parallel", False)]
             peers = set(dist.get_process_group_ranks(self.cp_group)) - {dist.get_rank()}
-            for grad in grads:  # before any sum: a refused call leaves the gradients as they were
-                if hasattr(grad, "device_mesh") and peers & set(grad.device_mesh.mesh.flatten().tolist()):
+            meshes = {id(g.device_mesh): g.device_mesh for g in grads if hasattr(g, "device_mesh")}  # a few, shared
+            for mesh in meshes.values():  # before any sum: a refused call leaves the gradients as they were
+                if peers & set(mesh.mesh.flatten().tolist()):
                     # a mesh over DP x CP has already averaged over CP, and CP peers hold other shards
                     raise ValueError("sync_grads: torch's FSDP2 shards these parameters over a mesh that holds CP "
                                      "peers (it averaged their partial gradients, 1/cp of the sum); wrap the "

@@ -87,10 +87,7 @@ def dtensor_replicas(grad, partitioned_over_tp: bool, dims) -> int:
             other = "another pipeline stage or TP shard" if partitioned_over_tp else "another pipeline stage"
             raise ValueError(f"clip_grad_norm_: a DTensor gradient's mesh spans ranks {sorted(strangers)}, which hold "
                              f"other parts of the model ({other}); shard it over DP (and CP) ranks only")
-    if dims is None:
-        copies = dist.get_world_size()
-    else:
-        copies = (1 if partitioned_over_tp else dims.tp_size) * dims.cp_size * dims.dp_size
+    copies = replicas(grad, dims, partitioned=partitioned_over_tp)  # were it not sharded
     if copies % sharded:
         raise ValueError(f"clip_grad_norm_: a DTensor gradient is sharded over {sharded} ranks, which does not "
                          f"divide its {copies} copies (DP x CP{'' if partitioned_over_tp else ' x TP'} of dims): "
@@ -147,13 +144,17 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *, dims) -> torch.Tenso
     silently mis-clipped, while the refusing rank's error stops the job."""
     p = check_clip_args(max_norm, norm_type)
     params, grads, refusal = [], [], None
+    shard_copies = {}  # FSDP2's parameters share a few meshes and layouts: check and count each once
     try:
         params = _tagged_parameters(parameters, dims)
         for q, partitioned in params:
             if q.grad is None:
                 continue
             if hasattr(q.grad, "to_local"):  # a view of the local shard: clipping scales the DTensor in place
-                grads.append((q.grad.to_local(), dtensor_replicas(q.grad, partitioned, dims)))
+                layout = (id(q.grad.device_mesh), tuple(q.grad.placements), partitioned)
+                if layout not in shard_copies:
+                    shard_copies[layout] = dtensor_replicas(q.grad, partitioned, dims)
+                grads.append((q.grad.to_local(), shard_copies[layout]))
             else:
                 grads.append((q.grad, replicas(q, dims, partitioned=partitioned)))
     except (TypeError, ValueError) as exc:  # only some ranks may refuse (one pipeline stage's mesh)
