@@ -192,7 +192,9 @@ class RingAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args, ctx.device = (group, causal, scale, layout, backend), q.device
         ctx.set_materialize_grads(False)
-        return out, lse.float() if lse.dtype != torch.float64 else lse
+        # fp32 whatever the inputs, as the API (and flash-attn's softmax_lse) promise: callers that
+        # merge partial attentions rely on it. fp64 inputs still compute it in fp64 internally.
+        return out, lse.float()
 
     @staticmethod
     @backward_without_autocast
@@ -264,9 +266,8 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, lay
 
     q [B, S_local, H, D], k/v [B, S_local, H_kv, D] (``"sbhd"``: sequence first), each rank holding
     its part as ``shard_sequence(..., layout=layout)`` lays it out. Returns out like q, and with
-    ``return_lse`` also the log-sum-exp [B, H, S_local] (-inf for rows that see no key) in fp32 for
-    16/32-bit inputs; fp64 inputs keep fp64, since rounding it to fp32 would cap an fp64 check of
-    it (or of gradients through it) at fp32 precision.
+    ``return_lse`` also the log-sum-exp [B, H, S_local] (-inf for rows that see no key) in fp32,
+    whatever the input dtype (fp64 inputs compute it in fp64 and round only the returned copy).
     """
     group = resolve_group(group)
     with same_call_on_every_rank(group, "ring_attention", getattr(q, "device", None)) as call:
