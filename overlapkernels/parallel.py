@@ -144,5 +144,12 @@ def init_parallel(tp: int = 1, cp: int = 1, pp: int = 1, dp: int = -1, backend: 
 
 
 def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """``group=None`` means the default (world) group everywhere in the API."""
-    return dist.group.WORLD if group is None else group
+    """``group=None`` means the default (world) group everywhere in the API. Anything else that is
+    not a process group (a rank number, a mesh dim name) is refused by name here, before the first
+    collective would fail on it with an unrelated AttributeError."""
+    if group is None:
+        return dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group={group!r}: expected a torch.distributed ProcessGroup or None (for a DeviceMesh "
+                        f"dimension pass mesh.get_group(dim)), got {type(group).__name__}")
+    return group

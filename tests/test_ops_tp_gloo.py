@@ -191,6 +191,10 @@ BAD_AG = [
      r"b must be a single \[K, N\] tensor, got list"),
     (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8, dtype=torch.float16), torch.ones(8, 3)), ValueError,
      r"b.dtype=torch.float32 does not match a.dtype=torch.float16"),
+    (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3), 3), TypeError,
+     r"group=3: expected a torch.distributed ProcessGroup or None .*got int"),
+    (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 3), "tp"), TypeError,
+     r"group='tp': expected a torch.distributed ProcessGroup or None"),
 ]
 
 
@@ -252,3 +256,53 @@ def _autocast_on_rank(method):
 @pytest.mark.parametrize("method", ["baseline", "decomposed"])
 def test_autocast_runs_in_its_dtype(rank_pool, method):
     assert rank_pool(2).run(_autocast_on_rank, method) == [True, True]
+
+
+# ------------------------------------------------------------- what callers do with the results
+def _callers_use_on_rank(method):
+    """What code written for ``torch.cat(all_gather(a)) @ b`` does with the result must work for
+    every method: in-place ops on the output and on the gathered input (out += bias, ReLU(inplace)),
+    empty shards and K = 0; a second order raises by name rather than returning wrong gradients."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shards = [_make((3, 2, 6), torch.float64, 30 + r, False) for r in range(world)]
+    b0, bias = _make((6, 5), torch.float64, 40, False), _make((5,), torch.float64, 41, False)
+    a, b = shards[rank].clone().requires_grad_(), b0.clone().requires_grad_()
+    gathered, out = ok.all_gather_matmul(a, b, return_gathered=True, method=method)
+    out += bias
+    out.relu_()
+    gathered.mul_(2)
+    (out.sum() + gathered.sum()).backward()
+    ra, rb = torch.cat(shards).requires_grad_(), b0.clone().requires_grad_()
+    ((ra @ rb + bias).relu().sum() + (2 * ra).sum()).backward()
+    _compare("out", out, (ra @ rb + bias).relu(), False, torch.float64)
+    _compare("grad a", a.grad, ra.grad.chunk(world)[rank] * world, False, torch.float64)  # every rank's loss
+    _compare("grad b", b.grad, rb.grad, False, torch.float64)
+    rs = ok.matmul_reduce_scatter(torch.cat(shards).requires_grad_(), b0, method=method)
+    rs += bias  # in place on the reduce-scattered output too
+    rs.sum().backward()
+
+    for m_rows, k in ((0, 6), (2, 0)):  # as torch.cat(...) @ b: an empty result, or zeros
+        got = ok.all_gather_matmul(torch.ones(m_rows, k, dtype=torch.float64), torch.ones(k, 5, dtype=torch.float64),
+                                   method=method)
+        assert got.shape == (world * m_rows, 5) and not got.any(), (m_rows, k, got)
+        got = ok.matmul_reduce_scatter(torch.ones(world * m_rows, k, dtype=torch.float64),
+                                       torch.ones(k, 5, dtype=torch.float64), method=method)
+        assert got.shape == (m_rows, 5) and not got.any(), (m_rows, k, got)
+
+    for op in ("ag", "rs"):
+        x = (shards[rank] if op == "ag" else torch.cat(shards)).clone().requires_grad_()
+        y = (ok.all_gather_matmul(x, b0, method=method) if op == "ag" else
+             ok.matmul_reduce_scatter(x, b0, method=method))
+        (gx,) = torch.autograd.grad((y ** 2).sum(), x, create_graph=True)
+        try:
+            gx.sum().backward()
+        except RuntimeError as exc:
+            assert "once_differentiable" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"{op}: a second order ran; its communication is not differentiable")
+    return True
+
+
+@pytest.mark.parametrize("method", ["baseline", "decomposed"])
+def test_callers_use_of_results(rank_pool, method):
+    assert rank_pool(2).run(_callers_use_on_rank, method) == [True, True]

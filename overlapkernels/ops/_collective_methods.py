@@ -63,7 +63,10 @@ def ring_all_gather(a_shard: torch.Tensor, group, on_chunk, *, alternate_streams
     """
     ring = Ring.of(group)
     r, world, m = ring.rank, ring.world_size, a_shard.shape[0]
-    a_full = a_shard.new_empty((world, m, a_shard.shape[1]))
+    # returned as allocated, not as a view: an autograd output that is a view cannot be modified
+    # in place (out += bias), and the ops return it to callers
+    a_flat = a_shard.new_empty((world * m, a_shard.shape[1]))
+    a_full = a_flat.view(world, m, a_shard.shape[1])
     a_full[r].copy_(a_shard)
     streams = _ComputeStreams(a_shard.device if alternate_streams else torch.device("cpu"))
     pending = None
@@ -80,19 +83,19 @@ def ring_all_gather(a_shard: torch.Tensor, group, on_chunk, *, alternate_streams
             with span(f"ok/{name}/chunk{chunk}/compute"):
                 on_chunk(chunk, a_full[chunk])
     streams.join()
-    return a_full.view(world * m, -1)
+    return a_flat
 
 
 def ag_matmul_decomposed(a_shard: torch.Tensor, bs: list, group) -> tuple:
     world, m = Ring.of(group).world_size, a_shard.shape[0]
-    outs = [a_shard.new_empty((world, m, b.shape[1])) for b in bs]
+    outs = [a_shard.new_empty((world * m, b.shape[1])) for b in bs]  # not views: see ring_all_gather
 
     def multiply(c, chunk):
         for out, b in zip(outs, bs):
-            torch.matmul(chunk, b, out=out[c])
+            torch.matmul(chunk, b, out=out[c * m:(c + 1) * m])
 
     a_full = ring_all_gather(a_shard, group, multiply)
-    return a_full, [out.view(world * m, -1) for out in outs]
+    return a_full, outs
 
 
 def ag_wgrad(a_shard: torch.Tensor, grad_outs: list, group, method: str) -> list:

@@ -91,7 +91,8 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
                           code=sig.ERR_CONSUMED_TIMEOUT, rank=r, chunk=r, peer=reader)
     ws.slots.local[r].copy_(shard)
     _ag_signal_kernel[(1,)](ws.pads.peer_ptrs, epoch, r, WORLD=w)
-    a_full = torch.empty(w, m, k, dtype=shard.dtype, device=shard.device)
+    a_flat = torch.empty(w * m, k, dtype=shard.dtype, device=shard.device)  # returned as is, not a view
+    a_full = a_flat.view(w, m, k)
     a_full[r].copy_(shard)
 
     # 2. the copy engine pulls the other chunks in ring order
@@ -109,7 +110,6 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
             side.submit(partial(pull, (r + step) % w))
 
         # 3. compute as chunks arrive
-        a_flat = a_full.view(w * m, k)
         outs = [torch.empty(w * m, b.shape[1], dtype=shard.dtype, device=shard.device) for b in bs]
         if method == "fused":
             with span("ok/ag_matmul/fused_gemm/compute"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .._compat import eager_under_compile
 from ..parallel import resolve_group
@@ -62,6 +63,7 @@ class AllGatherMatmul(torch.autograd.Function):
         return (a_full, *outs)
 
     @staticmethod
+    @once_differentiable  # its communication is not differentiable: a second order raises, never wrong
     @backward_without_autocast
     def backward(ctx, grad_a_full, *grad_outs):
         # an op window of its own, so `profile report` sees the dual op's and wgrad's overlap
@@ -147,7 +149,7 @@ def _all_gather_matmul(a_shard, b, group, gather_dim, return_gathered, method, s
 
     x = a_shard.movedim(gather_dim, 0)
     lead = x.shape[:-1]
-    x2d = x.reshape(-1, x.shape[-1])
+    x2d = x.flatten(0, -2)  # [rows, K]; unlike reshape(-1, K) also for empty shards or K = 0
     with autocast_off(x2d.device):  # the methods choose their own precisions (fp32 partial sums)
         chosen = resolve(method, group, x2d, sum(w.shape[1] for w in bs), world, bs=bs)
     with span(f"ok/all_gather_matmul[{chosen}]"), autocast_off(x2d.device):

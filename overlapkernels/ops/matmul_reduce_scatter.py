@@ -4,6 +4,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .._compat import eager_under_compile
 from ..parallel import resolve_group
@@ -60,6 +61,7 @@ class MatmulReduceScatter(torch.autograd.Function):
         return _methods.matmul_rs(a, w.t() if transposed else w, group, method)
 
     @staticmethod
+    @once_differentiable  # its communication is not differentiable: a second order raises, never wrong
     @backward_without_autocast
     def backward(ctx, grad_out):
         # an op window of its own, so `profile report` sees the dual op's overlap
@@ -126,7 +128,7 @@ def _matmul_reduce_scatter(a, b, group, scatter_dim, method, transposed):
         call.args = dict(a=a, b=b_kn, scatter_dim=dim, method=method)
     x = a.movedim(dim, 0)
     lead = x.shape[:-1]
-    x2d = x.reshape(-1, x.shape[-1])
+    x2d = x.flatten(0, -2)  # [rows, K]; unlike reshape(-1, K) also for empty shards or K = 0
     with autocast_off(x2d.device):  # the methods choose their own precisions (fp32 partial sums)
         chosen = resolve(method, group, x2d, b_kn, world, measurable=True)
     with span(f"ok/matmul_reduce_scatter[{chosen}]"), autocast_off(x2d.device):
