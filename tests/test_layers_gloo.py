@@ -40,6 +40,7 @@ def _run_pair(dense, par, x_full, x_local, g_full, g_local, *, out_local_of, x_g
     xp = x_local.clone().requires_grad_()
     yd, yp = dense(xd), par(xp)
     _close("out", yp, out_local_of(yd.detach()))
+    assert yp.is_contiguous()  # as Megatron's outputs: callers .view() them
     (yd * g_full).sum().backward()
     (yp * g_local).sum().backward()
     allreduce_sequence_parallel_grads(par, tp_group)

@@ -9,6 +9,9 @@
 | reduce_scatter_first_dim  | reduce-scatter along dim 0       | all-gather along dim 0           | reduce_scatter_to_sequence_parallel_region |
 | gather_first_dim          | all-gather along dim 0           | reduce-scatter along dim 0       | gather_from_sequence_parallel_region       |
 
+Each backward applies its dual operator (the table's pairs are adjoint), so double backward
+through a region is exact too.
+
 The fused ops (all_gather_matmul, matmul_reduce_scatter) replace the last two wherever a GEMM
 follows or precedes them; these stay for the places with no GEMM to hide behind.
 """
@@ -33,22 +36,25 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return C.all_reduce(grad.contiguous(), ctx.group)[0], None
+        if torch.is_grad_enabled():  # create_graph: the dual op, so a second order is exact
+            return _ReduceFromTP.apply(grad, ctx.group), None
+        return C.all_reduce(grad.contiguous(), ctx.group)[0], None  # in place, as Megatron: no copy
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
+        ctx.group = group
         return C.all_reduce(x.contiguous().clone(), group)[0]
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return _CopyToTP.apply(grad, ctx.group), None
 
 
 def _gather_last(x, group):
     out, _ = C.all_gather(x.movedim(-1, 0).contiguous(), group)
-    return out.movedim(0, -1)
+    return out.movedim(0, -1).contiguous()  # laid out as Megatron's torch.cat is (callers .view() it)
 
 
 def _split_last(x, group):
@@ -63,7 +69,7 @@ class _GatherLastDim(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None
+        return _SplitLastDim.apply(grad, ctx.group), None
 
 
 class _SplitLastDim(torch.autograd.Function):
@@ -74,7 +80,7 @@ class _SplitLastDim(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_last(grad, ctx.group), None
+        return _GatherLastDim.apply(grad, ctx.group), None
 
 
 class _ReduceScatterFirstDim(torch.autograd.Function):
@@ -85,7 +91,7 @@ class _ReduceScatterFirstDim(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return C.all_gather(grad.contiguous(), ctx.group)[0], None
+        return _GatherFirstDim.apply(grad, ctx.group), None
 
 
 class _GatherFirstDim(torch.autograd.Function):
@@ -96,7 +102,7 @@ class _GatherFirstDim(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return C.reduce_scatter(grad.contiguous(), ctx.group)[0], None
+        return _ReduceScatterFirstDim.apply(grad, ctx.group), None
 
 
 @eager_under_compile  # takes a ProcessGroup: see _compat
