@@ -129,7 +129,7 @@ def _shard_roundtrip_on_rank():
     for layout in ("zigzag", "contiguous"):
         part = ok.shard_sequence(x, layout=layout).requires_grad_()
         full = ok.unshard_sequence(part, layout=layout)
-        assert torch.equal(full, x)
+        assert torch.equal(full, x) and full.is_contiguous()  # like a tensor built whole: .view() works
         (full * (rank + 1)).sum().backward()  # each rank's loss weights the full tensor differently
         assert torch.equal(part.grad, torch.full_like(part, sum(range(1, world + 1))))
     assert torch.equal(ok.unshard_sequence(ok.shard_sequence(x.transpose(0, 1), dim=0), dim=0), x.transpose(0, 1))
@@ -164,6 +164,10 @@ BAD = [
      r"x.shape\[1\]=7 is not divisible by 2 \(the group size 2"),
     (lambda q, k, v: ok.shard_sequence(torch.ones(2, 8), dim=2), ValueError, r"dim=2 is not a dim of x"),
     (lambda q, k, v: ok.unshard_sequence(torch.ones(2, 3)), ValueError, r"x_local.shape\[1\]=3 is odd"),
+    (lambda q, k, v: ok.ring_attention(q.long(), k.long(), v.long()), ValueError,
+     r"q.dtype=torch.int64: expected one of \['torch.float16', 'torch.bfloat16', 'torch.float32', 'torch.float64'\]"),
+    (lambda q, k, v: ok.ring_attention(q.bool(), k.bool(), v.bool()), ValueError, r"q.dtype=torch.bool: expected"),
+    (lambda q, k, v: ok.ring_attention(q, k[:, :, :0], v[:, :, :0]), ValueError, r"k/v 0: the query heads must be"),
 ]
 
 
@@ -227,3 +231,25 @@ def test_group_of_one_is_plain_attention():
         if created:
             dist.destroy_process_group()
         os.environ.update({k: v for k, v in env.items() if v is not None})
+
+
+def _callers_use_on_rank():
+    """In-place ops on the output work (as on SDPA's); a second order raises by name rather than
+    returning gradients that miss the ring's communication."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 4, 2, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out, lse = ok.ring_attention(q, k, v, causal=True, layout="zigzag", return_lse=True)
+    out.mul_(2)
+    lse.add_(1)
+    (out.sum() + lse.sum()).backward()
+    assert q.grad is not None and k.grad is not None
+    (gq,) = torch.autograd.grad(ok.ring_attention(q, k, v).pow(2).sum(), q, create_graph=True)
+    try:
+        gq.sum().backward()
+    except RuntimeError as exc:
+        return "once_differentiable" in str(exc)
+    return False
+
+
+def test_callers_use_of_results(rank_pool):
+    assert rank_pool(2).run(_callers_use_on_rank) == [True, True]

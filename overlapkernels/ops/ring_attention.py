@@ -16,6 +16,7 @@ import math
 import numbers
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .._compat import eager_under_compile
 from ..comm.ring import Ring, wait_all
@@ -27,6 +28,7 @@ from ._validate import same_call_on_every_rank
 from .sequence_shard import check_layout, segments
 
 FORMATS = ("bshd", "sbhd")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 KV_TAG, GRAD_TAG = 0, 1  # two exchanges may be in flight between the same ranks
 
 
@@ -197,6 +199,7 @@ class RingAttention(torch.autograd.Function):
         return out, lse.float()
 
     @staticmethod
+    @once_differentiable  # its communication is not differentiable: a second order raises, never wrong
     @backward_without_autocast
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
@@ -224,6 +227,8 @@ def _validate(q, k, v, qkv_format, layout, softmax_scale):
     if qkv_format not in FORMATS:
         raise ValueError(f"qkv_format={qkv_format!r}: expected one of {list(FORMATS)}")
     check_layout(layout)
+    if q.dtype not in DTYPES:  # SDPA's choice too: integer, bool or complex scores have no softmax
+        raise ValueError(f"q.dtype={q.dtype}: expected one of {[str(d) for d in DTYPES]}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise ValueError(f"{name}.dtype={t.dtype} does not match q.dtype={q.dtype}")
@@ -235,7 +240,7 @@ def _validate(q, k, v, qkv_format, layout, softmax_scale):
     if (q.shape[batch], q.shape[seq], q.shape[3]) != (k.shape[batch], k.shape[seq], k.shape[3]):
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} ({qkv_format}) must agree in batch, local "
                          "sequence length and head dim")
-    if q.shape[2] % k.shape[2]:
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
         raise ValueError(f"q has {q.shape[2]} heads, k/v {k.shape[2]}: the query heads must be a multiple of the "
                          "key/value heads (GQA/MQA)")
     if layout == "zigzag" and q.shape[seq] % 2:

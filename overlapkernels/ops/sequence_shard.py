@@ -6,6 +6,7 @@ holds chunks r and 2P-1-r, so under a causal mask every rank has the same amount
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 import torch.distributed as dist
 
 from .._compat import eager_under_compile
@@ -77,9 +78,11 @@ class _Unshard(torch.autograd.Function):
         full = [None] * parts
         for pos, c in enumerate(_chunk_order(layout, world)):
             full[c] = chunks[pos]
-        return torch.cat(full, dim=0).movedim(0, dim)
+        # contiguous, as a tensor built whole would be: callers .view() the full sequence
+        return torch.cat(full, dim=0).movedim(0, dim).contiguous()
 
     @staticmethod
+    @once_differentiable  # its communication is not differentiable: a second order raises, never wrong
     def backward(ctx, grad):
         world = dist.get_world_size(ctx.group)
         chunks = grad.movedim(ctx.dim, 0).chunk(_split_count(ctx.layout, world), dim=0)
