@@ -65,6 +65,8 @@ def test_deadlock_and_broken_schedules_are_named():
     sched.actions[0].pop()
     with pytest.raises(pp.ScheduleError, match=r"expected either BW or both B and W"):
         pp.validate(sched)
+    with pytest.raises(pp.ScheduleError, match=r"expected either BW or both B and W"):
+        pp.simulate(sched)  # no makespan for a schedule that skips a backward
     sched = pp.make_schedule("gpipe", 2, 2)
     sched.actions[0][0] = pp.Action("F", 1, 0)
     with pytest.raises(pp.ScheduleError, match=r"rank 0: F1.0 belongs to rank 1"):
@@ -80,6 +82,8 @@ def test_bad_arguments_name_the_allowed_values():
         pp.make_schedule("1f1b", 2, 4, num_virtual=2)
     with pytest.raises(ValueError, match=r"num_microbatches=0"):
         pp.make_schedule("gpipe", 2, 0)
+    with pytest.raises(ValueError, match=r"num_microbatches=True: expected an integer >= 1"):
+        pp.make_schedule("1f1b", 2, True)  # a bool is not a count, though Python calls it an int
 
 
 def test_render_text():

@@ -42,7 +42,7 @@ def _check(kind, p, m, v):
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: expected one of {list(KINDS)}")
     for name, value in (("num_stages", p), ("num_microbatches", m), ("num_virtual", v)):
-        if not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: expected an integer >= 1")
     if v != 1 and kind != "interleaved-1f1b":
         raise ValueError(f"num_virtual={v} needs kind='interleaved-1f1b' (got {kind!r})")

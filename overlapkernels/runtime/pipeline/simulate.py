@@ -3,7 +3,7 @@
 Each rank runs its actions in order; an action starts when its rank is free and its inputs exist:
 F(s, m) needs F(s-1, m); B/BW(s, m) needs F(s, m) and the input gradient of B/BW(s+1, m); W(s, m)
 needs B(s, m). Crossing ranks adds ``t_comm``. An action that can never start is a deadlock,
-reported by name. ``validate`` checks completeness and runs this.
+reported by name. Both ``simulate`` and ``validate`` check completeness first.
 """
 from __future__ import annotations
 
@@ -68,6 +68,11 @@ def _deadlock_message(schedule: Schedule, pos: list, done: dict) -> str:
 def validate(schedule: Schedule) -> None:
     """Raise ``ScheduleError`` naming the first problem: a misplaced, duplicated or missing action,
     or a dependency that can never be met (deadlock)."""
+    simulate(schedule)  # checks the actions first, then finds deadlocks by running them
+
+
+def _check_actions(schedule: Schedule) -> None:
+    """Every action once, on its stage's rank; every (stage, microbatch) forward and backward."""
     p, m, stages = schedule.num_ranks, schedule.num_microbatches, schedule.num_stages
     if len(schedule.actions) != p:
         raise ScheduleError(f"{len(schedule.actions)} action lists for {p} ranks")
@@ -92,11 +97,11 @@ def validate(schedule: Schedule) -> None:
                 raise ScheduleError(f"stage {s} microbatch {mb}: B and W must both appear")
             if split == (("BW", s, mb) in seen):
                 raise ScheduleError(f"stage {s} microbatch {mb}: expected either BW or both B and W")
-    simulate(schedule)
 
 
 def simulate(schedule: Schedule, *, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 0.0,
              t_comm: float = 0.0) -> SimResult:
+    _check_actions(schedule)  # figures for an incomplete schedule would look valid and mean nothing
     cost = {"F": t_f, "B": t_b, "W": t_w, "BW": t_b + t_w}
     p, last = schedule.num_ranks, schedule.num_stages - 1
     done: dict = {}  # (kind, stage, mb) -> (finish time, rank)
