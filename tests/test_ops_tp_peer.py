@@ -75,6 +75,16 @@ def _autograd_checks(group, r, w, dev, method):
     torch.testing.assert_close(a.grad, want_a, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(b.grad, a_full.reshape(-1, 16).T @ grads[r].reshape(-1, 8), atol=1e-5, rtol=1e-5)
 
+    # gathered along dim 0 the results are the method's own buffers: they must take in-place ops
+    a0 = shards[r][:, 0].clone().requires_grad_()
+    gathered, out0 = ok.all_gather_matmul(a0, weights[r], group, return_gathered=True, method=method)
+    out0 += 1
+    gathered.mul_(2)
+    (out0.sum() + gathered.sum()).backward()
+    a0_full = torch.cat([x[:, 0] for x in shards])
+    torch.testing.assert_close(out0, a0_full @ weights[r] + 1, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gathered, 2 * a0_full, atol=0, rtol=0)
+
     # matmul + reduce-scatter
     a_all = [_rands((w * 5, 16), 70 + q, dev) for q in range(w)]
     b_all = [_rands((16, 4), 80 + q, dev) for q in range(w)]
