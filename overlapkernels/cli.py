@@ -99,7 +99,7 @@ def _bench_tp_op(args) -> int:
     from .bench import tp_ops
 
     scale = 1 if _on_gpus() else tp_ops.CPU_SCALE
-    methods = args.methods or ("baseline,decomposed,symm,fused,auto" if _on_gpus() else "baseline,decomposed")
+    methods = _default(args.methods, "baseline,decomposed,symm,fused,auto" if _on_gpus() else "baseline,decomposed")
     config = tp_ops.TpOpsConfig(op=args.kind, shapes=tuple(tp_ops.parse_shapes(args.shapes, args.kind, scale)),
                                 methods=tuple(m.strip() for m in methods.split(",")), dtype=args.dtype,
                                 iters=args.iters, warmup=args.warmup)
@@ -115,7 +115,7 @@ def _bench_ring(args) -> int:
     seq = _default(args.seq, _round_up(2048, 2 * _world(args)))  # zigzag: 2 halves per rank
     cfg = rb.RingConfig(batch=args.batch, seq=seq, heads=args.heads, kv_heads=args.kv_heads,
                         head_dim=args.head_dim, dtype=args.dtype, iters=args.iters, warmup=args.warmup,
-                        layouts=tuple(args.layouts.split(",")), causal=(True, False) if args.causal == "both" else
+                        layouts=tuple(x.strip() for x in args.layouts.split(",")), causal=(True, False) if args.causal == "both" else
                         (args.causal == "true",))
     cfg.validate(_world(args))  # before any rank starts
     rows, device = _run_ranks(rb.rank_main, rb.config_dict(cfg), args)
@@ -130,7 +130,7 @@ def _bench_layers(args) -> int:
     world = _world(args)
     kv_heads = _default(args.kv_heads, _round_up(4, world))
     heads = _default(args.heads, _round_up(8, kv_heads))
-    methods = args.methods or ("baseline,decomposed,symm,fused,auto" if _on_gpus() else "baseline,decomposed,auto")
+    methods = _default(args.methods, "baseline,decomposed,symm,fused,auto" if _on_gpus() else "baseline,decomposed,auto")
     cfg = lb.LayersConfig(seq=_default(args.seq, _round_up(1024, world)), batch=args.batch,
                           hidden=_default(args.hidden, _round_up(512, heads)), heads=heads, kv_heads=kv_heads,
                           ffn_hidden=_default(args.ffn_hidden, _round_up(1792, world)), dtype=args.dtype,
@@ -441,6 +441,8 @@ def main(argv=None) -> int:
             from .bench.report import check_output_paths
 
             check_output_paths(**{name: getattr(args, name, None) for name in ("csv", "json_out", "plot", "profile")})
+        if getattr(args, "timeout", None) is not None and not args.timeout > 0:
+            raise ValueError(f"--timeout {args.timeout}: expected seconds > 0")
         return args.func(args)
     except ValueError as exc:  # bad input: a one-line message, not a traceback
         print(f"overlapkernels: error: {exc}", file=sys.stderr)

@@ -345,6 +345,13 @@ def test_node_defaults_fit_the_world_size(monkeypatch):
     (["bench", "ag-matmul", "--shapes", "0x8x8", "--nproc", "2"], "shape '0x8x8' = 0x8x8: expected M, K and N >= 1"),
     (["bench", "fsdp", "--width", "0"], "width=0"),
     (["bench", "layers", "--nproc", "0"], "--nproc 0: expected >= 1"),
+    (["bench", "ring-attention", "--layouts", "foo"], "layouts=['foo']: expected a non-empty subset of contiguous, "
+     "zigzag"),
+    (["bench", "ring-attention", "--layouts", "zigzag,"], "layouts=['zigzag', '']: expected a non-empty subset"),
+    (["bench", "ag-matmul", "--methods", ""], "methods=['']: expected a non-empty subset of baseline, decomposed"),
+    (["bench", "layers", "--methods", ""], "methods=['']: expected a non-empty subset of baseline, decomposed"),
+    (["bench", "collectives", "--timeout", "0"], "--timeout 0.0: expected seconds > 0"),
+    (["demo", "--timeout", "-1"], "--timeout -1.0: expected seconds > 0"),
 ])
 def test_bad_sizes_fail_before_any_rank_starts(monkeypatch, capsys, argv, message):
     from overlapkernels import cli
@@ -352,6 +359,17 @@ def test_bad_sizes_fail_before_any_rank_starts(monkeypatch, capsys, argv, messag
     monkeypatch.setattr(cli, "_run_ranks", lambda *a: pytest.fail("ranks started"))
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_fails_before_running(monkeypatch, capsys, tmp_path):
+    import sys
+
+    from overlapkernels import cli
+
+    monkeypatch.setattr(cli, "_run_ranks", lambda *a: pytest.fail("ranks started"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert cli.main(["bench", "fsdp", "--plot", str(tmp_path / "plots")]) == 2
+    assert "needs matplotlib, which is not installed (pip install 'overlapkernels[bench]')" in capsys.readouterr().err
 
 
 def test_unusable_output_paths_fail_before_running(monkeypatch, capsys, tmp_path):

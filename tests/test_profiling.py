@@ -228,6 +228,15 @@ def test_an_event_is_comm_or_compute_never_both():
     assert (row["comm_us"], row["compute_us"], row["both_us"]) == (45, 30, 0)
 
 
+def test_an_op_range_is_a_window_never_busy_time():
+    """The collectives bench's range names its backend (ok/all_gather[nccl]): only the NCCL kernel
+    inside it is comm, not the whole range."""
+    (row,) = overlap_report({"traceEvents": [
+        {**_x("ok/all_gather[nccl]", 0, 100, tid=7), "cat": "gpu_user_annotation"},
+        {**_x("ncclDevKernel_AllGather_RING_LL", 30, 20, tid=7), "cat": "kernel"}]})
+    assert (row["dur_us"], row["comm_us"], row["compute_us"]) == (100, 20, 0)
+
+
 def test_fsdp_pipeline_and_collectives_traces_have_op_windows(rank_pool, tmp_path):
     """`bench fsdp|pipeline|collectives --profile` traces used to hold no op range, so the report
     had nothing to say about them."""

@@ -211,3 +211,9 @@ def check_output_paths(csv=None, json_out=None, plot=None, profile=None) -> None
             raise ValueError(f"{flag} {value}: {writable} is not writable; expected {want}")
         if rewritten:
             existing_json_rows(path)  # a file that is no JSON array of rows: refused now
+    if plot:
+        try:
+            import matplotlib  # noqa: F401 - the optional `bench` extra; a run must not end without its plot
+        except ImportError:
+            raise ValueError(f"--plot {plot}: needs matplotlib, which is not installed "
+                             "(pip install 'overlapkernels[bench]')") from None

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from ..ops.sequence_shard import LAYOUTS
 from .metrics import overlap_efficiency, summarize
 from .progress import track
 from .timing import DTYPES, check_counts, check_dtype, check_sizes, slowest_rank, telemetry, time_calls, time_local
@@ -44,6 +45,8 @@ class RingConfig:
         check_sizes(batch=self.batch, seq=self.seq, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
         if self.heads % self.kv_heads:
             raise ValueError(f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
+        if not self.layouts or any(layout not in LAYOUTS for layout in self.layouts):
+            raise ValueError(f"layouts={list(self.layouts)}: expected a non-empty subset of {', '.join(LAYOUTS)}")
         if world and self.seq % (2 * world):
             raise ValueError(f"seq={self.seq} must be divisible by 2 x the world size {world} (zigzag)")
 

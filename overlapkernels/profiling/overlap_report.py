@@ -127,9 +127,11 @@ def _op_windows(events: list[dict]) -> list[tuple[str, float, float]]:
 def overlap_report(trace) -> list[dict]:
     """One row per op call: name, start (us), duration, comm / compute busy, both, hidden fraction."""
     events = _timeline(load_events(trace))
-    # every event is one or the other, never both (else it would overlap with itself)
-    comm = [(e["ts"], e["ts"] + e["dur"]) for e in events if COMM.search(e["name"])]
-    compute = [(e["ts"], e["ts"] + e["dur"]) for e in events
+    # op ranges are windows, never busy time themselves (ok/all_gather[nccl] names a backend), and
+    # every other event is one or the other, never both (else it would overlap with itself)
+    inner = [e for e in events if not OP_RANGE.match(e["name"])]
+    comm = [(e["ts"], e["ts"] + e["dur"]) for e in inner if COMM.search(e["name"])]
+    compute = [(e["ts"], e["ts"] + e["dur"]) for e in inner
                if COMPUTE.search(e["name"]) and not COMM.search(e["name"])]
     rows = []
     for name, lo, hi in _op_windows(events):
