@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
+import importlib
 import os
 import platform
 import subprocess
@@ -213,7 +214,7 @@ def check_output_paths(csv=None, json_out=None, plot=None, profile=None) -> None
             existing_json_rows(path)  # a file that is no JSON array of rows: refused now
     if plot:
         try:
-            import matplotlib  # noqa: F401 - the optional `bench` extra; a run must not end without its plot
+            importlib.import_module("matplotlib")  # the optional `bench` extra: a run must not end without its plot
         except ImportError:
             raise ValueError(f"--plot {plot}: needs matplotlib, which is not installed "
                              "(pip install 'overlapkernels[bench]')") from None
