@@ -60,12 +60,12 @@ gpu-check: deps
 # csrc library ('-': its build, done here only, may fail) the CUDA-IPC paths are skipped with the
 # reason. A kind that fails on every rank before it communicates does not stop the others (`bench
 # all` names it and exits non-zero at the end); one that fails mid-run stops the job (ranks would
-# otherwise wait in its collectives).
+# otherwise wait in its collectives). Plots only where matplotlib is installed (--plot refuses to run without it).
 NPROC ?= 8
 bench-node: deps
 	-$(PY) csrc/build.py
 	$(PY) -m torch.distributed.run --nproc-per-node $(NPROC) -m overlapkernels bench all \
-	  --csv benchmarks/results/node.csv --plot benchmarks/results/node-plots
+	  --csv benchmarks/results/node.csv $$($(PY) -c 'import matplotlib' 2>/dev/null && echo --plot benchmarks/results/node-plots)
 
 clean:
 	rm -rf build dist *.egg-info overlapkernels/_lib $(STAMP)
