@@ -76,6 +76,87 @@ def test_save_after_a_crash_that_left_both_checkpoints(rank_pool, tmp_path):
     assert rank_pool(2).run(_checkpoint_after_crash_on_rank, str(tmp_path / "c")) == [True, True]
 
 
+class BufferNet(nn.Module):
+    """Persistent buffers of both kinds: BatchNorm statistics (each rank sees its own batch, so they
+    differ between ranks) and a call counter (the same on every rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D_IN, 6)
+        self.norm = nn.BatchNorm1d(6)
+        self.out = nn.Linear(6, 3)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("cache", torch.ones(2), persistent=False)  # not in state_dict: not saved
+
+    def forward(self, x):
+        self.calls += 1
+        return self.out(torch.relu(self.norm(self.inp(x))))
+
+
+def _buffers_on_rank(path, stage):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    batches = _batches(4, 4, world)
+
+    def make():
+        torch.manual_seed(0)
+        return fsdp.shard(BufferNet().double(), stage=stage, optimizer=OPTIMIZERS["sgd"])
+
+    def run(sharded, steps):
+        for x, y in steps:
+            _loss(sharded(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]).backward()
+            sharded.step()
+
+    straight, first = make(), make()
+    run(straight, batches)
+    run(first, batches[:2])
+    fsdp.save(first, path + "/")  # a trailing slash names the same checkpoint
+    resumed = make()
+    fsdp.load(resumed, path)
+    run(resumed, batches[2:])
+    a, b = straight.full_state_dict(), resumed.full_state_dict()
+    assert "norm.running_mean" in a and "calls" in a and int(b["calls"]) == 4
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"resume is not bit-identical in {differ}"
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoint_keeps_buffers(rank_pool, tmp_path, stage):
+    assert rank_pool(2).run(_buffers_on_rank, str(tmp_path / "ckpt"), stage) == [True, True]
+
+
+def _rank0_failure_on_rank(path):
+    from overlapkernels.runtime.fsdp import checkpoint as ck
+
+    sharded = fsdp.shard(_net(), stage=2)
+    original = ck._switch
+
+    def fail_on_rank0(*args):
+        if dist.get_rank() == 0:
+            raise OSError(28, "No space left on device")
+        return original(*args)
+
+    ck._switch = fail_on_rank0
+    try:
+        fsdp.save(sharded, path)
+    except RuntimeError as exc:
+        message = str(exc)
+    else:
+        message = "no error"
+    finally:
+        ck._switch = original
+    total = torch.ones(1)
+    dist.all_reduce(total)  # nobody is left behind in the save
+    return message, int(total)
+
+
+def test_a_failure_on_rank0_during_save_reaches_every_rank(rank_pool, tmp_path):
+    path = str(tmp_path / "ckpt")
+    want = (f"fsdp.save: moving {path + '.tmp'!r} to {path!r} failed on rank 0: OSError: [Errno 28] No space left "
+            "on device", 2)
+    assert rank_pool(2).run(_rank0_failure_on_rank, path) == [want, want]
+
+
 def _reshard_save_on_rank(path, stage, opt_name):
     world, rank = dist.get_world_size(), dist.get_rank()
     per_rank = 8 // world

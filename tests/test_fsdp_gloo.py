@@ -161,6 +161,11 @@ def test_bad_arguments():
         fsdp.shard(nn.Linear(2, 2), optimizer="adam")
     with pytest.raises(ValueError, match="prefetch=-1"):
         fsdp.shard(nn.Linear(2, 2), prefetch=-1)
+    for bad in (True, 2.0, "3"):  # True == 1 and 2.0 == 2, yet neither is a stage
+        with pytest.raises(ValueError, match=rf"stage={bad!r}: expected 1, 2 or 3"):
+            fsdp.shard(nn.Linear(2, 2), stage=bad)
+    with pytest.raises(ValueError, match="prefetch=True"):
+        fsdp.shard(nn.Linear(2, 2), prefetch=True)
 
 
 def _mixed_unit_on_rank():
@@ -400,3 +405,47 @@ def _lifecycle_on_rank(stage):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_dropped_wrappers_are_freed_and_failed_steps_can_be_skipped(rank_pool, stage):
     assert rank_pool(2).run(_lifecycle_on_rank, stage) == [True, True]
+
+
+class TiedLM(nn.Module):
+    """GPT's usual tie: the LM head's weight is the embedding's, in two default units."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, D_HID)
+        self.mid = Block(D_HID)
+        self.head = nn.Linear(D_HID, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(self.mid(self.emb(tokens)))
+
+
+def _tied_on_rank(stage):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    ref = TiedLM().double()
+    torch.manual_seed(0)
+    sharded = fsdp.shard(TiedLM().double(), stage=stage, optimizer=OPTIMIZERS["sgd"])
+    opt = OPTIMIZERS["sgd"](ref.parameters())
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        tokens = torch.randint(0, 11, (3 * world,), generator=g)
+        mine = tokens[rank * 3:(rank + 1) * 3]
+        nn.functional.cross_entropy(sharded(mine), mine).backward()
+        sharded.step()
+        opt.zero_grad()
+        nn.functional.cross_entropy(ref(tokens), tokens).backward()
+        opt.step()
+    got = sharded.full_state_dict()
+    assert list(got) == list(ref.state_dict())
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(got[name], want, atol=1e-12, rtol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    return [u.name for u in sharded.all_units]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_tied_weights_across_units(rank_pool, stage):
+    units = rank_pool(2).run(_tied_on_rank, stage)[0]
+    # stage 3 keeps the shared weight in the root unit (gathered throughout), not in emb's unit
+    assert units == (["mid", "<root>"] if stage == 3 else ["emb", "mid"])

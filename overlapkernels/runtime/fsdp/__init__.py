@@ -2,6 +2,8 @@
 atomic checkpoints (``fsdp.save`` / ``fsdp.load`` through torch.distributed.checkpoint)."""
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.distributed as dist
 
@@ -17,12 +19,12 @@ def _adamw(params):
 def shard(model, group=None, *, stage=3, optimizer=_adamw, prefetch=1, param_dtype=None, reduce_dtype=None,
           units=None) -> ShardedModule:
     """Shard ``model`` over ``group`` (the dp group of a ParallelDims, or the world)."""
-    if stage not in (1, 2, 3):
+    if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or stage not in (1, 2, 3):
         raise ValueError(f"stage={stage!r}: expected 1, 2 or 3")
     if not callable(optimizer):
         raise TypeError(f"optimizer must be a callable taking the list of local shard parameters, got "
                         f"{type(optimizer).__name__}")
-    if not isinstance(prefetch, int) or prefetch < 0:
+    if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 0:
         raise ValueError(f"prefetch={prefetch!r}: expected an integer >= 0")
     for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
@@ -30,7 +32,7 @@ def shard(model, group=None, *, stage=3, optimizer=_adamw, prefetch=1, param_dty
     group = resolve_group(group)
     if not dist.is_initialized():
         raise RuntimeError("fsdp.shard needs an initialised process group (ok.init_parallel())")
-    return ShardedModule(model, group, stage=stage, optimizer=optimizer, prefetch=prefetch, param_dtype=param_dtype,
+    return ShardedModule(model, group, stage=int(stage), optimizer=optimizer, prefetch=prefetch, param_dtype=param_dtype,
                          reduce_dtype=reduce_dtype, units=units)
 
 

@@ -15,7 +15,9 @@ the tp/pp/cp coordinate, unchanged when only the dp size changes - and its keys 
 
 A save goes to ``<path>.tmp`` and is renamed into place by world rank 0 only after every rank has
 finished; the previous checkpoint is moved aside first and deleted last, so a crash at any moment
-leaves a loadable checkpoint (``load`` falls back to ``<path>.old``).
+leaves a loadable checkpoint (``load`` falls back to ``<path>.old``). A failure in rank 0's part of
+that (a full disk) raises on every rank. The model's persistent buffers (BatchNorm statistics,
+counters) are saved too: once when the ranks agree, else per rank (then same world size only).
 """
 from __future__ import annotations
 
@@ -48,6 +50,42 @@ def _units_by_index(sharded) -> dict:
     return {idx: unit_of[id(p)] for idx, p in enumerate(order)}
 
 
+def _agree(local: dict, group) -> dict:
+    """``local``: {name: (digest, shape, dtype)} of this rank's tensors -> the plan entry of each,
+    the same on every rank (collective): ``replicated`` where every rank holds the same bytes (saved
+    once), else ``per_rank`` (saved per rank, reloadable only on as many ranks)."""
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, local, group=group)
+    plan = {}
+    for name, (digest, shape, dtype) in local.items():
+        if all(other.get(name, (None,))[0] == digest for other in everyone):
+            plan[name] = {"kind": "replicated", "dtype": dtype, "shape": shape}
+        else:
+            plan[name] = {"kind": "per_rank", "dtype": dtype,
+                          "shapes": [other.get(name, (None, [0]))[1] for other in everyone]}
+    return plan
+
+
+def _digest(value: torch.Tensor) -> tuple:
+    raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(raw).hexdigest(), list(value.shape), str(value.dtype).replace("torch.", "")
+
+
+def _buffers(sharded) -> dict:
+    """The wrapped model's persistent buffers (BatchNorm statistics, step counters): what its
+    state_dict holds besides parameters, by state-dict name."""
+    found = {}
+    for prefix, mod in sharded.module.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                found[f"{prefix}.{name}" if prefix else name] = buf
+    return found
+
+
+def _plan_buffers(sharded) -> dict:
+    return _agree({name: _digest(buf) for name, buf in _buffers(sharded).items()}, sharded.group)
+
+
 def _plan_optim(sharded, optim_state) -> dict:
     """``{"idx/key": {"kind", "dtype", "shape" | "shapes"}}`` for every optimizer tensor, the same on
     every rank (collective):
@@ -62,21 +100,12 @@ def _plan_optim(sharded, optim_state) -> dict:
         for key, value in entries.items():
             if not torch.is_tensor(value):
                 continue
-            name, dtype = f"{idx}/{key}", str(value.dtype).replace("torch.", "")
+            name = f"{idx}/{key}"
             if value.shape == unit.master.shape and value.is_floating_point():
-                plan[name] = {"kind": "flat", "dtype": dtype}
+                plan[name] = {"kind": "flat", "dtype": str(value.dtype).replace("torch.", "")}
             else:
-                raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                local[name] = (hashlib.sha256(raw).hexdigest(), list(value.shape), dtype)
-    everyone = [None] * dist.get_world_size(sharded.group)
-    dist.all_gather_object(everyone, local, group=sharded.group)
-    for name, (digest, shape, dtype) in local.items():
-        if all(other.get(name, (None,))[0] == digest for other in everyone):
-            plan[name] = {"kind": "replicated", "dtype": dtype, "shape": shape}
-        else:
-            plan[name] = {"kind": "per_rank", "dtype": dtype,
-                          "shapes": [other.get(name, (None, [0]))[1] for other in everyone]}
-    return plan
+                local[name] = _digest(value)
+    return {**plan, **_agree(local, sharded.group)}
 
 
 def _mesh(sharded):
@@ -112,9 +141,13 @@ def _part(sharded) -> tuple[int, int]:
     return groups.index(mine), len(groups)
 
 
-def _state(sharded, optim_state, plan, prefix) -> dict:
+def _state(sharded, optim_state, plan, prefix, buffer_plan) -> dict:
     mesh, rank, units = _mesh(sharded), dist.get_rank(sharded.group), _units_by_index(sharded)
     state = {f"{prefix}unit{i}/master": _logical(u.master.data, u, mesh) for i, u in enumerate(sharded.all_units)}
+    buffers = _buffers(sharded)  # loaded in place, like the masters
+    for name, entry in buffer_plan.items():
+        key = f"buffers/{name}" if entry["kind"] == "replicated" else f"rank{rank}/buffers/{name}"
+        state[prefix + key] = buffers[name]
     for idx, entries in optim_state.items():
         for key, value in entries.items():
             if not torch.is_tensor(value):
@@ -136,36 +169,55 @@ def _prefix(part: int, parts: int) -> str:
 def save(sharded, path) -> None:
     """Write a checkpoint of ``sharded`` (a collective over the world: every rank calls it, with the
     same path)."""
-    path = os.fspath(path)
+    path = os.path.normpath(os.fspath(path))  # "ckpt/" would put its own temp folder inside it
     tmp, old = path + ".tmp", path + ".old"
     part, parts = _part(sharded)
-    rank = dist.get_rank()
-    if rank == 0 and os.path.exists(tmp):
-        shutil.rmtree(tmp)  # leftovers of an interrupted save
+    _on_rank0_for_all(lambda: os.path.exists(tmp) and shutil.rmtree(tmp), f"clearing {tmp!r}")  # an interrupted save's
     optim = sharded.optimizer.state_dict()
-    plan = _plan_optim(sharded, optim["state"])
+    plan, buffer_plan = _plan_optim(sharded, optim["state"]), _plan_buffers(sharded)
     mine = {"world_size": dist.get_world_size(sharded.group), "stage": sharded.stage, "units": _units(sharded),
-            "param_groups": optim["param_groups"], "optim": plan}
+            "param_groups": optim["param_groups"], "optim": plan, "buffers": buffer_plan}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (part, mine))
     by_part = dict(everyone)  # every rank of a part has the same entry
     meta = {"format": FORMAT, **mine} if parts == 1 else {"format": FORMAT, "parts": [by_part[k] for k in range(parts)]}
     dist.barrier()
-    dcp.save(_state(sharded, optim["state"], plan, _prefix(part, parts)), checkpoint_id=tmp)
-    if rank == 0:
+    dcp.save(_state(sharded, optim["state"], plan, _prefix(part, parts), buffer_plan), checkpoint_id=tmp)
+
+    def write_meta():
         with open(os.path.join(tmp, META), "w") as f:
             json.dump(meta, f)
-    dist.barrier()  # every shard is on disk before the switch
-    if rank == 0:
-        if os.path.exists(path):
-            if os.path.exists(old):  # a crash after the last switch left both: path is the newer
-                shutil.rmtree(old)
-            os.replace(path, old)
-        # (path missing and old present: a crash between the two renames - old is the one to keep)
-        os.replace(tmp, path)
-        if os.path.exists(old):
+
+    # every shard is on disk before the switch: dcp.save returns on every rank only then
+    _on_rank0_for_all(write_meta, f"writing {os.path.join(tmp, META)!r}")
+    _on_rank0_for_all(lambda: _switch(tmp, path, old), f"moving {tmp!r} to {path!r}")
+
+
+def _switch(tmp: str, path: str, old: str) -> None:
+    if os.path.exists(path):
+        if os.path.exists(old):  # a crash after the last switch left both: path is the newer
             shutil.rmtree(old)
-    dist.barrier()
+        os.replace(path, old)
+    # (path missing and old present: a crash between the two renames - old is the one to keep)
+    os.replace(tmp, path)
+    if os.path.exists(old):
+        shutil.rmtree(old)
+
+
+def _on_rank0_for_all(fn, what: str) -> None:
+    """Run ``fn`` on world rank 0 and tell every rank how it went (a collective, so it is also the
+    barrier after it): a failure there (a full disk, a permission) raises on every rank instead of
+    leaving the others waiting for a rank that already gave up."""
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+            error = exc
+    told = [None if error is None else f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(told, src=0)
+    if told[0] is not None:
+        raise RuntimeError(f"fsdp.save: {what} failed on rank 0: {told[0]}") from error
 
 
 def _check(sharded, path, meta, part, parts) -> str | None:
@@ -184,13 +236,26 @@ def _check(sharded, path, meta, part, parts) -> str | None:
     if per_rank and mine["world_size"] != world:
         return (f"checkpoint {path!r}: optimizer state {per_rank} differs between ranks and is not shaped like the "
                 f"parameter shards, so it reloads only on {mine['world_size']} ranks, not {world}")
+    saved, have = mine.get("buffers", {}), {name: _digest(buf)[1:] for name, buf in _buffers(sharded).items()}
+    if "buffers" in mine and sorted(saved) != sorted(have):
+        return f"checkpoint {path!r} holds buffers {sorted(saved)}; this model has {sorted(have)}"
+    per_rank = sorted(name for name, entry in saved.items() if entry["kind"] == "per_rank")
+    if per_rank and mine["world_size"] != world:
+        return (f"checkpoint {path!r}: buffers {per_rank} differ between the ranks that saved it (e.g. BatchNorm "
+                f"statistics without SyncBatchNorm), so they reload only on {mine['world_size']} ranks, not {world}")
+    rank = dist.get_rank(sharded.group)
+    for name, entry in saved.items():
+        shape = entry["shape"] if entry["kind"] == "replicated" else entry["shapes"][rank]
+        if [shape, entry["dtype"]] != list(have[name]):
+            return (f"checkpoint {path!r}: buffer {name} was saved as {entry['dtype']} {shape}; this model's is "
+                    f"{have[name][1]} {have[name][0]}")
     return None
 
 
 def load(sharded, path) -> None:
     """Restore parameters and optimizer state saved by ``save`` (same model, unit split and
     tp/pp/cp layout; any dp size). A collective over the world, like ``save``."""
-    path = os.fspath(path)
+    path = os.path.normpath(os.fspath(path))
     if not os.path.exists(os.path.join(path, META)) and os.path.exists(os.path.join(path + ".old", META)):
         path += ".old"  # a save was interrupted between its two renames
     meta_file = os.path.join(path, META)
@@ -218,7 +283,8 @@ def load(sharded, path) -> None:
         # torch keeps Adam's step (a scalar) on the CPU
         template.setdefault(int(idx), {})[key] = torch.zeros(shape, dtype=getattr(torch, entry["dtype"]),
                                                              device=device if shape else "cpu")
-    dcp.load(_state(sharded, template, meta["optim"], _prefix(part, parts)), checkpoint_id=path)
+    dcp.load(_state(sharded, template, meta["optim"], _prefix(part, parts), meta.get("buffers", {})),
+             checkpoint_id=path)
     for unit in sharded.all_units:  # the padding past numel is not in the checkpoint: zeros
         unit.master.data[_valid(unit):].zero_()
     sharded.optimizer.load_state_dict({"state": template, "param_groups": meta["param_groups"]})

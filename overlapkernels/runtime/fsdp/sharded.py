@@ -57,6 +57,15 @@ def _unit_modules(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def _shared_parameters(modules) -> set:
+    """ids of the parameters that more than one unit's module holds."""
+    holders: dict = {}
+    for _, mod in modules:
+        for p in mod.parameters():
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    return {pid for pid, count in holders.items() if count > 1}
+
+
 class ShardedModule(nn.Module):
     def __init__(self, model, group, *, stage, optimizer, prefetch, param_dtype, reduce_dtype, units):
         super().__init__()
@@ -69,15 +78,20 @@ class ShardedModule(nn.Module):
         self._sync = True
         self._backward_armed = False
         self.peak_gathered_bytes = 0
-        seen, self.units = set(), []
+        modules = _unit_modules(model, units)
+        # Stage 3 frees a unit's parameters after its forward, so one shared by two units' modules
+        # (tied embedding and LM head) would be freed under the other's use: it goes to the root
+        # unit, which stays gathered, as FSDP2 puts such parameters in the common parent's group.
+        shared = _shared_parameters(modules) if stage == 3 else set()
+        seen, self.units = set(shared), []
         # frozen parameters stay as they are: not sharded, not given to the optimizer (as in torch)
-        for name, mod in _unit_modules(model, units):
+        for name, mod in modules:
             params = [p for p in mod.parameters() if id(p) not in seen and p.requires_grad]
             seen.update(map(id, params))
             if params:
                 self.units.append(FlatUnit(name, mod, params, group, param_dtype=param_dtype,
                                            reduce_dtype=reduce_dtype))
-        rest = [p for p in model.parameters() if id(p) not in seen and p.requires_grad]
+        rest = [p for p in model.parameters() if (id(p) not in seen or id(p) in shared) and p.requires_grad]
         self.root = FlatUnit("<root>", model, rest, group, param_dtype=param_dtype,
                              reduce_dtype=reduce_dtype) if rest else None
         self.all_units = self.units + ([self.root] if self.root else [])
