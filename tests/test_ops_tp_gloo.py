@@ -289,17 +289,20 @@ def _callers_use_on_rank(method):
                                        torch.ones(k, 5, dtype=torch.float64), method=method)
         assert got.shape == (m_rows, 5) and not got.any(), (m_rows, k, got)
 
-    for op in ("ag", "rs"):
-        x = (shards[rank] if op == "ag" else torch.cat(shards)).clone().requires_grad_()
-        y = (ok.all_gather_matmul(x, b0, method=method) if op == "ag" else
-             ok.matmul_reduce_scatter(x, b0, method=method))
-        (gx,) = torch.autograd.grad((y ** 2).sum(), x, create_graph=True)
-        try:
-            gx.sum().backward()
-        except RuntimeError as exc:
-            assert "once_differentiable" in str(exc), str(exc)
-        else:
-            raise AssertionError(f"{op}: a second order ran; its communication is not differentiable")
+    # a loss nonlinear in the output, and one linear in it (then no incoming gradient requires grad:
+    # torch's once_differentiable would let that through with the second-order terms missing)
+    for op, name in (("ag", "all_gather_matmul"), ("rs", "matmul_reduce_scatter")):
+        for linear in (False, True):
+            x = (shards[rank] if op == "ag" else torch.cat(shards)).clone().requires_grad_()
+            y = (ok.all_gather_matmul(torch.tanh(x), b0, method=method) if op == "ag" else
+                 ok.matmul_reduce_scatter(torch.tanh(x), b0, method=method))
+            (gx,) = torch.autograd.grad((y * 3 if linear else y ** 2).sum(), x, create_graph=True)
+            try:
+                (gx ** 2).sum().backward()
+            except RuntimeError as exc:
+                assert f"{name}: a second derivative through it is not supported" in str(exc), str(exc)
+            else:
+                raise AssertionError(f"{op} (linear={linear}): a second order ran without the communication")
     return True
 
 

@@ -237,18 +237,24 @@ def _callers_use_on_rank():
     """In-place ops on the output work (as on SDPA's); a second order raises by name rather than
     returning gradients that miss the ring's communication."""
     g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, 4, 2, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    out, lse = ok.ring_attention(q, k, v, causal=True, layout="zigzag", return_lse=True)
-    out.mul_(2)
-    lse.add_(1)
-    (out.sum() + lse.sum()).backward()
-    assert q.grad is not None and k.grad is not None
-    (gq,) = torch.autograd.grad(ok.ring_attention(q, k, v).pow(2).sum(), q, create_graph=True)
-    try:
-        gq.sum().backward()
-    except RuntimeError as exc:
-        return "once_differentiable" in str(exc)
-    return False
+    for dtype, heads in ((torch.float64, 2), (torch.float32, 1)):  # fp32 lse / H = 1: nothing to copy
+        q, k, v = (torch.randn(1, 4, heads, 8, generator=g, dtype=dtype, requires_grad=True) for _ in range(3))
+        out, lse = ok.ring_attention(q, k, v, causal=True, layout="zigzag", return_lse=True)
+        out.mul_(2)
+        lse.add_(1)
+        (out.sum() + lse.sum()).backward()
+        assert q.grad is not None and k.grad is not None
+    results = []
+    for linear in (False, True):  # a loss linear in the output too: no incoming gradient requires grad
+        out = ok.ring_attention(q, k, v)
+        (gq,) = torch.autograd.grad((out * 3 if linear else out ** 2).sum(), q, create_graph=True)
+        try:
+            (gq ** 2).sum().backward()
+        except RuntimeError as exc:
+            results.append("ring_attention: a second derivative through it is not supported" in str(exc))
+        else:
+            results.append(False)
+    return all(results)
 
 
 def test_callers_use_of_results(rank_pool):

@@ -50,3 +50,18 @@ def _second_order_on_rank(pair):
 @pytest.mark.parametrize("pair", ["copy/reduce", "split/gather last", "gather/reduce-scatter first"])
 def test_second_order_through_regions(rank_pool, pair):
     assert rank_pool(2).run(_second_order_on_rank, pair) == [True, True]
+
+
+def _fan_out_on_rank():
+    """Autograd hands one gradient tensor to both branches of an add: the region's all-reduce must
+    not write into it, or the other branch sees the sum over ranks too."""
+    h = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    x = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    r = h * 3  # recorded first, so its branch's backward runs after the region's
+    z = R.copy_to_tp_region(x, dist.group.WORLD) + r
+    (2 * z).sum().backward()
+    return h.grad.tolist(), x.grad.tolist()
+
+
+def test_copy_to_region_leaves_other_branches_gradients_alone(rank_pool):
+    assert rank_pool(2).run(_fan_out_on_rank) == [([6.0] * 3, [4.0] * 3)] * 2

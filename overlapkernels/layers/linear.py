@@ -58,7 +58,7 @@ def column_parallel(x, weights, biases, group, *, sequence_parallel: bool, metho
         # deferring, keep the gathered input for W: W then needs no all-gather of its own
         outs = all_gather_linear(x, weights, group, gather_dim=0, method=method, save_gathered=defer_weight_grad)
     else:
-        x = copy_to_tp_region(x, group)
+        x = copy_to_tp_region(x, group, grad_in_place=True)  # feeds only matmuls: their dgrads are fresh
         outs = [local_matmul(x, w, defer_weight_grad) for w in weights]
     # b.to(o.dtype): a no-op, except inside torch.autocast, where o is in its dtype (as F.linear's bias)
     return [o if b is None else o + b.to(o.dtype) for o, b in zip(outs, biases)]

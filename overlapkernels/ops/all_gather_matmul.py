@@ -4,13 +4,13 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .._compat import eager_under_compile
 from ..parallel import resolve_group
 from ..profiling.ranges import span
 from . import _methods
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands, cast_weights
+from ._autograd import first_order_only
 from ._validate import check_dim, check_tensor, check_weights, group_size, is_peer_world, same_call_on_every_rank
 from .dispatch import check_method, choose, strict_active, strict_in_backward
 from .measure import auto_mode, measured
@@ -63,7 +63,7 @@ class AllGatherMatmul(torch.autograd.Function):
         return (a_full, *outs)
 
     @staticmethod
-    @once_differentiable  # its communication is not differentiable: a second order raises, never wrong
+    @first_order_only("all_gather_matmul")
     @backward_without_autocast
     def backward(ctx, grad_a_full, *grad_outs):
         # an op window of its own, so `profile report` sees the dual op's and wgrad's overlap

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from .._compat import eager_under_compile
 from ..comm import collectives as C
 from ..parallel import resolve_group
+from ._autograd import first_order_only
 from ._validate import check_ids
 
 
@@ -52,7 +52,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable  # its communication is not differentiable: a second order raises, never wrong
+    @first_order_only("vocab_parallel_cross_entropy")
     def backward(ctx, grad_loss):
         softmax, local_t, mine, ignored = ctx.saved_tensors
         grad = softmax - ctx.label_smoothing / ctx.vocab

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from ._autocast import autocast_dtype
+from ._autograd import first_order_only
 from .weight_grad_store import defer
 
 
@@ -27,7 +27,7 @@ class Linear(torch.autograd.Function):
         return F.linear(x, weight, bias)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("linear")  # B/W split: the weight gradient may run later, outside autograd
     def backward(ctx, grad_out):
         x, weight, bias = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad

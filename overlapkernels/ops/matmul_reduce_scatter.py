@@ -4,13 +4,13 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .._compat import eager_under_compile
 from ..parallel import resolve_group
 from ..profiling.ranges import span
 from . import _methods
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands
+from ._autograd import first_order_only
 from ._collective_methods import accumulation_dtype
 from ._validate import check_dim, check_tensor, check_weights, group_size, is_peer_world, same_call_on_every_rank
 from .dispatch import check_method, choose, strict_active, strict_in_backward
@@ -61,7 +61,7 @@ class MatmulReduceScatter(torch.autograd.Function):
         return _methods.matmul_rs(a, w.t() if transposed else w, group, method)
 
     @staticmethod
-    @once_differentiable  # its communication is not differentiable: a second order raises, never wrong
+    @first_order_only("matmul_reduce_scatter")
     @backward_without_autocast
     def backward(ctx, grad_out):
         # an op window of its own, so `profile report` sees the dual op's overlap

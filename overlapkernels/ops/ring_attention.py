@@ -16,7 +16,6 @@ import math
 import numbers
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .._compat import eager_under_compile
 from ..comm.ring import Ring, wait_all
@@ -24,6 +23,7 @@ from ..kernels import attention_ref
 from ..parallel import resolve_group
 from ..profiling.ranges import span
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands
+from ._autograd import first_order_only
 from ._validate import same_call_on_every_rank
 from .sequence_shard import check_layout, segments
 
@@ -195,11 +195,12 @@ class RingAttention(torch.autograd.Function):
         ctx.args, ctx.device = (group, causal, scale, layout, backend), q.device
         ctx.set_materialize_grads(False)
         # fp32 whatever the inputs, as the API (and flash-attn's softmax_lse) promise: callers that
-        # merge partial attentions rely on it. fp64 inputs still compute it in fp64 internally.
-        return out, lse.float()
+        # merge partial attentions rely on it. fp64 inputs still compute it in fp64 internally. A
+        # copy, never the saved tensor: a caller's in-place op on it must not break backward.
+        return out, lse.to(torch.float32, copy=True)
 
     @staticmethod
-    @once_differentiable  # its communication is not differentiable: a second order raises, never wrong
+    @first_order_only("ring_attention")
     @backward_without_autocast
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
@@ -286,5 +287,7 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, lay
     with span("ok/ring_attention"), autocast_off(q.device):  # the kernels keep fp32 softmax statistics
         out, lse = RingAttention.apply(_to_bhsd(q, qkv_format), _to_bhsd(k, qkv_format), _to_bhsd(v, qkv_format),
                                        group, bool(causal), scale, layout, backend)
-    out = _from_bhsd(out, qkv_format).contiguous()  # laid out like q: callers .view() it to [B, S, H*D]
+    # laid out like q (callers .view() it to [B, S, H*D]), and always a copy of the tensor saved for
+    # backward (contiguous() would alias it when H or S_local is 1), so in-place ops on it are safe
+    out = _from_bhsd(out, qkv_format).clone(memory_format=torch.contiguous_format)
     return (out, lse) if return_lse else out

@@ -6,12 +6,12 @@ holds chunks r and 2P-1-r, so under a causal mask every rank has the same amount
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.distributed as dist
 
 from .._compat import eager_under_compile
 from ..comm.collectives import all_gather, reduce_scatter
 from ..parallel import resolve_group
+from ._autograd import first_order_only
 from ._validate import check_tensor
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -82,7 +82,7 @@ class _Unshard(torch.autograd.Function):
         return torch.cat(full, dim=0).movedim(0, dim).contiguous()
 
     @staticmethod
-    @once_differentiable  # its communication is not differentiable: a second order raises, never wrong
+    @first_order_only("unshard_sequence")
     def backward(ctx, grad):
         world = dist.get_world_size(ctx.group)
         chunks = grad.movedim(ctx.dim, 0).chunk(_split_count(ctx.layout, world), dim=0)

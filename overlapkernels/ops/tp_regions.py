@@ -30,15 +30,15 @@ def _size(group) -> int:
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, grad_in_place):
+        ctx.group, ctx.grad_in_place = group, grad_in_place
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        if torch.is_grad_enabled():  # create_graph: the dual op, so a second order is exact
-            return _ReduceFromTP.apply(grad, ctx.group), None
-        return C.all_reduce(grad.contiguous(), ctx.group)[0], None  # in place, as Megatron: no copy
+        if torch.is_grad_enabled() or not ctx.grad_in_place:  # create_graph: the dual op, so a second order is exact
+            return _ReduceFromTP.apply(grad, ctx.group), None, None
+        return C.all_reduce(grad.contiguous(), ctx.group)[0], None, None  # in place, as Megatron: no copy
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -49,7 +49,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _CopyToTP.apply(grad, ctx.group), None
+        return _CopyToTP.apply(grad, ctx.group, False), None
 
 
 def _gather_last(x, group):
@@ -106,8 +106,12 @@ class _GatherFirstDim(torch.autograd.Function):
 
 
 @eager_under_compile  # takes a ProcessGroup: see _compat
-def copy_to_tp_region(x, group):
-    return _CopyToTP.apply(x, group) if _size(group) > 1 else x
+def copy_to_tp_region(x, group, *, grad_in_place=False):
+    """``grad_in_place``: all-reduce the incoming gradient in place (Megatron's way, no copy). Only
+    for outputs that feed ops whose input gradients are fresh tensors (a matmul): autograd hands the
+    same gradient to every branch of a fan-out (``copy_to_tp_region(x) + r``), which would then see
+    the sum over ranks too."""
+    return _CopyToTP.apply(x, group, grad_in_place) if _size(group) > 1 else x
 
 
 @eager_under_compile  # takes a ProcessGroup: see _compat
