@@ -441,8 +441,8 @@ def main(argv=None) -> int:
             from .bench.report import check_output_paths
 
             check_output_paths(**{name: getattr(args, name, None) for name in ("csv", "json_out", "plot", "profile")})
-        if getattr(args, "timeout", None) is not None and not args.timeout > 0:
-            raise ValueError(f"--timeout {args.timeout}: expected seconds > 0")
+        if getattr(args, "timeout", None) is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
+            raise ValueError(f"--timeout {args.timeout}: expected a finite number of seconds > 0")
         return args.func(args)
     except ValueError as exc:  # bad input: a one-line message, not a traceback
         print(f"overlapkernels: error: {exc}", file=sys.stderr)

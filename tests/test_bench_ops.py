@@ -350,8 +350,9 @@ def test_node_defaults_fit_the_world_size(monkeypatch):
     (["bench", "ring-attention", "--layouts", "zigzag,"], "layouts=['zigzag', '']: expected a non-empty subset"),
     (["bench", "ag-matmul", "--methods", ""], "methods=['']: expected a non-empty subset of baseline, decomposed"),
     (["bench", "layers", "--methods", ""], "methods=['']: expected a non-empty subset of baseline, decomposed"),
-    (["bench", "collectives", "--timeout", "0"], "--timeout 0.0: expected seconds > 0"),
-    (["demo", "--timeout", "-1"], "--timeout -1.0: expected seconds > 0"),
+    (["bench", "collectives", "--timeout", "0"], "--timeout 0.0: expected a finite number of seconds > 0"),
+    (["bench", "collectives", "--timeout", "inf"], "--timeout inf: expected a finite number of seconds > 0"),
+    (["demo", "--timeout", "-1"], "--timeout -1.0: expected a finite number of seconds > 0"),
 ])
 def test_bad_sizes_fail_before_any_rank_starts(monkeypatch, capsys, argv, message):
     from overlapkernels import cli

@@ -421,12 +421,12 @@ class TiedLM(nn.Module):
         return self.head(self.mid(self.emb(tokens)))
 
 
-def _tied_on_rank(stage):
+def _tied_on_rank(stage, units):
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     ref = TiedLM().double()
     torch.manual_seed(0)
-    sharded = fsdp.shard(TiedLM().double(), stage=stage, optimizer=OPTIMIZERS["sgd"])
+    sharded = fsdp.shard(TiedLM().double(), stage=stage, optimizer=OPTIMIZERS["sgd"], units=units)
     opt = OPTIMIZERS["sgd"](ref.parameters())
     g = torch.Generator().manual_seed(2)
     for _ in range(3):
@@ -446,6 +446,7 @@ def _tied_on_rank(stage):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_tied_weights_across_units(rank_pool, stage):
-    units = rank_pool(2).run(_tied_on_rank, stage)[0]
-    # stage 3 keeps the shared weight in the root unit (gathered throughout), not in emb's unit
-    assert units == (["mid", "<root>"] if stage == 3 else ["emb", "mid"])
+    # the shared weight lives in the root unit (gathered throughout), not in emb's unit, which
+    # stage 3 would free while the head still uses it; shared with the root (head in no unit) too
+    assert rank_pool(2).run(_tied_on_rank, stage, None)[0] == ["mid", "<root>"]
+    assert rank_pool(2).run(_tied_on_rank, stage, ["Embedding", "Block"])[0] == ["mid", "<root>"]

@@ -57,13 +57,19 @@ def _unit_modules(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def _shared_parameters(modules) -> set:
-    """ids of the parameters that more than one unit's module holds."""
+def _shared_parameters(model: nn.Module, modules) -> set:
+    """ids of the parameters used by more than one unit, counting the modules outside every unit
+    (the root unit's) as one more."""
     holders: dict = {}
-    for _, mod in modules:
+    for i, (_, mod) in enumerate(modules):
         for p in mod.parameters():
-            holders[id(p)] = holders.get(id(p), 0) + 1
-    return {pid for pid, count in holders.items() if count > 1}
+            holders.setdefault(id(p), set()).add(i)
+    names = [name for name, _ in modules]
+    for name, mod in model.named_modules(remove_duplicate=False):  # every path to a shared module
+        if not any(name == unit or name.startswith(unit + ".") for unit in names):
+            for p in mod.parameters(recurse=False):
+                holders.setdefault(id(p), set()).add("root")
+    return {pid for pid, owners in holders.items() if len(owners) > 1}
 
 
 class ShardedModule(nn.Module):
@@ -79,10 +85,11 @@ class ShardedModule(nn.Module):
         self._backward_armed = False
         self.peak_gathered_bytes = 0
         modules = _unit_modules(model, units)
-        # Stage 3 frees a unit's parameters after its forward, so one shared by two units' modules
-        # (tied embedding and LM head) would be freed under the other's use: it goes to the root
-        # unit, which stays gathered, as FSDP2 puts such parameters in the common parent's group.
-        shared = _shared_parameters(modules) if stage == 3 else set()
+        # Stage 3 frees a unit's parameters after its forward, so one that two units use (a tied
+        # embedding and LM head, or a unit and the root) would be freed under the other's use: it
+        # goes to the root unit, which stays gathered, as FSDP2 puts such parameters in the common
+        # parent's group. At every stage, so that the units (and checkpoints) do not depend on it.
+        shared = _shared_parameters(model, modules)
         seen, self.units = set(shared), []
         # frozen parameters stay as they are: not sharded, not given to the optimizer (as in torch)
         for name, mod in modules:
