@@ -137,6 +137,36 @@ def test_thread_world_reports_errors_and_timeouts():
     finally:
         release.set()
 
+    # one rank fails, its peer waits for a flag the failed rank would have set, and a third waits in
+    # a barrier: the timeout names the blocking rank and keeps the failed rank's traceback
+    world, gate = ThreadWorld(3, timeout=0.5), threading.Event()
+
+    def cause(ctx):
+        if ctx.rank == 0:
+            raise RuntimeError("root cause on rank 0")
+        if ctx.rank == 1:
+            gate.wait(30)
+        else:
+            ctx.barrier()
+
+    try:
+        with pytest.raises(RankTimeout, match=r"(?s)thread ranks \[1\] of 3 still running after 0.5 s.*"
+                                              r"ranks \[0, 2\] failed.*RuntimeError: root cause on rank 0"):
+            world.run(cause)
+        # the timed-out run's thread still holds the world: a next run is refused, not corrupted
+        with pytest.raises(RuntimeError, match=r"ok-thread-rank1 of a run that timed out are still running"):
+            world.run(lambda ctx: ctx.barrier())
+    finally:
+        gate.set()
+    for thread in world._stragglers:
+        thread.join(10)
+    assert world.run(lambda ctx: ctx.rank) == [0, 1, 2]  # once it ended, the world works again
+    for bad in (0, -5, None, "3", float("inf")):
+        with pytest.raises(ValueError, match=rf"timeout={bad!r}: expected a finite number of seconds > 0"):
+            ThreadWorld(2, timeout=bad)
+    with pytest.raises(ValueError, match=r"world_size=True: expected an integer >= 1"):
+        ThreadWorld(True)
+
 
 def test_interpreter_indexes_one_element_program_ids():
     """While a kernel runs, the interpreter turns tl tensors into ints with ``__index__`` (as in

@@ -65,6 +65,7 @@ class ThreadRank:
         raise_if_timed_out(err, op, epoch)
 
     def barrier(self) -> None:
+        self.world._in_barrier.add(self.rank)
         try:
             self.world._barrier.wait(timeout=self.world.timeout)
         except threading.BrokenBarrierError:
@@ -72,6 +73,8 @@ class ThreadRank:
                 raise  # reported after the failing rank's own error
             raise RankTimeout(f"thread rank {self.rank}: barrier timed out after {self.world.timeout:g} s; a rank "
                               "did not arrive (finished early or stuck)") from None
+        finally:
+            self.world._in_barrier.discard(self.rank)
 
     def alloc_symmetric(self, shape, dtype: torch.dtype, *, fill=0) -> SymmetricTensor:
         """Collective: every rank calls it in the same order and gets its view of one allocation."""
@@ -89,8 +92,9 @@ class ThreadWorld:
     """``ThreadWorld(4).run(fn, *args)`` runs ``fn(ThreadRank, *args)`` on 4 threads -> 4 results."""
 
     def __init__(self, world_size: int, *, timeout: float = 60.0, device="cpu"):
-        if not isinstance(world_size, int) or world_size < 1:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size={world_size!r}: expected an integer >= 1")
+        _check_timeout(timeout)
         self.world_size = world_size
         self.timeout = timeout
         self.device = torch.device(device)
@@ -100,6 +104,8 @@ class ThreadWorld:
         self._lock = threading.Lock()
         self._allocs: dict[int, list] = {}
         self._failed = threading.Event()  # a rank raised: barrier breaks are consequences
+        self._in_barrier: set = set()  # ranks waiting in barrier(): stuck because of the others
+        self._stragglers: list = []  # threads of a timed-out run that have not ended yet
         if self.device.type == "cpu":
             make_triton_interpreter_threadsafe()
 
@@ -114,7 +120,14 @@ class ThreadWorld:
             return entry[0]
 
     def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
+        if timeout is not None:
+            _check_timeout(timeout)
+        self._stragglers = [t for t in self._stragglers if t.is_alive()]
+        if self._stragglers:  # it would meet this run's ranks in the shared barrier and buffers
+            raise RuntimeError(f"ThreadWorld: {', '.join(t.name for t in self._stragglers)} of a run that timed "
+                               "out are still running (threads cannot be killed); use a new ThreadWorld")
         self._barrier.reset()
+        self._in_barrier.clear()
         self._failed.clear()
         results: list = [None] * self.world_size
         errors: dict[int, str] = {}
@@ -157,12 +170,22 @@ class ThreadWorld:
             t.join(max(0.0, deadline - time.monotonic()))
         stuck = [r for r, t in enumerate(threads) if t.is_alive()]
         name = getattr(fn, "__qualname__", repr(fn))
+        order = sorted(errors, key=lambda r: (r in secondary, r))
+        report = "".join(f"\n--- rank {r} of {self.world_size} ---\n{errors[r]}" for r in order)
         if stuck:
+            waiting = sorted(self._in_barrier.intersection(stuck))
             self._barrier.abort()
-            raise RankTimeout(f"{name}: thread ranks {stuck} of {self.world_size} still running after "
-                              f"{limit:g} s (threads cannot be killed; spin-waits end at their own timeout)")
+            self._stragglers = [threads[r] for r in stuck]
+            blocking = [r for r in stuck if r not in waiting]
+            raise RankTimeout(f"{name}: thread ranks {blocking or stuck} of {self.world_size} still running after "
+                              f"{limit:g} s{f' (ranks {waiting} waiting for them in a barrier)' if blocking and waiting else ''}"
+                              f"{f'; ranks {sorted(errors)} failed' if errors else ''} (threads cannot be killed; "
+                              f"spin-waits end at their own timeout){report}")
         if errors:
-            order = sorted(errors, key=lambda r: (r in secondary, r))
-            report = "".join(f"\n--- rank {r} of {self.world_size} ---\n{errors[r]}" for r in order)
             raise RankError(f"{name}: ranks {sorted(errors)} failed{report}")
         return results
+
+
+def _check_timeout(timeout) -> None:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(f"timeout={timeout!r}: expected a finite number of seconds > 0")
