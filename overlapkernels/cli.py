@@ -273,7 +273,8 @@ def _demo(args) -> int:
     from . import demo
 
     cfg = demo.DemoConfig(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, steps=args.steps, schedule=args.schedule)
-    cfg.validate(int(os.environ["WORLD_SIZE"]) if _launched() else args.nproc)  # before any rank starts
+    # before any rank starts; dp=-1 becomes the ranks left, so its checks and the table use that
+    cfg = cfg.resolved(int(os.environ["WORLD_SIZE"]) if _launched() else _world(args))
     rows, _ = _run_ranks(demo.rank_main, demo.config_dict(cfg), args)
     if rows is not None:
         print(demo.format_rows(rows, cfg))

@@ -8,7 +8,7 @@ learnable (target = (3 * token + 1) mod vocab), so the loss visibly falls.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -31,12 +31,24 @@ class DemoConfig:
 
     def validate(self, world: int) -> None:
         """Every constraint of the composition, checked before any rank starts."""
+        self.resolved(world)
+
+    def resolved(self, world: int) -> "DemoConfig":
+        """This configuration on ``world`` ranks, dp=-1 replaced by the ranks left, once every
+        constraint holds (checked with that dp, not with -1)."""
         from .parallel import resolve_sizes
+
+        cfg = replace(self, dp=resolve_sizes(world, tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp)["dp"])
+        cfg._check_composition()
+        return cfg
+
+    def _check_composition(self) -> None:
         from .runtime.pipeline import make_schedule
 
-        resolve_sizes(world, tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp)
         make_schedule(self.schedule, self.pp, 2 * self.pp)
         problems = []
+        if self.steps < 1 or self.reference_steps < 0:
+            problems.append(f"steps={self.steps} must be >= 1 (reference_steps={self.reference_steps} >= 0)")
         if 2 % self.tp:
             problems.append(f"tp={self.tp} must divide the 2 KV heads (so tp is 1 or 2)")
         if self.layers % self.pp:
@@ -87,13 +99,13 @@ def rank_main(config: dict) -> list[dict]:
         elapsed = time.perf_counter() - t0
         run = trainer.runner
         m = trainer.schedule.num_microbatches
-        f = run.compute_s["F"] / m
-        b = (run.compute_s["BW"] + run.compute_s["B"]) / m
-        measured = torch.tensor([1.0 - sum(run.compute_s.values()) / run.step_s, f, b], dtype=torch.float64,
-                                device=trainer.device)
+        # per microbatch: F, B (BW, or zero-bubble's B alone) and W, whose placement zb-h1 is about
+        per_op = [run.compute_s["F"], run.compute_s["BW"] + run.compute_s["B"], run.compute_s["W"]]
+        measured = torch.tensor([1.0 - sum(run.compute_s.values()) / run.step_s] + [t / m for t in per_op],
+                                dtype=torch.float64, device=trainer.device)
         dist.all_reduce(measured, group=dims.pp_group)
         measured /= dims.pp_size
-        sim = pp.simulate(trainer.schedule, t_f=float(measured[1]), t_b=float(measured[2]))
+        sim = pp.simulate(trainer.schedule, t_f=float(measured[1]), t_b=float(measured[2]), t_w=float(measured[3]))
         rows.append({"step": step, "loss": loss, "reference": reference[step] if step < len(reference) else None,
                      "tokens_per_s": cfg.batch * cfg.seq / elapsed, "bubble_measured": float(measured[0]),
                      "bubble_simulated": sim.bubble_fraction})

@@ -62,9 +62,9 @@ def _check_axis(axis: str) -> str:
 def resolve_sizes(world_size: int, *, tp: int, cp: int, pp: int, dp: int) -> dict[str, int]:
     """Validate the axis sizes against ``world_size``; ``dp=-1`` takes what is left."""
     for name, size in (("tp", tp), ("cp", cp), ("pp", pp)):
-        if not isinstance(size, int) or size < 1:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"{name}={size!r}: every axis size must be an integer >= 1")
-    if not isinstance(dp, int) or (dp < 1 and dp != -1):
+    if isinstance(dp, bool) or not isinstance(dp, int) or (dp < 1 and dp != -1):
         raise ValueError(f"dp={dp!r}: expected an integer >= 1, or -1 for 'the remaining ranks'")
     inner = tp * cp * pp
     if dp == -1:
@@ -88,7 +88,14 @@ def init_default_process_group(backend: str | None = None, timeout: timedelta = 
         return
     backend = backend or default_backend()
     if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError("backend='nccl' needs CUDA GPUs, and this process sees none; use 'gloo' (or None: "
+                             "nccl where CUDA is available, else gloo)")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    launcher = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name in os.environ]
+    if launcher and int(os.environ.get("WORLD_SIZE", 1)) > 1 and len(launcher) < 4:  # half a launcher
+        raise ValueError(f"the environment sets {', '.join(launcher)} but not all of RANK, WORLD_SIZE, MASTER_ADDR "
+                         "and MASTER_PORT: launch with torchrun (or set all four)")
     if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
     else:  # a single process with no launcher: a world of one, no sockets needed

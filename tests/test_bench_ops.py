@@ -122,6 +122,17 @@ def test_demo_smoke(rank_pool):
     assert "1-proc ref" in demo.format_rows(rows, cfg)
 
 
+def test_demo_zero_bubble_simulation_uses_the_measured_weight_gradients(rank_pool):
+    """Without W's time the simulator gives zb-h1 1F1B's bubble, (p-1)/(m+p-1) = 1/5 here."""
+    from overlapkernels import demo
+
+    cfg = demo.DemoConfig(tp=1, pp=2, steps=1, reference_steps=1, batch=4, seq=8, vocab=16, hidden=16, layers=2,
+                          schedule="zb-h1")
+    (row,) = rank_pool(2).run(demo.rank_main, demo.config_dict(cfg))[0]
+    assert row["loss"] == pytest.approx(row["reference"], rel=1e-5)
+    assert 0 < row["bubble_simulated"] < 0.2 * (1 - 1e-6), row
+
+
 @pytest.mark.parametrize("kind", ["collectives", "ag-matmul", "matmul-rs", "ring-attention", "layers", "fsdp",
                                   "pipeline"])
 def test_plots_for_every_kind(tmp_path, kind):
@@ -353,6 +364,10 @@ def test_node_defaults_fit_the_world_size(monkeypatch):
     (["bench", "collectives", "--timeout", "0"], "--timeout 0.0: expected a finite number of seconds > 0"),
     (["bench", "collectives", "--timeout", "inf"], "--timeout inf: expected a finite number of seconds > 0"),
     (["demo", "--timeout", "-1"], "--timeout -1.0: expected a finite number of seconds > 0"),
+    (["demo", "--nproc", "3", "--tp", "1", "--pp", "1", "--dp", "-1"],  # dp=-1 is checked as the 3 it becomes
+     "batch=8 must be divisible by dp x microbatches = 3 x 2"),
+    (["demo", "--nproc", "2", "--tp", "2", "--pp", "1", "--steps", "-1"], "steps=-1 must be >= 1"),
+    (["demo", "--nproc", "0"], "--nproc 0: expected >= 1"),
 ])
 def test_bad_sizes_fail_before_any_rank_starts(monkeypatch, capsys, argv, message):
     from overlapkernels import cli

@@ -100,6 +100,20 @@ def _bad_seq_on_rank():
         assert "local sequence length 3 (x.shape[0]=3) is odd: cp_layout='zigzag' over a CP group of 2" in str(exc)
     else:
         raise AssertionError("no ValueError from ParallelSelfAttention")
+    # the forward on token ids refuses what loss refuses: more tokens than max_seq_len (over CP)
+    try:
+        model(torch.zeros(1, 9, dtype=torch.long))  # 9 local ids x CP 2 = 18 > 16
+    except ValueError as exc:
+        assert "sequence length 18 > max_seq_len=16" in str(exc)
+    else:
+        raise AssertionError("no ValueError for a sequence longer than max_seq_len")
+    for bad in (0, True, 2.0):
+        try:
+            GPTConfig(**{**CONFIG, "num_heads": bad})
+        except ValueError as exc:
+            assert f"GPTConfig.num_heads={bad!r}: expected an integer >= 1" in str(exc)
+        else:
+            raise AssertionError(f"num_heads={bad!r} accepted")
     one = torch.ones(1)
     dist.all_reduce(one)
     return True

@@ -69,6 +69,8 @@ def test_tp_is_innermost(rank_pool):
     (dict(pp=1.5), "pp=1.5"),
     (dict(dp=0), "dp=0"),
     (dict(dp=-2), "dp=-2"),
+    (dict(tp=True), "tp=True: every axis size must be an integer >= 1"),  # True == 1, yet not a size
+    (dict(dp=True), "dp=True: expected an integer >= 1"),
 ])
 def test_bad_sizes_name_the_numbers(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("*", r"\*")):
@@ -179,3 +181,19 @@ def _timeouts_under_distributed_debug():
 def test_timeout_reaches_groups_under_distributed_debug(rank_pool):
     for wrapper, seconds in rank_pool(4).run(_timeouts_under_distributed_debug):
         assert wrapper == "_ProcessGroupWrapper" and seconds == 7.5
+
+
+def test_launch_environment_problems_are_named(monkeypatch):
+    """Refused before any process group is created (so nothing to clean up here)."""
+    from overlapkernels import parallel
+
+    monkeypatch.setattr(parallel.dist, "is_initialized", lambda: False)
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="sets WORLD_SIZE but not all of RANK, WORLD_SIZE, MASTER_ADDR and "
+                                         "MASTER_PORT: launch with torchrun"):
+        parallel.init_default_process_group("gloo")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="backend='nccl' needs CUDA GPUs, and this process sees none"):
+            parallel.init_default_process_group("nccl")

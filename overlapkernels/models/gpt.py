@@ -35,6 +35,12 @@ class GPTConfig:
     cp_layout: str = "zigzag"
     ignore_index: int = -100
 
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden", "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name}={value!r}: expected an integer >= 1")
+
 
 class GPT(nn.Module):
     """The whole model, or with ``pipeline_stage=(s, n)`` stage s of n: the embedding on stage 0,
@@ -98,6 +104,9 @@ class GPT(nn.Module):
         """[B, S_local] token ids (first stage) or hidden states -> hidden states, or the logits shard
         [S_local, B, V/TP] (last stage)."""
         if self.first:
+            if x.dim() == 2 and x.shape[1] * self.dims.cp_size > self.config.max_seq_len:  # [B, S/CP] ids
+                raise ValueError(f"sequence length {x.shape[1] * self.dims.cp_size} > "
+                                 f"max_seq_len={self.config.max_seq_len}")
             x = self.embed(x)
             if not self.sequence_parallel:
                 x = x.transpose(0, 1)  # [S, B, hidden]
