@@ -161,6 +161,16 @@ def test_thread_world_reports_errors_and_timeouts():
     for thread in world._stragglers:
         thread.join(10)
     assert world.run(lambda ctx: ctx.rank) == [0, 1, 2]  # once it ended, the world works again
+    # a rank that returns without the barrier its peer waits in: named, and the world is reusable
+    def early(ctx):
+        if ctx.rank == 1:
+            ctx.barrier()
+
+    with pytest.raises(RankTimeout, match=r"thread ranks \[1\] of 2 waited 0.3 s in a barrier that ranks \[0\] "
+                                          r"never reached"):
+        world2 = ThreadWorld(2, timeout=5)
+        world2.run(early, timeout=0.3)
+    assert world2.run(lambda ctx: ctx.rank) == [0, 1]
     for bad in (0, -5, None, "3", float("inf")):
         with pytest.raises(ValueError, match=rf"timeout={bad!r}: expected a finite number of seconds > 0"):
             ThreadWorld(2, timeout=bad)

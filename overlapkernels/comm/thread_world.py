@@ -175,12 +175,18 @@ class ThreadWorld:
         if stuck:
             waiting = sorted(self._in_barrier.intersection(stuck))
             self._barrier.abort()
-            self._stragglers = [threads[r] for r in stuck]
+            for r in waiting:  # released by the abort: they end at once (only truly stuck ones stay)
+                threads[r].join(1.0)
+            self._stragglers = [threads[r] for r in stuck if threads[r].is_alive()]
             blocking = [r for r in stuck if r not in waiting]
-            raise RankTimeout(f"{name}: thread ranks {blocking or stuck} of {self.world_size} still running after "
-                              f"{limit:g} s{f' (ranks {waiting} waiting for them in a barrier)' if blocking and waiting else ''}"
-                              f"{f'; ranks {sorted(errors)} failed' if errors else ''} (threads cannot be killed; "
-                              f"spin-waits end at their own timeout){report}")
+            if blocking:
+                what = (f"thread ranks {blocking} of {self.world_size} still running after {limit:g} s"
+                        f"{f' (ranks {waiting} waiting for them in a barrier)' if waiting else ''}")
+            else:
+                what = (f"thread ranks {waiting} of {self.world_size} waited {limit:g} s in a barrier that ranks "
+                        f"{[r for r in range(self.world_size) if r not in stuck]} never reached")
+            raise RankTimeout(f"{name}: {what}{f'; ranks {sorted(errors)} failed' if errors else ''} (threads cannot "
+                              f"be killed; spin-waits end at their own timeout){report}")
         if errors:
             raise RankError(f"{name}: ranks {sorted(errors)} failed{report}")
         return results

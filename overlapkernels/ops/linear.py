@@ -27,7 +27,7 @@ class Linear(torch.autograd.Function):
         return F.linear(x, weight, bias)
 
     @staticmethod
-    @first_order_only("linear")  # B/W split: the weight gradient may run later, outside autograd
+    @first_order_only("linear", "its weight gradient may be deferred to the pipeline's W step, outside autograd")
     def backward(ctx, grad_out):
         x, weight, bias = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
