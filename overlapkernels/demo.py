@@ -29,13 +29,10 @@ class DemoConfig:
     hidden: int = 64
     layers: int = 4
 
-    def validate(self, world: int) -> None:
-        """Every constraint of the composition, checked before any rank starts."""
-        self.resolved(world)
-
     def resolved(self, world: int) -> "DemoConfig":
         """This configuration on ``world`` ranks, dp=-1 replaced by the ranks left, once every
-        constraint holds (checked with that dp, not with -1)."""
+        constraint of the composition holds (checked with that dp, not with -1) - before any rank
+        starts."""
         from .parallel import resolve_sizes
 
         cfg = replace(self, dp=resolve_sizes(world, tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp)["dp"])

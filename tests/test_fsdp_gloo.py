@@ -185,43 +185,6 @@ def test_mixed_dtypes_in_one_unit_are_refused(rank_pool):
         assert "unit 'a': parameters must share one device and dtype" in message
 
 
-class WithFrozenAndUnused(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.used = nn.Linear(D_IN, 3)
-        self.frozen = nn.Linear(D_IN, D_IN).requires_grad_(False)
-        self.unused = nn.Linear(D_IN, 3)
-
-    def forward(self, x):
-        return self.used(self.frozen(x))
-
-
-def _frozen_unused_on_rank(stage):
-    world, rank = dist.get_world_size(), dist.get_rank()
-    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
-    torch.manual_seed(0)
-    ref = WithFrozenAndUnused().double()
-    ref_opt = adamw([p for p in ref.parameters() if p.requires_grad])
-    torch.manual_seed(0)
-    sharded = fsdp.shard(WithFrozenAndUnused().double(), stage=stage, optimizer=adamw, prefetch=0)
-    for x, y in _batches(3, 2, world):
-        ref_opt.zero_grad()
-        _loss(ref(x), y).backward()
-        ref_opt.step()
-        mine = slice(rank * 2, (rank + 1) * 2)
-        _loss(sharded(x[mine]), y[mine]).backward()
-        sharded.step()
-    got = sharded.full_state_dict()
-    for name, want in ref.state_dict().items():  # frozen and unused weights untouched, as in torch
-        torch.testing.assert_close(got[name], want, atol=1e-12, rtol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
-    return True
-
-
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_frozen_and_unused_parameters_are_left_alone(rank_pool, stage):
-    assert rank_pool(2).run(_frozen_unused_on_rank, stage) == [True, True]
-
-
 def _gpt_default_units_on_rank():
     """GPT keeps its blocks in a ModuleDict, which is never called: its children must be the units."""
     from overlapkernels.models import GPT, GPTConfig
@@ -405,48 +368,3 @@ def _lifecycle_on_rank(stage):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_dropped_wrappers_are_freed_and_failed_steps_can_be_skipped(rank_pool, stage):
     assert rank_pool(2).run(_lifecycle_on_rank, stage) == [True, True]
-
-
-class TiedLM(nn.Module):
-    """GPT's usual tie: the LM head's weight is the embedding's, in two default units."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(11, D_HID)
-        self.mid = Block(D_HID)
-        self.head = nn.Linear(D_HID, 11, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, tokens):
-        return self.head(self.mid(self.emb(tokens)))
-
-
-def _tied_on_rank(stage, units):
-    world, rank = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(0)
-    ref = TiedLM().double()
-    torch.manual_seed(0)
-    sharded = fsdp.shard(TiedLM().double(), stage=stage, optimizer=OPTIMIZERS["sgd"], units=units)
-    opt = OPTIMIZERS["sgd"](ref.parameters())
-    g = torch.Generator().manual_seed(2)
-    for _ in range(3):
-        tokens = torch.randint(0, 11, (3 * world,), generator=g)
-        mine = tokens[rank * 3:(rank + 1) * 3]
-        nn.functional.cross_entropy(sharded(mine), mine).backward()
-        sharded.step()
-        opt.zero_grad()
-        nn.functional.cross_entropy(ref(tokens), tokens).backward()
-        opt.step()
-    got = sharded.full_state_dict()
-    assert list(got) == list(ref.state_dict())
-    for name, want in ref.state_dict().items():
-        torch.testing.assert_close(got[name], want, atol=1e-12, rtol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
-    return [u.name for u in sharded.all_units]
-
-
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_tied_weights_across_units(rank_pool, stage):
-    # the shared weight lives in the root unit (gathered throughout), not in emb's unit, which
-    # stage 3 would free while the head still uses it; shared with the root (head in no unit) too
-    assert rank_pool(2).run(_tied_on_rank, stage, None)[0] == ["mid", "<root>"]
-    assert rank_pool(2).run(_tied_on_rank, stage, ["Embedding", "Block"])[0] == ["mid", "<root>"]

@@ -171,8 +171,11 @@ def test_thread_world_reports_errors_and_timeouts():
         world2 = ThreadWorld(2, timeout=5)
         world2.run(early, timeout=0.3)
     assert world2.run(lambda ctx: ctx.rank) == [0, 1]
-    for bad in (0, -5, None, "3", float("inf")):
-        with pytest.raises(ValueError, match=rf"timeout={bad!r}: expected a finite number of seconds > 0"):
+    for bad in (0, -5, float("inf")):
+        with pytest.raises(ValueError, match=rf"timeout={bad!r}: expected a finite duration of at least 1 ms"):
+            ThreadWorld(2, timeout=bad)
+    for bad in (None, "3"):
+        with pytest.raises(TypeError, match=rf"timeout={bad!r}: expected seconds \(int or float\) or a datetime"):
             ThreadWorld(2, timeout=bad)
     with pytest.raises(ValueError, match=r"world_size=True: expected an integer >= 1"):
         ThreadWorld(True)

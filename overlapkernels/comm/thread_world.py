@@ -20,9 +20,18 @@ import traceback
 import torch
 
 from .._compat import make_triton_interpreter_threadsafe
+from ..parallel import resolve_timeout
 from .rank_pool import RankError, RankTimeout
 from .side_stream import CudaSideStream, ThreadSideStream
 from .symmetric import SymmetricTensor
+
+
+def _seconds(timeout) -> float:
+    """A thread world's timeout (seconds or a timedelta), checked as the process groups' are."""
+    resolved = resolve_timeout(timeout)
+    if resolved is None:
+        raise TypeError("timeout=None: expected seconds (int or float) or a datetime.timedelta")
+    return resolved.total_seconds()
 
 
 class ThreadRank:
@@ -94,9 +103,8 @@ class ThreadWorld:
     def __init__(self, world_size: int, *, timeout: float = 60.0, device="cpu"):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size={world_size!r}: expected an integer >= 1")
-        _check_timeout(timeout)
         self.world_size = world_size
-        self.timeout = timeout
+        self.timeout = _seconds(timeout)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -121,7 +129,7 @@ class ThreadWorld:
 
     def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
         if timeout is not None:
-            _check_timeout(timeout)
+            timeout = _seconds(timeout)
         self._stragglers = [t for t in self._stragglers if t.is_alive()]
         if self._stragglers:  # it would meet this run's ranks in the shared barrier and buffers
             raise RuntimeError(f"ThreadWorld: {', '.join(t.name for t in self._stragglers)} of a run that timed "
@@ -191,7 +199,3 @@ class ThreadWorld:
             raise RankError(f"{name}: ranks {sorted(errors)} failed{report}")
         return results
 
-
-def _check_timeout(timeout) -> None:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-        raise ValueError(f"timeout={timeout!r}: expected a finite number of seconds > 0")

@@ -66,9 +66,14 @@ def _agree(local: dict, group) -> dict:
     return plan
 
 
+def _layout(value: torch.Tensor) -> tuple[list, str]:
+    """(shape, dtype name) as the checkpoint's meta file records them."""
+    return list(value.shape), str(value.dtype).replace("torch.", "")
+
+
 def _digest(value: torch.Tensor) -> tuple:
     raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return hashlib.sha256(raw).hexdigest(), list(value.shape), str(value.dtype).replace("torch.", "")
+    return hashlib.sha256(raw).hexdigest(), *_layout(value)
 
 
 def _buffers(sharded) -> dict:
@@ -102,7 +107,7 @@ def _plan_optim(sharded, optim_state) -> dict:
                 continue
             name = f"{idx}/{key}"
             if value.shape == unit.master.shape and value.is_floating_point():
-                plan[name] = {"kind": "flat", "dtype": str(value.dtype).replace("torch.", "")}
+                plan[name] = {"kind": "flat", "dtype": _layout(value)[1]}
             else:
                 local[name] = _digest(value)
     return {**plan, **_agree(local, sharded.group)}
@@ -172,7 +177,8 @@ def save(sharded, path) -> None:
     path = os.path.normpath(os.fspath(path))  # "ckpt/" would put its own temp folder inside it
     tmp, old = path + ".tmp", path + ".old"
     part, parts = _part(sharded)
-    _on_rank0_for_all(lambda: os.path.exists(tmp) and shutil.rmtree(tmp), f"clearing {tmp!r}")  # an interrupted save's
+    # leftovers of an interrupted save
+    _on_rank0_for_all(lambda: os.path.exists(tmp) and shutil.rmtree(tmp), f"clearing {tmp!r}")
     optim = sharded.optimizer.state_dict()
     plan, buffer_plan = _plan_optim(sharded, optim["state"]), _plan_buffers(sharded)
     mine = {"world_size": dist.get_world_size(sharded.group), "stage": sharded.stage, "units": _units(sharded),
@@ -236,7 +242,7 @@ def _check(sharded, path, meta, part, parts) -> str | None:
     if per_rank and mine["world_size"] != world:
         return (f"checkpoint {path!r}: optimizer state {per_rank} differs between ranks and is not shaped like the "
                 f"parameter shards, so it reloads only on {mine['world_size']} ranks, not {world}")
-    saved, have = mine.get("buffers", {}), {name: _digest(buf)[1:] for name, buf in _buffers(sharded).items()}
+    saved, have = mine.get("buffers", {}), {name: _layout(buf) for name, buf in _buffers(sharded).items()}
     if "buffers" in mine and sorted(saved) != sorted(have):
         return f"checkpoint {path!r} holds buffers {sorted(saved)}; this model has {sorted(have)}"
     per_rank = sorted(name for name, entry in saved.items() if entry["kind"] == "per_rank")
