@@ -63,7 +63,8 @@ def ptxas_info(ptx):
     return f" regs={regs.group(1) if regs else '?'} spills(st/ld)={spill.group(1)}/{spill.group(2)}" if spill else ""
 
 
-def check(label, kernel, *args, **kwargs):
+def check(label, kernel, *args, ptx_has=(), **kwargs):
+    """``ptx_has``: instructions the PTX must contain (e.g. the vector stores a hint is there for)."""
     if FILTER not in label:
         return
     t0 = time.time()
@@ -71,6 +72,8 @@ def check(label, kernel, *args, **kwargs):
         ck, sig = compile_like_launch(kernel, *args, **kwargs)
         md = ck.metadata
         assert "cubin" in ck.asm and "ptx" in ck.asm
+        missing = [i for i in ptx_has if i not in ck.asm["ptx"]]
+        assert not missing, f"the PTX lacks {missing}"
         if os.environ.get("T36_PTXAS"):
             flag0 = ptxas_info(ck.asm["ptx"])
         else:
@@ -120,7 +123,8 @@ for dname, dt in DT.items():
             table = t(W, dtype=torch.int64)
             check(f"_gemm_rs_kernel {tag}", RS._gemm_rs_kernel,
                   a, b, table, table, M, N, kk, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                  R, WORLD=W, DOT_PRECISION=prec, **cfg.meta(kk))
+                  R, WORLD=W, DOT_PRECISION=prec, **cfg.meta(kk),
+                  ptx_has=("st.global.v4",))  # 16-byte remote stores (signals.peer_ptr's alignment)
 
 # --- all_gather ---------------------------------------------------------------------------------
 for dname in ("bf16", "fp32"):

@@ -72,6 +72,25 @@ def test_rectangular_tiles_match_reference(causal, q_start, k_start):
         _close(name, got, want, torch.float32)
 
 
+@pytest.mark.parametrize("dout_layout", ["dense", "transposed"])
+def test_backward_of_a_sliced_q_with_dout_laid_out_otherwise(dout_layout):
+    """q sliced out of a longer sequence (as a ring block) and a dout whose strides differ from q's:
+    the kernels read dout with q's strides, so both must end up laid out alike."""
+    q_long, k, v, _ = _inputs(torch.float32, lq=32)
+    q = q_long[:, :, 6:26]  # strides of the 32-long tensor, 20 queries
+    do = torch.randn(2, 4, 20, 12, generator=torch.Generator().manual_seed(1))
+    if dout_layout == "transposed":
+        do = do.transpose(1, 2).contiguous().transpose(1, 2)  # [B, L, H, D] memory
+    assert do.stride() != q.stride()
+    _, lse = ref.block_forward(q, k, v, 0.3, causal=True, q_start=6)
+    out, _ = ref.block_forward(q, k, v, 0.3, causal=True, q_start=6)
+    delta = (do * out).sum(-1)
+    args = dict(causal=True, q_start=6)
+    got = fa.block_backward(q, k, v, do, lse, delta, 0.3, **args)
+    for name, g, want in zip(("dq", "dk", "dv"), got, ref.block_backward(q, k, v, do, lse, delta, 0.3, **args)):
+        _close(name, g, want, torch.float32)
+
+
 def test_flash_configs_fit_the_device():
     cpu = fa.flash_configs(torch.device("cpu"), torch.float16, 128)
     assert cpu == fa.INTERPRETER_FLASH

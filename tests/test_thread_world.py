@@ -116,6 +116,18 @@ def test_alloc_symmetric_gives_every_rank_the_same_peers():
     assert len({tuple(ptrs) for _, ptrs in results}) == 1
 
 
+def test_symmetric_buffers_must_start_16_byte_aligned():
+    """The peer kernels vectorise on that promise (signals.peer_ptr): a misaligned buffer is refused
+    where a world hands it out, not left to fault on a GPU."""
+    from overlapkernels.comm.symmetric import SymmetricTensor
+    storage = torch.zeros(16, dtype=torch.float32)
+    aligned, misaligned = storage[:4], storage[1:5]  # 4 bytes in
+    ptrs = torch.tensor([aligned.data_ptr(), misaligned.data_ptr()])
+    SymmetricTensor(0, 2, aligned, ptrs, (aligned, storage[4:8]))
+    with pytest.raises(ValueError, match=r"ranks \[1\] start at addresses not divisible by 16"):
+        SymmetricTensor(0, 2, aligned, ptrs, (aligned, misaligned))
+
+
 def test_thread_world_reports_errors_and_timeouts():
     def fail(ctx):
         if ctx.rank == 1:

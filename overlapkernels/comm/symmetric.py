@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+ALIGN_BYTES = 16  # every rank's buffer starts at a multiple of this
+
 
 @dataclass(frozen=True)
 class SymmetricTensor:
@@ -19,6 +21,14 @@ class SymmetricTensor:
     peer_ptrs: torch.Tensor    # int64 [world_size]: data_ptr of every rank's buffer
     peers: tuple               # every rank's buffer as a tensor, where this process can see it
     handle: object = None      # keeps the peer mappings alive (torch symmetric memory)
+
+    def __post_init__(self):
+        # the kernels vectorise peer accesses on this promise (signals.peer_ptr): a misaligned
+        # buffer would fault on the GPU, so it is refused here, where the world hands it out
+        misaligned = [r for r, p in enumerate(self.peers) if p.data_ptr() % ALIGN_BYTES]
+        if misaligned:
+            raise ValueError(f"symmetric buffers of ranks {misaligned} start at addresses not divisible by "
+                             f"{ALIGN_BYTES}: {[hex(self.peers[r].data_ptr()) for r in misaligned]}")
 
     def peer(self, rank: int) -> torch.Tensor:
         return self.peers[rank]

@@ -78,7 +78,8 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
     warmup.warm(world, ("ag", method, shard.shape, shard.dtype,
                         tuple((b.shape, b.stride(), b.data_ptr() % 16) for b in bs)),
                 lambda: warmup.all_gather_matmul(world, method, shard, bs, budget))
-    ws = _workspace(world, "ag", method, (w, m, k), a_shard.dtype)
+    # one slot per rank: only our shard is published there (peers pull it; nothing is pushed)
+    ws = _workspace(world, "ag", method, (m, k), a_shard.dtype)
     ws.epoch += 1
     epoch, err = ws.epoch, torch.zeros(4, dtype=torch.int32, device=a_shard.device)
 
@@ -89,7 +90,7 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
         if reader != r:
             sig.wait_flag(ws.pads.local[w + reader:w + reader + 1], epoch - 1, err, budget,
                           code=sig.ERR_CONSUMED_TIMEOUT, rank=r, chunk=r, peer=reader)
-    ws.slots.local[r].copy_(shard)
+    ws.slots.local.copy_(shard)
     _ag_signal_kernel[(1,)](ws.pads.peer_ptrs, epoch, r, WORLD=w)
     a_flat = torch.empty(w * m, k, dtype=shard.dtype, device=shard.device)  # returned as is, not a view
     a_full = a_flat.view(w, m, k)
@@ -100,7 +101,7 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
         with span(f"ok/ag_matmul/chunk{src}/comm"):
             sig.wait_flag(ws.pads.local[src:src + 1], epoch, err, budget, code=sig.ERR_READY_TIMEOUT, rank=r,
                           chunk=src, peer=src)
-            a_full[src].copy_(ws.slots.peer(src)[src])
+            a_full[src].copy_(ws.slots.peer(src))
             sig.add_peer_flag(ws.pads, src, w + r, 1)
             sig.set_flag_now(ws.arrived[src:src + 1], epoch)
 

@@ -315,8 +315,9 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, *, q_start: int = 0,
     b, h, lq, d = q.shape
     h_kv, lk = k.shape[1], k.shape[2]
     dout = dout.to(q.dtype)
-    if dout.stride() != q.stride():
-        dout = dout.contiguous() if q.is_contiguous() else torch.empty_like(q).copy_(dout)
+    if dout.stride() != q.stride():  # the kernels read dout with q's strides: give both the same
+        # (empty_like(q) is no help: for a q sliced out of a larger tensor it is dense, not q's layout)
+        q, dout = q.contiguous(), dout.contiguous()
     lse, delta = lse.float().contiguous(), delta.float().contiguous()
     dq = torch.empty(b, h, lq, d, dtype=torch.float32, device=q.device)
     dk = torch.empty(b, h_kv, lk, d, dtype=torch.float32, device=q.device)

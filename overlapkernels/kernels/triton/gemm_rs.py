@@ -33,9 +33,8 @@ def _gemm_rs_kernel(a_ptr, b_ptr, slots_table_ptr, pads_table_ptr, rows_per_chun
         acc = tile_dot(a_ptr + owner.to(tl.int64) * rows_per_chunk * stride_am, b_ptr, rows_in, row_mask, cols,
                        col_mask, K, stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K,
                        DOT_PRECISION, EVEN_K)
-        # owner's slots: [W, m, N]. Symmetric buffers start 16-byte aligned; saying so lets the
-        # compiler vectorise these remote stores (it cannot know it of an address loaded from a table)
-        slot = tl.multiple_of(peer_ptr(slots_table_ptr, owner, a_ptr), 16) + rank.to(tl.int64) * rows_per_chunk * N
+        # owner's slots: [W, m, N] (peer_ptr carries the 16-byte alignment that vectorises these stores)
+        slot = peer_ptr(slots_table_ptr, owner, a_ptr) + rank.to(tl.int64) * rows_per_chunk * N
         tl.store(slot + rows_in[:, None] * N + cols[None, :], acc.to(a_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & col_mask[None, :])
         tl.debug_barrier()  # all threads' stores are issued before the release below
