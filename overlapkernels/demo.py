@@ -105,7 +105,8 @@ def rank_main(config: dict) -> list[dict]:
         sim = pp.simulate(trainer.schedule, t_f=float(measured[1]), t_b=float(measured[2]), t_w=float(measured[3]))
         rows.append({"step": step, "loss": loss, "reference": reference[step] if step < len(reference) else None,
                      "tokens_per_s": cfg.batch * cfg.seq / elapsed, "bubble_measured": float(measured[0]),
-                     "bubble_simulated": sim.bubble_fraction})
+                     "bubble_simulated": sim.bubble_fraction,
+                     "t_f": float(measured[1]), "t_b": float(measured[2]), "t_w": float(measured[3])})
     return rows if dist.get_rank() == 0 else None
 
 

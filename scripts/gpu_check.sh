@@ -81,9 +81,10 @@ pytest_step() {  # pytest_step SECONDS NAME [env ...] PY -m pytest ARGS...: a st
 # every step below reports itself skipped.
 left=$(time_left)
 if [ "$left" -ge 5 ]; then
-  timeout --kill-after=5 $(( left < 60 ? left : 60 )) \
+  probe_limit=$(( left < 60 ? left : 60 ))
+  timeout --kill-after=5 "$probe_limit" \
     "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA GPU visible')" \
-    || { [ $? -lt 124 ] || echo "gpu-check: the CUDA probe did not answer within its limit" >&2; exit 2; }
+    || { [ $? -lt 124 ] || echo "gpu-check: the CUDA probe did not answer within its limit ($probe_limit s)" >&2; exit 2; }
 fi
 # The csrc library is built here only (not by `make setup` as well), within the deadline. No nvcc
 # (csrc/build.py looks where the build would) is no failure: the csrc tests then say so.

@@ -55,6 +55,34 @@ def test_kernels_match_reference(dtype, causal, q_start, k_start, kv_heads):
 
 
 @pytest.mark.parametrize("causal, q_start, k_start", OFFSETS)
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_reference_matches_sdpa(causal, q_start, k_start, kv_heads):
+    """The torch reference the kernels are held to, against SDPA itself (fp64): out, lse and the
+    gradients, with the ring offsets as an explicit mask; rows that see no key are 0 and -inf."""
+    q, k, v, do = _inputs(torch.float64, kv_heads=kv_heads)
+    args = dict(q_start=q_start, k_start=k_start, causal=causal)
+    out, lse = ref.block_forward(q, k, v, 0.3, **args)
+    dq, dk, dv = ref.block_backward(q, k, v, do, lse, (do * out).sum(-1), 0.3, **args)
+    empty = max(0, k_start - q_start) if causal else 0  # leading queries that precede every key
+    assert not out[:, :, :empty].any() and torch.isneginf(lse[:, :, :empty]).all()
+    assert not dq[:, :, :empty].any()
+    qs, ks, vs = (x.clone().requires_grad_() for x in (q[:, :, empty:], k, v))
+    group = q.shape[1] // kv_heads
+    rows = torch.arange(empty, q.shape[2])[:, None] + q_start
+    mask = (torch.arange(k.shape[2])[None, :] + k_start <= rows) if causal else None
+    want = F.scaled_dot_product_attention(qs, ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1),
+                                          attn_mask=mask, scale=0.3)
+    (want * do[:, :, empty:]).sum().backward()
+    scores = (qs @ ks.repeat_interleave(group, 1).transpose(-1, -2) * 0.3).masked_fill(
+        mask.logical_not() if causal else torch.zeros((), dtype=torch.bool), float("-inf"))
+    tight = dict(atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(out[:, :, empty:], want.detach(), **tight)
+    torch.testing.assert_close(lse[:, :, empty:], torch.logsumexp(scores.detach(), -1), **tight)
+    for name, got, grad in (("dq", dq[:, :, empty:], qs.grad), ("dk", dk, ks.grad), ("dv", dv, vs.grad)):
+        torch.testing.assert_close(got, grad, **tight, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("causal, q_start, k_start", OFFSETS)
 def test_rectangular_tiles_match_reference(causal, q_start, k_start):
     """GPU configs use BLOCK_M != BLOCK_N, and different ones per kernel: run that in the
     interpreter (fwd 32x16, dK/dV 16x32, dQ 32x16) over 40 queries x 36 keys, ragged edges."""

@@ -13,7 +13,8 @@ from overlapkernels.models import GPT, GPTConfig, gather_dense_state_dict, shard
 CONFIG = dict(vocab_size=32, hidden=16, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden=32, max_seq_len=16)
 
 
-def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2, compiled=False, clip=None):
+def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2, compiled=False, clip=None,
+                 planted_missing_sync=False):
     config = GPTConfig(**{**CONFIG, "num_kv_heads": kv_heads}, sequence_parallel=sequence_parallel, method=method)
     g = torch.Generator().manual_seed(42)
     tokens = torch.randint(0, CONFIG["vocab_size"], (2, 8), generator=g)
@@ -36,7 +37,8 @@ def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2, compiled=
     # regions, not fail tracing them; aot_eager checks dynamo + autograd without inductor's C++ build
     loss = (torch.compile(model.loss, backend="aot_eager") if compiled else model.loss)(tokens, targets)
     loss.backward()
-    model.sync_grads()
+    if not planted_missing_sync:
+        model.sync_grads()
     if clip is not None:  # the whole model's norm, each element once though TP/CP/DP ranks hold copies
         # both forms: the parameters (each carries its TP tag), and the model (whose layers remember
         # the tags by name: the form torch's FSDP2 needs)
@@ -75,6 +77,16 @@ def test_clip_grad_norm_is_the_dense_models(rank_pool, layout_kwargs, sequence_p
     """ok.clip_grad_norm_ equals torch's on the dense model, and so do the clipped gradients."""
     losses = rank_pool(4).run(_gpt_on_rank, layout_kwargs, sequence_parallel, "baseline", 2, False, clip)
     assert len(set(losses)) == 1  # every rank reports the same global loss
+
+
+def _planted_missing_gradient_sync_on_rank():
+    with pytest.raises(AssertionError):  # CP and DP ranks' partial gradients never summed
+        _gpt_on_rank(dict(cp=2), False, "baseline", planted_missing_sync=True)
+    return True
+
+
+def test_planted_missing_gradient_sync_is_caught(rank_pool):
+    assert rank_pool(4).run(_planted_missing_gradient_sync_on_rank) == [True] * 4
 
 
 def test_gpt_bad_sequence_length(rank_pool):

@@ -131,6 +131,19 @@ def test_telemetry_summary_with_fake_nvml():
     assert s["nvlink_tx_gbps"] > 0 and s["nvlink_rx_gbps"] > 0
 
 
+def test_telemetry_nvlink_rate_is_bytes_over_the_sampled_span(monkeypatch):
+    from overlapkernels.profiling import telemetry
+
+    clock = iter([10.0, 12.0, 14.0])  # seconds at each sample
+    monkeypatch.setattr(telemetry.time, "perf_counter", lambda: next(clock))
+    tel = telemetry.Telemetry(0, nvml=FakeTelemetryNVML())
+    tel._handle = "gpu0"  # what __enter__ sets, without starting its sampler thread
+    for _ in range(3):
+        tel._sample()  # 1, 2, 3 GiB cumulative
+    s = tel.summary()
+    assert s["nvlink_tx_gbps"] == s["nvlink_rx_gbps"] == round(2 * 2 ** 30 / 4.0 / 1e9, 3)  # 2 GiB in 4 s
+
+
 def test_telemetry_without_nvml_leaves_columns_empty():
     from overlapkernels.profiling.telemetry import COLUMNS, Telemetry
 

@@ -12,7 +12,7 @@ from overlapkernels.layers import ColumnParallelLinear, RowParallelLinear
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 
 
-def _megatron_linears_on_rank():
+def _megatron_linears_on_rank(planted=False):
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.model_parallel_config import ModelParallelConfig
 
@@ -42,6 +42,9 @@ def _megatron_linears_on_rank():
         for p_ours, (pname, p_theirs) in zip(ours.parameters(), theirs.named_parameters()):
             assert getattr(p_theirs, "partition_dim", None) == getattr(p_ours, "partition_dim", None), (name, pname)
         results[name] = (ours, theirs)
+    if planted:  # a weight that did not quite make it across: the comparison below must notice
+        with torch.no_grad():
+            row.weight[0, 0] += 1e-9
     x = torch.randn(5, 2, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     for ours, theirs in (results["column"], results["row"]):
         xin = x if ours is col else torch.randn(5, 2, 4, dtype=torch.float64,
@@ -63,3 +66,13 @@ def _megatron_linears_on_rank():
 
 def test_megatron_state_dicts_interchange(rank_pool):
     assert rank_pool(2).run(_megatron_linears_on_rank) == [True, True]
+
+
+def _planted_on_rank():
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        _megatron_linears_on_rank(planted=True)
+    return True
+
+
+def test_planted_error_is_caught(rank_pool):
+    assert rank_pool(2).run(_planted_on_rank) == [True, True]

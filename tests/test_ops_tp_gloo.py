@@ -277,9 +277,14 @@ def _callers_use_on_rank(method):
     _compare("out", out, (ra @ rb + bias).relu(), False, torch.float64)
     _compare("grad a", a.grad, ra.grad.chunk(world)[rank] * world, False, torch.float64)  # every rank's loss
     _compare("grad b", b.grad, rb.grad, False, torch.float64)
-    rs = ok.matmul_reduce_scatter(torch.cat(shards).requires_grad_(), b0, method=method)
+    a_rs = torch.cat(shards).requires_grad_()  # the same on every rank: the sum is world * a @ b
+    rs = ok.matmul_reduce_scatter(a_rs, b0, method=method)
     rs += bias  # in place on the reduce-scattered output too
     rs.sum().backward()
+    _compare("rs out", rs, (world * (a_rs.detach() @ b0)).chunk(world)[rank] + bias, False, torch.float64)
+    # the summed loss over ranks is sum(sum_q a_q @ b): each rank's a gets ones @ b^T
+    _compare("rs grad a", a_rs.grad, torch.ones(*a_rs.shape[:-1], 5, dtype=torch.float64) @ b0.T, False,
+             torch.float64)
 
     for m_rows, k in ((0, 6), (2, 0)):  # as torch.cat(...) @ b: an empty result, or zeros
         got = ok.all_gather_matmul(torch.ones(m_rows, k, dtype=torch.float64), torch.ones(k, 5, dtype=torch.float64),

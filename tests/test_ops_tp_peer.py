@@ -166,14 +166,14 @@ def test_planted_missing_wait_is_caught():
     assert err.tolist() == [1, 0, 1, 1]  # ready timeout, rank 0, chunk 1, peer 1
 
 
-def _tile_shapes_on_rank(ctx, k):
+def _tile_shapes_on_rank(ctx, k, method="fused"):
     r, w = ctx.rank, ctx.world_size
     shards = [_ints((40, k), torch.float32, q) for q in range(w)]
     b = _ints((k, 48), torch.float32, 50)
-    out = ok.all_gather_matmul(shards[r], b, ctx, method="fused")
+    out = ok.all_gather_matmul(shards[r], b, ctx, method=method)
     assert torch.equal(out, torch.cat(shards) @ b)
     a_all = [_ints((w * 40, k), torch.float32, 60 + q) for q in range(w)]
-    out = ok.matmul_reduce_scatter(a_all[r], b, ctx, method="fused")
+    out = ok.matmul_reduce_scatter(a_all[r], b, ctx, method=method)
     assert torch.equal(out, sum(x @ b for x in a_all).chunk(w)[r])
     return True
 
@@ -236,7 +236,7 @@ def _warmup_launches_on_rank(ctx, method):
     warmup.reduce_scatter(ctx, method, a2, bs[0], 7, 48, budget, GemmConfig(16, 16, 16))
     warmup.reduce_scatter(ctx, "symm", a2, None, 7, 32, budget)
     # warm-up writes only scratch buffers: the real ops still give exact results afterwards
-    return _tile_shapes_on_rank(ctx, 32) if method == "fused" else True
+    return _tile_shapes_on_rank(ctx, 32, method)
 
 
 @pytest.mark.parametrize("method", METHODS)

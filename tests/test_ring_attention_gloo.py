@@ -237,13 +237,19 @@ def _callers_use_on_rank():
     """In-place ops on the output work (as on SDPA's); a second order raises by name rather than
     returning gradients that miss the ring's communication."""
     g = torch.Generator().manual_seed(5)
-    for dtype, heads in ((torch.float64, 2), (torch.float32, 1)):  # fp32 lse / H = 1: nothing to copy
-        q, k, v = (torch.randn(1, 4, heads, 8, generator=g, dtype=dtype, requires_grad=True) for _ in range(3))
+    seq = 4 * dist.get_world_size()
+    for dtype, heads, tol in ((torch.float64, 2, ATOL), (torch.float32, 1, 1e-5)):  # fp32 lse / H = 1: no copy
+        full = [torch.randn(1, seq, heads, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+        out_ref, lse_ref = _full_reference(*full, True, 8 ** -0.5)
+        (2 * out_ref.sum() + lse_ref.sum()).backward()
+        q, k, v = (ok.shard_sequence(x.detach(), layout="zigzag").to(dtype).requires_grad_() for x in full)
         out, lse = ok.ring_attention(q, k, v, causal=True, layout="zigzag", return_lse=True)
-        out.mul_(2)
+        out.mul_(2)  # a backward reading the modified out or lse would give other gradients
         lse.add_(1)
         (out.sum() + lse.sum()).backward()
-        assert q.grad is not None and k.grad is not None
+        for name, got, x in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), full):
+            want = ok.shard_sequence(x.grad, layout="zigzag").to(dtype)
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n} ({dtype}): {m}")
     results = []
     for linear in (False, True):  # a loss linear in the output too: no incoming gradient requires grad
         out = ok.ring_attention(torch.tanh(q), k, v)

@@ -44,19 +44,21 @@ def test_all_gather_exact_with_straggler(world, shape, dtype):
             assert torch.equal(out, expected), (rank, call)
 
 
-def _all_gather_without_waiting(ctx, n, straggler):
-    """The same steps as PeerAllGather minus the ready-flag waits: a planted race."""
+def _all_gather_without_waiting(ctx, n, straggler, pulled):
+    """The same steps as PeerAllGather minus the ready-flag waits: a planted race, made certain by
+    ordering (the straggler publishes only once the others have pulled), not by a sleep."""
     buf = ctx.alloc_symmetric((ctx.world_size * n,), torch.float32, fill=float("nan"))
     signals = ctx.alloc_symmetric((2 * ctx.world_size,), torch.int64)
     gather = ag.PeerAllGather(buf, signals, n, block=16)
     out = torch.empty(ctx.world_size * n)
     if ctx.rank == straggler:
-        time.sleep(STRAGGLER_DELAY_S)
+        assert pulled.wait(timeout=30)
     shard = shard_of(ctx.rank, 0, (n,), torch.float32)
     ag._ag_publish_kernel[(gather.num_blocks,)](shard, buf.peer_ptrs, n, RANK=ctx.rank, BLOCK=16)
     if ctx.rank != straggler:
         for src in range(ctx.world_size):
             gather.pull(out, src)
+        pulled.set()
     ctx.barrier()
     return out
 
@@ -65,7 +67,7 @@ def test_planted_race_is_caught():
     """Without the ready-flag wait, a straggler's chunk is read before it exists; the exact
     comparison used above must see that."""
     world, n = 2, 20
-    out = ThreadWorld(world).run(_all_gather_without_waiting, n, 1)[0]
+    out = ThreadWorld(world).run(_all_gather_without_waiting, n, 1, threading.Event())[0]
     expected = torch.cat([shard_of(r, 0, (n,), torch.float32) for r in range(world)])
     assert torch.equal(out[:n], expected[:n])
     assert not torch.equal(out, expected)

@@ -18,6 +18,24 @@ def _rand(seed, *shape):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
+class _RawGatherFirstDim(torch.autograd.Function):
+    """The planted error: the sequence-parallel gather with Megatron's backward, a raw
+    reduce-scatter. First order is right; the second order misses its dual (an all-gather)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.new_empty(dist.get_world_size(group) * x.shape[0], *x.shape[1:])
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:])
+        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
 def _second_order_on_rank(pair):
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
@@ -36,7 +54,8 @@ def _second_order_on_rank(pair):
         w_seen = torch.cat([w[r][:, r * d:(r + 1) * d] for r in range(world)], dim=1)
     else:  # "gather/reduce-scatter first": x is this rank's rows (sequence parallel); y its rows too
         x, c_mine, v_mine = x_full[rows].clone().requires_grad_(), c[rows], v[rows]
-        y = R.reduce_scatter_first_dim(R.gather_first_dim(x, group) ** 3 * w[rank], group)
+        gather = R.gather_first_dim if pair == "gather/reduce-scatter first" else _RawGatherFirstDim.apply
+        y = R.reduce_scatter_first_dim(gather(x, group) ** 3 * w[rank], group)
         w_seen = sum(w)[rows]
     (gx,) = torch.autograd.grad((y * c_mine).sum(), x, create_graph=True)
     (gx * v_mine).sum().backward()
@@ -50,6 +69,16 @@ def _second_order_on_rank(pair):
 @pytest.mark.parametrize("pair", ["copy/reduce", "split/gather last", "gather/reduce-scatter first"])
 def test_second_order_through_regions(rank_pool, pair):
     assert rank_pool(2).run(_second_order_on_rank, pair) == [True, True]
+
+
+def _planted_on_rank():
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        _second_order_on_rank("planted raw reduce-scatter")
+    return True
+
+
+def test_planted_raw_collective_in_backward_is_caught(rank_pool):
+    assert rank_pool(2).run(_planted_on_rank) == [True, True]
 
 
 def _fan_out_on_rank():
