@@ -13,7 +13,9 @@ from test_fsdp_gloo import D_IN, OPTIMIZERS, _batches, _loss, _net, _reference
 from test_fsdp_parallel_gloo import H, SPNet
 
 
-def _checkpoint_on_rank(path, stage):
+def _checkpoint_on_rank(path, stage, plant=False):
+    """``plant``: after the load, one element of rank 0's master shard is one ulp off; returns
+    "caught" when the bit-identity check sees it."""
     world, rank = dist.get_world_size(), dist.get_rank()
     batches = _batches(4, 4, world)
 
@@ -32,8 +34,14 @@ def _checkpoint_on_rank(path, stage):
     fsdp.save(first, path)  # overwriting a checkpoint goes through the same atomic switch
     resumed = make()
     fsdp.load(resumed, path)
+    if plant and rank == 0:
+        with torch.no_grad():
+            master = resumed.all_units[0].master
+            master[0] = torch.nextafter(master[0], master[0] + 1)
     run(resumed, batches[2:])
     a, b = straight.full_state_dict(), resumed.full_state_dict()
+    if plant:
+        return "caught" if not all(torch.equal(a[k], b[k]) for k in a) else "missed"
     assert all(torch.equal(a[k], b[k]) for k in a), "resume is not bit-identical"
     # an interrupted save (temp dir left behind, old checkpoint moved aside) stays loadable
     if rank == 0:
@@ -59,6 +67,10 @@ def _checkpoint_on_rank(path, stage):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_checkpoint_resume_is_bit_identical_and_atomic(rank_pool, tmp_path, stage):
     assert rank_pool(2).run(_checkpoint_on_rank, str(tmp_path / "ckpt"), stage) == [True, True]
+
+
+def test_planted_one_ulp_error_after_load_is_caught(rank_pool, tmp_path):
+    assert rank_pool(2).run(_checkpoint_on_rank, str(tmp_path / "ckpt"), 2, True) == ["caught", "caught"]
 
 
 def _checkpoint_after_crash_on_rank(path):

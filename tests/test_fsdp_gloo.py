@@ -125,17 +125,25 @@ def test_no_sync_accumulation(rank_pool, stage):
     assert rank_pool(2).run(_no_sync_on_rank, stage) == [True, True]
 
 
-def _mixed_precision_on_rank():
-    """bf16 compute, fp32 master and reduction vs fp32 training: close, not equal. SGD, whose
-    update is proportional to the gradient, so bf16 rounding shows as a small drift (AdamW's
-    normalised update would turn tiny gradient errors into full-size steps)."""
+def _mixed_precision_on_rank(reduce_dtype=torch.float32):
+    """bf16 compute, fp32 master and reduction, bit for bit against a reference kept by hand: each
+    rank's half-batch forward and backward in bf16 (parameters = the fp32 master rounded to bf16),
+    its bf16 gradients cast to fp32 and divided by N, summed over ranks in fp32 (two terms: exact in
+    any order, so world 2 only), SGD on the fp32 master. A bf16 reduction rounds that sum and
+    differs. Also close to fp32 training, not equal (bf16 did run). SGD, whose update is
+    proportional to the gradient: AdamW's normalised update would turn tiny gradient errors into
+    full-size steps, and is blind to the gradient's scale."""
     world, rank = dist.get_world_size(), dist.get_rank()
+    assert world == 2, "the fp32 sum of two terms is order-free; more would need gloo's order"
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.05)  # noqa: E731
     torch.manual_seed(0)
-    sharded = fsdp.shard(Net(), stage=3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, optimizer=sgd)
+    sharded = fsdp.shard(Net(), stage=3, param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, optimizer=sgd)
     torch.manual_seed(0)
     ref = Net()
     ref_opt = sgd(ref.parameters())
+    bf16 = Net().bfloat16()  # the hand-kept reference: bf16 compute over an fp32 master
+    master = [nn.Parameter(p.detach().clone()) for p in ref.parameters()]
+    master_opt = sgd(master)
     for x, y in _batches(3, 4, world, torch.float32):
         mine = slice(rank * 4, (rank + 1) * 4)
         _loss(sharded(x[mine].bfloat16()).float(), y[mine]).backward()
@@ -143,15 +151,44 @@ def _mixed_precision_on_rank():
         ref_opt.zero_grad()
         _loss(ref(x), y).backward()
         ref_opt.step()
+        with torch.no_grad():
+            for p, m in zip(bf16.parameters(), master):
+                p.copy_(m)
+        for m in master:
+            m.grad = torch.zeros_like(m)
+        for r in range(world):
+            bf16.zero_grad()
+            part = slice(r * 4, (r + 1) * 4)
+            _loss(bf16(x[part].bfloat16()).float(), y[part]).backward()
+            for p, m in zip(bf16.parameters(), master):
+                m.grad += p.grad.float() / world
+        master_opt.step()
     assert all(u.master.dtype == torch.float32 and u.flat.dtype == torch.bfloat16 for u in sharded.all_units)
+    got = sharded.full_state_dict()
+    names = list(dict(ref.named_parameters()))
+    assert list(got) == names
+    differ = [n for n, m in zip(names, master) if not torch.equal(got[n], m)]
+    assert not differ, f"not bit-equal to the bf16-compute, fp32-reduce reference: {differ}"
     want = ref.state_dict()
-    worst = max((t - want[n]).abs().max().item() for n, t in sharded.full_state_dict().items())
-    assert 0 < worst < 1e-2, worst  # not bit-equal (bf16 did run), but close
+    worst = max((t - want[n]).abs().max().item() for n, t in got.items())
+    assert 0 < worst < 1e-2, worst  # not bit-equal to fp32 training (bf16 did run), but close
     return worst
 
 
-def test_mixed_precision_close_to_fp32(rank_pool):
+def test_mixed_precision_equals_bf16_reference_and_is_close_to_fp32(rank_pool):
     rank_pool(2).run(_mixed_precision_on_rank)
+
+
+def _planted_bf16_reduction_on_rank():
+    try:  # reduced in bf16: 1.1e-3 from fp32 training (the fp32 reduction: 9.3e-4), so only the exact check sees it
+        _mixed_precision_on_rank(reduce_dtype=torch.bfloat16)
+    except AssertionError as exc:
+        return "caught" if "not bit-equal" in str(exc) else str(exc)
+    return "missed"
+
+
+def test_mixed_precision_planted_bf16_reduction_is_caught(rank_pool):
+    assert rank_pool(2).run(_planted_bf16_reduction_on_rank) == ["caught", "caught"]
 
 
 def test_bad_arguments():
@@ -186,22 +223,41 @@ def test_mixed_dtypes_in_one_unit_are_refused(rank_pool):
 
 
 def _gpt_default_units_on_rank():
-    """GPT keeps its blocks in a ModuleDict, which is never called: its children must be the units."""
+    """GPT keeps its blocks in a ModuleDict, which is never called: its children must be the units.
+    Stage 3 without prefetch, 2 SGD steps: each rank's loss, then the parameters after backward and
+    step, vs the dense GPT on the concatenated batch."""
     from overlapkernels.models import GPT, GPTConfig
 
+    world, rank = dist.get_world_size(), dist.get_rank()
     config = GPTConfig(vocab_size=16, hidden=8, num_layers=2, num_heads=2, num_kv_heads=2, ffn_hidden=16,
                        max_seq_len=8, method="baseline")
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 16, (2 * world, 8), generator=g) for _ in range(2)]
     torch.manual_seed(0)
     dense = GPT(config, ok.init_parallel(), dtype=torch.float64)
-    tokens = torch.randint(0, 16, (2, 8), generator=torch.Generator().manual_seed(1))
-    want = float(dense.loss(tokens, tokens))
+    dense_opt = OPTIMIZERS["sgd"](dense.parameters())
     torch.manual_seed(0)
-    sharded = fsdp.shard(GPT(config, ok.init_parallel(), dtype=torch.float64), stage=3, prefetch=0)
+    sharded = fsdp.shard(GPT(config, ok.init_parallel(), dtype=torch.float64), stage=3, prefetch=0,
+                         optimizer=OPTIMIZERS["sgd"])
     assert [u.name for u in sharded.units] == ["embed", "blocks.0", "blocks.1", "norm", "lm_head"]
-    got = sharded.module.loss(tokens, tokens)
-    got.backward()
-    sharded.step()
-    return abs(float(got) - want)
+    loss_errors = []
+    for tokens in batches:
+        mine = tokens[rank * 2:(rank + 1) * 2]
+        with torch.no_grad():
+            want = float(dense.loss(mine, mine))
+        got = sharded.module.loss(mine, mine)
+        loss_errors.append(abs(float(got) - want))
+        got.backward()
+        sharded.step()
+        dense_opt.zero_grad()
+        dense.loss(tokens, tokens).backward()  # the mean over equal halves: the mean of their means
+        dense_opt.step()
+    got, want = sharded.full_state_dict(), dense.state_dict()
+    assert list(got) == list(want)
+    for name in want:
+        if torch.is_tensor(want[name]):
+            torch.testing.assert_close(got[name], want[name], atol=1e-12, rtol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    return max(loss_errors)
 
 
 def test_gpt_default_units_stage3_without_prefetch(rank_pool):

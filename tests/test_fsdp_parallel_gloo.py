@@ -166,9 +166,22 @@ class _Branchy(nn.Module):
         return self.b(y) if use_b else y
 
 
-def _cp_branch_on_rank(stage):
+def _doubled_cp_sum(unit, original):
+    """A planted bug: a unit's CP-summed gradient shard added twice (peers still agree)."""
+    before = unit.master.grad.clone()
+    original(unit)
+    if unit.cp_group is not None:
+        unit.master.grad += unit.master.grad - before
+
+
+def _cp_branch_on_rank(stage, plant=None):
     """CP peers own the same shards and sum them: when only one of them has a gradient for a unit,
-    the other must still take part (no hang) and both must step the unit alike."""
+    the other must still take part (no hang), and every rank steps by the CP sum of the DP means,
+    as one process computes it by hand. Ranks r = 2 * dp_rank + cp_rank; only CP rank 0 routes
+    through b. ``plant``: a wrapper of FlatUnit.finish_reduce that breaks it (returns "caught" when
+    the comparison sees it)."""
+    from overlapkernels.runtime.fsdp.flat_unit import FlatUnit
+
     rank = dist.get_rank()
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     cp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -177,22 +190,50 @@ def _cp_branch_on_rank(stage):
     model = _Branchy().double()
     for p in model.parameters():
         p.context_parallel_group = cp
-    b_before = model.b.weight.detach().clone()
     sharded = fsdp.shard(model, dp, stage=stage, prefetch=0, optimizer=OPTIMIZERS["sgd"])
-    x = torch.randn(2, D_IN, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
-    sharded(x, rank % 2 == 0).sum().backward()  # only CP rank 0 routes through b
-    sharded.step()
+    xs = [torch.randn(2, D_IN, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in range(4)]
+    original = FlatUnit.finish_reduce
+    if plant is not None:
+        FlatUnit.finish_reduce = lambda unit: plant(unit, original)
+    try:
+        sharded(xs[rank], rank % 2 == 0).sum().backward()
+        sharded.step()
+    finally:
+        FlatUnit.finish_reduce = original
     state = sharded.full_state_dict()
+
+    torch.manual_seed(0)
+    ref = _Branchy().double()
+    params = list(ref.parameters())
+    grads = [torch.autograd.grad(ref(xs[r], r % 2 == 0).sum(), params, allow_unused=True, materialize_grads=True)
+             for r in range(4)]
+    for i, p in enumerate(params):  # the DP mean of each CP rank (over r = c, c + 2), summed over CP;
+        dp_means = [grads[c][i] / 2 + grads[c + 2][i] / 2 for c in range(2)]  # sums of 2 terms: exact
+        p.grad = dp_means[0] + dp_means[1]
+    b_before = ref.b.weight.detach().clone()
+    OPTIMIZERS["sgd"](params).step()
+    assert not torch.equal(ref.b.weight, b_before)  # b has a gradient (from one CP side only)
+    want = ref.state_dict()
+    assert list(state) == list(want)
+    differ = [k for k in want if not torch.equal(state[k], want[k])]
+    if plant is not None:
+        return "caught" if differ else "missed"
+    assert not differ, f"not equal to the single-process step on the CP-summed DP mean: {differ}"
     mine = torch.cat([state[k].reshape(-1) for k in sorted(state)])
     peers = [torch.empty_like(mine) for _ in range(2)]
     dist.all_gather(peers, mine, group=cp)
     assert torch.equal(peers[0], peers[1])  # CP replicas agree
-    return not torch.equal(state["b.weight"], b_before)  # and b stepped on both sides (CP-summed gradient)
+    return True
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_context_parallel_peers_agree_when_only_one_has_a_gradient(rank_pool, stage):
+def test_context_parallel_peers_step_by_the_cp_sum_when_only_one_has_a_gradient(rank_pool, stage):
     assert rank_pool(4).run(_cp_branch_on_rank, stage) == [True] * 4
+
+
+def test_planted_doubled_cp_sum_is_caught(rank_pool):
+    """Peers agree on a doubled CP sum and b still moves: only the reference sees it."""
+    assert rank_pool(4).run(_cp_branch_on_rank, 2, _doubled_cp_sum) == ["caught"] * 4
 
 
 @pytest.mark.parametrize("max_norm, norm_type, exc, pattern", [

@@ -20,7 +20,21 @@ class WithFrozenAndUnused(nn.Module):
         return self.used(self.frozen(x))
 
 
-def _frozen_unused_on_rank(stage):
+def _zero_grad_for_unused(sharded):
+    """A planted bug: a unit no rank produced a gradient for gets a zero gradient instead of none,
+    so AdamW's decoupled weight decay moves its weights (by lr * weight_decay = 1e-4 of them)."""
+    finish = sharded._finish_gradients
+
+    def planted():
+        finish()
+        for unit in sharded.all_units:
+            if unit.master.grad is None:
+                unit.master.grad = torch.zeros_like(unit.master)
+
+    sharded._finish_gradients = planted
+
+
+def _frozen_unused_on_rank(stage, plant=None):
     world, rank = dist.get_world_size(), dist.get_rank()
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
     torch.manual_seed(0)
@@ -28,6 +42,8 @@ def _frozen_unused_on_rank(stage):
     ref_opt = adamw([p for p in ref.parameters() if p.requires_grad])
     torch.manual_seed(0)
     sharded = fsdp.shard(WithFrozenAndUnused().double(), stage=stage, optimizer=adamw, prefetch=0)
+    if plant is not None:
+        plant(sharded)
     for x, y in _batches(3, 2, world):
         ref_opt.zero_grad()
         _loss(ref(x), y).backward()
@@ -36,14 +52,23 @@ def _frozen_unused_on_rank(stage):
         _loss(sharded(x[mine]), y[mine]).backward()
         sharded.step()
     got = sharded.full_state_dict()
-    for name, want in ref.state_dict().items():  # frozen and unused weights untouched, as in torch
-        torch.testing.assert_close(got[name], want, atol=1e-12, rtol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    try:
+        for name, want in ref.state_dict().items():  # frozen and unused weights untouched, as in torch
+            torch.testing.assert_close(got[name], want, atol=1e-12, rtol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    except AssertionError as exc:
+        if plant is None:
+            raise
+        return str(exc).split(":")[0]  # the first parameter that differs
     return True
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_frozen_and_unused_parameters_are_left_alone(rank_pool, stage):
     assert rank_pool(2).run(_frozen_unused_on_rank, stage) == [True, True]
+
+
+def test_planted_step_of_unused_parameters_is_caught(rank_pool):
+    assert rank_pool(2).run(_frozen_unused_on_rank, 2, _zero_grad_for_unused) == ["unused.weight"] * 2
 
 
 class TiedLM(nn.Module):
@@ -87,5 +112,5 @@ def _tied_on_rank(stage, units):
 def test_tied_weights_across_units(rank_pool, stage):
     # the shared weight lives in the root unit (gathered throughout), not in emb's unit, which
     # stage 3 would free while the head still uses it; shared with the root (head in no unit) too
-    assert rank_pool(2).run(_tied_on_rank, stage, None)[0] == ["mid", "<root>"]
-    assert rank_pool(2).run(_tied_on_rank, stage, ["Embedding", "Block"])[0] == ["mid", "<root>"]
+    assert rank_pool(2).run(_tied_on_rank, stage, None) == [["mid", "<root>"]] * 2
+    assert rank_pool(2).run(_tied_on_rank, stage, ["Embedding", "Block"]) == [["mid", "<root>"]] * 2
