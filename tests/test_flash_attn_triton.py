@@ -13,8 +13,11 @@ from overlapkernels.kernels.triton import flash_attn as fa
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3)}
 # (causal, q_start, k_start): plain, causal diagonal, ring offsets, a block with empty rows
 # (queries 0..3 precede every key), a block fully in the past, and an offset that puts the edge
-# of the fully visible keys one short of a 16-key tile (an off-by-one there unmasks a hidden key)
-OFFSETS = [(False, 0, 0), (True, 0, 0), (True, 7, 3), (True, 0, 4), (True, 40, 0), (True, 14, 0)]
+# of the fully visible keys one short of a 16-key tile (an off-by-one there unmasks a hidden key),
+# and q_start - k_start = 1 (mod 16): the last key tile a query tile needs holds one visible key
+# (an off-by-one in the loop's end skips it)
+OFFSETS = [(False, 0, 0), (True, 0, 0), (True, 7, 3), (True, 0, 4), (True, 40, 0), (True, 14, 0), (True, 1, 0),
+           (True, 17, 0)]
 
 
 def _inputs(dtype, heads=4, kv_heads=2, lq=20, lk=18, dim=12, seed=0, device="cpu"):

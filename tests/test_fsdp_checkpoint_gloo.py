@@ -25,15 +25,23 @@ def _checkpoint_on_rank(path, stage, plant=False):
             _loss(sharded(x[mine]), y[mine]).backward()
             sharded.step()
 
+    def decay_lr(sharded):  # as an LR schedule would: the saved lr is not the one make() sets
+        for group in sharded.optimizer.param_groups:
+            group["lr"] = 5e-3
+
     make = lambda: fsdp.shard(_net(), stage=stage, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))  # noqa: E731
     straight = make()
-    run(straight, batches)
+    run(straight, batches[:2])
+    decay_lr(straight)
+    run(straight, batches[2:])
     first = make()
     run(first, batches[:2])
+    decay_lr(first)
     fsdp.save(first, path)
     fsdp.save(first, path)  # overwriting a checkpoint goes through the same atomic switch
     resumed = make()
     fsdp.load(resumed, path)
+    assert [g["lr"] for g in resumed.optimizer.param_groups] == [5e-3] * len(resumed.optimizer.param_groups)
     if plant and rank == 0:
         with torch.no_grad():
             master = resumed.all_units[0].master

@@ -110,10 +110,15 @@ def _no_sync_on_rank(stage):
     sharded = fsdp.shard(_net(), stage=stage, optimizer=OPTIMIZERS["sgd"])
     (x, y), = _batches(1, 4, world)
     mine = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
+    sharded.comm_stats(reset=True)
     with sharded.no_sync():  # two micro-batches: halves of this rank's part
         _loss(sharded(mine[0][:2]), mine[1][:2]).mul(0.5).backward()
+    # no_sync means no reduction (reduce-scattering every micro-step gives the same sum, so only
+    # the byte count tells): at every stage
+    assert sharded.comm_stats()["reduced_bytes"] == 0
     _loss(sharded(mine[0][2:]), mine[1][2:]).mul(0.5).backward()
     sharded.step()
+    assert sharded.comm_stats()["reduced_bytes"] > 0  # in that backward (stages 2-3) or the step (stage 1)
     want = _reference(1, 4, world, "sgd")
     for name, t in sharded.full_state_dict().items():
         torch.testing.assert_close(t, want[name], atol=1e-12, rtol=1e-12)
@@ -189,6 +194,19 @@ def _planted_bf16_reduction_on_rank():
 
 def test_mixed_precision_planted_bf16_reduction_is_caught(rank_pool):
     assert rank_pool(2).run(_planted_bf16_reduction_on_rank) == ["caught", "caught"]
+
+
+def _dtypes_on_rank(reduce_dtype):
+    sharded = fsdp.shard(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), stage=2, param_dtype=torch.bfloat16,
+                         reduce_dtype=reduce_dtype)
+    return sorted({(str(u.param_dtype), str(u.reduce_dtype), str(u.master.dtype)) for u in sharded.all_units})
+
+
+@pytest.mark.parametrize("reduce_dtype, want", [(None, "torch.bfloat16"), (torch.float32, "torch.float32")])
+def test_reduce_dtype_defaults_to_param_dtype(rank_pool, reduce_dtype, want):
+    """As FSDP2's MixedPrecisionPolicy: reduce_dtype=None reduces in param_dtype; fp32 reduction is
+    what reduce_dtype=torch.float32 asks for. The master stays fp32 either way."""
+    assert rank_pool(2).run(_dtypes_on_rank, reduce_dtype) == [[("torch.bfloat16", want, "torch.float32")]] * 2
 
 
 def test_bad_arguments():

@@ -57,6 +57,45 @@ def test_exact_with_straggler_and_poisoned_buffers(world, method, dtype):
     assert ThreadWorld(world, timeout=60).run(_forward_cases_on_rank, method, dtype, world - 1) == [True] * world
 
 
+def _slow_inside_the_protocol_on_rank(ctx, method):
+    """Rank 1 slow where the release waits matter (a straggler before the call cannot show them):
+    - matmul_reduce_scatter: between 'every partial of my chunk arrived' and summing them, so peers
+      must not push the next call's partials into its slots meanwhile;
+    - all_gather_matmul: its copy engine slow to pull, so peers must not overwrite their published
+      shard with the next call's before rank 1 has read it."""
+    r, w = ctx.rank, ctx.world_size
+    if r == 1:
+        check_errors, side = ctx.check_errors, ctx.side_stream()
+        submit = side.submit
+
+        def slow_check(*args, **kwargs):
+            time.sleep(STRAGGLER_DELAY_S)
+            return check_errors(*args, **kwargs)
+
+        def slow_submit(fn, keep_alive=()):
+            def late():
+                time.sleep(2 * STRAGGLER_DELAY_S)
+                fn()
+            return submit(late, keep_alive)
+
+        ctx.check_errors, side.submit = slow_check, slow_submit
+    for call in range(3):  # back to back: another op in between would hold the fast rank back
+        shards = [torch.full((7, 33), float(10 * call + q)) for q in range(w)]
+        gathered, _ = ok.all_gather_matmul(shards[r], torch.ones(33, 2), ctx, return_gathered=True, method=method)
+        assert torch.equal(gathered, torch.cat(shards)), ("all_gather_matmul", call)
+    for call in range(3):
+        a_all = [_ints((w * 7, 33), torch.float32, 10 * call + q) for q in range(w)]
+        b = _ints((33, 6), torch.float32, 100 + call)
+        out = ok.matmul_reduce_scatter(a_all[r], b, ctx, method=method)
+        assert torch.equal(out, sum(x @ b for x in a_all).chunk(w)[r]), ("matmul_reduce_scatter", call)
+    return True
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_slow_rank_inside_the_protocol(method):
+    assert ThreadWorld(2, timeout=60).run(_slow_inside_the_protocol_on_rank, method) == [True, True]
+
+
 def _autograd_on_rank(ctx, method):
     return _autograd_checks(ctx, ctx.rank, ctx.world_size, ctx.device, method)
 

@@ -12,14 +12,18 @@ import overlapkernels as ok
 from overlapkernels.parallel import AXES, resolve_group, resolve_sizes
 
 
+MESH_ORDER = ("dp", "pp", "cp", "tp")  # the issue's mesh, outermost first: written out, not AXES
+
+
 def expected_layout(world, sizes):
     """Rank grid in (dp, pp, cp, tp) row-major order: tp varies fastest."""
-    grid = torch.arange(world).reshape([sizes[a] for a in AXES])
+    assert AXES == MESH_ORDER
+    grid = torch.arange(world).reshape([sizes[a] for a in MESH_ORDER])
     out = {}
     for rank in range(world):
         coord = [int(c) for c in (grid == rank).nonzero()[0]]
         out[rank] = {}
-        for i, axis in enumerate(AXES):
+        for i, axis in enumerate(MESH_ORDER):
             index = list(coord)
             index[i] = slice(None)
             out[rank][axis] = (coord[i], grid[tuple(index)].tolist())
@@ -59,6 +63,9 @@ def test_tp_is_innermost(rank_pool):
     res = rank_pool(4).run(_layout_on_rank, dict(tp=2))
     assert [r["tp"][1] for r in res] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["dp"][1] for r in res] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    res = rank_pool(4).run(_layout_on_rank, dict(cp=2, pp=2))  # cp inside pp
+    assert [r["cp"][1] for r in res] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["pp"][1] for r in res] == [[0, 2], [1, 3], [0, 2], [1, 3]]
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -44,6 +44,14 @@ def test_simulator_reproduces_published_bubbles(p, m):
             assert res.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
 
 
+@pytest.mark.parametrize("p, v, m", [(2, 2, 2), (2, 2, 4), (4, 2, 8), (4, 3, 8)])
+def test_interleaved_peak_activations_are_megatrons_warmup_plus_one(p, v, m):
+    """Megatron's interleaved 1F1B runs (p - r - 1) * 2 + (v - 1) * p warm-up forwards (of model
+    chunks) on rank r, then one more before its first backward."""
+    res = pp.simulate(pp.make_schedule("interleaved-1f1b", p, m, num_virtual=v))
+    assert res.peak_activations == [min(m * v, (p - r - 1) * 2 + (v - 1) * p + 1) for r in range(p)]
+
+
 def test_comm_time_and_busy():
     # rank 0: F0 0-1, F1 1-2; rank 1 (each activation 0.5 later): F0 1.5-2.5, F1 2.5-3.5, B0 3.5-5.5,
     # B1 5.5-7.5; rank 0 (each gradient 0.5 later): B0 6-8, B1 8-10. Without comm time: 9.
@@ -63,6 +71,11 @@ def test_deadlock_and_broken_schedules_are_named():
     sched.actions = [[A("F", 0, 0), A("BW", 0, 0), A("F", 0, 1), A("BW", 0, 1)],
                      [A("F", 1, 0), A("F", 1, 1), A("BW", 1, 0), A("BW", 1, 1)]]
     with pytest.raises(pp.ScheduleError, match=r"^deadlock: BW0.0 needs BW1.0, which rank 1 queues after F1.1 "):
+        pp.validate(sched)
+    sched = pp.make_schedule("zb-h1", 2, 2)  # a W (weight gradient) before the B it needs
+    assert [str(a) for a in sched.actions[1]] == ["F1.0", "B1.0", "F1.1", "B1.1", "W1.0", "W1.1"]
+    sched.actions[1][1], sched.actions[1][4] = sched.actions[1][4], sched.actions[1][1]
+    with pytest.raises(pp.ScheduleError, match=r"^deadlock: W1.0 needs B1.0, which rank 1 queues after it; "):
         pp.validate(sched)
     sched = pp.make_schedule("gpipe", 2, 2)
     sched.actions[0].pop()
