@@ -10,6 +10,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from overlapkernels.comm.rank_pool import RankPool  # noqa: E402
 
@@ -50,3 +51,20 @@ def rank_pool():
     yield get
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A gloo world of one in the pytest process (ops with group=None, layers on a 1-rank group),
+    torn down after the module; launcher variables are set aside meanwhile."""
+    env = {k: os.environ.pop(k, None) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    created = not dist.is_initialized()
+    try:
+        if created:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        assert dist.get_world_size() == 1
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()
+        os.environ.update({k: v for k, v in env.items() if v is not None})

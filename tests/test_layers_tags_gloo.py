@@ -32,6 +32,12 @@ def _sp_tags_on_rank():
     tp_sum = sum(r + 1 for r in dist.get_process_group_ranks(tp))
     assert all(torch.equal(p.grad, torch.full_like(p, float(tp_sum))) for p in tagged)
     assert torch.equal(row.weight.grad, torch.full_like(row.weight, float(dist.get_rank() + 1)))  # untouched
+    # an explicit group wins over the tags: the world's sum, not the TP group's
+    for p in tagged:
+        p.grad = torch.full_like(p, float(dist.get_rank() + 1))
+    assert allreduce_sequence_parallel_grads(module, dist.group.WORLD) == len(tagged)
+    world_sum = sum(range(1, dist.get_world_size() + 1))
+    assert all(torch.equal(p.grad, torch.full_like(p, float(world_sum))) for p in tagged)
     return True
 
 

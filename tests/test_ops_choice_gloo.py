@@ -31,6 +31,9 @@ def _auto_and_strict_on_rank():
         strict_error = None
     except ok.StrictOverlapError as exc:
         strict_error = str(exc)
+    # the refused call never ran: only the two strict calls that did are counted
+    ran = {("all_gather_matmul", "decomposed"): 1, ("all_gather_matmul", "baseline"): 1}
+    assert dict(ok.overlap_stats()) == {k: stats.get(k, 0) + ran.get(k, 0) for k in {*stats, *ran}}
     return dict(stats), {k: list(v) for k, v in stats.reasons.items()}, strict_error, _strict_backward_error()
 
 

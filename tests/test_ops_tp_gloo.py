@@ -37,7 +37,8 @@ AG_CASES = [  # (shard shape, gather_dim, weight widths)
 ]
 
 
-def _ag_case_on_rank(method, shard_shape, gather_dim, widths, dtype, exact, save_gathered, as_list):
+def _ag_case_on_rank(method, shard_shape, gather_dim, widths, dtype, exact, save_gathered, as_list, unused=None):
+    """``unused``: the index of an output that gets no gradient (a QKV part a model leaves out)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     k = shard_shape[-1]
     gd = gather_dim % len(shard_shape)
@@ -58,12 +59,16 @@ def _ag_case_on_rank(method, shard_shape, gather_dim, widths, dtype, exact, save
     _compare("gathered", gathered, a_full, True, dtype)  # a gather never rounds
     for i, out in enumerate(outs):
         _compare(f"out[{i}]", out, a_full @ weights[rank][i], exact, dtype)
-    torch.autograd.backward(outs, grads_out[rank])
+    used = [i for i in range(len(outs)) if i != unused]
+    torch.autograd.backward([outs[i] for i in used], [grads_out[rank][i] for i in used])
 
-    # reference gradients: d a_full = sum over ranks and weights of g @ b.T; our chunk along gd
-    grad_a_full = sum(g @ w.T for r in range(world) for g, w in zip(grads_out[r], weights[r]))
+    # reference gradients: d a_full = sum over ranks and used weights of g @ b.T; our chunk along gd
+    grad_a_full = sum(grads_out[r][i] @ weights[r][i].T for r in range(world) for i in used)
     _compare("grad a_shard", a_shard.grad, grad_a_full.chunk(world, dim=gd)[rank], exact, dtype)
     for i, b in enumerate(bs):
+        if i == unused:
+            assert b.grad is None
+            continue
         want = a_full.reshape(-1, k).T @ grads_out[rank][i].reshape(-1, widths[i])
         _compare(f"grad b[{i}]", b.grad, want, exact, dtype)
     return True
@@ -74,6 +79,7 @@ def _ag_all_cases_on_rank(method):
         for save in (False, True):
             _ag_case_on_rank(method, shape, gd, widths, torch.float64, True, save, False)
     _ag_case_on_rank(method, (7, 33), 0, [5, 3], torch.float64, False, False, True)
+    _ag_case_on_rank(method, (7, 33), 0, [4, 5, 2], torch.float64, True, False, True, unused=1)  # K of QKV unused
     _ag_case_on_rank(method, (7, 2, 33), 0, [5], torch.float32, False, False, False)
     return True
 
@@ -89,6 +95,7 @@ RS_CASES = [  # (per-rank rows multiple, rest shape, scatter_dim, K, N)
     ((7,), 0, 33, 5),
     ((7, 2), 0, 33, 4),
     ((2, 7), 1, 33, 6),
+    ((2, 3, 7), 2, 33, 5),  # 4-D: moving dim 2 to the front and back are different permutations
 ]
 
 
@@ -262,6 +269,24 @@ def _autocast_on_rank(method):
     _compare("grad a_rows", a_rows.grad, ones @ b.detach().T, True, None)
     want_b = torch.cat(shards).T @ ones + a_rows.detach().T @ ones.chunk(world)[0].repeat(world, 1)
     _compare("grad b", b.grad, want_b, True, None)
+
+    # backward called inside autocast (a loss computed there): the ops' backward keeps the forward's
+    # precision, as autograd does for torch.matmul. Random values: bf16 would be off by ~1e-2
+    g = torch.Generator().manual_seed(7)
+    shards = [torch.randn(8, 32, generator=g) for _ in range(world)]
+    b = torch.randn(32, 12, generator=g).requires_grad_()
+    a, a_rows = shards[rank].clone().requires_grad_(), torch.cat(shards).requires_grad_()
+    out, out_rs = ok.all_gather_matmul(a, b, method=method), ok.matmul_reduce_scatter(a_rows, b, method=method)
+    g_out, g_rs = torch.randn(out.shape, generator=g), torch.randn(out_rs.shape, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.autograd.backward([out, out_rs], [g_out, g_rs])
+    g_outs, g_rss = [torch.empty_like(g_out) for _ in range(world)], [torch.empty_like(g_rs) for _ in range(world)]
+    dist.all_gather(g_outs, g_out)
+    dist.all_gather(g_rss, g_rs)
+    tight = dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(a.grad, (sum(g_outs) @ b.detach().T).chunk(world)[rank], **tight)
+    torch.testing.assert_close(a_rows.grad, torch.cat(g_rss) @ b.detach().T, **tight)
+    torch.testing.assert_close(b.grad, torch.cat(shards).T @ g_out + a_rows.detach().T @ torch.cat(g_rss), **tight)
 
     qkv = [torch.randn(1, 4 * world, 2, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     local = [x.chunk(world, dim=1)[rank] for x in qkv]  # layout="contiguous": rank r holds block r

@@ -130,8 +130,10 @@ def _shard_roundtrip_on_rank():
         part = ok.shard_sequence(x, layout=layout).requires_grad_()
         full = ok.unshard_sequence(part, layout=layout)
         assert torch.equal(full, x) and full.is_contiguous()  # like a tensor built whole: .view() works
-        (full * (rank + 1)).sum().backward()  # each rank's loss weights the full tensor differently
-        assert torch.equal(part.grad, torch.full_like(part, sum(range(1, world + 1))))
+        # each rank's loss weights every position differently: the gradient must come back reordered
+        weight = torch.arange(x.numel(), dtype=torch.float64).reshape(x.shape)
+        (full * weight * (rank + 1)).sum().backward()
+        assert torch.equal(part.grad, sum(range(1, world + 1)) * ok.shard_sequence(weight, layout=layout))
     assert torch.equal(ok.unshard_sequence(ok.shard_sequence(x.transpose(0, 1), dim=0), dim=0), x.transpose(0, 1))
     return True
 
