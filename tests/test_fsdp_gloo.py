@@ -1,5 +1,7 @@
 """fsdp.shard (ZeRO 1/2/3) on gloo ranks vs single-process training on the concatenated batch.
 Composed with TP, SP and CP, and gradient clipping: test_fsdp_parallel_gloo.py."""
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -105,17 +107,18 @@ def test_memory_follows_zero_accounting(rank_pool):
     assert stats[3]["peak_gathered_param_bytes"] < stats[1]["peak_gathered_param_bytes"]
 
 
-def _no_sync_on_rank(stage):
+def _no_sync_on_rank(stage, no_sync=True):
+    """``no_sync=False``: the first micro-batch is reduced too, and must still add to the second."""
     world, rank = dist.get_world_size(), dist.get_rank()
     sharded = fsdp.shard(_net(), stage=stage, optimizer=OPTIMIZERS["sgd"])
     (x, y), = _batches(1, 4, world)
     mine = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
     sharded.comm_stats(reset=True)
-    with sharded.no_sync():  # two micro-batches: halves of this rank's part
+    with sharded.no_sync() if no_sync else contextlib.nullcontext():  # two micro-batches: halves of this rank's part
         _loss(sharded(mine[0][:2]), mine[1][:2]).mul(0.5).backward()
     # no_sync means no reduction (reduce-scattering every micro-step gives the same sum, so only
     # the byte count tells): at every stage
-    assert sharded.comm_stats()["reduced_bytes"] == 0
+    assert (sharded.comm_stats()["reduced_bytes"] == 0) == (no_sync or stage == 1)
     _loss(sharded(mine[0][2:]), mine[1][2:]).mul(0.5).backward()
     sharded.step()
     assert sharded.comm_stats()["reduced_bytes"] > 0  # in that backward (stages 2-3) or the step (stage 1)
@@ -128,6 +131,7 @@ def _no_sync_on_rank(stage):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_no_sync_accumulation(rank_pool, stage):
     assert rank_pool(2).run(_no_sync_on_rank, stage) == [True, True]
+    assert rank_pool(2).run(_no_sync_on_rank, stage, False) == [True, True]  # accumulation without no_sync
 
 
 def _mixed_precision_on_rank(reduce_dtype=torch.float32):

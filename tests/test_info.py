@@ -144,6 +144,16 @@ def test_telemetry_nvlink_rate_is_bytes_over_the_sampled_span(monkeypatch):
     assert s["nvlink_tx_gbps"] == s["nvlink_rx_gbps"] == round(2 * 2 ** 30 / 4.0 / 1e9, 3)  # 2 GiB in 4 s
 
 
+def test_telemetry_summary_averages_clock_and_power_and_takes_the_hottest_reading():
+    from overlapkernels.profiling.telemetry import Telemetry
+
+    tel = Telemetry(nvml=object())
+    tel.samples = [{"t": 0.0, "sm_clock_mhz": 1000, "power_w": 100.0, "temp_c": 50, "nvlink_kib": None},
+                   {"t": 1.0, "sm_clock_mhz": 2000, "power_w": 300.0, "temp_c": 71, "nvlink_kib": None}]
+    s = tel.summary()
+    assert (s["sm_clock_mhz"], s["power_w"], s["temp_c"]) == (1500.0, 200.0, 71)
+
+
 def test_telemetry_without_nvml_leaves_columns_empty():
     from overlapkernels.profiling.telemetry import COLUMNS, Telemetry
 

@@ -158,6 +158,7 @@ def test_a_collective_without_its_peer_times_out(rank_pool):
 @pytest.mark.parametrize("timeout, error, message", [
     (0, ValueError, "timeout=0: expected a finite duration of at least 1 ms"),
     (1e-7, ValueError, "timeout=1e-07: expected a finite duration of at least 1 ms"),
+    (0.0005, ValueError, "timeout=0.0005: expected a finite duration of at least 1 ms"),  # gloo: whole ms
     (float("inf"), ValueError, "timeout=inf"),
     (float("nan"), ValueError, "timeout=nan"),
     (1e15, ValueError, "timeout=1000000000000000.0: expected a finite"),

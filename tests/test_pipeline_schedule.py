@@ -59,6 +59,8 @@ def test_comm_time_and_busy():
     assert res.busy == [6.0, 6.0]
     assert res.makespan == 10.0
     assert pp.simulate(pp.make_schedule("gpipe", 2, 2), t_f=1.0, t_b=2.0, t_comm=0.0).makespan == 9.0
+    # a dependency on the same rank costs no comm time: F0 0-1 | F1 1.5-2.5, B1 2.5-3.5 | B0 4-5
+    assert pp.simulate(pp.make_schedule("1f1b", 2, 1), t_f=1.0, t_b=1.0, t_comm=0.5).makespan == 5.0
 
 
 def test_deadlock_and_broken_schedules_are_named():

@@ -17,6 +17,22 @@ def _x(name, ts, dur, tid=1):
     return {"ph": "X", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
 
 
+@pytest.mark.parametrize("events, want", [
+    # a recv nested inside a send: comm is their union (50), not the last end seen
+    ([_x("ok/all_gather[x]", 0, 100), _x("gloo:send", 0, 50, 2), _x("gloo:recv", 10, 10, 3), _x("aten::mm", 30, 30)],
+     [dict(comm_us=50, both_us=20, hidden=0.4)]),
+    # comm spilling over both edges of the op's window: only the parts inside count
+    ([_x("ok/all_gather[x]", 100, 100), _x("gloo:send", 50, 100, 2), _x("gloo:recv", 180, 60, 3),
+      _x("aten::mm", 100, 100)], [dict(comm_us=70, compute_us=100, both_us=70, hidden=1.0)]),
+    # two back-to-back calls of one op: two rows
+    ([_x("ok/all_gather[x]", 0, 10), _x("ok/all_gather[x]", 10, 10), _x("gloo:send", 2, 16, 2)],
+     [dict(start_us=0, dur_us=10, comm_us=8), dict(start_us=10, dur_us=10, comm_us=8)]),
+])
+def test_interval_edges(events, want):
+    rows = overlap_report(events)
+    assert [{k: row[k] for k in w} for row, w in zip(rows, want)] == want and len(rows) == len(want)
+
+
 def test_known_answer():
     trace = {"traceEvents": [
         _x("ok/all_gather_matmul[decomposed]", 0, 100),
