@@ -5,6 +5,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from overlapkernels.bench import metrics
 from overlapkernels.bench.collectives import CollectivesConfig, config_dict, rank_main
@@ -221,3 +223,15 @@ def test_csv_with_cells_past_its_header_is_still_extended(tmp_path):
         read = list(csv.DictReader(f))
     assert read == [{"kind": "gemm", "time_us": "5.0", "gbps": ""}, {"kind": "reduce", "time_us": "", "gbps": "1.0"}]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.csv"]
+
+
+def _slowest_on_rank():
+    from overlapkernels.bench.timing import slowest_rank
+
+    r = dist.get_rank()
+    return slowest_rank({"median_s": 1.0 + r, "min_s": 3.0 - r, "max_s": 2.0 + 2 * r}, torch.device("cpu"))
+
+
+def test_a_row_reports_the_slowest_rank_per_statistic(rank_pool):
+    """A collective is done when its last rank is: each statistic is the maximum over ranks."""
+    assert rank_pool(2).run(_slowest_on_rank) == [{"median_s": 2.0, "min_s": 3.0, "max_s": 4.0}] * 2

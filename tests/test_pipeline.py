@@ -1,4 +1,5 @@
 """The pipeline executor on gloo ranks (schedules, simulator and P2P plans: test_pipeline_schedule.py)."""
+import copy
 import os
 from datetime import timedelta
 
@@ -293,3 +294,23 @@ def test_zero_bubble_refuses_ddp_whose_hooks_would_miss_deferred_gradients():
     with pytest.raises(ValueError, match=r"^Sequential.1 is DistributedDataParallel: a W-split schedule \(zb-h1\) "
                                          r"defers weight gradients past DDP's reduction hooks"):
         pp.enable_zero_bubble(nn.Sequential(nn.Linear(4, 4), ddp))
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("kind", ["interleaved-1f1b", "zb-h1"])
+def test_one_rank_holding_every_stage_equals_plain_autograd(kind):
+    """With one pipeline rank, interleaving puts both virtual stages on it: the handoff between them
+    stays in the process and must cut the graph there, as a send and a receive do."""
+    torch.manual_seed(0)
+    stages = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)]).double()
+    ref = copy.deepcopy(stages)
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    virtual = 2 if kind == "interleaved-1f1b" else 1
+    model = list(stages) if virtual == 2 else [nn.Sequential(*stages)]
+    sched = pp.make_schedule(kind, 1, 2, **({"num_virtual": virtual} if virtual > 1 else {}))
+    loss = pp.PipelineRunner(model, schedule=sched, loss_fn=nn.functional.mse_loss).step(x, y)
+    want = nn.functional.mse_loss(ref[1](ref[0](x)), y)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), atol=1e-12, rtol=1e-12)
+    for p, q in zip(stages.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-12, rtol=1e-12)

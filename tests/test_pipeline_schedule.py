@@ -52,6 +52,20 @@ def test_interleaved_peak_activations_are_megatrons_warmup_plus_one(p, v, m):
     assert res.peak_activations == [min(m * v, (p - r - 1) * 2 + (v - 1) * p + 1) for r in range(p)]
 
 
+def test_batches_mixing_sends_and_receives_follow_megatrons_parity_rule():
+    """Even ranks list their sends first, odd ranks their receives (so two neighbours never both
+    wait to send first on a backend that posts a batch in order)."""
+    mixed = [0, 0]
+    for kind, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)):
+        for rank, points in enumerate(p2p.comm_plan(pp.make_schedule(kind, 4, 8, num_virtual=v))):
+            for batch in (b for point in points for b in point):
+                sends = [m.send for m in batch]
+                if len(set(sends)) == 2:
+                    mixed[rank % 2] += 1
+                    assert sends == sorted(sends, reverse=rank % 2 == 0), (kind, rank, [str(m) for m in batch])
+    assert all(mixed), mixed
+
+
 def test_comm_time_and_busy():
     # rank 0: F0 0-1, F1 1-2; rank 1 (each activation 0.5 later): F0 1.5-2.5, F1 2.5-3.5, B0 3.5-5.5,
     # B1 5.5-7.5; rank 0 (each gradient 0.5 later): B0 6-8, B1 8-10. Without comm time: 9.
