@@ -422,3 +422,13 @@ def test_bare_profile_and_plot_take_default_folders():
     assert (args.profile, args.plot) == ("traces", "p")
     args = cli.build_parser().parse_args(["bench", "fsdp"])
     assert (args.profile, args.plot) == (None, None)
+
+
+@pytest.mark.parametrize("op, gemm", [("ag-matmul", (16, 8, 6)), ("matmul-rs", (16, 4, 12))])
+def test_tflops_counts_two_flops_per_multiply_add(rank_pool, op, gemm):
+    """The GEMM of shape (16, 8, 12) on 2 ranks: AG+GEMM per rank is [16, 8] @ [8, 6] (N split),
+    GEMM+RS [16, 4] @ [4, 12] (K split); TFLOP/s = 2 M K N / time."""
+    config = tp_ops.TpOpsConfig(op=op, shapes=(("tiny", (16, 8, 12)),), iters=2, warmup=1)
+    m, k, n = gemm
+    for row in rank_pool(2).run(tp_ops.rank_main, tp_ops.config_dict(config))[0]:
+        assert row["tflops"] == pytest.approx(2 * m * k * n / (row["time_us"] * 1e-6) / 1e12, rel=1e-9)

@@ -316,6 +316,8 @@ def test_warmup_meets_at_barriers_only_in_a_shared_context(monkeypatch, shares_c
     (227, torch.bfloat16, 4096, 8192, 1024, "CUDA_GEMM_16BIT"),        # H100/H200, a large chunk
     (227, torch.bfloat16, 4096, 8192, 1376, "CUDA_GEMM_16BIT_SMALL"),  # ragged K: the big tile spills
     (227, torch.bfloat16, 32, 8192, 1024, "CUDA_GEMM_16BIT_SMALL"),    # few rows per chunk
+    (227, torch.bfloat16, 64, 8192, 1024, "CUDA_GEMM_16BIT_SMALL"),    # the edge: 64 rows is still few
+    (227, torch.bfloat16, 65, 8192, 1024, "CUDA_GEMM_16BIT"),
     (227, torch.float32, 4096, 8192, 1024, "CUDA_GEMM_FP32"),
     (163, torch.float16, 4096, 8192, 1024, "CUDA_GEMM_16BIT"),         # A100
     (99, torch.bfloat16, 4096, 8192, 1024, "SMALL_SMEM_GEMM"),         # ~100 KB parts
@@ -325,3 +327,18 @@ def test_gemm_config_rules_per_gpu(monkeypatch, smem_kb, dtype, rows, n, k, want
 
     monkeypatch.setattr(tile_gemm, "shared_memory_per_block", lambda device: smem_kb << 10)
     assert tile_gemm.gemm_config(torch.device("cuda", 0), dtype, rows, n, k) is getattr(tile_gemm, want)
+
+
+def _rs_partials_in_fp32_on_rank(ctx, dtype):
+    """The owner sums the W partials of its chunk in fp32 and rounds once. Random values: integer
+    data sums exactly in any dtype. Each partial is one rounded 16-bit GEMM; four of them add exactly
+    in fp32, so the reference is order-free and bitwise."""
+    g, w, r = torch.Generator().manual_seed(0), ctx.world_size, ctx.rank
+    a_all = [torch.randn(w * 16, 64, generator=g).to(dtype) for _ in range(w)]
+    b_all = [torch.randn(64, 24, generator=g).to(dtype) for _ in range(w)]
+    out = ok.matmul_reduce_scatter(a_all[r], b_all[r], ctx, method="symm")
+    return torch.equal(out, sum((x.chunk(w)[r] @ y).float() for x, y in zip(a_all, b_all)).to(dtype))
+
+
+def test_symm_owner_adds_partials_in_fp32():
+    assert ThreadWorld(4, timeout=60).run(_rs_partials_in_fp32_on_rank, torch.bfloat16) == [True] * 4

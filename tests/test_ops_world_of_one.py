@@ -59,3 +59,9 @@ def test_weight_grad_store_reused_across_microbatches_sums_them():
         store.run()
     want = sum(torch.ones(5, 4, dtype=torch.float64).T @ x for x in xs)
     torch.testing.assert_close(w.grad, want, atol=1e-12, rtol=1e-12)
+
+
+def test_minus_ndim_is_a_valid_dim():
+    a, b = _randn(4, 8, seed=0), _randn(8, 3, seed=1)
+    torch.testing.assert_close(ok.all_gather_matmul(a, b, gather_dim=-2, method="baseline"), a @ b)
+    torch.testing.assert_close(ok.matmul_reduce_scatter(a, b, scatter_dim=-2, method="baseline"), a @ b)

@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from overlapkernels.comm.rank_pool import RankError, RankTimeout
+from overlapkernels.comm.side_stream import ThreadSideStream
 from overlapkernels.comm.thread_world import ThreadWorld
+from overlapkernels.kernels.errors import SignalTimeoutError
 from overlapkernels.kernels.triton import all_gather as ag
+from overlapkernels.kernels.triton import signals as sig
 
 STRAGGLER_DELAY_S = 0.3  # the straggler publishes late: peers must wait on its flag, not race it
 
@@ -219,3 +222,48 @@ def test_interpreter_indexes_one_element_program_ids():
     finally:
         scope.restore()
     assert tl.core.tensor.__dict__.get("__index__") is before
+
+
+def test_the_first_timeout_is_the_one_reported():
+    err, flag = torch.zeros(4, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
+    sig.wait_flag(flag, 1, err, sig.polls(2), code=sig.ERR_READY_TIMEOUT, rank=0, chunk=1, peer=1)
+    sig.wait_flag(flag, 1, err, sig.polls(2), code=sig.ERR_PARTIAL_TIMEOUT, rank=0, chunk=2, peer=3)
+    assert err.tolist() == [1, 0, 1, 1]  # code, rank, chunk, peer of the first wait that gave up
+
+
+def test_a_release_timeout_names_the_previous_call():
+    with pytest.raises(SignalTimeoutError, match=r"waiting for rank 3 to release chunk 1 of call 4 \(call 5\)"):
+        sig.raise_if_timed_out(torch.tensor([2, 0, 1, 3], dtype=torch.int32), "op", 5)
+
+
+def _partial_reader(ctx):
+    buf, pads = ctx.alloc_symmetric((64,), torch.float32), ctx.alloc_symmetric((4,), torch.int64)
+    gather = ag.PeerAllGather(buf, pads, 32, block=8, max_spins=50)  # 4 blocks per chunk
+    gather(torch.ones(32))
+    ctx.barrier()
+    if ctx.rank == 0:
+        pads.local[3] = 1  # reader 1 released only 1 of its 4 blocks of call 1
+        gather(torch.ones(32))
+
+
+def test_a_publisher_waits_for_every_block_of_every_reader():
+    with pytest.raises(RankError, match="rank 0 timed out waiting for rank 1 to release chunk 0 of call 1"):
+        ThreadWorld(2).run(_partial_reader)
+
+
+def test_a_side_stream_skips_queued_work_after_an_error_and_reports_it_once():
+    side, ran = ThreadSideStream("probe"), []
+    side.submit(lambda: 1 / 0)
+    side.submit(lambda: ran.append("after the error"))
+    with pytest.raises(ZeroDivisionError):
+        side.synchronize()
+    assert ran == []
+    side.submit(lambda: ran.append("next"))
+    side.synchronize()  # usable again
+    side.close()
+    assert ran == ["next"]
+
+
+def test_device_waits_give_up_before_the_run_does():
+    """So a hang is reported as the wait that failed (op, rank, chunk), not as a silent thread."""
+    assert ThreadWorld(2, timeout=10).run(lambda ctx: ctx.wait_timeout) == [5.0, 5.0]
