@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from overlapkernels.comm import rank_pool as rank_pool_module
 from overlapkernels.comm.rank_pool import RankError, RankPool, RankTimeout
 
 
@@ -63,6 +64,24 @@ def test_timeout_and_death_are_failures_not_hangs():
     assert len(set(pids)) == 6
     children = {p.pid for p in multiprocessing.active_children()}
     assert not children & set(pids), "a rank process outlived its pool"
+
+
+def _fail_on_rank_0_while_rank_1_works():
+    if dist.get_rank() == 0:
+        raise RuntimeError("planted failure on rank 0")
+    dist.recv(torch.empty(1), src=0)  # waits for rank 0, which will never send: only a kill ends it
+    return "finished"
+
+
+@pytest.mark.timeout(60)  # without the grace the call would wait for its own hour-long timeout
+def test_a_failure_gives_the_others_a_grace_then_names_who_did_not_finish(monkeypatch):
+    """A failed rank's peers may be blocked on it: after FAILURE_GRACE_S the call ends, naming them,
+    instead of waiting for the call's own timeout."""
+    monkeypatch.setattr(rank_pool_module, "FAILURE_GRACE_S", 0.5)
+    with RankPool(2, timeout=3600.0) as pool:
+        with pytest.raises(RankError, match=r"ranks \[0\] failed; ranks \[1\] did not finish"):
+            pool.run(_fail_on_rank_0_while_rank_1_works)
+        assert pool.run(_rank_and_sum)[0][2] == 3.0  # respawned after the kill
 
 
 def test_bad_world_size():
