@@ -102,11 +102,11 @@ def rank_main(config: dict) -> list[dict]:
                                 dtype=torch.float64, device=trainer.device)
         dist.all_reduce(measured, group=dims.pp_group)
         measured /= dims.pp_size
-        sim = pp.simulate(trainer.schedule, t_f=float(measured[1]), t_b=float(measured[2]), t_w=float(measured[3]))
+        bubble, t_f, t_b, t_w = measured.tolist()
+        sim = pp.simulate(trainer.schedule, t_f=t_f, t_b=t_b, t_w=t_w)
         rows.append({"step": step, "loss": loss, "reference": reference[step] if step < len(reference) else None,
-                     "tokens_per_s": cfg.batch * cfg.seq / elapsed, "bubble_measured": float(measured[0]),
-                     "bubble_simulated": sim.bubble_fraction,
-                     "t_f": float(measured[1]), "t_b": float(measured[2]), "t_w": float(measured[3])})
+                     "tokens_per_s": cfg.batch * cfg.seq / elapsed, "bubble_measured": bubble,
+                     "bubble_simulated": sim.bubble_fraction, "t_f": t_f, "t_b": t_b, "t_w": t_w})
     return rows if dist.get_rank() == 0 else None
 
 

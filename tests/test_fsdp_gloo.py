@@ -1,5 +1,6 @@
 """fsdp.shard (ZeRO 1/2/3) on gloo ranks vs single-process training on the concatenated batch.
-Composed with TP, SP and CP, and gradient clipping: test_fsdp_parallel_gloo.py."""
+Composed with TP, SP and CP, and gradient clipping: test_fsdp_parallel_gloo.py; mixed precision:
+test_fsdp_precision_gloo.py."""
 import contextlib
 
 import pytest
@@ -133,85 +134,6 @@ def test_no_sync_accumulation(rank_pool, stage):
     assert rank_pool(2).run(_no_sync_on_rank, stage, False) == [True, True]  # accumulation without no_sync
 
 
-def _mixed_precision_on_rank(reduce_dtype=torch.float32):
-    """bf16 compute, fp32 master and reduction, bit for bit against a reference kept by hand: each
-    rank's half-batch forward and backward in bf16 (parameters = the fp32 master rounded to bf16),
-    its bf16 gradients cast to fp32 and divided by N, summed over ranks in fp32 (two terms: exact in
-    any order, so world 2 only), SGD on the fp32 master. A bf16 reduction rounds that sum and
-    differs. Also close to fp32 training, not equal (bf16 did run). SGD, whose update is
-    proportional to the gradient: AdamW's normalised update would turn tiny gradient errors into
-    full-size steps, and is blind to the gradient's scale."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    assert world == 2, "the fp32 sum of two terms is order-free; more would need gloo's order"
-    sgd = lambda ps: torch.optim.SGD(ps, lr=0.05)  # noqa: E731
-    torch.manual_seed(0)
-    sharded = fsdp.shard(Net(), stage=3, param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, optimizer=sgd)
-    torch.manual_seed(0)
-    ref = Net()
-    ref_opt = sgd(ref.parameters())
-    bf16 = Net().bfloat16()  # the hand-kept reference: bf16 compute over an fp32 master
-    master = [nn.Parameter(p.detach().clone()) for p in ref.parameters()]
-    master_opt = sgd(master)
-    for x, y in _batches(3, 4, world, torch.float32):
-        mine = slice(rank * 4, (rank + 1) * 4)
-        _loss(sharded(x[mine].bfloat16()).float(), y[mine]).backward()
-        sharded.step()
-        ref_opt.zero_grad()
-        _loss(ref(x), y).backward()
-        ref_opt.step()
-        with torch.no_grad():
-            for p, m in zip(bf16.parameters(), master):
-                p.copy_(m)
-        for m in master:
-            m.grad = torch.zeros_like(m)
-        for r in range(world):
-            bf16.zero_grad()
-            part = slice(r * 4, (r + 1) * 4)
-            _loss(bf16(x[part].bfloat16()).float(), y[part]).backward()
-            for p, m in zip(bf16.parameters(), master):
-                m.grad += p.grad.float() / world
-        master_opt.step()
-    assert all(u.master.dtype == torch.float32 and u.flat.dtype == torch.bfloat16 for u in sharded.all_units)
-    got = sharded.full_state_dict()
-    names = list(dict(ref.named_parameters()))
-    assert list(got) == names
-    differ = [n for n, m in zip(names, master) if not torch.equal(got[n], m)]
-    assert not differ, f"not bit-equal to the bf16-compute, fp32-reduce reference: {differ}"
-    want = ref.state_dict()
-    worst = max((t - want[n]).abs().max().item() for n, t in got.items())
-    assert 0 < worst < 1e-2, worst  # not bit-equal to fp32 training (bf16 did run), but close
-    return worst
-
-
-def test_mixed_precision_equals_bf16_reference_and_is_close_to_fp32(rank_pool):
-    rank_pool(2).run(_mixed_precision_on_rank)
-
-
-def _planted_bf16_reduction_on_rank():
-    try:  # reduced in bf16: 1.1e-3 from fp32 training (the fp32 reduction: 9.3e-4), so only the exact check sees it
-        _mixed_precision_on_rank(reduce_dtype=torch.bfloat16)
-    except AssertionError as exc:
-        return "caught" if "not bit-equal" in str(exc) else str(exc)
-    return "missed"
-
-
-def test_mixed_precision_planted_bf16_reduction_is_caught(rank_pool):
-    assert rank_pool(2).run(_planted_bf16_reduction_on_rank) == ["caught", "caught"]
-
-
-def _dtypes_on_rank(reduce_dtype):
-    sharded = fsdp.shard(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), stage=2, param_dtype=torch.bfloat16,
-                         reduce_dtype=reduce_dtype)
-    return sorted({(str(u.param_dtype), str(u.reduce_dtype), str(u.master.dtype)) for u in sharded.all_units})
-
-
-@pytest.mark.parametrize("reduce_dtype, want", [(None, "torch.bfloat16"), (torch.float32, "torch.float32")])
-def test_reduce_dtype_defaults_to_param_dtype(rank_pool, reduce_dtype, want):
-    """As FSDP2's MixedPrecisionPolicy: reduce_dtype=None reduces in param_dtype; fp32 reduction is
-    what reduce_dtype=torch.float32 asks for. The master stays fp32 either way."""
-    assert rank_pool(2).run(_dtypes_on_rank, reduce_dtype) == [[("torch.bfloat16", want, "torch.float32")]] * 2
-
-
 def test_bad_arguments():
     with pytest.raises(ValueError, match="stage=4: expected 1, 2 or 3"):
         fsdp.shard(nn.Linear(2, 2), stage=4)
@@ -310,49 +232,6 @@ def _planted_on_rank():
 
 def test_planted_error_is_caught(rank_pool):
     assert rank_pool(2).run(_planted_on_rank) == ["caught", "caught"]
-
-
-# -- mixed precision: bf16 compute, fp32 master --------------------------------------------------
-def _bf16_model_on_rank():
-    """A bf16 model: fp32 master shards and optimizer state; fp32 inputs cast to param_dtype. On one
-    rank (no reduction) it equals, bit for bit, bf16 compute over an fp32 master kept by hand."""
-    sgd = lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9)  # noqa: E731  (steps below a bf16 ulp)
-    torch.manual_seed(0)
-    sharded = fsdp.shard(Net().bfloat16(), stage=3, param_dtype=torch.bfloat16, optimizer=sgd)
-    torch.manual_seed(0)
-    ref = Net().bfloat16()
-    master = [p.detach().float() for p in ref.parameters()]
-    ref_opt = sgd([nn.Parameter(m) for m in master])
-    for x, y in _batches(3, 4, 1, torch.float32):
-        out = sharded(x)  # fp32 input: cast to bf16 on the way in
-        assert out.dtype == torch.bfloat16
-        _loss(out.float(), y).backward()
-        sharded.step()
-        with torch.no_grad():
-            for p, m in zip(ref.parameters(), ref_opt.param_groups[0]["params"]):
-                p.copy_(m)
-        ref.zero_grad()
-        _loss(ref(x.bfloat16()).float(), y).backward()
-        for p, m in zip(ref.parameters(), ref_opt.param_groups[0]["params"]):
-            m.grad = p.grad.float()
-        ref_opt.step()
-    assert {u.master.dtype for u in sharded.all_units} == {torch.float32}
-    assert {t.dtype for s in sharded.optimizer.state.values() for t in s.values() if t.dim()} == {torch.float32}
-    got = torch.cat([u.full_tensors()[0].reshape(-1) for u in sharded.all_units])  # model dtype: bf16
-    assert got.dtype == torch.bfloat16
-    masters = {id(u.master) for u in sharded.all_units}
-    assert masters and all(id(p) in masters for g in sharded.optimizer.param_groups for p in g["params"])
-    want = {n: m.to(torch.bfloat16) for n, m in zip(dict(ref.named_parameters()), ref_opt.param_groups[0]["params"])}
-    for name, t in sharded.full_state_dict().items():
-        assert torch.equal(t, want[name]), name
-    grad_in = torch.ones(2, D_IN, requires_grad=True)
-    sharded(grad_in).float().sum().backward()  # the cast is differentiable: an fp32 input gets an fp32 grad
-    assert grad_in.grad.dtype == torch.float32
-    return True
-
-
-def test_bf16_model_keeps_fp32_master_and_casts_inputs(rank_pool):
-    assert rank_pool(1).run(_bf16_model_on_rank) == [True]
 
 
 # -- stage 3 between steps: parameters are empty, state_dict refuses -----------------------------

@@ -157,24 +157,28 @@ def _planted_error_on_rank():
     return caught
 
 
-def _fp32_partial_sums_on_rank(dtype):
-    """16-bit partials travel and add in fp32, rounded once at the end. Random values (0/1 inputs
-    sum exactly in any dtype, so they cannot tell): each chunk GEMM is rounded to 16 bits, and a
-    sum of four such values is exact in fp32, so the reference is order-free and bitwise."""
-    r, w = dist.get_rank(), dist.get_world_size()
+def fp32_partial_sums_case(world, rank, dtype):
+    """Every rank's (a, b) and rank ``rank``'s chunk of the sum of a @ b, added in fp32 and rounded
+    once. Random values (0/1 inputs sum exactly in any dtype, so they cannot tell): each chunk GEMM
+    is rounded to 16 bits, and a sum of four such values is exact in fp32, so the reference is
+    order-free and bitwise. Also tells whether 16-bit accumulation would differ on these inputs."""
     g = torch.Generator().manual_seed(0)
-    a_all = [torch.randn(w * 16, 64, generator=g).to(dtype) for _ in range(w)]
-    b_all = [torch.randn(64, 24, generator=g).to(dtype) for _ in range(w)]
-    out = ok.matmul_reduce_scatter(a_all[r], b_all[r], method="decomposed")
-    want = sum((x.chunk(w)[r] @ y).float() for x, y in zip(a_all, b_all)).to(dtype)
-    # 16-bit accumulation rounds at every add: these inputs must tell it apart
-    rounded_each_step = sum((x.chunk(w)[r] @ y for x, y in zip(a_all, b_all)), torch.zeros_like(want))
-    return torch.equal(out, want), torch.equal(rounded_each_step, want)
+    a_all = [torch.randn(world * 16, 64, generator=g).to(dtype) for _ in range(world)]
+    b_all = [torch.randn(64, 24, generator=g).to(dtype) for _ in range(world)]
+    want = sum((x.chunk(world)[rank] @ y).float() for x, y in zip(a_all, b_all)).to(dtype)
+    rounded_each_step = sum((x.chunk(world)[rank] @ y for x, y in zip(a_all, b_all)), torch.zeros_like(want))
+    return a_all, b_all, want, not torch.equal(rounded_each_step, want)
+
+
+def _fp32_partial_sums_on_rank(dtype):
+    r, w = dist.get_rank(), dist.get_world_size()
+    a_all, b_all, want, telling = fp32_partial_sums_case(w, r, dtype)
+    return torch.equal(ok.matmul_reduce_scatter(a_all[r], b_all[r], method="decomposed"), want), telling
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16bit_partial_sums_add_in_fp32(rank_pool, dtype):
-    assert rank_pool(4).run(_fp32_partial_sums_on_rank, dtype) == [(True, False)] * 4
+    assert rank_pool(4).run(_fp32_partial_sums_on_rank, dtype) == [(True, True)] * 4
 
 
 def test_planted_error_is_caught(rank_pool):

@@ -12,6 +12,7 @@ from overlapkernels.comm.thread_world import ThreadWorld
 from overlapkernels.kernels.triton.ag_gemm import ag_gemm
 from overlapkernels.kernels.triton.signals import polls
 from overlapkernels.kernels.triton.tile_gemm import INTERPRETER_GEMM, GemmConfig, forced_gemm_config, gemm_config
+from test_ops_tp_gloo import fp32_partial_sums_case
 
 METHODS = ["symm", "fused"]
 WORLDS = [2, 4]
@@ -330,15 +331,10 @@ def test_gemm_config_rules_per_gpu(monkeypatch, smem_kb, dtype, rows, n, k, want
 
 
 def _rs_partials_in_fp32_on_rank(ctx, dtype):
-    """The owner sums the W partials of its chunk in fp32 and rounds once. Random values: integer
-    data sums exactly in any dtype. Each partial is one rounded 16-bit GEMM; four of them add exactly
-    in fp32, so the reference is order-free and bitwise."""
-    g, w, r = torch.Generator().manual_seed(0), ctx.world_size, ctx.rank
-    a_all = [torch.randn(w * 16, 64, generator=g).to(dtype) for _ in range(w)]
-    b_all = [torch.randn(64, 24, generator=g).to(dtype) for _ in range(w)]
-    out = ok.matmul_reduce_scatter(a_all[r], b_all[r], ctx, method="symm")
-    return torch.equal(out, sum((x.chunk(w)[r] @ y).float() for x, y in zip(a_all, b_all)).to(dtype))
+    """The owner sums the W partials of its chunk in fp32 and rounds once."""
+    a_all, b_all, want, telling = fp32_partial_sums_case(ctx.world_size, ctx.rank, dtype)
+    return torch.equal(ok.matmul_reduce_scatter(a_all[ctx.rank], b_all[ctx.rank], ctx, method="symm"), want), telling
 
 
 def test_symm_owner_adds_partials_in_fp32():
-    assert ThreadWorld(4, timeout=60).run(_rs_partials_in_fp32_on_rank, torch.bfloat16) == [True] * 4
+    assert ThreadWorld(4, timeout=60).run(_rs_partials_in_fp32_on_rank, torch.bfloat16) == [(True, True)] * 4

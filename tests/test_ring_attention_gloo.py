@@ -213,26 +213,16 @@ def test_disagreeing_ranks_are_named_under_distributed_debug(rank_pool):
                            "(TORCH_DISTRIBUTED_DEBUG=DETAIL check)")
 
 
+@pytest.mark.usefixtures("world_of_one")
 def test_group_of_one_is_plain_attention():
     """A 1-rank world in this process: the ring degenerates to one block."""
-    import os
-
-    env = {k: os.environ.pop(k, None) for k in ("RANK", "WORLD_SIZE")}
-    created = not dist.is_initialized()
-    try:
-        if created:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        group = dist.new_group([0])
-        g = torch.Generator().manual_seed(3)
-        q, k, v = (torch.randn(1, 5, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
-        for causal in (False, True):
-            out = ok.ring_attention(q, k, v, group, causal=causal)
-            want, _ = _full_reference(q, k, v, causal, 4 ** -0.5)
-            torch.testing.assert_close(out, want, atol=ATOL, rtol=RTOL)
-    finally:
-        if created:
-            dist.destroy_process_group()
-        os.environ.update({k: v for k, v in env.items() if v is not None})
+    group = dist.new_group([0])
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 5, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    for causal in (False, True):
+        out = ok.ring_attention(q, k, v, group, causal=causal)
+        want, _ = _full_reference(q, k, v, causal, 4 ** -0.5)
+        torch.testing.assert_close(out, want, atol=ATOL, rtol=RTOL)
 
 
 def _callers_use_on_rank():
