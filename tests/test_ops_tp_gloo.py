@@ -222,6 +222,15 @@ BAD_AG = [
      r"b must be a single \[K, N\] tensor, got list"),
     (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8, dtype=torch.float16), torch.ones(8, 3)), ValueError,
      r"b.dtype=torch.float32 does not match a.dtype=torch.float16"),
+    # fp8 has no scales here; integers have no place in a matmul: refused before the collective
+    # (they failed inside gloo, or for decomposed reduce-scatter after the ring had started)
+    (lambda: ok.all_gather_matmul(torch.ones(4, 8, dtype=torch.float8_e4m3fn), torch.ones(8, 3, dtype=torch.float8_e4m3fn)),
+     ValueError, r"a_shard.dtype=torch.float8_e4m3fn: expected one of \['torch.float16', 'torch.bfloat16', "
+                 r"'torch.float32', 'torch.float64'\]"),
+    (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8, dtype=torch.float8_e5m2), torch.ones(8, 3, dtype=torch.float8_e5m2),
+                                      method="decomposed"), ValueError, r"a.dtype=torch.float8_e5m2: expected one of"),
+    (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8, dtype=torch.int64), torch.ones(8, 3, dtype=torch.int64)),
+     ValueError, r"a.dtype=torch.int64: expected one of"),
     (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3), 3), TypeError,
      r"group=3: expected a torch.distributed ProcessGroup or None .*got int"),
     (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 3), "tp"), TypeError,

@@ -30,6 +30,18 @@ def check_tensor(name: str, value, min_dim: int = 1) -> torch.Tensor:
     return value
 
 
+# The floating dtypes the ops compute in. fp8 needs per-tensor scales (torch._scaled_mm) that these
+# ops do not carry; integer, bool and complex inputs have no place in a matmul or a softmax. Without
+# this check they failed inside the collective (gloo: "Invalid scalar type") or, for decomposed
+# reduce-scatter of fp8, in the first add after the ring had started.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_float_dtype(name: str, value: torch.Tensor) -> None:
+    if value.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}.dtype={value.dtype}: expected one of {[str(d) for d in FLOAT_DTYPES]}")
+
+
 def check_weights(b, a: torch.Tensor, a_name: str) -> tuple[list, bool]:
     """``b`` as a list of [K, N] tensors matching ``a``; the bool says whether it was a single one."""
     single = isinstance(b, torch.Tensor)

@@ -11,7 +11,7 @@ from ..profiling.ranges import span
 from . import _methods
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands, cast_weights
 from ._autograd import first_order_only
-from ._validate import check_dim, check_tensor, check_weights, group_size, is_peer_world, same_call_on_every_rank
+from ._validate import check_dim, check_float_dtype, check_tensor, check_weights, group_size, is_peer_world, same_call_on_every_rank
 from .dispatch import check_method, choose, strict_active, strict_in_backward
 from .measure import auto_mode, measured
 from .weight_grad_store import defer
@@ -135,6 +135,7 @@ def _all_gather_matmul(a_shard, b, group, gather_dim, return_gathered, method, s
     op = "all_gather_linear" if transposed else "all_gather_matmul"
     with same_call_on_every_rank(group, op, getattr(a_shard, "device", None)) as call:
         check_tensor("a_shard", a_shard, min_dim=2)
+        check_float_dtype("a_shard", a_shard)
         amp = autocast_dtype(a_shard.device)  # inside torch.autocast: run in its dtype, as a matmul would
         a_shard, b = cast_operands(amp, a_shard)[0], cast_weights(amp, b)
         bs, single = check_weights([w.t() for w in b] if transposed else b, a_shard, "a_shard")

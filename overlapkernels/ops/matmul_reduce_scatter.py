@@ -12,7 +12,7 @@ from . import _methods
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands
 from ._autograd import first_order_only
 from ._collective_methods import accumulation_dtype
-from ._validate import check_dim, check_tensor, check_weights, group_size, is_peer_world, same_call_on_every_rank
+from ._validate import check_dim, check_float_dtype, check_tensor, check_weights, group_size, is_peer_world, same_call_on_every_rank
 from .dispatch import check_method, choose, strict_active, strict_in_backward
 from .measure import auto_mode, measured
 from .weight_grad_store import defer
@@ -113,6 +113,7 @@ def _matmul_reduce_scatter(a, b, group, scatter_dim, method, transposed):
     op = "linear_reduce_scatter" if transposed else "matmul_reduce_scatter"
     with same_call_on_every_rank(group, op, getattr(a, "device", None)) as call:
         check_tensor("a", a, min_dim=2)
+        check_float_dtype("a", a)
         if isinstance(b, (list, tuple)):
             raise TypeError(f"b must be a single [K, N] tensor, got {type(b).__name__}")
         a, b = cast_operands(autocast_dtype(a.device), a, b)  # inside torch.autocast: its dtype, as a matmul

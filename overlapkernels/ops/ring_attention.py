@@ -24,11 +24,10 @@ from ..parallel import resolve_group
 from ..profiling.ranges import span
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands
 from ._autograd import first_order_only
-from ._validate import same_call_on_every_rank
+from ._validate import check_float_dtype, same_call_on_every_rank
 from .sequence_shard import check_layout, segments
 
 FORMATS = ("bshd", "sbhd")
-DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 KV_TAG, GRAD_TAG = 0, 1  # two exchanges may be in flight between the same ranks
 
 
@@ -228,8 +227,7 @@ def _validate(q, k, v, qkv_format, layout, softmax_scale):
     if qkv_format not in FORMATS:
         raise ValueError(f"qkv_format={qkv_format!r}: expected one of {list(FORMATS)}")
     check_layout(layout)
-    if q.dtype not in DTYPES:  # SDPA's choice too: integer, bool or complex scores have no softmax
-        raise ValueError(f"q.dtype={q.dtype}: expected one of {[str(d) for d in DTYPES]}")
+    check_float_dtype("q", q)  # SDPA's choice too: integer, bool or complex scores have no softmax
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise ValueError(f"{name}.dtype={t.dtype} does not match q.dtype={q.dtype}")
