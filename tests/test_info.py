@@ -29,7 +29,7 @@ def test_settings_in_effect_are_recorded(monkeypatch):
     from overlapkernels.bench.report import environment
     from overlapkernels.profiling.inventory import settings
 
-    for key in [k for k in os.environ if k.startswith("OVERLAPKERNELS_")]:
+    for key in [k for k in os.environ if k.startswith("OVERLAPKERNELS_") or k == "CUDA_DEVICE_MAX_CONNECTIONS"]:
         monkeypatch.delenv(key)
     assert settings() == {} and environment("cpu")["settings"] == ""
     assert "settings      defaults" in format_inventory(inventory())
@@ -39,6 +39,9 @@ def test_settings_in_effect_are_recorded(monkeypatch):
     assert settings() == {"OVERLAPKERNELS_AUTO": "measure", "OVERLAPKERNELS_RESERVED_SMS": "16"}
     assert environment("cpu")["settings"] == "OVERLAPKERNELS_AUTO=measure OVERLAPKERNELS_RESERVED_SMS=16"
     assert "settings      OVERLAPKERNELS_AUTO=measure OVERLAPKERNELS_RESERVED_SMS=16" in format_inventory(inventory())
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron's recipe: changes how streams overlap
+    assert environment("cpu")["settings"] == ("CUDA_DEVICE_MAX_CONNECTIONS=1 OVERLAPKERNELS_AUTO=measure "
+                                              "OVERLAPKERNELS_RESERVED_SMS=16")
 
 
 class FakeNVML:

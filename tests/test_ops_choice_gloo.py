@@ -314,6 +314,48 @@ def test_measured_auto_times_candidates_once_and_ranks_agree(rank_pool):
     assert chosen[0] == chosen[1] and set(chosen[0]) == {"all_gather_matmul", "matmul_reduce_scatter"}
 
 
+def _measured_choice_on_fake_clock(costs_by_rank):
+    """``measure.measured`` with a ``run`` that only advances a fake clock by this rank's cost of
+    each method (seconds per call): which method wins follows from the costs alone."""
+    from types import SimpleNamespace
+
+    from overlapkernels.ops import measure
+
+    clock, calls = [0.0], []
+
+    def run(method):
+        calls.append(method)
+        clock[0] += costs_by_rank[dist.get_rank()][method]
+
+    real_time = measure.time
+    measure.time = SimpleNamespace(perf_counter=lambda: clock[0])
+    measure._cache.clear()
+    try:
+        choice = measure.measured("matmul_reduce_scatter", ("fake",), dist.group.WORLD, torch.device("cpu"), run)
+    finally:
+        measure.time = real_time
+        measure._cache.clear()
+    # a warm-up call, then REPEATS timed ones, per candidate
+    assert calls == [m for m in ("baseline", "decomposed") for _ in range(1 + measure.REPEATS)], calls
+    return choice.method, choice.reason
+
+
+@pytest.mark.parametrize("costs, expected", [
+    # each rank alone would pick the other method; the slowest rank's step time decides: baseline
+    # costs 20 ms (rank 0's), decomposed 40 ms (rank 1's)
+    ([{"baseline": 0.020, "decomposed": 0.002}, {"baseline": 0.002, "decomposed": 0.040}], "baseline"),
+    # decomposed slower on every rank: never chosen over baseline
+    ([{"baseline": 0.010, "decomposed": 0.011}, {"baseline": 0.010, "decomposed": 0.012}], "baseline"),
+    ([{"baseline": 0.010, "decomposed": 0.004}, {"baseline": 0.012, "decomposed": 0.006}], "decomposed"),
+])
+def test_measured_auto_picks_the_fastest_by_the_slowest_rank(rank_pool, costs, expected):
+    for method, reason in rank_pool(2).run(_measured_choice_on_fake_clock, costs):
+        assert method == expected, reason
+        slowest = {m: max(c[m] for c in costs) for m in ("baseline", "decomposed")}
+        assert reason == ("measured on the first call of this shape (slowest rank): "
+                          f"baseline {slowest['baseline'] * 1e3:.3g} ms, decomposed {slowest['decomposed'] * 1e3:.3g} ms")
+
+
 def _bad_auto_mode_on_rank():
     import os
     import re

@@ -127,10 +127,18 @@ def software_inventory() -> dict:
     }
 
 
+# Set by other projects' recipes and able to change how our streams overlap: Megatron and
+# TransformerEngine ask for CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue for all streams, so
+# the GPU may serialise work queued behind a cross-stream wait). Not yet measured by this project
+# on a GPU; recorded so a result taken under it says so.
+FOREIGN_SETTINGS = ("CUDA_DEVICE_MAX_CONNECTIONS",)
+
+
 def settings() -> dict:
     """The ``OVERLAPKERNELS_*`` environment variables set in this process (the rest keep defaults):
-    they change what ops run (auto mode, peer memory, SM reserve, timeouts), so runs record them."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("OVERLAPKERNELS_")}
+    they change what ops run (auto mode, peer memory, SM reserve, timeouts), so runs record them;
+    likewise the other projects' settings in ``FOREIGN_SETTINGS``."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("OVERLAPKERNELS_") or k in FOREIGN_SETTINGS}
 
 
 def inventory(nvml=None) -> dict:
