@@ -1,0 +1,125 @@
+"""What ring attention sends and keeps, and the merge it folds blocks with: properties that the
+value tests (test_ring_attention_gloo.py) cannot see, since a ring that replicated GQA heads,
+sent 16-bit gradient partial sums or kept every step's output would compute the same numbers
+in fp64. Each is a failure seen in a peer (REFERENCES.md: torchtitan replicating KV heads,
+ring-flash-attention's backward error growing with the ring, TransformerEngine's per-step outputs)."""
+import importlib
+import math
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import overlapkernels as ok
+from overlapkernels.comm.ring import Ring
+from overlapkernels.kernels import attention_ref
+
+ra = importlib.import_module("overlapkernels.ops.ring_attention")
+
+
+# ---------------------------------------------------------------------------------------- merge
+def _lse(scores):
+    return torch.logsumexp(scores, dim=-1)
+
+
+def test_merging_two_blocks_equals_attention_over_both():
+    """Two halves of a key set merged equal softmax over all of it (fp64, random scores, values)."""
+    g = torch.Generator().manual_seed(3)
+    s = torch.randn(2, 3, 5, 10, generator=g, dtype=torch.float64) * 4
+    v = torch.randn(2, 3, 10, 7, generator=g, dtype=torch.float64)
+    halves = [(torch.softmax(s[..., i], -1) @ v[:, :, i], _lse(s[..., i])) for i in (slice(0, 4), slice(4, 10))]
+    out, lse = attention_ref.merge(*halves[0], *halves[1])
+    torch.testing.assert_close(out, torch.softmax(s, -1) @ v, atol=1e-13, rtol=1e-13)
+    torch.testing.assert_close(lse, _lse(s), atol=1e-13, rtol=1e-13)
+
+
+def test_merge_is_overflow_safe_in_fp32():
+    """lse values far apart (1e4 vs -1e4, or both near 1e4): exp(lse) overflows fp32, the sigmoid
+    form does not. The larger block wins outright; equal ones average."""
+    o1, o2 = torch.full((1, 1, 2, 3), 2.0), torch.full((1, 1, 2, 3), -4.0)
+    out, lse = attention_ref.merge(o1, torch.tensor([[[1e4, -1e4]]]), o2, torch.tensor([[[-1e4, 1e4]]]))
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(out[0, 0, 0], o1[0, 0, 0])
+    torch.testing.assert_close(out[0, 0, 1], o2[0, 0, 1])
+    torch.testing.assert_close(lse, torch.tensor([[[1e4, 1e4]]]))
+    out, lse = attention_ref.merge(o1, torch.tensor([[[1e4, 1e4]]]), o2, torch.tensor([[[1e4, 1e4]]]))
+    torch.testing.assert_close(out, torch.full_like(o1, -1.0))
+    torch.testing.assert_close(lse, torch.full((1, 1, 2), 1e4 + math.log(2)))
+
+
+def test_merge_with_an_empty_side_keeps_the_other():
+    """An lse of -inf means no visible key: that side contributes nothing, whichever side it is, and
+    two empty sides stay empty (out 0, lse -inf), never NaN."""
+    inf = float("inf")
+    o1, o2 = torch.full((1, 1, 3, 2), 5.0), torch.full((1, 1, 3, 2), 7.0)
+    out, lse = attention_ref.merge(o1, torch.tensor([[[-inf, 1.5, -inf]]]), o2, torch.tensor([[[0.5, -inf, -inf]]]))
+    torch.testing.assert_close(out[0, 0, 0], o2[0, 0, 0])
+    torch.testing.assert_close(out[0, 0, 1], o1[0, 0, 1])
+    torch.testing.assert_close(lse[0, 0, :2], torch.tensor([0.5, 1.5]))
+    assert lse[0, 0, 2] == -inf and not out.isnan().any()
+    zeros = torch.zeros(1, 1, 1, 2)
+    out, lse = attention_ref.merge(zeros, torch.tensor([[[-inf]]]), zeros, torch.tensor([[[-inf]]]))
+    assert (out == 0).all() and lse.item() == -inf
+
+
+# ------------------------------------------------------------------------ what travels the ring
+def _traffic_on_rank(dtype):
+    """Record every ring exchange of a causal zigzag GQA call (H=4, H_kv=2) and its backward."""
+    sent = []
+    original = Ring.exchange
+
+    def recording(self, send, to, recv, frm, *, tag=0):
+        sent.extend((tag, tuple(t.shape), t.dtype) for t in ([send] if isinstance(send, torch.Tensor) else send))
+        return original(self, send, to, recv, frm, tag=tag)
+
+    Ring.exchange = recording
+    try:
+        g = torch.Generator().manual_seed(dist.get_rank())
+        q = torch.randn(1, 8, 4, 16, generator=g).to(dtype).requires_grad_()
+        k = torch.randn(1, 8, 2, 16, generator=g).to(dtype).requires_grad_()
+        v = torch.randn(1, 8, 2, 16, generator=g).to(dtype).requires_grad_()
+        ok.ring_attention(q, k, v, causal=True).sum().backward()
+    finally:
+        Ring.exchange = original
+    return sent
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_only_real_kv_heads_travel_and_gradients_travel_in_fp32(rank_pool, dtype):
+    """K/V travel with their H_kv heads (not repeated to H) in the input dtype; the dK/dV partial
+    sums travel in fp32, so P hops add P roundings of fp32, not of the 16-bit type. World 4:
+    3 K/V hops in forward and backward each, 4 gradient hops."""
+    world = 4
+    for sent in rank_pool(world).run(_traffic_on_rank, dtype):
+        kv = [(shape, dt) for tag, shape, dt in sent if tag == ra.KV_TAG]
+        grads = [(shape, dt) for tag, shape, dt in sent if tag == ra.GRAD_TAG]
+        # [B, H_kv, S_local, D]: the kernels' layout
+        assert kv == [((1, 2, 8, 16), dtype)] * (2 * 2 * (world - 1)), kv
+        assert grads == [((1, 2, 8, 16), torch.float32)] * (2 * world), grads
+
+
+# ------------------------------------------------------------------------------- what it keeps
+def _live_block_outputs_on_rank():
+    """The forward merges each block's output as it comes: at most one block output (the one the
+    loop variable still holds) is alive when the next is computed, however many blocks there are."""
+    original, outputs, most_alive = attention_ref.block_forward, [], [0]
+
+    def tracking(*args, **kwargs):
+        most_alive[0] = max(most_alive[0], sum(ref() is not None for ref in outputs))
+        o, lse = original(*args, **kwargs)
+        outputs.append(weakref.ref(o))
+        return o, lse
+
+    attention_ref.block_forward = tracking
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 8, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+        ok.ring_attention(q, k, v, causal=False, layout="zigzag")  # 2 segments x 2 segments x 4 blocks
+    finally:
+        attention_ref.block_forward = original
+    return len(outputs), most_alive[0]
+
+
+def test_forward_keeps_no_per_step_outputs(rank_pool):
+    assert rank_pool(4).run(_live_block_outputs_on_rank) == [(16, 1)] * 4
