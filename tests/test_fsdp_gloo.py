@@ -134,6 +134,70 @@ def test_no_sync_accumulation(rank_pool, stage):
     assert rank_pool(2).run(_no_sync_on_rank, stage, False) == [True, True]  # accumulation without no_sync
 
 
+def _accumulation_traffic_on_rank(reshard_after_backward, micro_steps=4):
+    """Stage 3, ``micro_steps`` micro-batches (all but the last under no_sync): the bytes gathered
+    and reduced per step, the peak of gathered parameters, and the result vs single-process SGD."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sharded = fsdp.shard(_net(), stage=3, prefetch=1, optimizer=OPTIMIZERS["sgd"])
+    with pytest.raises(TypeError, match="reshard_after_backward must be a bool, got int"):
+        with sharded.no_sync(reshard_after_backward=0):
+            pass
+    per_rank = 2 * micro_steps
+    (x0, y0), (x, y) = _batches(2, per_rank, world)
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    _loss(sharded(x0[mine]), y0[mine]).backward()  # a first step: shard() leaves the root gathered
+    sharded.step()
+    xs, ys = x[mine].chunk(micro_steps), y[mine].chunk(micro_steps)
+    sharded.comm_stats(reset=True)
+    sharded.peak_gathered_bytes = 0
+    with sharded.no_sync(reshard_after_backward=reshard_after_backward):
+        for i in range(micro_steps - 1):
+            _loss(sharded(xs[i]), ys[i]).div(micro_steps).backward()
+    _loss(sharded(xs[-1]), ys[-1]).div(micro_steps).backward()
+    traffic = sharded.comm_stats()
+    peak = sharded.peak_gathered_bytes
+    sharded.step()
+    want = _reference(2, per_rank, world, "sgd")
+    for name, t in sharded.full_state_dict().items():
+        torch.testing.assert_close(t, want[name], atol=1e-12, rtol=1e-12)
+    assert all(u.flat.untyped_storage().size() == 0 for u in sharded.all_units)  # step freed them all
+    all_bytes = sum(u.flat_bytes for u in sharded.all_units)
+    root_bytes = sharded.root.flat_bytes
+    return traffic, peak, all_bytes, root_bytes
+
+
+def test_accumulation_can_keep_stage_3_gathered(rank_pool):
+    """DeepSpeed's "too many all-gathers": by default each of k micro-steps gathers every unit for
+    its forward and again for its backward (the root, which stays gathered through a backward, once);
+    no_sync(reshard_after_backward=False) gathers once for the micro-steps inside and once more for
+    the last backward, holding the full parameters meanwhile. Either way one reduce-scatter per step
+    and the same result."""
+    k = 4
+    (traffic, peak, psi, root), _ = rank_pool(2).run(_accumulation_traffic_on_rank, True, k)
+    assert traffic == {"gathered_bytes": k * (2 * psi - root), "reduced_bytes": psi}, (traffic, psi, root)
+    assert peak < psi
+    (traffic, peak, psi, root), _ = rank_pool(2).run(_accumulation_traffic_on_rank, False, k)
+    assert traffic == {"gathered_bytes": 2 * psi - root, "reduced_bytes": psi}, (traffic, psi, root)
+    assert peak == psi
+
+
+def _peak_gathered_on_rank(prefetch):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8, dtype=torch.float64) for _ in range(6)])  # six equal units, no root
+    sharded = fsdp.shard(model, stage=3, prefetch=prefetch)
+    sharded(torch.randn(3, 8, dtype=torch.float64)).sum().backward()
+    sharded.step()
+    return sharded.memory_stats()["peak_gathered_param_bytes"], sharded.units[0].flat_bytes, len(sharded.all_units)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_stage_3_holds_at_most_prefetch_plus_one_units(rank_pool, prefetch):
+    """FSDP2's bound: a unit is freed after its forward and after its backward, so at most the unit
+    in use and the ``prefetch`` units gathered ahead of it are ever materialised at once."""
+    peak, unit_bytes, units = rank_pool(2).run(_peak_gathered_on_rank, prefetch)[0]
+    assert units == 6 and peak == (prefetch + 1) * unit_bytes, (peak, unit_bytes)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="stage=4: expected 1, 2 or 3"):
         fsdp.shard(nn.Linear(2, 2), stage=4)

@@ -82,6 +82,7 @@ class ShardedModule(nn.Module):
         self._reading_full_state = False
         self._step_open = False  # a forward built a graph whose gradients step() has not consumed yet
         self._sync = True
+        self._keep_gathered = False  # inside no_sync(reshard_after_backward=False), stage 3
         self._backward_armed = False
         self.peak_gathered_bytes = 0
         modules = _unit_modules(model, units)
@@ -203,7 +204,7 @@ class ShardedModule(nn.Module):
                     if torch.is_tensor(t) and t.requires_grad:
                         t.register_hook(self._pre_backward(unit))
                         self._step_open = True
-            if self.stage == 3:
+            if self.stage == 3 and not self._keep_gathered:
                 unit.free(keep_shapes=self._step_open)
             return output
         return hook
@@ -232,7 +233,7 @@ class ShardedModule(nn.Module):
         if self.stage >= 2 and self._sync:
             unit.reduce_grads(async_op=True)  # overlaps the backward of the units before it
         unit.grads_ready = 0
-        if self.stage == 3 and unit is not self.root:
+        if self.stage == 3 and unit is not self.root and not self._keep_gathered:
             unit.free(keep_shapes=True)
 
     def _reduce_leftovers(self, *, async_op: bool) -> None:
@@ -258,19 +259,29 @@ class ShardedModule(nn.Module):
             self._reduce_leftovers(async_op=True)
         for unit in self.all_units:
             unit.grads_ready = 0
-            if self.stage == 3:
+            if self.stage == 3 and not self._keep_gathered:
                 unit.free(keep_shapes=True)  # zero-bubble W may still assign gradients
         for unit in self.all_units:
             unit.finish_reduce()
 
     @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate gradients locally (no communication) across several backward passes."""
-        self._sync = False
+    def no_sync(self, *, reshard_after_backward: bool = True):
+        """Accumulate gradients locally (no communication) across several backward passes.
+
+        Stage 3 gathers each unit before its forward and again before its backward, in every
+        micro-step: k micro-steps move 2k full copies of the parameters (DeepSpeed's "too many
+        all-gathers" with gradient accumulation). ``reshard_after_backward=False`` keeps each unit
+        gathered from its first use inside until the first forward outside (FSDP2's
+        ``set_reshard_after_backward(False)``): the parameters are gathered once for all the
+        micro-steps inside, plus once for the last backward, at the memory of the full parameters
+        (ZeRO-2's) meanwhile. ``step`` frees them in any case."""
+        if not isinstance(reshard_after_backward, bool):
+            raise TypeError(f"reshard_after_backward must be a bool, got {type(reshard_after_backward).__name__}")
+        self._sync, self._keep_gathered = False, not reshard_after_backward
         try:
             yield
         finally:
-            self._sync = True
+            self._sync, self._keep_gathered = True, False
 
     # -- optimizer ----------------------------------------------------------------------------
     def zero_grad(self) -> None:
