@@ -161,6 +161,62 @@ def test_zero_bubble_split_keeps_autograd_semantics():
             torch.testing.assert_close(got.grad, want.grad, atol=0, rtol=0, msg=name)
 
 
+def test_zero_bubble_split_under_torch_compile():
+    """torch.compile (aot_eager) of a split model: B still leaves the weight gradients to W, on the
+    first (compiling) call and on a cached one, after a first compile outside ``deferring``, and W
+    gives what autograd gives (torch's pipelining lost the split under compile: pytorch#161904)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    model = copy.deepcopy(ref)
+    compiled = torch.compile(pp.enable_zero_bubble(model), backend="aot_eager")
+    x = torch.randn(3, 4, dtype=torch.float64)
+    ref(x).sum().backward()
+    compiled(x).sum().backward()  # compiled outside deferring: plain autograd, every gradient now
+    for got, want in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, atol=0, rtol=0)
+    for _ in range(2):  # then inside, twice (the second call runs the cached graph)
+        model.zero_grad(set_to_none=True)
+        store = pp.WeightGradStore()
+        with deferring(store):
+            compiled(x).sum().backward()
+        assert len(store.closures) == 2 and model[0].weight.grad is None and model[2].weight.grad is None
+        assert model[0].bias.grad is None  # bias gradients are weight gradients too: W's
+        store.run()
+        for got, want in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(got.grad, want.grad, atol=0, rtol=0)
+
+
+def _first_p2p_on_rank():
+    """The runner as on NCCL (its flag set over gloo): the record of collectives and P2P batches."""
+    sched = pp.make_schedule("1f1b", 2, 2)
+    runner = pp.PipelineRunner(_stage(_model(2), dist.get_rank()), schedule=sched, loss_fn=F.mse_loss)
+    runner._nccl = True
+    runner._wait = runner._confirm  # gloo's waits (a gloo receive waited twice would wait for another message)
+    calls, all_reduce, batch = [], dist.all_reduce, dist.batch_isend_irecv
+    dist.all_reduce = lambda *a, **k: (calls.append("all_reduce"), all_reduce(*a, **k))[1]
+    dist.batch_isend_irecv = lambda ops: (calls.append("p2p"), batch(ops))[1]
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, WIDTH, generator=g, dtype=torch.float64), torch.randn(4, WIDTH, generator=g, dtype=torch.float64)
+    try:
+        steps = []
+        for _ in range(2):
+            runner.step(x if dist.get_rank() == 0 else None, y if dist.get_rank() == 1 else None)
+            steps.append(calls[:])
+            calls.clear()
+    finally:
+        dist.all_reduce, dist.batch_isend_irecv = all_reduce, batch
+    return steps
+
+
+def test_nccl_first_p2p_follows_a_collective_of_the_whole_group(rank_pool):
+    """torch requires the first NCCL call of a group to involve all its ranks when it is a
+    batch_isend_irecv (else the communicator is created lazily per pair and can hang; Megatron
+    PR 5240): the runner's first step opens with an all-reduce over the pipeline group, once."""
+    for first, second in rank_pool(2).run(_first_p2p_on_rank):
+        assert first[0] == "all_reduce" and first.count("all_reduce") == 1 and "p2p" in first, first
+        assert "all_reduce" not in second and "p2p" in second, second
+
+
 def test_deferring_runs_backward_on_the_calling_thread():
     """On CUDA, autograd runs backward on a thread per device, which the deferral's context
     variable does not reach: inside ``deferring`` multithreaded backward is off (on CPU it
