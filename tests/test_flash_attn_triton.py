@@ -147,6 +147,18 @@ def test_float64_is_refused_with_a_pointer_to_the_torch_backend():
         fa.block_forward(q, k, v, 0.3)
 
 
+def test_bf16_on_cpu_is_refused_not_misread():
+    """Triton's interpreter reads bf16 wrongly without an error: the kernels refuse it on CPU."""
+    from overlapkernels.kernels.triton.tile_gemm import check_gemm_operands
+
+    q, k, v, _ = _inputs(torch.float32)
+    with pytest.raises(ValueError, match=r"flash attention \(Triton\): bfloat16 on CPU runs in Triton's interpreter"):
+        fa.block_forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.3)
+    a = torch.ones(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"fused GEMM: bfloat16 on CPU runs in Triton's interpreter"):
+        check_gemm_operands(a, a.T, a)
+
+
 def _ring_on_triton_on_rank(layout, causal):
     """RingAttention with the Triton backend (interpreter) vs SDPA on the full sequence."""
     ra = importlib.import_module("overlapkernels.ops.ring_attention")

@@ -167,6 +167,50 @@ def test_auto_picks_fused_in_a_peer_world(caplog):
     assert f"all_gather_matmul: method=fused ({reason})" in caplog.text  # the debug log says why, too
 
 
+def _bf16_on_rank(ctx):
+    """bf16 in the thread world on CPU: explicit fused is refused before any signal (no peer waits),
+    auto runs symm; forward and backward of both ops vs fp32 math on the same bf16 values."""
+    import re
+
+    r, w = ctx.rank, ctx.world_size
+    refused = []
+    for call in (lambda: ok.all_gather_matmul(torch.ones(4, 8, dtype=torch.bfloat16),
+                                              torch.ones(8, 2, dtype=torch.bfloat16), ctx, method="fused"),
+                 lambda: ok.matmul_reduce_scatter(torch.ones(4, 8, dtype=torch.bfloat16),
+                                                  torch.ones(8, 2, dtype=torch.bfloat16), ctx, method="fused")):
+        try:
+            call()
+        except ValueError as exc:
+            refused.append(bool(re.search(r"method='fused' with bfloat16 on CPU: Triton's interpreter", str(exc))))
+    shards = [_rands((6, 16), q).bfloat16() for q in range(w)]
+    b = _rands((16, 8), 50).bfloat16().requires_grad_()
+    a = shards[r].clone().requires_grad_()
+    out = ok.all_gather_matmul(a, b, ctx)
+    out.float().sum().backward()
+    a_full = torch.cat(shards).float()
+    # one bf16 rounding of values of a few units: 2^-8 relative, and the fp32 reference is exact-ish
+    torch.testing.assert_close(out.float(), a_full @ b.detach().float(), atol=0.1, rtol=1e-2)
+    torch.testing.assert_close(a.grad.float(), (torch.ones(6 * w, 8) @ b.detach().float().T).chunk(w)[r] * w,
+                               atol=0.1, rtol=1e-2)
+    a_all = [_rands((w * 3, 16), 70 + q).bfloat16() for q in range(w)]
+    out2 = ok.matmul_reduce_scatter(a_all[r], b.detach(), ctx)
+    torch.testing.assert_close(out2.float(), sum(x.float() @ b.detach().float() for x in a_all).chunk(w)[r],
+                               atol=0.1, rtol=1e-2)
+    return refused
+
+
+def test_bf16_on_cpu_runs_symm_and_refuses_fused():
+    """Triton's interpreter misreads bf16 (results ~1e10 off, silently): fused in bf16 on CPU is
+    refused by name, and auto picks symm, whose GEMMs are torch's."""
+    ok.reset_overlap_stats()
+    assert ThreadWorld(2, timeout=60).run(_bf16_on_rank) == [[True, True]] * 2
+    stats = ok.overlap_stats()
+    assert {op for op, method in stats if method == "fused"} == set(), dict(stats)
+    assert stats[("all_gather_matmul", "symm")] == 2 and stats[("matmul_reduce_scatter", "symm")] == 4, dict(stats)
+    assert stats.reasons[("all_gather_matmul", "symm")] == {
+        "peer-memory world, bfloat16 on CPU: Triton's interpreter would misread the fused GEMM's bf16 tiles": 2}
+
+
 def _missing_rank_on_rank(ctx, op, method):
     def call():
         if op == "ag":

@@ -8,7 +8,7 @@ import torch
 from overlapkernels.comm.rank_pool import RankError, RankTimeout
 from overlapkernels.comm.side_stream import ThreadSideStream
 from overlapkernels.comm.thread_world import ThreadWorld
-from overlapkernels.kernels.errors import SignalTimeoutError
+from overlapkernels import SignalTimeoutError  # the public name README gives
 from overlapkernels.kernels.triton import all_gather as ag
 from overlapkernels.kernels.triton import signals as sig
 
@@ -268,3 +268,18 @@ def test_a_side_stream_skips_queued_work_after_an_error_and_reports_it_once():
 def test_device_waits_give_up_before_the_run_does():
     """So a hang is reported as the wait that failed (op, rank, chunk), not as a silent thread."""
     assert ThreadWorld(2, timeout=10).run(lambda ctx: ctx.wait_timeout) == [5.0, 5.0]
+
+
+def test_cpu_world_without_the_interpreter_says_how_to_get_it():
+    """Triton picks its interpreter when a kernel is defined: a CPU thread world in a process started
+    without TRITON_INTERPRET=1 would fail at the first launch deep inside triton; it says why at once."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "from overlapkernels.comm.thread_world import ThreadWorld; ThreadWorld(2)"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
+        "RuntimeError: ThreadWorld on CPU runs Triton kernels in Triton's interpreter: set TRITON_INTERPRET=1 in the "
+        "environment before triton or overlapkernels is imported (make test does)"), proc.stderr

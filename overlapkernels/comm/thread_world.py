@@ -97,6 +97,16 @@ class ThreadRank:
         return SymmetricTensor(self.rank, self.world_size, buffers[self.rank], ptrs, tuple(buffers))
 
 
+def _check_triton_interprets() -> None:
+    """On CPU the peer kernels only run in Triton's interpreter, which triton picks when a kernel is
+    defined: without it the first launch fails deep inside triton ("0 active drivers")."""
+    from ..kernels.triton import signals  # (lazily: comm itself does not need triton)
+
+    if type(signals.peer_ptr).__name__ != "InterpretedFunction":
+        raise RuntimeError("ThreadWorld on CPU runs Triton kernels in Triton's interpreter: set TRITON_INTERPRET=1 "
+                           "in the environment before triton or overlapkernels is imported (make test does)")
+
+
 class ThreadWorld:
     """``ThreadWorld(4).run(fn, *args)`` runs ``fn(ThreadRank, *args)`` on 4 threads -> 4 results."""
 
@@ -115,6 +125,7 @@ class ThreadWorld:
         self._in_barrier: set = set()  # ranks waiting in barrier(): stuck because of the others
         self._stragglers: list = []  # threads of a timed-out run that have not ended yet
         if self.device.type == "cpu":
+            _check_triton_interprets()
             make_triton_interpreter_threadsafe()
 
     def _shared_allocation(self, seq: int, shape: tuple, dtype: torch.dtype, fill) -> tuple:

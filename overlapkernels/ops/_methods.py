@@ -1,14 +1,28 @@
 """Routes a resolved method to its implementation, on 2-D operands."""
 from __future__ import annotations
 
+import torch
+
 from . import _collective_methods as coll
 from ._validate import is_peer_world
 from .dispatch import PEER_MEMORY_METHODS, capturing
 
 
-def unavailable_reason(method: str, group, device) -> str | None:
-    """Why ``method`` (resolved, not "auto") cannot run on ``group`` with tensors on ``device``;
-    None when it can. Checked before a call is recorded or anything communicates."""
+def interpreter_dtype_reason(method: str, dtype, device) -> str | None:
+    """Triton's interpreter (the only way Triton runs on CPU) reads bfloat16 wrongly: results off by
+    ~1e10, no error (triton 3.6 and 3.9). ``fused`` loads its GEMM tiles in Triton; ``symm``
+    multiplies with torch and only signals in Triton, so it stays exact."""
+    if method == "fused" and dtype == torch.bfloat16 and device.type == "cpu":
+        return ("method='fused' with bfloat16 on CPU: Triton's interpreter reads bfloat16 wrongly (silently); "
+                "use float16 or float32 for CPU runs of 'fused', or 'symm'")
+    return None
+
+
+def unavailable_reason(method: str, group, device, dtype=None) -> str | None:
+    """Why ``method`` (resolved, not "auto") cannot run on ``group`` with tensors of ``dtype`` on
+    ``device``; None when it can. Checked before a call is recorded or anything communicates."""
+    if reason := interpreter_dtype_reason(method, dtype, device):
+        return reason
     if method in PEER_MEMORY_METHODS and capturing(device):
         return (f"method={method!r} cannot be captured in a CUDA graph: its call counters live on the host, so "
                 "every replay would wait for flags an earlier call already set and read half-written buffers; "
@@ -28,15 +42,15 @@ def unavailable_reason(method: str, group, device) -> str | None:
     return None
 
 
-def check_available(method: str, group, device) -> None:
-    if method != "auto" and (reason := unavailable_reason(method, group, device)):
+def check_available(method: str, group, device, dtype=None) -> None:
+    if method != "auto" and (reason := unavailable_reason(method, group, device, dtype)):
         raise ValueError(reason)
 
 
-def _peer_world(method: str, group, device):
+def _peer_world(method: str, group, device, dtype):
     """The world a peer-memory method runs in: the group itself (thread world), or a CUDA process
     group's symmetric-memory world. Errors say what is missing, before anything communicates."""
-    if reason := unavailable_reason(method, group, device):
+    if reason := unavailable_reason(method, group, device, dtype):
         raise ValueError(reason)
     if is_peer_world(group) or method not in PEER_MEMORY_METHODS:
         return group if is_peer_world(group) else None
@@ -53,7 +67,7 @@ def _on(device):
 
 def ag_matmul(a_shard, bs, group, method):
     """-> (a_full [W*m, K], [a_full @ b for b in bs])"""
-    world = _peer_world(method, group, a_shard.device)
+    world = _peer_world(method, group, a_shard.device, a_shard.dtype)
     if world is not None:
         from . import _peer_methods
 
@@ -65,7 +79,7 @@ def ag_matmul(a_shard, bs, group, method):
 
 def matmul_rs(a, b, group, method):
     """-> sum over ranks of (a @ b), chunk ``rank`` of dim 0"""
-    world = _peer_world(method, group, a.device)
+    world = _peer_world(method, group, a.device, a.dtype)
     if world is not None:
         from . import _peer_methods
 

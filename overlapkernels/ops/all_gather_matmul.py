@@ -31,7 +31,7 @@ def resolve(method: str, group, x2d: torch.Tensor, n_total: int, world: int, bs=
                           lambda m_: _methods.ag_matmul(x2d.detach(), [b.detach() for b in bs], group, m_))
     return choose(OP, method, world_size=world, rows_per_rank=m, step_bytes=m * k * x2d.element_size(),
                   step_flops=2 * m * k * n_total, device=x2d.device, peer_memory=is_peer_world(group),
-                  measure=measure).method
+                  measure=measure, dtype=x2d.dtype).method
 
 
 class AllGatherMatmul(torch.autograd.Function):
@@ -143,7 +143,7 @@ def _all_gather_matmul(a_shard, b, group, gather_dim, return_gathered, method, s
         method = check_method(method)
         if not isinstance(return_gathered, bool):
             raise TypeError(f"return_gathered must be a bool, got {type(return_gathered).__name__}")
-        _methods.check_available(method, group, a_shard.device)
+        _methods.check_available(method, group, a_shard.device, a_shard.dtype)
         # save_gathered decides whether backward gathers again; gradients decide whether it runs at all
         call.args = dict(a_shard=a_shard, b=bs, gather_dim=gather_dim, method=method, save_gathered=bool(save_gathered))
     world = group_size(group)

@@ -125,10 +125,10 @@ def check_method(method) -> str:
 
 
 def choose(op: str, method: str, *, world_size: int, rows_per_rank: int, step_bytes: int, step_flops: int,
-           device: torch.device, peer_memory: bool, measure=None) -> Choice:
+           device: torch.device, peer_memory: bool, measure=None, dtype=None) -> Choice:
     """Resolve ``method`` for one call. ``rows_per_rank``: M of one chunk; ``step_bytes`` /
     ``step_flops``: one ring message and the GEMM work that can hide it; ``peer_memory``: whether
-    the group offers symmetric buffers (thread world). ``measure``: a callable returning a measured
+    the group offers symmetric buffers (thread world); ``dtype``: the operands'. ``measure``: a callable returning a measured
     Choice (``OVERLAPKERNELS_AUTO=measure``, forward calls on process groups; ops/measure.py)."""
     intensity = step_flops / max(step_bytes, 1)
     if method != "auto":
@@ -137,6 +137,9 @@ def choose(op: str, method: str, *, world_size: int, rows_per_rank: int, step_by
         choice = Choice("baseline", "world size 1: nothing to overlap")
     elif measure is not None and not peer_memory and not capturing(device):  # (timing syncs the host)
         choice = measure()
+    elif peer_memory and device.type == "cpu" and dtype == torch.bfloat16:
+        choice = Choice("symm", "peer-memory world, bfloat16 on CPU: Triton's interpreter would misread the fused "
+                                "GEMM's bf16 tiles")
     elif peer_memory:
         choice = Choice("fused", "peer-memory world: persistent Triton GEMM waiting on chunk signals")
     elif device.type == "cuda":

@@ -32,7 +32,7 @@ def resolve(method: str, group, a2d: torch.Tensor, b: torch.Tensor, world: int, 
         measure = partial(measured, OP, key, group, a2d.device,
                           lambda m_: _methods.matmul_rs(a2d.detach(), b.detach(), group, m_))
     return choose(OP, method, world_size=world, rows_per_rank=m, step_bytes=m * n * elem, step_flops=2 * m * k * n,
-                  device=a2d.device, peer_memory=is_peer_world(group), measure=measure).method
+                  device=a2d.device, peer_memory=is_peer_world(group), measure=measure, dtype=a2d.dtype).method
 
 
 class MatmulReduceScatter(torch.autograd.Function):
@@ -125,7 +125,7 @@ def _matmul_reduce_scatter(a, b, group, scatter_dim, method, transposed):
         if a.shape[dim] % world:
             raise ValueError(f"a.shape[scatter_dim={scatter_dim}]={a.shape[dim]} is not divisible by the group "
                              f"size {world}")
-        _methods.check_available(method, group, a.device)
+        _methods.check_available(method, group, a.device, a.dtype)
         call.args = dict(a=a, b=b_kn, scatter_dim=dim, method=method)
     x = a.movedim(dim, 0)
     lead = x.shape[:-1]
