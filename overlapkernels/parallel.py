@@ -155,7 +155,13 @@ def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     not a process group (a rank number, a mesh dim name) is refused by name here, before the first
     collective would fail on it with an unrelated AttributeError."""
     if group is None:
+        if not dist.is_initialized():
+            raise RuntimeError("no default process group: call ok.init_parallel() (or "
+                               "torch.distributed.init_process_group) first, on every rank")
         return dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group() returns on ranks outside it
+        raise ValueError("group: this rank is not a member of the group (torch.distributed.new_group returns "
+                         "GroupMember.NON_GROUP_MEMBER to ranks outside it); call the op only on the group's ranks")
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group={group!r}: expected a torch.distributed ProcessGroup or None (for a DeviceMesh "
                         f"dimension pass mesh.get_group(dim)), got {type(group).__name__}")

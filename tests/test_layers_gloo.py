@@ -180,6 +180,18 @@ def _bad_layers_on_rank():
          r"target shape \(3,\) must equal logits_shard.shape\[:-1\] \(2,\)"),
         (lambda: RowParallelLinear(4, 4, tp, sequence_parallel=True)(torch.ones(3, 1, 2)),
          r"a.shape\[scatter_dim=0\]=3 is not divisible by the group size 2"),
+        # a wrong input width, in the layer's terms (the op would name a_shard/b, torch's matmul only
+        # "mat1 and mat2 shapes cannot be multiplied"), with or without sequence parallelism
+        (lambda: ColumnParallelLinear(8, 4, tp, sequence_parallel=True)(torch.ones(3, 1, 7)),
+         r"ColumnParallelLinear: x.shape=\(3, 1, 7\), expected a last dim of 8 \(in_features\)"),
+        (lambda: ColumnParallelLinear(8, 4, tp)(torch.ones(3, 1, 7)), r"ColumnParallelLinear: x.shape=\(3, 1, 7\)"),
+        (lambda: RowParallelLinear(8, 4, tp)(torch.ones(3, 1, 8)),
+         r"RowParallelLinear: x.shape=\(3, 1, 8\), expected a last dim of 4 \(in_features / tensor-parallel size"),
+        (lambda: RowParallelLinear(8, 4, tp, input_is_parallel=False)(torch.ones(3, 1, 4)),
+         r"expected a last dim of 8 \(in_features\)"),
+        (lambda: ParallelMLP(8, 4, tp)(torch.ones(3, 1, 6)), r"ParallelMLP: x.shape=\(3, 1, 6\), expected a last dim of 8"),
+        (lambda: ParallelSelfAttention(8, 2, 2, tp)(torch.ones(3, 1, 6)),
+         r"ParallelSelfAttention: x.shape=\(3, 1, 6\), expected a last dim of 8 \(hidden\)"),
     ]
     for i, (make, pattern) in enumerate(cases):
         try:

@@ -249,6 +249,23 @@ def _bad_inputs_on_rank():
             assert re.search(pattern, str(exc)), (i, str(exc))
         else:
             raise AssertionError(f"case {i}: no {exc_type.__name__}")
+    # a DTensor (its own placements) is refused by name, not deep inside torch's sharding rules
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    dt = DTensor.from_local(torch.ones(2, 8), mesh, [Shard(0)], run_check=False)
+    for call, pattern in ((lambda: ok.all_gather_matmul(dt, torch.ones(8, 3)), r"a_shard is a DTensor \(\(Shard\(dim=0\),\)\); "
+                           r"pass its local part \(a_shard.to_local\(\)\)"),
+                          (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), dt.T), r"b is a DTensor"),
+                          (lambda: ok.ring_attention(dt.view(1, 4, 1, 8), torch.ones(1, 2, 1, 8), torch.ones(1, 2, 1, 8)),
+                           r"q is a DTensor")):
+        try:
+            call()
+        except TypeError as exc:
+            assert re.search(pattern, str(exc)), str(exc)
+        else:
+            raise AssertionError(f"no TypeError for {pattern}")
     assert ok.overlap_stats() == {}, ok.overlap_stats()  # a call that raised never ran: not counted
     total = torch.ones(1)
     dist.all_reduce(total)  # no rank communicated before raising: the group is still in step

@@ -109,6 +109,29 @@ def test_group_none_is_world(rank_pool):
     assert rank_pool(2).run(_default_group_on_rank) == [(True, 2), (True, 2)]
 
 
+def _non_member_group_on_rank():
+    """Rank 1 is outside new_group([0]): an op given that group says so, before communicating."""
+    sub = dist.new_group([0])
+    if dist.get_rank() == 0:
+        return float(ok.all_gather_matmul(torch.ones(2, 3), torch.ones(3, 1), sub).sum())
+    try:
+        ok.all_gather_matmul(torch.ones(2, 3), torch.ones(3, 1), sub)
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_a_group_this_rank_is_not_in_is_named(rank_pool):
+    on_member, on_other = rank_pool(2).run(_non_member_group_on_rank)
+    assert on_member == 6.0
+    assert on_other.startswith("group: this rank is not a member of the group"), on_other
+
+
+def test_group_none_before_any_process_group_says_how_to_make_one(monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match=r"no default process group: call ok.init_parallel\(\)"):
+        resolve_group(None)
+
+
 def test_single_process_without_launcher():
     """No torchrun environment: a world of one on gloo, every axis of size 1."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}

@@ -143,6 +143,9 @@ def test_shard_and_unshard_sequence(rank_pool):
 
 
 BAD = [
+    # a truthy string would silently mean causal; SDPA's is_causal is refused the same way
+    (lambda q, k, v: ok.ring_attention(q, k, v, causal="no"), TypeError, r"causal='no': expected a bool"),
+    (lambda q, k, v: ok.ring_attention(q, k, v, return_lse=1), TypeError, r"return_lse=1: expected a bool"),
     (lambda q, k, v: ok.ring_attention(q, k, v, layout="ring"), ValueError,
      r"layout='ring': expected one of \['contiguous', 'zigzag'\]"),
     (lambda q, k, v: ok.ring_attention(q, k, v, qkv_format="bhsd"), ValueError, r"qkv_format='bhsd': expected one of"),

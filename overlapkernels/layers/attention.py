@@ -10,7 +10,7 @@ from ..ops.dispatch import check_method
 from ..ops.ring_attention import ring_attention
 from ..ops.sequence_shard import check_layout, segments
 from ..parallel import resolve_group
-from .linear import (DefersWeightGrad, RowParallelLinear, _MegatronExtraState, column_parallel, divide,
+from .linear import (DefersWeightGrad, RowParallelLinear, _MegatronExtraState, check_input, column_parallel, divide,
                      sharded_parameter)
 from .tags import remember_tensor_parallel
 
@@ -59,6 +59,7 @@ class ParallelSelfAttention(DefersWeightGrad, _MegatronExtraState, nn.Module):
     def _check_length(self, x) -> None:
         """Zigzag CP holds two equal segments per rank: an odd local length would only fail inside
         RoPE or the ring, after communicating. Checked here, before the QKV gather."""
+        check_input(self, x, self.q_weight.shape[1], "hidden")
         if x.dim() != 3:
             raise ValueError(f"x must be [S, B, hidden], got shape {tuple(x.shape)}")
         if self.cp_group is None or self.cp_layout != "zigzag":

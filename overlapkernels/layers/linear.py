@@ -32,6 +32,15 @@ def divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
+def check_input(layer: nn.Module, x, features: int, what: str) -> None:
+    """The input's last dim, checked in the layer's own terms (the op would name its operands, or
+    torch's matmul say only "mat1 and mat2 shapes cannot be multiplied"), before any communication."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{type(layer).__name__}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1 or x.shape[-1] != features:
+        raise ValueError(f"{type(layer).__name__}: x.shape={tuple(x.shape)}, expected a last dim of {features} ({what})")
+
+
 def sharded_parameter(full_shape, partition_dim: int, group, init_method, dtype, device) -> nn.Parameter:
     """This rank's slice of a full weight made by ``init_method``, tagged the way Megatron tags it."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -114,6 +123,7 @@ class ColumnParallelLinear(DefersWeightGrad, _MegatronExtraState, nn.Module):
         remember_tensor_parallel(self)
 
     def forward(self, x):
+        check_input(self, x, self.in_features, "in_features")
         (out,) = column_parallel(x, [self.weight], [self.bias], self.group, sequence_parallel=self.sequence_parallel,
                                  method=self.method, defer_weight_grad=self.defer_weight_grad)
         return gather_last_dim(out, self.group) if self.gather_output else out
@@ -148,7 +158,10 @@ class RowParallelLinear(DefersWeightGrad, _MegatronExtraState, nn.Module):
         remember_tensor_parallel(self)
 
     def forward(self, x):
-        if not self.input_is_parallel:
+        if self.input_is_parallel:
+            check_input(self, x, self.input_size_per_partition, "in_features / tensor-parallel size: input_is_parallel")
+        else:
+            check_input(self, x, self.in_features, "in_features")
             x = split_last_dim(x, self.group)
         if self.sequence_parallel:
             out = linear_reduce_scatter(x, self.weight, self.group, scatter_dim=0, method=self.method)

@@ -7,7 +7,7 @@ from torch.nn import functional as F
 
 from ..ops.dispatch import check_method
 from ..parallel import resolve_group
-from .linear import (DefersWeightGrad, RowParallelLinear, _MegatronExtraState, column_parallel, divide,
+from .linear import (DefersWeightGrad, RowParallelLinear, _MegatronExtraState, check_input, column_parallel, divide,
                      sharded_parameter)
 from .tags import remember_tensor_parallel
 
@@ -29,6 +29,7 @@ class ParallelMLP(DefersWeightGrad, _MegatronExtraState, nn.Module):
         remember_tensor_parallel(self)
 
     def forward(self, x):
+        check_input(self, x, self.gate_weight.shape[1], "hidden")
         gate, up = column_parallel(x, [self.gate_weight, self.up_weight], [None, None], self.group,
                                    sequence_parallel=self.sequence_parallel, method=self.method,
                                    defer_weight_grad=self.defer_weight_grad)

@@ -22,9 +22,20 @@ def is_peer_world(group) -> bool:
     return hasattr(group, "alloc_symmetric")
 
 
+def check_not_dtensor(name: str, value) -> None:
+    """A DTensor carries its own placements; these ops take each rank's local part and a group, and
+    a DTensor would reach the collectives, which have no sharding rule for them, deep inside torch."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        raise TypeError(f"{name} is a DTensor ({value.placements}); pass its local part ({name}.to_local()) and "
+                        "the mesh dimension's group (mesh.get_group(dim))")
+
+
 def check_tensor(name: str, value, min_dim: int = 1) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    check_not_dtensor(name, value)
     if value.dim() < min_dim:
         raise ValueError(f"{name} must have at least {min_dim} dims, got shape {tuple(value.shape)}")
     return value

@@ -24,7 +24,7 @@ from ..parallel import resolve_group
 from ..profiling.ranges import span
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands
 from ._autograd import first_order_only
-from ._validate import check_float_dtype, same_call_on_every_rank
+from ._validate import check_float_dtype, check_not_dtensor, same_call_on_every_rank
 from .sequence_shard import check_layout, segments
 
 FORMATS = ("bshd", "sbhd")
@@ -222,6 +222,7 @@ def _validate(q, k, v, qkv_format, layout, softmax_scale):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        check_not_dtensor(name, t)
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D ({qkv_format}), got shape {tuple(t.shape)}")
     if qkv_format not in FORMATS:
@@ -278,6 +279,9 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, lay
         if isinstance(q, torch.Tensor):  # inside torch.autocast: its dtype, as SDPA would
             q, k, v = cast_operands(autocast_dtype(q.device), q, k, v)
         _validate(q, k, v, qkv_format, layout, softmax_scale)
+        for name, flag in (("causal", causal), ("return_lse", return_lse)):
+            if not isinstance(flag, bool):  # causal="no" is truthy: it would silently mean causal
+                raise TypeError(f"{name}={flag!r}: expected a bool")
         scale = _check_scale(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         call.args = dict(q=q, k=k, v=v, causal=bool(causal), softmax_scale=scale, layout=layout,
                          qkv_format=qkv_format)

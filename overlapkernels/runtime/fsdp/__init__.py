@@ -29,9 +29,9 @@ def shard(model, group=None, *, stage=3, optimizer=_adamw, prefetch=1, param_dty
     for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
             raise ValueError(f"{name}={dt!r}: expected a floating torch.dtype or None")
-    group = resolve_group(group)
     if not dist.is_initialized():
         raise RuntimeError("fsdp.shard needs an initialised process group (ok.init_parallel())")
+    group = resolve_group(group)
     return ShardedModule(model, group, stage=int(stage), optimizer=optimizer, prefetch=prefetch, param_dtype=param_dtype,
                          reduce_dtype=reduce_dtype, units=units)
 
