@@ -9,7 +9,8 @@ It uses triton internals (checked with triton 3.6 and 3.9); exit code 3 means th
     env -u TRITON_INTERPRET python scripts/compile_kernels_sm90.py [--quick] [name-filter]
 
 ``--quick``: one configuration per kernel (what tests/test_kernels_compile.py runs);
-``T36_PTXAS=1`` also reports registers and spills from ptxas.
+``T36_PTXAS=1`` also reports registers and spills from ptxas for every kernel (the persistent GEMMs
+and the flag kernels always run through ptxas: a GEMM block must leave room for a flag kernel).
 """
 import os
 import sys
@@ -49,8 +50,9 @@ def compile_like_launch(kernel, *args, **kwargs):
     return triton.compile(src, target=TARGET, options=options.__dict__), signature
 
 
-def ptxas_info(ptx):
-    """Same ptxas flags triton uses (-lineinfo -v --gpu-name=sm_90a): registers and spills."""
+def ptxas_usage(ptx):
+    """Same ptxas flags triton uses (-lineinfo -v --gpu-name=sm_90a): (registers per thread, spill
+    stores, spill loads in bytes per thread)."""
     import re, subprocess, tempfile
     from triton.backends.nvidia.compiler import get_ptxas
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -60,11 +62,25 @@ def ptxas_info(ptx):
     os.remove(f.name)
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    return f" regs={regs.group(1) if regs else '?'} spills(st/ld)={spill.group(1)}/{spill.group(2)}" if spill else ""
+    assert regs and spill, f"ptxas -v said no register count: {log[-500:]}"
+    return int(regs.group(1)), int(spill.group(1)), int(spill.group(2))
 
 
-def check(label, kernel, *args, ptx_has=(), **kwargs):
-    """``ptx_has``: instructions the PTX must contain (e.g. the vector stores a hint is there for)."""
+# The persistent GEMMs spin on flags that one-warp kernels on the copy stream set: a GEMM block must
+# leave an SM room for one such block beside it (else they run only on the reserved SMs, which a
+# concurrent NCCL kernel can hold). sm_90: 64K 32-bit registers per SM, allocated per warp in
+# units of 256; a flag kernel is one warp capped at SG.FLAG_KERNEL_LAUNCH["maxnreg"] registers.
+REGISTER_FILE, REG_ALLOC_UNIT, FLAG_KERNEL_MAX_REGS = 65536, 256, SG.FLAG_KERNEL_LAUNCH["maxnreg"]
+
+
+def warp_registers(regs_per_thread: int) -> int:
+    return -(-regs_per_thread * 32 // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+
+
+def check(label, kernel, *args, ptx_has=(), beside_flag_kernel=False, flag_kernel=False, **kwargs):
+    """``ptx_has``: instructions the PTX must contain (e.g. the vector stores a hint is there for);
+    ``beside_flag_kernel``: a persistent GEMM, whose block must leave room for a flag kernel's;
+    ``flag_kernel``: one of those (one warp, at most FLAG_KERNEL_MAX_REGS registers, no spills)."""
     if FILTER not in label:
         return
     t0 = time.time()
@@ -74,10 +90,17 @@ def check(label, kernel, *args, ptx_has=(), **kwargs):
         assert "cubin" in ck.asm and "ptx" in ck.asm
         missing = [i for i in ptx_has if i not in ck.asm["ptx"]]
         assert not missing, f"the PTX lacks {missing}"
-        if os.environ.get("T36_PTXAS"):
-            flag0 = ptxas_info(ck.asm["ptx"])
-        else:
-            flag0 = ""
+        flag0 = ""
+        if os.environ.get("T36_PTXAS") or beside_flag_kernel or flag_kernel:
+            regs, spill_st, spill_ld = ptxas_usage(ck.asm["ptx"])
+            flag0 = f" regs={regs} spills(st/ld)={spill_st}/{spill_ld}"
+            if beside_flag_kernel:
+                used = warp_registers(regs) * md.num_warps
+                assert used + warp_registers(FLAG_KERNEL_MAX_REGS) <= REGISTER_FILE, (
+                    f"{md.num_warps} warps x {regs} registers take {used} of an SM's {REGISTER_FILE}: no room for a "
+                    "flag kernel beside the block")
+            if flag_kernel:
+                assert md.num_warps == 1 and regs <= FLAG_KERNEL_MAX_REGS and not spill_st, (md.num_warps, regs, spill_st)
         mma = "wgmma" if "wgmma" in ck.asm["ptx"] else "mma" if "mma.sync" in ck.asm["ptx"] else "no-mma"
         flag = f" {mma}" + flag0 + ("  ** OVER 227 KB **" if md.shared > SMEM_LIMIT else "")
         line = (f"OK    {label}: shared={md.shared} B ({md.shared / 1024:.1f} KB) warps={md.num_warps} "
@@ -119,11 +142,11 @@ for dname, dt in DT.items():
             check(f"_ag_gemm_kernel {tag}", AG._ag_gemm_kernel,
                   a, b, out, arrived, err, M, N, kk, EPOCH, BUDGET.amount, a.stride(0), a.stride(1), b.stride(0),
                   b.stride(1), out.stride(0), out.stride(1), R, WORLD=W, DOT_PRECISION=prec, TIMED=BUDGET.timed,
-                  **cfg.meta(kk))
+                  beside_flag_kernel=True, **cfg.meta(kk))
             table = t(W, dtype=torch.int64)
             check(f"_gemm_rs_kernel {tag}", RS._gemm_rs_kernel,
                   a, b, table, table, M, N, kk, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                  R, WORLD=W, DOT_PRECISION=prec, **cfg.meta(kk),
+                  R, WORLD=W, DOT_PRECISION=prec, **cfg.meta(kk), beside_flag_kernel=True,
                   ptx_has=("st.global.v4",))  # 16-byte remote stores (signals.peer_ptr's alignment)
 
 # --- all_gather ---------------------------------------------------------------------------------
@@ -136,7 +159,7 @@ for dname in ("bf16", "fp32"):
           BLOCK=256)
 for world, epoch in [(4, 5), (8, 1)]:
     check(f"_ag_signal_kernel WORLD={world} epoch={epoch}", AL._ag_signal_kernel, t(world, dtype=torch.int64), epoch,
-          1, WORLD=world)
+          1, WORLD=world, **SG.FLAG_KERNEL_LAUNCH, flag_kernel=True)
 
 # --- signals -------------------------------------------------------------------------------------
 pads, err, table = t(2 * W, dtype=torch.int64), t(4, dtype=torch.int32), t(W, dtype=torch.int64)
@@ -145,12 +168,14 @@ for name, flag, vals in [("aligned flag, generic ints", pads[2:3], (EPOCH * 37, 
                          ("interpreter-style poll budget", pads[1:2], (7, SG.polls(1000), 1, 1, 1, 0))]:
     target, spins, code, rank, chunk, peer = vals
     check(f"_wait_kernel {name}", SG._wait_kernel, flag, target, err, spins.amount, code, rank, chunk, peer,
-          TIMED=spins.timed)
-    check(f"_set_flag_kernel {name}", SG._set_flag_kernel, flag, target)
+          TIMED=spins.timed, **SG.FLAG_KERNEL_LAUNCH, flag_kernel=True)
+    check(f"_set_flag_kernel {name}", SG._set_flag_kernel, flag, target, **SG.FLAG_KERNEL_LAUNCH,
+          flag_kernel=True)
 for add in (True, False):
     for peer, index, value in [(2, 5, 7), (1, 1, 1)]:
         check(f"_update_peer_flag_kernel ADD={add} peer={peer} index={index} value={value}",
-              SG._update_peer_flag_kernel, table, peer, index, value, ADD=add)
+              SG._update_peer_flag_kernel, table, peer, index, value, ADD=add, **SG.FLAG_KERNEL_LAUNCH,
+              flag_kernel=True)
 
 # --- flash attention: the configs flash_configs hands out on GPUs ---------------------------------
 B, H, HKV, L = 2, 8, 2, 1024

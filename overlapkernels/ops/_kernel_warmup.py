@@ -69,7 +69,7 @@ def _signal_kernels(world, budget: sig.WaitBudget) -> None:
     sig.set_flag_now(pads.local[1:2], 0)
     sig.add_peer_flag(pads, 0, 1, 0)
     sig.set_peer_flag(pads, 0, 1, 0)
-    _ag_signal_kernel[(1,)](pads.peer_ptrs, 0, r, WORLD=w)
+    _ag_signal_kernel[(1,)](pads.peer_ptrs, 0, r, WORLD=w, **sig.FLAG_KERNEL_LAUNCH)
 
 
 def all_gather_matmul(world, method: str, a_shard: torch.Tensor, bs: list, budget: sig.WaitBudget) -> None:

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .signals import (ERR_CONSUMED_TIMEOUT, ERR_READY_TIMEOUT, FLAG_DTYPE, peer_ptr, polls, raise_if_timed_out,
-                      set_flag, signal_ptr, wait_flag)
+from .signals import (ERR_CONSUMED_TIMEOUT, ERR_READY_TIMEOUT, FLAG_DTYPE, FLAG_KERNEL_LAUNCH, peer_ptr, polls,
+                      raise_if_timed_out, set_flag, signal_ptr, wait_flag)
 
 DEFAULT_MAX_SPINS = 1 << 26
 
@@ -92,7 +92,7 @@ class PeerAllGather:
                           polls(self.max_spins), code=ERR_CONSUMED_TIMEOUT, rank=r, chunk=r, peer=reader)
         _ag_publish_kernel[(self.num_blocks,)](shard_flat, self.buf.peer_ptrs, self.chunk_numel, RANK=r,
                                                BLOCK=self.block)
-        _ag_signal_kernel[(1,)](pads.peer_ptrs, self.epoch, r, WORLD=w)
+        _ag_signal_kernel[(1,)](pads.peer_ptrs, self.epoch, r, WORLD=w, **FLAG_KERNEL_LAUNCH)
         for step in range(w):
             src = (r + step) % w
             if src != r:

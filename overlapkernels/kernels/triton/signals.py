@@ -31,6 +31,14 @@ ERR_PARTIAL_TIMEOUT = tl.constexpr(3)   # waited for a peer's partial sum of our
 
 # Interpreted polls take ~10-50 us each: a timeout converted at this rate waits at least as long.
 INTERPRETER_POLLS_PER_SECOND = 20_000
+# The one-program flag kernels touch one scalar: one warp (Triton's default is 4) of at most 32
+# registers, 1K of an SM's 64K, so that one fits beside a persistent GEMM's block, which can leave
+# as little as 2K (scripts/compile_kernels_sm90.py checks both).
+FLAG_KERNEL_LAUNCH = dict(num_warps=1, maxnreg=32)
+# Clock lanes of a timed wait (see _now_ns): at least the program's threads. The GEMMs run up to
+# 8 warps; the flag kernels one (1024 lanes there would be 32 timer reads, 64 registers, a thread).
+GEMM_CLOCK_LANES = tl.constexpr(1024)
+FLAG_CLOCK_LANES = tl.constexpr(32 * FLAG_KERNEL_LAUNCH["num_warps"])
 
 
 @dataclass(frozen=True)
@@ -74,25 +82,27 @@ def set_flag(flag_ptr, value):
 
 
 @triton.jit
-def _now_ns():
+def _now_ns(LANES: tl.constexpr):
     """The GPU global timer, the same value in every thread of the program: each thread reads its
     own clock, so the reading is reduced across the block (a per-thread timeout decision would let
-    warps leave a wait loop at different polls and pair their barriers up wrongly afterwards)."""
-    per_thread = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [tl.zeros([1024], dtype=tl.int32)],
+    warps leave a wait loop at different polls and pair their barriers up wrongly afterwards).
+    ``LANES`` >= the program's threads, so that every thread holds a reading of its own (fewer,
+    and warps would hold replicas the reduction does not combine)."""
+    per_thread = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [tl.zeros([LANES], dtype=tl.int32)],
                                            dtype=tl.int64, is_pure=False, pack=1)
     return tl.min(per_thread, axis=0)
 
 
 @triton.jit
-def wait_geq(flag_ptr, target, budget, TIMED: tl.constexpr):
+def wait_geq(flag_ptr, target, budget, TIMED: tl.constexpr, CLOCK_LANES: tl.constexpr):
     """Poll (acquire, system scope) until ``*flag_ptr >= target`` or the budget is spent (``TIMED``:
     ``budget`` ns of the global timer; else ``budget`` polls). Returns the last value seen, so the
     caller can tell a timeout (value < target) apart. Every thread takes the same exit: the polled
     value is a scalar atomic's (broadcast) and the time a block-wide minimum."""
     value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     if TIMED:
-        start = _now_ns()
-        while (value < target) & (_now_ns() - start < budget):
+        start = _now_ns(CLOCK_LANES)
+        while (value < target) & (_now_ns(CLOCK_LANES) - start < budget):
             value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     else:
         spins = 0
@@ -115,7 +125,7 @@ def record_error(err_ptr, code, rank, chunk, peer):
             do_not_specialize_on_alignment=["flag_ptr"])  # flags are 8-byte slots of a pad: one variant
 def _wait_kernel(flag_ptr, target: tl.int64, err_ptr, budget: tl.int64, code, rank, chunk, peer,
                  TIMED: tl.constexpr):
-    if wait_geq(flag_ptr, target, budget, TIMED) < target:
+    if wait_geq(flag_ptr, target, budget, TIMED, FLAG_CLOCK_LANES) < target:
         record_error(err_ptr, code, rank, chunk, peer)
 
 
@@ -135,24 +145,25 @@ def _set_flag_kernel(flag_ptr, value: tl.int64):
 
 def set_flag_now(flag: torch.Tensor, value: int) -> None:
     """Stream-ordered ``flag = value`` (release) on a local 1-element flag view."""
-    _set_flag_kernel[(1,)](flag, value)
+    _set_flag_kernel[(1,)](flag, value, **FLAG_KERNEL_LAUNCH)
 
 
 def wait_flag(flag: torch.Tensor, target: int, err: torch.Tensor, budget: WaitBudget, *, code, rank: int, chunk: int,
               peer: int) -> None:
     """Stream-ordered wait until ``flag`` (a 1-element flag view) >= ``target``. One program: spinning
     blocks hold SMs that peers' kernels may need when ranks share a GPU, so waits stay this small."""
-    _wait_kernel[(1,)](flag, target, err, budget.amount, code.value, rank, chunk, peer, TIMED=budget.timed)
+    _wait_kernel[(1,)](flag, target, err, budget.amount, code.value, rank, chunk, peer, TIMED=budget.timed,
+                       **FLAG_KERNEL_LAUNCH)
 
 
 def set_peer_flag(pads, peer: int, index: int, value: int) -> None:
     """``pads.peer(peer)[index] = value`` (release) through the peer-pointer table."""
-    _update_peer_flag_kernel[(1,)](pads.peer_ptrs, peer, index, value, ADD=False)
+    _update_peer_flag_kernel[(1,)](pads.peer_ptrs, peer, index, value, ADD=False, **FLAG_KERNEL_LAUNCH)
 
 
 def add_peer_flag(pads, peer: int, index: int, value: int) -> None:
     """``pads.peer(peer)[index] += value`` (release) through the peer-pointer table."""
-    _update_peer_flag_kernel[(1,)](pads.peer_ptrs, peer, index, value, ADD=True)
+    _update_peer_flag_kernel[(1,)](pads.peer_ptrs, peer, index, value, ADD=True, **FLAG_KERNEL_LAUNCH)
 
 
 def raise_if_timed_out(err: torch.Tensor, op: str, epoch: int) -> None:

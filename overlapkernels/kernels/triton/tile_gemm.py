@@ -66,15 +66,19 @@ class GemmConfig:
 # The interpreter runs tiles as numpy arrays: mid-sized tiles keep CPU tests quick.
 INTERPRETER_GEMM = GemmConfig(64, 64, 32)
 # GPUs, from compiling every config for sm_90 (scripts/compile_kernels_sm90.py reports shared
-# memory, wgmma use and ptxas spills) - not yet timed by this project: bench_fused_gemm.py sweeps
-# them on a GPU. 16-bit: 128x256x64 with two warpgroups and three stages is Triton's usual best
-# large-GEMM tile on Hopper (wgmma, 144 KB of shared memory, no spills; fits A100's 164 KB). It
-# spills when K is ragged (the masked tail step), and wastes tensor-core work on chunks of few
-# rows or columns: those take 64x128x64 (no spills). fp32 (IEEE: FMA, no tensor cores) needs 8
-# warps at 128x128 to keep its accumulator in registers.
+# memory, wgmma use, ptxas registers and spills) - not yet timed by this project:
+# bench_fused_gemm.py sweeps them on a GPU. 16-bit: 128x256x64 with two warpgroups and three
+# stages is Triton's usual best large-GEMM tile on Hopper (wgmma, 144 KB of shared memory, no
+# spills; fits A100's 164 KB). It spills when K is ragged (the masked tail step), and wastes
+# tensor-core work on chunks of few rows or columns: those take 64x128x64 (no spills for whole
+# K blocks; a ragged K spills 4 bytes). fp32 (IEEE: FMA, no tensor cores): 128x64 with 8 warps
+# keeps its accumulator in registers in every layout (<= 175 registers). 128x128 took all 255,
+# spilled with a transposed weight (every linear layer) and, at 8 warps x 255 registers, filled
+# an SM's whole register file: the flag kernels the GEMM waits on could then run only on the
+# reserved SMs. The compile script checks that every config leaves them room.
 CUDA_GEMM_16BIT = GemmConfig(128, 256, 64, num_warps=8, num_stages=3)
 CUDA_GEMM_16BIT_SMALL = GemmConfig(64, 128, 64, num_warps=4, num_stages=4)
-CUDA_GEMM_FP32 = GemmConfig(128, 128, 32, num_warps=8, num_stages=3)
+CUDA_GEMM_FP32 = GemmConfig(128, 64, 32, num_warps=8, num_stages=3)
 # Parts with ~100 KB of shared memory per block (consumer and workstation GPUs): the big and the
 # small/ragged/fp32 tile.
 SMALL_SMEM_GEMM = GemmConfig(128, 128, 32, num_warps=4, num_stages=3)
