@@ -97,6 +97,8 @@ fi
 # Limits add up to more than the deadline leaves after setup and the csrc build: a step that runs
 # long shortens the ones after it (riskiest last), never the whole run past 8 minutes.
 step 30 info "$PY" -m overlapkernels info
+# this triton's sm_90 code: vector peer stores, registers left for the flag kernels (seconds; no GPU use)
+step 40 compile_sm90 env -u TRITON_INTERPRET "$PY" scripts/compile_kernels_sm90.py --quick
 # kernels alone, the csrc library, ring attention on two processes
 pytest_step 120 gpu_tests "${PYTEST[@]}" -m gpu --ignore=tests/test_ops_tp_gpu.py
 step 50 bench_fused_gemm "$PY" benchmarks/bench_fused_gemm.py --csv "$GPU_CSV"
