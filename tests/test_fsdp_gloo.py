@@ -409,3 +409,14 @@ def _state_dict_snapshot_on_rank(stage):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_full_state_dict_is_a_snapshot(rank_pool, stage):
     assert rank_pool(2).run(_state_dict_snapshot_on_rank, stage) == [[], []]
+
+
+def test_shard_refuses_a_bad_group_and_names_itself_without_a_process_group(monkeypatch):
+    """shard() resolves its group before building anything (a rank number is refused by name), and
+    before any process group exists says that fsdp.shard needs one."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    with pytest.raises(TypeError, match=r"group=3: expected a torch.distributed ProcessGroup or None"):
+        fsdp.shard(nn.Linear(2, 2), group=3)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match=r"^fsdp.shard needs an initialised process group"):
+        fsdp.shard(nn.Linear(2, 2))

@@ -192,6 +192,9 @@ def _bad_layers_on_rank():
         (lambda: ParallelMLP(8, 4, tp)(torch.ones(3, 1, 6)), r"ParallelMLP: x.shape=\(3, 1, 6\), expected a last dim of 8"),
         (lambda: ParallelSelfAttention(8, 2, 2, tp)(torch.ones(3, 1, 6)),
          r"ParallelSelfAttention: x.shape=\(3, 1, 6\), expected a last dim of 8 \(hidden\)"),
+        # a 0-dim input has no last dim: named as such, not an IndexError from x.shape[-1]
+        (lambda: ColumnParallelLinear(8, 4, tp)(torch.tensor(1.0)),
+         r"ColumnParallelLinear: x.shape=\(\), expected a last dim of 8 \(in_features\)"),
     ]
     for i, (make, pattern) in enumerate(cases):
         try:

@@ -382,3 +382,21 @@ def _rs_partials_in_fp32_on_rank(ctx, dtype):
 
 def test_symm_owner_adds_partials_in_fp32():
     assert ThreadWorld(4, timeout=60).run(_rs_partials_in_fp32_on_rank, torch.bfloat16) == [(True, True)] * 4
+
+
+def _fused_bf16_inside_on_rank(ctx):
+    """_methods' entry points refuse fused bf16 on CPU by name themselves, before any signal: a
+    caller that reaches them with a resolved method, without the op's check_available, is covered."""
+    from overlapkernels.ops import _methods
+
+    a, b = torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(8, 2, dtype=torch.bfloat16)
+    said = []
+    for call in (lambda: _methods.ag_matmul(a, [b], ctx, "fused"), lambda: _methods.matmul_rs(a, b, ctx, "fused")):
+        with pytest.raises(ValueError) as info:
+            call()
+        said.append(str(info.value).startswith("method='fused' with bfloat16 on CPU: Triton's interpreter"))
+    return said
+
+
+def test_fused_bf16_on_cpu_is_refused_inside_the_method_router():
+    assert ThreadWorld(2, timeout=30).run(_fused_bf16_inside_on_rank) == [[True, True]] * 2

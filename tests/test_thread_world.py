@@ -283,3 +283,57 @@ def test_cpu_world_without_the_interpreter_says_how_to_get_it():
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
         "RuntimeError: ThreadWorld on CPU runs Triton kernels in Triton's interpreter: set TRITON_INTERPRET=1 in the "
         "environment before triton or overlapkernels is imported (make test does)"), proc.stderr
+
+
+def test_timed_waits_read_the_clock_in_every_thread():
+    """_now_ns takes a block-wide minimum of one reading per lane: with fewer lanes than the
+    program's threads, warps hold replicas the minimum does not combine and may leave a timed wait
+    at different polls. The GEMMs' lanes cover their widest launch; the flag kernels' match theirs."""
+    from overlapkernels.kernels.triton import tile_gemm as tg
+
+    configs = [v for v in vars(tg).values() if isinstance(v, tg.GemmConfig)]
+    assert len(configs) >= 5
+    assert sig.GEMM_CLOCK_LANES.value >= max(32 * c.num_warps for c in configs)
+    assert sig.FLAG_CLOCK_LANES.value == 32 * sig.FLAG_KERNEL_LAUNCH["num_warps"]
+
+
+class _LaunchSpy:
+    """Stands in for a Triton kernel: records each launch's options, then launches the real one."""
+
+    def __init__(self, kernel, name, launches):
+        self.kernel, self.name, self.launches = kernel, name, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((self.name, kwargs.get("num_warps"), kwargs.get("maxnreg")))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def _peer_ops_on_rank(ctx):
+    import overlapkernels as ok
+
+    for method in ("symm", "fused"):
+        for _ in range(2):  # the second call waits for the first's slots to be consumed
+            ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 2), ctx, method=method)
+            ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 2), ctx, method=method)
+    buf = ctx.alloc_symmetric((ctx.world_size * 8,), torch.float32)
+    gather = ag.PeerAllGather(buf, ctx.alloc_symmetric((2 * ctx.world_size,), torch.int64), 8, block=8)
+    gather(torch.ones(8))
+    return True
+
+
+def test_flag_kernels_launch_as_one_warp_capped_in_registers(monkeypatch):
+    """Every launch of a one-program flag kernel carries FLAG_KERNEL_LAUNCH (one warp, maxnreg 32),
+    the options the compile script checks them under, so they fit beside a persistent GEMM's block."""
+    from overlapkernels.ops import _peer_methods
+
+    launches = []
+    for module, name in ((sig, "_wait_kernel"), (sig, "_set_flag_kernel"), (sig, "_update_peer_flag_kernel"),
+                         (ag, "_ag_signal_kernel"), (_peer_methods, "_ag_signal_kernel")):
+        monkeypatch.setattr(module, name, _LaunchSpy(getattr(module, name), name, launches))
+    assert ThreadWorld(2, timeout=60).run(_peer_ops_on_rank) == [True, True]
+    assert {name for name, _, _ in launches} == {"_wait_kernel", "_set_flag_kernel", "_update_peer_flag_kernel",
+                                                 "_ag_signal_kernel"}
+    bad = {launch for launch in launches if launch[1:] != (1, 32)}
+    assert not bad, bad
