@@ -148,14 +148,14 @@ def test_float64_is_refused_with_a_pointer_to_the_torch_backend():
 
 
 def test_bf16_on_cpu_is_refused_not_misread():
-    """Triton's interpreter reads bf16 wrongly without an error: the kernels refuse it on CPU."""
+    """Triton's interpreter computes with bf16 wrongly without an error: the kernels refuse it on CPU."""
     from overlapkernels.kernels.triton.tile_gemm import check_gemm_operands
 
     q, k, v, _ = _inputs(torch.float32)
-    with pytest.raises(ValueError, match=r"flash attention \(Triton\): bfloat16 on CPU runs in Triton's interpreter"):
+    with pytest.raises(ValueError, match=r"flash attention \(Triton\) with bfloat16 runs in Triton's interpreter here \(CPU\)"):
         fa.block_forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.3)
     a = torch.ones(4, 8, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"fused GEMM: bfloat16 on CPU runs in Triton's interpreter"):
+    with pytest.raises(ValueError, match=r"fused GEMM with bfloat16 runs in Triton's interpreter here \(CPU\), which computes bfloat16 wrongly"):
         check_gemm_operands(a, a.T, a)
 
 

@@ -212,6 +212,9 @@ BAD_AG = [
      r"method='flux': expected one of \['auto', 'baseline', 'decomposed', 'symm', 'fused'\]"),
     (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3), method="fused"), ValueError,
      r"method=.fused. needs peer memory .*: tensors are on cpu, peer memory needs CUDA"),
+    # bf16 on a process group: what fused lacks there is peer memory, whatever the dtype
+    (lambda: ok.all_gather_matmul(torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(8, 3, dtype=torch.bfloat16),
+                                  method="fused"), ValueError, r"^method=.fused. needs peer memory .*: tensors are on cpu"),
     (lambda: ok.matmul_reduce_scatter(torch.ones(5, 8), torch.ones(8, 3)), ValueError,
      r"a.shape\[scatter_dim=0\]=5 is not divisible by the group size 2"),
     (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 3), scatter_dim=1), ValueError,

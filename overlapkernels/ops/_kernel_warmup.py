@@ -21,7 +21,7 @@ import torch
 from ..kernels.triton import signals as sig
 from ..kernels.triton import tile_gemm
 from ..kernels.triton.ag_gemm import ag_gemm
-from ..kernels.triton.all_gather import _ag_signal_kernel
+from ..kernels.triton.all_gather import signal_published
 from ..kernels.triton.gemm_rs import gemm_rs
 from ._collective_methods import accumulation_dtype
 
@@ -69,7 +69,7 @@ def _signal_kernels(world, budget: sig.WaitBudget) -> None:
     sig.set_flag_now(pads.local[1:2], 0)
     sig.add_peer_flag(pads, 0, 1, 0)
     sig.set_peer_flag(pads, 0, 1, 0)
-    _ag_signal_kernel[(1,)](pads.peer_ptrs, 0, r, WORLD=w, **sig.FLAG_KERNEL_LAUNCH)
+    signal_published(pads.peer_ptrs, 0, r, w)
 
 
 def all_gather_matmul(world, method: str, a_shard: torch.Tensor, bs: list, budget: sig.WaitBudget) -> None:

@@ -1,28 +1,15 @@
 """Routes a resolved method to its implementation, on 2-D operands."""
 from __future__ import annotations
 
-import torch
-
+from ..kernels.interpreter import bf16_message, bf16_miscomputed
 from . import _collective_methods as coll
 from ._validate import is_peer_world
 from .dispatch import PEER_MEMORY_METHODS, capturing
 
 
-def interpreter_dtype_reason(method: str, dtype, device) -> str | None:
-    """Triton's interpreter (the only way Triton runs on CPU) reads bfloat16 wrongly: results off by
-    ~1e10, no error (triton 3.6 and 3.9). ``fused`` loads its GEMM tiles in Triton; ``symm``
-    multiplies with torch and only signals in Triton, so it stays exact."""
-    if method == "fused" and dtype == torch.bfloat16 and device.type == "cpu":
-        return ("method='fused' with bfloat16 on CPU: Triton's interpreter reads bfloat16 wrongly (silently); "
-                "use float16 or float32 for CPU runs of 'fused', or 'symm'")
-    return None
-
-
 def unavailable_reason(method: str, group, device, dtype=None) -> str | None:
     """Why ``method`` (resolved, not "auto") cannot run on ``group`` with tensors of ``dtype`` on
     ``device``; None when it can. Checked before a call is recorded or anything communicates."""
-    if reason := interpreter_dtype_reason(method, dtype, device):
-        return reason
     if method in PEER_MEMORY_METHODS and capturing(device):
         return (f"method={method!r} cannot be captured in a CUDA graph: its call counters live on the host, so "
                 "every replay would wait for flags an earlier call already set and read half-written buffers; "
@@ -30,6 +17,9 @@ def unavailable_reason(method: str, group, device, dtype=None) -> str | None:
     if is_peer_world(group):
         if method not in PEER_MEMORY_METHODS:
             return f"method={method!r} needs a process group; a thread-world group runs 'symm' or 'fused'"
+        # fused computes its GEMM tiles in Triton; symm multiplies with torch and only signals in Triton
+        if method == "fused" and dtype is not None and bf16_miscomputed(dtype, device):
+            return bf16_message("method='fused'") + ", or method='symm'"
         return None
     if method not in PEER_MEMORY_METHODS:
         return None

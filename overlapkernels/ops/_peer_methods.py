@@ -32,7 +32,7 @@ import torch
 
 from ..kernels.triton import signals as sig
 from ..kernels.triton.ag_gemm import ag_gemm
-from ..kernels.triton.all_gather import _ag_signal_kernel
+from ..kernels.triton.all_gather import signal_published
 from ..kernels.triton.gemm_rs import gemm_rs
 from ..kernels.triton.tile_gemm import gemm_config
 from ..profiling.ranges import span
@@ -91,7 +91,7 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
             sig.wait_flag(ws.pads.local[w + reader:w + reader + 1], epoch - 1, err, budget,
                           code=sig.ERR_CONSUMED_TIMEOUT, rank=r, chunk=r, peer=reader)
     ws.slots.local.copy_(shard)
-    _ag_signal_kernel[(1,)](ws.pads.peer_ptrs, epoch, r, WORLD=w, **sig.FLAG_KERNEL_LAUNCH)
+    signal_published(ws.pads.peer_ptrs, epoch, r, w)
     a_flat = torch.empty(w * m, k, dtype=shard.dtype, device=shard.device)  # returned as is, not a view
     a_full = a_flat.view(w, m, k)
     a_full[r].copy_(shard)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.interpreter import bf16_miscomputed
+
 log = logging.getLogger("overlapkernels.ops")
 
 METHODS = ("auto", "baseline", "decomposed", "symm", "fused")
@@ -137,9 +139,9 @@ def choose(op: str, method: str, *, world_size: int, rows_per_rank: int, step_by
         choice = Choice("baseline", "world size 1: nothing to overlap")
     elif measure is not None and not peer_memory and not capturing(device):  # (timing syncs the host)
         choice = measure()
-    elif peer_memory and device.type == "cpu" and dtype == torch.bfloat16:
-        choice = Choice("symm", "peer-memory world, bfloat16 on CPU: Triton's interpreter would misread the fused "
-                                "GEMM's bf16 tiles")
+    elif peer_memory and dtype is not None and bf16_miscomputed(dtype, device):
+        choice = Choice("symm", "peer-memory world, bfloat16 in Triton's interpreter, which computes bf16 wrongly: "
+                                "symm multiplies with torch")
     elif peer_memory:
         choice = Choice("fused", "peer-memory world: persistent Triton GEMM waiting on chunk signals")
     elif device.type == "cuda":

@@ -42,6 +42,12 @@ def _ag_signal_kernel(sig_table_ptr, epoch: tl.int64, rank, WORLD: tl.constexpr)
         set_flag(signal_ptr(sig_table_ptr, peer) + rank, epoch)
 
 
+def signal_published(sig_peer_ptrs: torch.Tensor, epoch: int, rank: int, world: int) -> None:
+    """Stream-ordered: set flag ``rank`` of every rank's signal pad (this one's included) to ``epoch``
+    (release): this rank's block of call ``epoch`` is in its symmetric buffer. One flag kernel."""
+    _ag_signal_kernel[(1,)](sig_peer_ptrs, epoch, rank, WORLD=world, **FLAG_KERNEL_LAUNCH)
+
+
 @triton.jit
 def _ag_pull_kernel(buf_table_ptr, sig_table_ptr, out_ptr, chunk_numel, src, num_blocks,
                     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
@@ -92,7 +98,7 @@ class PeerAllGather:
                           polls(self.max_spins), code=ERR_CONSUMED_TIMEOUT, rank=r, chunk=r, peer=reader)
         _ag_publish_kernel[(self.num_blocks,)](shard_flat, self.buf.peer_ptrs, self.chunk_numel, RANK=r,
                                                BLOCK=self.block)
-        _ag_signal_kernel[(1,)](pads.peer_ptrs, self.epoch, r, WORLD=w, **FLAG_KERNEL_LAUNCH)
+        signal_published(pads.peer_ptrs, self.epoch, r, w)
         for step in range(w):
             src = (r + step) % w
             if src != r:

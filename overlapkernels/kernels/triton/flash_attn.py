@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .tile_gemm import BF16_INTERPRETER_MESSAGE, dot_precision, launch_device, shared_memory_per_block
+from ..interpreter import bf16_message, bf16_miscomputed
+from .tile_gemm import dot_precision, launch_device, shared_memory_per_block
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -210,8 +211,8 @@ def _check(q, k, v):
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"flash attention (Triton): dtype {q.dtype} not supported; expected float32, float16 or "
                          "bfloat16 (the torch backend takes float64)")
-    if q.dtype == torch.bfloat16 and q.device.type == "cpu":
-        raise ValueError(BF16_INTERPRETER_MESSAGE.format(what="flash attention (Triton)"))
+    if bf16_miscomputed(q.dtype, q.device):
+        raise ValueError(bf16_message("flash attention (Triton)"))
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"flash attention (Triton): {name} needs a contiguous last dim, got strides {t.stride()}")

@@ -14,7 +14,6 @@ compiles a variant for the value 1 and for multiples of 16, so a long-running op
 at call 16 while its peers spin. Flag values are typed int64 for the same reason (a count passing
 2**31 would switch an untyped argument from i32 to i64: another compile, mid-run).
 """
-import os
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ..errors import SignalTimeoutError
+from ..interpreter import interpreted
 
 FLAG_DTYPE = torch.int64  # signal pads and arrival flags
 
@@ -32,8 +32,8 @@ ERR_PARTIAL_TIMEOUT = tl.constexpr(3)   # waited for a peer's partial sum of our
 # Interpreted polls take ~10-50 us each: a timeout converted at this rate waits at least as long.
 INTERPRETER_POLLS_PER_SECOND = 20_000
 # The one-program flag kernels touch one scalar: one warp (Triton's default is 4) of at most 32
-# registers, 1K of an SM's 64K, so that one fits beside a persistent GEMM's block, which can leave
-# as little as 2K (scripts/compile_kernels_sm90.py checks both).
+# registers, 1K of an SM's 64K, so that one fits beside a persistent GEMM's block (the tightest
+# config leaves 6K; scripts/compile_kernels_sm90.py fails one that leaves less than 1K).
 FLAG_KERNEL_LAUNCH = dict(num_warps=1, maxnreg=32)
 # Clock lanes of a timed wait (see _now_ns): at least the program's threads. The GEMMs run up to
 # 8 warps; the flag kernels one (1024 lanes there would be 32 timer reads, 64 registers, a thread).
@@ -50,7 +50,7 @@ class WaitBudget:
 
 
 def wait_budget(timeout_s: float, device: torch.device) -> WaitBudget:
-    if os.environ.get("TRITON_INTERPRET") == "1" or device.type == "cpu":
+    if interpreted(device):
         return WaitBudget(max(1, int(timeout_s * INTERPRETER_POLLS_PER_SECOND)), False)
     return WaitBudget(max(1, int(timeout_s * 1e9)), True)
 

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..interpreter import bf16_message, bf16_miscomputed
+
 
 RESERVED_SMS = 4  # left free for the copy stream's wait/signal kernels (default)
 RESERVED_SMS_ENV = "OVERLAPKERNELS_RESERVED_SMS"
@@ -83,10 +85,6 @@ CUDA_GEMM_FP32 = GemmConfig(128, 64, 32, num_warps=8, num_stages=3)
 # small/ragged/fp32 tile.
 SMALL_SMEM_GEMM = GemmConfig(128, 128, 32, num_warps=4, num_stages=3)
 SMALL_SMEM_GEMM_SMALL = GemmConfig(64, 64, 32, num_warps=4, num_stages=3)
-
-# Triton's interpreter (CPU) reads bf16 wrongly, silently (results ~1e10 off; triton 3.6 and 3.9).
-BF16_INTERPRETER_MESSAGE = ("{what}: bfloat16 on CPU runs in Triton's interpreter, which reads bfloat16 wrongly; "
-                            "use float16 or float32 on CPU")
 
 _forced: GemmConfig | None = None
 
@@ -167,7 +165,7 @@ def reserved_sms() -> int:
 def check_gemm_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     if a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"fused GEMM: dtype {a.dtype} not supported; expected float32, float16 or bfloat16")
-    if a.dtype == torch.bfloat16 and a.device.type == "cpu":
-        raise ValueError(BF16_INTERPRETER_MESSAGE.format(what="fused GEMM"))
+    if bf16_miscomputed(a.dtype, a.device):
+        raise ValueError(bf16_message("fused GEMM"))
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"fused GEMM: expected a [M, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
