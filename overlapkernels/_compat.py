@@ -178,6 +178,16 @@ def set_group_timeout(group: dist.ProcessGroup, timeout) -> None:
                       f"{torch.__version__}; it keeps the backend's default", stacklevel=3)
 
 
+def dtensor_type() -> type:
+    """torch's DTensor class: public as ``torch.distributed.tensor`` from torch 2.5, private
+    (``torch.distributed._tensor``) in 2.4, which setup.py still admits."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch 2.4
+        from torch.distributed._tensor import DTensor
+    return DTensor
+
+
 def fsdp2_sharded_params(module) -> dict:
     """``{(id(owning module), parameter name): sharded parameter}`` for every parameter torch's FSDP2
     (``fully_shard``) manages under ``module``; empty without FSDP2.

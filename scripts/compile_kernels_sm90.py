@@ -133,7 +133,8 @@ for dname, dt in DT.items():
     if QUICK and dname == "fp16":
         continue
     for cfg, ks in GEMM_CONFIGS[dname][:1] if QUICK else GEMM_CONFIGS[dname]:
-        for layout, kk in ([("b", K)] if QUICK else [("b", K), ("bT", K)] + [("b", kk) for kk in ks[1:]]):
+        # quick: both weight layouts (a linear layer's is the transposed one) of each dtype's first config
+        for layout, kk in ([("b", K), ("bT", K)] if QUICK else [("b", K), ("bT", K)] + [("b", kk) for kk in ks[1:]]):
             a = t(W * M, kk, dtype=dt)
             b = t(kk, N, dtype=dt) if layout == "b" else t(N, kk, dtype=dt).t()
             out = t(W * M, N, dtype=dt)

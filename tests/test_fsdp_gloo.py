@@ -181,6 +181,34 @@ def test_accumulation_can_keep_stage_3_gathered(rank_pool):
     assert peak == psi
 
 
+def _zero_grad_in_kept_accumulation_on_rank():
+    """zero_grad() inside no_sync(reshard_after_backward=False) drops the gradients and returns the
+    units to their shards (the root stays: a backward still to come reads it ungathered); a
+    zero_grad() between a forward and its backward leaves that backward exact."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sharded = fsdp.shard(_net(), stage=3, prefetch=1, optimizer=OPTIMIZERS["sgd"])
+    (x, y), = _batches(1, 4, world)
+    x, y = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
+    with sharded.no_sync(reshard_after_backward=False):
+        _loss(sharded(x), y).backward()
+        kept = [u.gathered for u in sharded.all_units]
+        sharded.zero_grad()
+        after = [u.gathered for u in sharded.all_units]
+    out = sharded(x)
+    sharded.zero_grad()
+    _loss(out, y).backward()
+    sharded.step()
+    want = _reference(1, 4, world, "sgd")
+    for name, t in sharded.full_state_dict().items():
+        torch.testing.assert_close(t, want[name], atol=1e-12, rtol=1e-12)
+    return kept, after, [u is sharded.root for u in sharded.all_units]
+
+
+def test_zero_grad_frees_units_kept_gathered(rank_pool):
+    kept, after, is_root = rank_pool(2).run(_zero_grad_in_kept_accumulation_on_rank)[0]
+    assert all(kept) and after == is_root and sum(is_root) == 1, (kept, after)
+
+
 def _peak_gathered_on_rank(prefetch):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(8, 8, dtype=torch.float64) for _ in range(6)])  # six equal units, no root

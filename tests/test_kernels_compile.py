@@ -30,7 +30,7 @@ def test_kernels_compile_for_sm90(tmp_path):
 # with more than one warp.
 PLANTS = {
     "fp32 GEMM 128x128 w8": ("TG.CUDA_GEMM_FP32 = TG.GemmConfig(128, 128, 32, num_warps=8, num_stages=3)",
-                             "_ag_gemm_kernel fp32", "no room for a flag kernel beside the block"),
+                             "_ag_gemm_kernel fp32 128x128x32 w8 s3 b K=", "no room for a flag kernel beside the block"),
     "two-warp flag kernel": ("SG.FLAG_KERNEL_LAUNCH['num_warps'] = 2", "_set_flag_kernel aligned",
                              "_set_flag_kernel aligned flag, generic ints: AssertionError: (2, "),
 }

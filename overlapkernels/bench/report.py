@@ -57,7 +57,7 @@ def environment(device: str) -> dict[str, str]:
         "device": device if device == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
         "gpu_name": gpu_name, "driver": driver, "nvlink": nvlink, "torch": torch.__version__, "triton": triton_version,
         "version": __version__, "commit": git_commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "settings": " ".join(f"{k}={v}" for k, v in settings().items()),  # OVERLAPKERNELS_* in effect
+        "settings": " ".join(f"{k}={v}" for k, v in settings().items()),  # OVERLAPKERNELS_* etc. in effect
     }
 
 

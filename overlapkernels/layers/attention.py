@@ -57,8 +57,9 @@ class ParallelSelfAttention(DefersWeightGrad, _MegatronExtraState, nn.Module):
         remember_tensor_parallel(self)
 
     def _check_length(self, x) -> None:
-        """Zigzag CP holds two equal segments per rank: an odd local length would only fail inside
-        RoPE or the ring, after communicating. Checked here, before the QKV gather."""
+        """x's width (hidden) and, under zigzag CP, its length: two equal segments per rank, so an
+        odd local length would only fail inside RoPE or the ring, after communicating. Checked here,
+        before the QKV gather."""
         check_input(self, x, self.q_weight.shape[1], "hidden")
         if x.dim() != 3:
             raise ValueError(f"x must be [S, B, hidden], got shape {tuple(x.shape)}")

@@ -7,6 +7,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from .._compat import dtensor_type
 from ..comm.collectives import all_gather_objects
 from ..parallel import resolve_group
 
@@ -25,9 +26,7 @@ def is_peer_world(group) -> bool:
 def check_not_dtensor(name: str, value) -> None:
     """A DTensor carries its own placements; these ops take each rank's local part and a group, and
     a DTensor would reach the collectives, which have no sharding rule for them, deep inside torch."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
+    if isinstance(value, dtensor_type()):
         raise TypeError(f"{name} is a DTensor ({value.placements}); pass its local part ({name}.to_local()) and "
                         "the mesh dimension's group (mesh.get_group(dim))")
 

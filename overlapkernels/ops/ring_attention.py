@@ -283,12 +283,12 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, lay
             if not isinstance(flag, bool):  # causal="no" is truthy: it would silently mean causal
                 raise TypeError(f"{name}={flag!r}: expected a bool")
         scale = _check_scale(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        call.args = dict(q=q, k=k, v=v, causal=bool(causal), softmax_scale=scale, layout=layout,
+        call.args = dict(q=q, k=k, v=v, causal=causal, softmax_scale=scale, layout=layout,
                          qkv_format=qkv_format)
     backend = "triton" if q.is_cuda else "torch"
     with span("ok/ring_attention"), autocast_off(q.device):  # the kernels keep fp32 softmax statistics
         out, lse = RingAttention.apply(_to_bhsd(q, qkv_format), _to_bhsd(k, qkv_format), _to_bhsd(v, qkv_format),
-                                       group, bool(causal), scale, layout, backend)
+                                       group, causal, scale, layout, backend)
     # laid out like q (callers .view() it to [B, S, H*D]), and always a copy of the tensor saved for
     # backward (contiguous() would alias it when H or S_local is 1), so in-place ops on it are safe
     out = _from_bhsd(out, qkv_format).clone(memory_format=torch.contiguous_format)

@@ -274,7 +274,7 @@ class ShardedModule(nn.Module):
         gathered from its first use inside until the first forward outside (FSDP2's
         ``set_reshard_after_backward(False)``): the parameters are gathered once for all the
         micro-steps inside, plus once for the last backward, at the memory of the full parameters
-        (ZeRO-2's) meanwhile. ``step`` frees them in any case."""
+        (ZeRO-2's) meanwhile. ``step`` frees them in any case, ``zero_grad`` all but the root unit."""
         if not isinstance(reshard_after_backward, bool):
             raise TypeError(f"reshard_after_backward must be a bool, got {type(reshard_after_backward).__name__}")
         self._sync, self._keep_gathered = False, not reshard_after_backward
@@ -296,6 +296,11 @@ class ShardedModule(nn.Module):
             unit.pending_reduce = []
             unit.master.grad = torch.zeros_like(unit.master)
             unit.reduced_this_step, unit.grads_ready = False, 0
+            # stage 3: units kept gathered (no_sync(reshard_after_backward=False), a backward that
+            # raised) go back to their shards; the next forward or backward gathers them again. Not
+            # the root: a backward still to come reads it without gathering it
+            if self.stage == 3 and unit is not self.root:
+                unit.free(keep_shapes=True)
         self._backward_armed = False
 
     def _finish_gradients(self) -> None:
