@@ -1,0 +1,156 @@
+"""OVERLAPKERNELS_AUTO=measure on gloo ranks: auto times its candidates on the first call of each
+shape (forward and backward's dual ops), the slowest rank's times decide, every rank agrees, later
+calls reuse the choice, and a bad mode is refused by name before anything communicates."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import overlapkernels as ok
+from test_ops_tp_gloo import _compare, _make
+
+
+def _measured_auto_on_rank():
+    import os
+
+    from overlapkernels.ops import measure
+
+    r, w = dist.get_rank(), dist.get_world_size()
+    os.environ["OVERLAPKERNELS_AUTO"] = "measure"
+    try:
+        measure._cache.clear()
+        ok.reset_overlap_stats()
+        g = torch.Generator().manual_seed(5)
+        shards = [torch.randn(16, 24, generator=g, dtype=torch.float64) for _ in range(w)]
+        b = torch.randn(24, 8, generator=g, dtype=torch.float64)
+        a_all = [torch.randn(16 * w, 24, generator=g, dtype=torch.float64) for _ in range(w)]
+        for _ in range(2):  # the second call of each shape takes the cached choice
+            out = ok.all_gather_matmul(shards[r], b)
+            torch.testing.assert_close(out, torch.cat(shards) @ b, atol=1e-12, rtol=1e-12)
+            out = ok.matmul_reduce_scatter(a_all[r], b)
+            torch.testing.assert_close(out, sum(x @ b for x in a_all).chunk(w)[r], atol=1e-12, rtol=1e-12)
+        stats = ok.overlap_stats()
+        # another group (its own communicator, maybe other links) is measured on its own
+        ok.all_gather_matmul(shards[r], b, dist.new_group(list(range(w))))
+        assert len(measure._cache) == 3, measure._cache
+    finally:
+        del os.environ["OVERLAPKERNELS_AUTO"]
+    chosen = {op: method for (op, method), count in stats.items()}
+    reasons = [reason for by_reason in stats.reasons.values() for reason in by_reason]
+    assert sorted(stats.values()) == [2, 2], dict(stats)
+    assert all(reason.startswith("measured on the first call") and "baseline" in reason and "decomposed" in reason
+               for reason in reasons), reasons
+    return chosen
+
+
+def test_measured_auto_times_candidates_once_and_ranks_agree(rank_pool):
+    """OVERLAPKERNELS_AUTO=measure: the first call of a shape times baseline and decomposed, every
+    rank keeps the same (slowest-rank) fastest method, later calls reuse it, results stay exact."""
+    chosen = rank_pool(2).run(_measured_auto_on_rank)
+    assert chosen[0] == chosen[1] and set(chosen[0]) == {"all_gather_matmul", "matmul_reduce_scatter"}
+
+
+def _measured_choice_on_fake_clock(costs_by_rank):
+    """``measure.measured`` with a ``run`` that only advances a fake clock by this rank's cost of
+    each method (seconds per call): which method wins follows from the costs alone."""
+    from types import SimpleNamespace
+
+    from overlapkernels.ops import measure
+
+    clock, calls = [0.0], []
+
+    def run(method):
+        calls.append(method)
+        clock[0] += costs_by_rank[dist.get_rank()][method]
+
+    real_time = measure.time
+    measure.time = SimpleNamespace(perf_counter=lambda: clock[0])
+    measure._cache.clear()
+    try:
+        choice = measure.measured("matmul_reduce_scatter", ("fake",), dist.group.WORLD, torch.device("cpu"), run)
+    finally:
+        measure.time = real_time
+        measure._cache.clear()
+    # a warm-up call, then REPEATS timed ones, per candidate
+    assert calls == [m for m in ("baseline", "decomposed") for _ in range(1 + measure.REPEATS)], calls
+    return choice.method, choice.reason
+
+
+@pytest.mark.parametrize("costs, expected", [
+    # each rank alone would pick the other method; the slowest rank's step time decides: baseline
+    # costs 20 ms (rank 0's), decomposed 40 ms (rank 1's)
+    ([{"baseline": 0.020, "decomposed": 0.002}, {"baseline": 0.002, "decomposed": 0.040}], "baseline"),
+    # decomposed slower on every rank: never chosen over baseline
+    ([{"baseline": 0.010, "decomposed": 0.011}, {"baseline": 0.010, "decomposed": 0.012}], "baseline"),
+    ([{"baseline": 0.010, "decomposed": 0.004}, {"baseline": 0.012, "decomposed": 0.006}], "decomposed"),
+])
+def test_measured_auto_picks_the_fastest_by_the_slowest_rank(rank_pool, costs, expected):
+    for method, reason in rank_pool(2).run(_measured_choice_on_fake_clock, costs):
+        assert method == expected, reason
+        slowest = {m: max(c[m] for c in costs) for m in ("baseline", "decomposed")}
+        assert reason == ("measured on the first call of this shape (slowest rank): "
+                          f"baseline {slowest['baseline'] * 1e3:.3g} ms, decomposed {slowest['decomposed'] * 1e3:.3g} ms")
+
+
+def _bad_auto_mode_on_rank():
+    import os
+    import re
+
+    os.environ["OVERLAPKERNELS_AUTO"] = "fastest"
+    try:
+        for call in (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3)),
+                     lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 3))):
+            try:
+                call()
+            except ValueError as exc:
+                assert re.search(r"OVERLAPKERNELS_AUTO='fastest': expected one of \['rules', 'measure'\]", str(exc))
+            else:
+                raise AssertionError("no ValueError")
+    finally:
+        del os.environ["OVERLAPKERNELS_AUTO"]
+    total = torch.ones(1)
+    dist.all_reduce(total)  # nobody communicated before raising
+    return int(total)
+
+
+def test_bad_auto_mode_is_rejected_by_name_before_communicating(rank_pool):
+    assert rank_pool(2).run(_bad_auto_mode_on_rank) == [2, 2]
+
+
+def _measured_backward_on_rank():
+    """OVERLAPKERNELS_AUTO=measure times backward's dual ops too, under their own shapes (the
+    all-gather's dgrad is a matmul + reduce-scatter of [W*m, N] @ [N, K], and back); grads exact."""
+    import os
+
+    from overlapkernels.ops import measure
+
+    r, w = dist.get_rank(), dist.get_world_size()
+    os.environ["OVERLAPKERNELS_AUTO"] = "measure"
+    try:
+        measure._cache.clear()
+        ok.reset_overlap_stats()
+        shards = [_make((16, 24), torch.float64, 70 + q, True) for q in range(w)]
+        b = _make((24, 8), torch.float64, 80, True).requires_grad_()
+        a = shards[r].clone().requires_grad_()
+        ok.all_gather_matmul(a, b).sum().backward()
+        rows = torch.cat(shards).requires_grad_()
+        ok.matmul_reduce_scatter(rows, b).sum().backward()
+        stats = ok.overlap_stats()
+    finally:
+        del os.environ["OVERLAPKERNELS_AUTO"]
+    ones = torch.ones(16 * w, 8, dtype=torch.float64)
+    _compare("grad a", a.grad, (w * ones @ b.detach().T).chunk(w)[r], True, torch.float64)
+    _compare("grad rows", rows.grad, ones @ b.detach().T, True, torch.float64)
+    keys = sorted((op, shapes) for op, _, *shapes in measure._cache)
+    cpu = torch.device("cpu")
+    assert keys == sorted([("all_gather_matmul", [(16, 24), ((24, 8),), torch.float64, cpu]),  # forward
+                           ("all_gather_matmul", [(16, 8), ((8, 24),), torch.float64, cpu]),  # RS's dgrad
+                           ("matmul_reduce_scatter", [(16 * w, 8), (8, 24), torch.float64, cpu]),  # AG's dgrad
+                           ("matmul_reduce_scatter", [(16 * w, 24), (24, 8), torch.float64, cpu])]), keys
+    reasons = [reason for by_reason in stats.reasons.values() for reason in by_reason]
+    assert sum(stats.values()) == 4 and all(reason.startswith("measured on the first call") for reason in reasons)
+    return {op: method for (op, method) in stats}
+
+
+def test_measured_auto_covers_backward_dual_ops(rank_pool):
+    chosen = rank_pool(2).run(_measured_backward_on_rank)
+    assert chosen[0] == chosen[1]
