@@ -5,6 +5,7 @@ that moved between those versions is looked up here, never ``hasattr``-probed at
 """
 from __future__ import annotations
 
+import functools
 import threading
 import types
 import warnings
@@ -178,6 +179,7 @@ def set_group_timeout(group: dist.ProcessGroup, timeout) -> None:
                       f"{torch.__version__}; it keeps the backend's default", stacklevel=3)
 
 
+@functools.cache  # every op call checks every operand: look the class up once
 def dtensor_type() -> type:
     """torch's DTensor class: public as ``torch.distributed.tensor`` from torch 2.5, private
     (``torch.distributed._tensor``) in 2.4, which setup.py still admits."""
