@@ -32,7 +32,11 @@ class _ComputeStreams:
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.main = torch.cuda.current_stream(device)
-            self.side = self._side_streams.setdefault(device, torch.cuda.Stream(device))
+            if device not in self._side_streams:
+                # from the high-priority pool: ProcessGroupNCCL draws its streams from the default
+                # one, and a GEMM that shared a stream with the ring's P2P would queue behind it
+                self._side_streams[device] = torch.cuda.Stream(device, priority=-1)
+            self.side = self._side_streams[device]
             self.side.wait_stream(self.main)
 
     def step(self, s: int):
@@ -48,7 +52,7 @@ class _ComputeStreams:
 def ag_matmul_baseline(a_shard: torch.Tensor, bs: list, group) -> tuple:
     ring = Ring.of(group)
     a_full = a_shard.new_empty((ring.world_size * a_shard.shape[0], a_shard.shape[1]))
-    all_gather_single(a_full, a_shard, group=group)
+    all_gather_single(a_full, a_shard.contiguous(), group=group)  # NCCL refuses strided (a q cut from a packed qkv)
     return a_full, [a_full @ b for b in bs]
 
 

@@ -1,0 +1,85 @@
+"""What NCCL refuses and gloo accepts, checked on gloo ranks (``nccl_like.contiguity_checked``):
+strided inputs to the ops, as models make them (q, k, v cut from one packed projection), and whole
+training steps of every composition only ever hand contiguous tensors to a collective or P2P op.
+Each strided call also equals the same call on contiguous copies, bitwise."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import overlapkernels as ok
+from overlapkernels.comm import collectives
+from nccl_like import NonContiguous, contiguity_checked
+from test_train_4d import _compose_on_rank
+
+
+def _grads(fn, *inputs):
+    inputs = [t.detach().requires_grad_() for t in inputs]
+    out = fn(*inputs)
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    g = torch.Generator().manual_seed(9)
+    torch.autograd.backward(outs, [torch.randn(o.shape, generator=g, dtype=o.dtype) for o in outs])
+    return [o.detach() for o in outs] + [t.grad for t in inputs]
+
+
+def _same(name, strided_fn, args):
+    """``strided_fn`` on strided views of ``args`` vs on contiguous copies: both checked, equal."""
+    with contiguity_checked():
+        got = _grads(strided_fn, *args)
+        want = _grads(strided_fn, *[a.contiguous() for a in args])
+    for i, (x, y) in enumerate(zip(got, want)):
+        torch.testing.assert_close(x, y, atol=0, rtol=0, msg=lambda m, i=i: f"{name}[{i}]: {m}")
+
+
+def _strided_ops_on_rank(method):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    packed = torch.randn(7, 3 * 6, dtype=torch.float64, generator=g)  # a fused QKV projection's output
+    w = torch.randn(6, 5, dtype=torch.float64, generator=g)
+    x = packed[:, 6:12]
+    assert not x.is_contiguous()
+    _same("all_gather_matmul", lambda a, b: ok.all_gather_matmul(a, b, method=method), (x, w))
+    _same("all_gather_matmul gather_dim=1", lambda a, b: ok.all_gather_matmul(a, b, gather_dim=1, method=method),
+          (torch.randn(2, 3, 6, dtype=torch.float64, generator=g).transpose(0, 1), w))
+    a = torch.randn(world * 4, 2 * 6, dtype=torch.float64, generator=g)[:, ::2]
+    _same("matmul_reduce_scatter", lambda a, b: ok.matmul_reduce_scatter(a, b, method=method), (a, w))
+
+    qkv = torch.randn(2, 4 * world, 3, 2, 4, dtype=torch.float64, generator=g)  # [B, S_local, (q,k,v), H, D]
+    for layout, causal in (("zigzag", True), ("contiguous", False)):
+        _same(f"ring_attention {layout}",
+              lambda q, k, v, lo=layout, c=causal: ok.ring_attention(q, k, v, causal=c, layout=lo),
+              qkv.unbind(2))
+    return True
+
+
+@pytest.mark.parametrize("method", ["baseline", "decomposed"])
+def test_strided_inputs_reach_collectives_contiguous(rank_pool, method):
+    assert rank_pool(2).run(_strided_ops_on_rank, method) == [True, True]
+
+
+def _checked_composition_on_rank(layout, schedule, zero_stage):
+    with contiguity_checked():
+        return _compose_on_rank(layout, schedule, zero_stage=zero_stage)
+
+
+@pytest.mark.parametrize("layout, schedule, zero_stage", [
+    (dict(tp=2, pp=2), "1f1b", 1), (dict(cp=2, pp=2), "zb-h1", 2), (dict(tp=2, dp=2), "1f1b", 3)])
+def test_training_steps_hand_collectives_contiguous_tensors(rank_pool, layout, schedule, zero_stage):
+    """TP + SP layers, vocab-parallel loss, ring attention, pipeline P2P and ZeRO 1/2/3 gathers
+    and reductions, as Trainer runs them."""
+    results = rank_pool(4).run(_checked_composition_on_rank, layout, schedule, zero_stage)
+    assert all(r == results[0] for r in results)
+
+
+def _planted_on_rank():
+    x = torch.ones(4, 4, dtype=torch.float64)
+    with contiguity_checked():
+        collectives.all_reduce(x)  # the package's alias of dist.all_reduce is checked too
+        try:
+            collectives.all_reduce(x.t()[:, :2])
+        except NonContiguous as exc:
+            return "all_reduce" in str(exc)
+    return False
+
+
+def test_the_check_catches_a_strided_collective(rank_pool):
+    assert rank_pool(2).run(_planted_on_rank) == [True, True]
