@@ -42,15 +42,14 @@ def _recording_post(log):
     return post
 
 
-def _executor_on_rank(kind, m, v, module_list=False):
+def _executor_on_rank(kind, m, v, module_list=False, device="cpu"):
     p, rank = dist.get_world_size(), dist.get_rank()
     sched = pp.make_schedule(kind, p, m, num_virtual=v)
     g = torch.Generator().manual_seed(3)
-    x, y = torch.randn(2 * m, WIDTH, generator=g, dtype=torch.float64), torch.randn(2 * m, WIDTH, generator=g,
-                                                                                      dtype=torch.float64)
-    ref = _model(p * v)
+    x, y = (torch.randn(2 * m, WIDTH, generator=g, dtype=torch.float64).to(device) for _ in range(2))
+    ref = _model(p * v).to(device)
     F.mse_loss(ref(x), y).backward()
-    model = _model(p * v)
+    model = _model(p * v).to(device)
     stages = [_stage(model, c * p + rank) for c in range(v)]
     runner = pp.PipelineRunner(nn.ModuleList(stages) if module_list else stages if v > 1 else stages[0],
                                schedule=sched, loss_fn=F.mse_loss)
@@ -82,6 +81,15 @@ def test_executor_gradients_equal_full_batch(rank_pool, world, kind, v, more):
     results = rank_pool(world).run(_executor_on_rank, kind, m, v, module_list=v > 1 and world == 2)
     assert sum(has_loss for has_loss, _ in results) == 1  # only the last stage reports the loss
     _replay_like_nccl([log for _, log in results])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, v", [("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_executor_with_cuda_stages_over_gloo(rank_pool, kind, v):
+    """Two ranks sharing one GPU, gloo for P2P (which moves host memory only): messages travel
+    through CPU copies and the gradients are still exact."""
+    results = rank_pool(2).run(_executor_on_rank, kind, 4, v, False, "cuda:0")
+    assert sum(has_loss for has_loss, _ in results) == 1
 
 
 def _odd_stages_on_rank(first_param_less):

@@ -104,6 +104,10 @@ class PipelineRunner:
         self.last_stage = schedule.num_stages - 1
         self._joined = False
         self._nccl = "nccl" in str(dist.get_backend(self.group))
+        # gloo moves host memory only (handed a CUDA tensor it would read device addresses as host
+        # ones): with CUDA stages (N ranks sharing one GPU, gloo for control) messages travel
+        # through CPU copies, as comm.ring does
+        self._staged = not self._nccl and self.device.type != "cpu"
 
     # -- point to point -----------------------------------------------------------------------
     def _tag(self, msg) -> int:
@@ -165,7 +169,7 @@ class PipelineRunner:
         """A received tensor; ``host``: the host reads it, so wait with the timeout even on NCCL."""
         buf, work, msg = self._inbox.pop((what, boundary, mb))
         (self._confirm if host else self._wait)(work, msg)
-        return buf
+        return buf.to(self.device) if self._staged and not host else buf
 
     def _outgoing(self, msg):
         if msg.what == "shape":  # the activation it describes was made by the same action
@@ -173,12 +177,17 @@ class PipelineRunner:
             meta = torch.zeros(_META_LEN, dtype=torch.int64)
             meta[0], meta[1] = out.dim(), _DTYPES.index(out.dtype)
             meta[2:2 + out.dim()] = torch.tensor(out.shape)
-            return meta.to(self.device)
-        return self._outbox.pop(msg.label).contiguous()
+            return meta.to(self._wire)
+        return self._outbox.pop(msg.label).to(self._wire).contiguous()
+
+    @property
+    def _wire(self) -> torch.device:
+        """Where tensors are when the backend moves them."""
+        return torch.device("cpu") if self._staged else self.device
 
     def _buffer(self, msg):
         if msg.what == "shape":
-            return torch.empty(_META_LEN, dtype=torch.int64, device=self.device)
+            return torch.empty(_META_LEN, dtype=torch.int64, device=self._wire)
         if msg.boundary not in self._shapes:  # the shape came one batch earlier: read it now
             # host: an upstream peer that died is named here, at the step's first boundary, not by
             # the NCCL watchdog
@@ -186,7 +195,7 @@ class PipelineRunner:
             nd = int(meta[0])
             self._shapes[msg.boundary] = (tuple(int(v) for v in meta[2:2 + nd]), _DTYPES[int(meta[1])])
         shape, dtype = self._shapes[msg.boundary]
-        return torch.empty(shape, dtype=dtype, device=self.device)
+        return torch.empty(shape, dtype=dtype, device=self._wire)
 
     def _send_later(self, what, boundary, mb, tensor) -> None:
         if what == "activation":  # every microbatch of a step must match the shape announced once
