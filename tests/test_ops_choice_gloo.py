@@ -337,3 +337,33 @@ def test_ranks_that_disagree_are_named_under_distributed_debug(rank_pool):
                             "a.shape[scatter_dim=0]=5 is not divisible by the group size 2)" + hint)
     assert "needs CUDA" in errors[1][4] and errors[0][4].startswith(
         "matmul_reduce_scatter: other ranks' arguments were rejected (rank 1: ValueError: ")
+
+
+def test_deferred_error_records_raise_in_call_order():
+    """The queue behind a call-late timeout (CUDA events faked): poll raises only records whose
+    copy has landed, oldest first, and stops at the first pending one; flush waits for the rest."""
+    from overlapkernels.kernels.errors import SignalTimeoutError
+    from overlapkernels.kernels.triton import signals
+
+    class Event:
+        def __init__(self, done):
+            self.done, self.waited = done, False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited = True
+
+    fine = torch.zeros(4, dtype=torch.int32)
+    timed_out = torch.tensor([signals.ERR_READY_TIMEOUT.value, 1, 2, 0], dtype=torch.int32)
+    check = signals.DeferredErrorCheck()
+    events = [Event(True), Event(False), Event(True)]
+    check._pending = [(events[0], fine, "op0", 1), (events[1], timed_out, "op1", 2), (events[2], fine, "op2", 3)]
+    check.poll()  # the first record is clean; the second has not landed: nothing raised, it stays
+    assert [p[2] for p in check._pending] == ["op1", "op2"]
+    with pytest.raises(SignalTimeoutError, match=r"op1: rank 1 timed out waiting for chunk 2 from rank 0 \(call 2\)"):
+        check.flush()
+    assert events[1].waited and [p[2] for p in check._pending] == ["op2"]
+    check.flush()
+    assert check._pending == [] and events[2].waited

@@ -14,6 +14,7 @@ compiles a variant for the value 1 and for multiples of 16, so a long-running op
 at call 16 while its peers spin. Flag values are typed int64 for the same reason (a count passing
 2**31 would switch an untyped argument from i32 to i64: another compile, mid-run).
 """
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -190,6 +191,8 @@ class DeferredErrorCheck:
 
     def __init__(self):
         self._pending: list = []
+        # backward's calls submit from autograd's device thread, forward's from the caller's
+        self._lock = threading.Lock()
 
     def submit(self, err: torch.Tensor, op: str, epoch: int) -> None:
         if err.device.type != "cuda":
@@ -201,17 +204,24 @@ class DeferredErrorCheck:
             host.copy_(err, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-        self._pending.append((event, host, op, epoch))
+        with self._lock:
+            self._pending.append((event, host, op, epoch))
         self.poll()
 
+    def _next(self, *, wait: bool):
+        """The oldest record once its copy has landed (``wait``: wait for it); None if none is ready."""
+        with self._lock:
+            if not self._pending or not (wait or self._pending[0][0].query()):
+                return None
+            event, host, op, epoch = self._pending.pop(0)
+        event.synchronize()
+        return host, op, epoch
+
     def poll(self) -> None:
-        while self._pending and self._pending[0][0].query():
-            _, host, op, epoch = self._pending.pop(0)
-            raise_if_timed_out(host, op, epoch)
+        while (record := self._next(wait=False)) is not None:
+            raise_if_timed_out(*record)
 
     def flush(self) -> None:
         """Wait for every pending record and raise the first error."""
-        while self._pending:
-            event, host, op, epoch = self._pending.pop(0)
-            event.synchronize()
-            raise_if_timed_out(host, op, epoch)
+        while (record := self._next(wait=True)) is not None:
+            raise_if_timed_out(*record)
