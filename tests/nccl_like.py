@@ -1,9 +1,16 @@
-"""An NCCL rule that gloo does not enforce, checked on gloo ranks: every tensor a collective or a
-P2P op moves must be contiguous. NCCL refuses a strided one ("Tensors must be contiguous") while
-gloo copies it silently, so without this check a gloo test passes where an NCCL job crashes.
+"""NCCL's rules that gloo does not enforce, checked on gloo ranks, so that a gloo test cannot pass
+where an NCCL job would crash, hang or pair the wrong tensors:
 
-``contiguity_checked()`` wraps torch.distributed's entry points, and every alias of them that a
-module of the package bound at import (``_compat.all_gather_single``), for the duration of a block.
+- every tensor a collective or P2P op moves is contiguous (NCCL refuses a strided one: "Tensors must
+  be contiguous"; gloo copies it silently);
+- P2P messages pair in posting order: NCCL ignores tags, so per communicator and direction the n-th
+  send meets the n-th receive, and a batch's sends complete only while the receiver's batch runs.
+  gloo pairs by tag, so an order that would cross two messages under NCCL passes there unseen.
+
+``nccl_rules()`` wraps torch.distributed's entry points, and every alias of them that a module of
+the package bound at import (``_compat.all_gather_single``), for the duration of a block, and
+records each ``batch_isend_irecv``; ``replay_like_nccl`` / ``check_p2p_logs`` check the records of
+all ranks.
 """
 import contextlib
 import sys
@@ -43,16 +50,21 @@ def _checked(name, fn):
 
 
 @contextlib.contextmanager
-def contiguity_checked():
+def nccl_rules():
+    """Yields this rank's P2P log: per ``batch_isend_irecv``, ``(group name, [(send?, peer global
+    rank, tag, shape, dtype), ...])``."""
     originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-    batch = dist.batch_isend_irecv
+    batch, log = dist.batch_isend_irecv, []
 
-    def checked_batch(ops):
+    def recorded_batch(ops):
         _refuse_strided("batch_isend_irecv", (op.tensor for op in ops))
+        group = ops[0].group or dist.group.WORLD
+        log.append((group.group_name, [(op.op is dist.isend, op.peer, op.tag, tuple(op.tensor.shape),
+                                        str(op.tensor.dtype)) for op in ops]))
         return batch(ops)
 
     wrapped = {id(fn): _checked(name, fn) for name, fn in originals.items()}
-    wrapped[id(batch)] = checked_batch
+    wrapped[id(batch)] = recorded_batch
     by_id = {id(fn): fn for fn in [*originals.values(), batch]}
     modules = [dist] + [m for name, m in list(sys.modules.items()) if name.startswith("overlapkernels") and m]
     patched = []
@@ -62,7 +74,46 @@ def contiguity_checked():
                 patched.append((module, attr, value))
                 setattr(module, attr, wrapped[id(value)])
     try:
-        yield
+        yield log
     finally:  # the pool's processes serve later tests
         for module, attr, value in patched:
             setattr(module, attr, value)
+
+
+def check_p2p_logs(logs) -> int:
+    """``logs[r]``: global rank r's ``nccl_rules`` log. Replays each communicator (group) on its own,
+    as NCCL runs them; returns the number of batches checked."""
+    groups = {name for log in logs for name, _ in log}
+    for name in sorted(groups):
+        replay_like_nccl([[batch for group, batch in log if group == name] for log in logs])
+    return sum(len(log) for log in logs)
+
+
+def replay_like_nccl(logs):
+    """NCCL's rules on the batches each rank posted: per direction the n-th send meets the n-th
+    receive, which must be the same message (``op[2:]``: tag or name, shape) and shape; a rank's
+    batches run in order and a send completes only while its receiver's batch runs.
+    ``logs[r]``: rank r's batches, each a list of ``(send?, peer, *message)``."""
+    p = len(logs)
+    partner = {}
+    for a in range(p):
+        for b in range(p):
+            sends = [(i, j, op) for i, batch in enumerate(logs[a]) for j, op in enumerate(batch) if op[0] and op[1] == b]
+            recvs = [(i, j, op) for i, batch in enumerate(logs[b]) for j, op in enumerate(batch)
+                     if not op[0] and op[1] == a]
+            assert [op[2:] for _, _, op in sends] == [op[2:] for _, _, op in recvs], f"rank {a} -> rank {b}"
+            for (i, j, _), (k, n, _) in zip(sends, recvs):
+                partner[(a, i, j)], partner[(b, k, n)] = (b, k, n), (a, i, j)
+    cur, matched, moved = [0] * p, set(), True
+    while moved:
+        moved = False
+        for r in range(p):
+            while cur[r] < len(logs[r]):
+                for j in range(len(logs[r][cur[r]])):
+                    q, k, n = partner[(r, cur[r], j)]
+                    if cur[q] == k:
+                        matched |= {(r, cur[r], j), (q, k, n)}
+                if any((r, cur[r], j) not in matched for j in range(len(logs[r][cur[r]]))):
+                    break
+                cur[r], moved = cur[r] + 1, True
+    assert cur == [len(log) for log in logs], f"deadlock: ranks stuck at batches {cur}"

@@ -1,14 +1,15 @@
-"""What NCCL refuses and gloo accepts, checked on gloo ranks (``nccl_like.contiguity_checked``):
-strided inputs to the ops, as models make them (q, k, v cut from one packed projection), and whole
-training steps of every composition only ever hand contiguous tensors to a collective or P2P op.
-Each strided call also equals the same call on contiguous copies, bitwise."""
+"""What NCCL refuses or pairs differently from gloo, checked on gloo ranks (``nccl_like``): strided
+inputs to the ops, as models make them (q, k, v cut from one packed projection), and whole training
+steps of every composition only ever hand contiguous tensors to a collective or P2P op, and their
+P2P messages pair in posting order as they do by tag (NCCL ignores tags). Each strided call also
+equals the same call on contiguous copies, bitwise."""
 import pytest
 import torch
 import torch.distributed as dist
 
 import overlapkernels as ok
 from overlapkernels.comm import collectives
-from nccl_like import NonContiguous, contiguity_checked
+from nccl_like import NonContiguous, check_p2p_logs, nccl_rules
 from test_train_4d import _compose_on_rank
 
 
@@ -23,15 +24,20 @@ def _grads(fn, *inputs):
 
 def _same(name, strided_fn, args):
     """``strided_fn`` on strided views of ``args`` vs on contiguous copies: both checked, equal."""
-    with contiguity_checked():
+    with nccl_rules() as log:
         got = _grads(strided_fn, *args)
         want = _grads(strided_fn, *[a.contiguous() for a in args])
+    P2P_LOG.extend(log)
     for i, (x, y) in enumerate(zip(got, want)):
         torch.testing.assert_close(x, y, atol=0, rtol=0, msg=lambda m, i=i: f"{name}[{i}]: {m}")
 
 
+P2P_LOG = []
+
+
 def _strided_ops_on_rank(method):
     rank, world = dist.get_rank(), dist.get_world_size()
+    P2P_LOG.clear()
     g = torch.Generator().manual_seed(rank)
     packed = torch.randn(7, 3 * 6, dtype=torch.float64, generator=g)  # a fused QKV projection's output
     w = torch.randn(6, 5, dtype=torch.float64, generator=g)
@@ -48,31 +54,35 @@ def _strided_ops_on_rank(method):
         _same(f"ring_attention {layout}",
               lambda q, k, v, lo=layout, c=causal: ok.ring_attention(q, k, v, causal=c, layout=lo),
               qkv.unbind(2))
-    return True
+    return P2P_LOG
 
 
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("method", ["baseline", "decomposed"])
-def test_strided_inputs_reach_collectives_contiguous(rank_pool, method):
-    assert rank_pool(2).run(_strided_ops_on_rank, method) == [True, True]
+def test_strided_op_inputs_keep_nccl_rules(rank_pool, world, method):
+    """The ops' rings (decomposed AG and RS, their backward, ring attention forward and backward)."""
+    logs = rank_pool(world).run(_strided_ops_on_rank, method)
+    assert check_p2p_logs(logs) > 0  # ring attention exchanges K/V with every method
 
 
 def _checked_composition_on_rank(layout, schedule, zero_stage):
-    with contiguity_checked():
-        return _compose_on_rank(layout, schedule, zero_stage=zero_stage)
+    with nccl_rules() as log:
+        return _compose_on_rank(layout, schedule, zero_stage=zero_stage), log
 
 
 @pytest.mark.parametrize("layout, schedule, zero_stage", [
     (dict(tp=2, pp=2), "1f1b", 1), (dict(cp=2, pp=2), "zb-h1", 2), (dict(tp=2, dp=2), "1f1b", 3)])
-def test_training_steps_hand_collectives_contiguous_tensors(rank_pool, layout, schedule, zero_stage):
+def test_training_steps_keep_nccl_rules(rank_pool, layout, schedule, zero_stage):
     """TP + SP layers, vocab-parallel loss, ring attention, pipeline P2P and ZeRO 1/2/3 gathers
     and reductions, as Trainer runs them."""
     results = rank_pool(4).run(_checked_composition_on_rank, layout, schedule, zero_stage)
-    assert all(r == results[0] for r in results)
+    assert all(losses == results[0][0] for losses, _ in results)
+    assert check_p2p_logs([log for _, log in results]) > 0
 
 
 def _planted_on_rank():
     x = torch.ones(4, 4, dtype=torch.float64)
-    with contiguity_checked():
+    with nccl_rules():
         collectives.all_reduce(x)  # the package's alias of dist.all_reduce is checked too
         try:
             collectives.all_reduce(x.t()[:, :2])
@@ -83,3 +93,12 @@ def _planted_on_rank():
 
 def test_the_check_catches_a_strided_collective(rank_pool):
     assert rank_pool(2).run(_planted_on_rank) == [True, True]
+
+
+def test_the_replay_catches_messages_that_only_tags_pair():
+    """gloo pairs these by tag; NCCL, in order, would swap the two tensors."""
+    first, second = (True, 1, 7, (4,), "torch.float32"), (True, 1, 8, (4,), "torch.float32")
+    as_recv = lambda op: (False, 0, *op[2:])  # noqa: E731
+    check_p2p_logs([[("g", [first, second])], [("g", [as_recv(first), as_recv(second)])]])
+    with pytest.raises(AssertionError, match="rank 0 -> rank 1"):
+        check_p2p_logs([[("g", [first, second])], [("g", [as_recv(second), as_recv(first)])]])

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from overlapkernels.comm.rank_pool import RankError, RankPool
 from overlapkernels.runtime import pipeline as pp
 from overlapkernels.runtime.pipeline.weight_grad import deferring
-from test_pipeline_schedule import _replay_like_nccl
+from nccl_like import replay_like_nccl
 
 
 # ---------------------------------------------------------------------------------- executor
@@ -80,7 +80,7 @@ def test_executor_gradients_equal_full_batch(rank_pool, world, kind, v, more):
     m = world * (2 + more) if v > 1 else 2 * world + more
     results = rank_pool(world).run(_executor_on_rank, kind, m, v, module_list=v > 1 and world == 2)
     assert sum(has_loss for has_loss, _ in results) == 1  # only the last stage reports the loss
-    _replay_like_nccl([log for _, log in results])
+    replay_like_nccl([log for _, log in results])
 
 
 @pytest.mark.gpu

@@ -6,6 +6,7 @@ import pytest
 
 from overlapkernels.runtime import pipeline as pp
 from overlapkernels.runtime.pipeline import p2p
+from nccl_like import replay_like_nccl
 
 
 def _cases():
@@ -137,35 +138,6 @@ def test_render_without_matplotlib_says_no_png_was_written(tmp_path, monkeypatch
     assert text.startswith("gpipe: 2 ranks") and not (tmp_path / "g.png").exists()
 
 
-def _replay_like_nccl(logs):
-    """NCCL's rules on the batches each rank posted (independent of ``p2p.check_comm_plan``): per
-    direction the n-th send meets the n-th receive, which must be the same message and shape;
-    a rank's batches run in order and a send completes only while its receiver's batch runs."""
-    p = len(logs)
-    partner = {}
-    for a in range(p):
-        for b in range(p):
-            sends = [(i, j, op) for i, batch in enumerate(logs[a]) for j, op in enumerate(batch) if op[0] and op[1] == b]
-            recvs = [(i, j, op) for i, batch in enumerate(logs[b]) for j, op in enumerate(batch)
-                     if not op[0] and op[1] == a]
-            assert [op[2:] for _, _, op in sends] == [op[2:] for _, _, op in recvs], f"rank {a} -> rank {b}"
-            for (i, j, _), (k, n, _) in zip(sends, recvs):
-                partner[(a, i, j)], partner[(b, k, n)] = (b, k, n), (a, i, j)
-    cur, matched, moved = [0] * p, set(), True
-    while moved:
-        moved = False
-        for r in range(p):
-            while cur[r] < len(logs[r]):
-                for j in range(len(logs[r][cur[r]])):
-                    q, k, n = partner[(r, cur[r], j)]
-                    if cur[q] == k:
-                        matched |= {(r, cur[r], j), (q, k, n)}
-                if any((r, cur[r], j) not in matched for j in range(len(logs[r][cur[r]]))):
-                    break
-                cur[r], moved = cur[r] + 1, True
-    assert cur == [len(log) for log in logs], f"deadlock: ranks stuck at batches {cur}"
-
-
 def _unbatched_plan(sched):
     """The order of the old runner (the audit's finding): one isend or irecv at a time, receives
     just before their action, sends just after it."""
@@ -190,7 +162,7 @@ def test_p2p_plan_keeps_nccl_rules(kind, p, m, v):
     sched = pp.make_schedule(kind, p, m, num_virtual=v)
     plan = p2p.comm_plan(sched)
     p2p.check_comm_plan(sched, plan)
-    _replay_like_nccl(_as_log(plan))
+    replay_like_nccl(_as_log(plan))
     assert all(len(point) == len(acts) + 1 for point, acts in zip(plan, sched.actions))
 
 
@@ -201,7 +173,7 @@ def test_p2p_checks_catch_crossed_and_mismatched_orders():
                                                r"batch before F1.1"):
         p2p.check_comm_plan(sched, _unbatched_plan(sched))
     with pytest.raises(AssertionError, match="deadlock"):
-        _replay_like_nccl(_as_log(_unbatched_plan(sched)))
+        replay_like_nccl(_as_log(_unbatched_plan(sched)))
     # Megatron's 1F1B rule (one action's sends with the next one's receives) on interleaved: two
     # ranks each send a gradient the other receives only after its next forward
     sched = pp.make_schedule("interleaved-1f1b", 2, 4, num_virtual=2)
@@ -218,7 +190,7 @@ def test_p2p_checks_catch_crossed_and_mismatched_orders():
     with pytest.raises(pp.ScheduleError, match="P2P deadlock"):
         p2p.check_comm_plan(sched, per_action)
     with pytest.raises(AssertionError, match="deadlock"):
-        _replay_like_nccl(_as_log(per_action))
+        replay_like_nccl(_as_log(per_action))
     # microbatches out of order on one side: NCCL would hand rank 1 microbatch 1 as microbatch 0
     sched = pp.make_schedule("gpipe", 2, 2)
     sched.actions[0][:2] = sched.actions[0][1::-1]
@@ -227,4 +199,4 @@ def test_p2p_checks_catch_crossed_and_mismatched_orders():
                                                r"0->1 microbatch 1' for it"):
         p2p.check_comm_plan(sched, p2p.comm_plan(sched))
     with pytest.raises(AssertionError, match="rank 0 -> rank 1"):
-        _replay_like_nccl(_as_log(p2p.comm_plan(sched)))
+        replay_like_nccl(_as_log(p2p.comm_plan(sched)))
