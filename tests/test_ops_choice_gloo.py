@@ -205,6 +205,31 @@ def _bad_setting_on_one_rank():
         pw._group_peer_memory.clear()
 
 
+def _peer_access_decides_on_rank():
+    """Every rank able, one host: the GPUs' pairwise peer access (NVML, faked) still decides, from
+    every rank's GPU, alike on every rank."""
+    from overlapkernels.comm import process_world as pw
+
+    unavailable, access = pw.peer_memory_unavailable_reason, pw.peer_access_problem
+    pw.peer_memory_unavailable_reason = lambda device: None
+    seen = []
+    answers = []
+    try:
+        for verdict in (None, "GPUs a and b have no peer-to-peer atomics"):
+            pw.peer_access_problem = lambda uuids, v=verdict: seen.append(list(uuids)) or v
+            pw._group_peer_memory.clear()
+            answers.append(pw.group_has_peer_memory(dist.group.WORLD, torch.device("cpu")))
+    finally:
+        pw.peer_memory_unavailable_reason, pw.peer_access_problem = unavailable, access
+        pw._group_peer_memory.clear()
+    return answers, seen
+
+
+def test_peer_memory_needs_peer_access_between_the_gpus(rank_pool):
+    for answers, seen in rank_pool(2).run(_peer_access_decides_on_rank):
+        assert answers == [True, False] and seen == [["cpu", "cpu"]] * 2, (answers, seen)
+
+
 def test_a_bad_setting_on_one_rank_is_reported_by_every_rank(rank_pool):
     assert rank_pool(2).run(_bad_setting_on_one_rank) == [
         "rank 1: OVERLAPKERNELS_RESERVED_SMS='lots': expected a whole number of SMs >= 1"] * 2

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_gather_objects
+from .peer_access import peer_access_problem
 from .side_stream import CudaSideStream
 from .symmetric import SymmetricTensor
 
@@ -98,6 +99,8 @@ def requested_peer_memory() -> str:
 
 def _device_uuid(device: torch.device) -> str:
     """Identifies the physical GPU (indices differ between processes with other visible devices)."""
+    if device.type != "cuda":
+        return str(device)
     return str(getattr(torch.cuda.get_device_properties(device), "uuid", device))
 
 
@@ -120,7 +123,8 @@ _group_peer_memory: dict = {}
 
 
 def group_has_peer_memory(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether every rank of ``group`` can use peer memory and they all sit on one host.
+    """Whether every rank of ``group`` can use peer memory, they all sit on one host, and their GPUs
+    have peer access with native atomics (``peer_access``).
     Collective (once per group and setting, then cached): every rank calls it at the same point,
     and every rank gets the same answer. Why ask the ranks rather than the launcher's numbering
     (LOCAL_WORLD_SIZE): that can be inherited from an outer launcher, ranks can be renumbered and
@@ -131,10 +135,12 @@ def group_has_peer_memory(group: dist.ProcessGroup, device: torch.device) -> boo
             able, error = peer_memory_unavailable_reason(device) is None, None
         except ValueError as exc:  # a bad setting here: every rank is told, none is left waiting
             able, error = False, str(exc)
-        everyone = all_gather_objects((socket.gethostname(), able, error), group, device)
-        if errors := [f"rank {dist.get_global_rank(group, r)}: {e}" for r, (_, _, e) in enumerate(everyone) if e]:
+        uuid = _device_uuid(device) if able else None
+        everyone = all_gather_objects((socket.gethostname(), able, error, uuid), group, device)
+        if errors := [f"rank {dist.get_global_rank(group, r)}: {e}" for r, (_, _, e, _) in enumerate(everyone) if e]:
             raise ValueError("; ".join(errors))
-        _group_peer_memory[key] = len({host for host, _, _ in everyone}) == 1 and all(ok for _, ok, _ in everyone)
+        _group_peer_memory[key] = (len({host for host, *_ in everyone}) == 1 and all(ok for _, ok, _, _ in everyone)
+                                   and peer_access_problem([u for *_, u in everyone]) is None)
     return _group_peer_memory[key]
 
 
@@ -165,6 +171,8 @@ class ProcessPeerWorld:
         if len(hosts) > 1:  # every rank sees the same hosts, so every rank raises
             raise ValueError(f"peer memory ('symm'/'fused') needs the group on one node; its ranks are on {hosts}: "
                              "use 'decomposed' or 'baseline'")
+        if problem := peer_access_problem([uuid for _, uuid, _ in ranks]):  # the same GPUs on every rank
+            raise ValueError(f"peer memory ('symm'/'fused'): {problem}; use 'decomposed' or 'baseline'")
         self.peer_memory = kind
         # ranks sharing this GPU (tests, or MPS): each persistent kernel takes only its share of SMs,
         # or ranks spinning on each other's signals could hold every SM

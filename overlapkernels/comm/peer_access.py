@@ -1,0 +1,67 @@
+"""Can the GPUs of a group read, write and atomically update each other's memory?
+
+``symm``/``fused`` load peers' chunks, store tiles into peers' buffers and add to peers' counters
+from many thread blocks at once. Over NVLink those are native; over PCIe, peer access may be
+missing, or present without native atomics, and then counts can be lost: a wait that times out,
+or worse. Sitting on one host is not enough, so the ranks' GPUs are checked pairwise with NVML
+(by UUID, so each process's CUDA_VISIBLE_DEVICES does not matter). Where NVML cannot answer (no
+driver library, a UUID NVML does not list, MIG) there is no verdict: the answer is None, as when
+every pair passes.
+"""
+from __future__ import annotations
+
+# what each access pattern of the kernels needs: loads, stores, and the counters' atomic adds
+_CAPABILITIES = (("READ", "read"), ("WRITE", "write"), ("ATOMICS", "atomics"))
+
+
+def _uuid_key(uuid) -> str:
+    """torch prints 'xxxxxxxx-...', NVML 'GPU-xxxxxxxx-...'."""
+    text = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    return text.lower().removeprefix("gpu-")
+
+
+def _status_name(nvml, status: int) -> str:
+    names = [n for n in dir(nvml) if n.startswith("NVML_P2P_STATUS_") and getattr(nvml, n) == status]
+    return names[0].removeprefix("NVML_P2P_STATUS_") if names else str(status)
+
+
+def peer_access_problem(uuids, nvml=None) -> str | None:
+    """Why the GPUs ``uuids`` (one per rank, repeats allowed: ranks sharing a GPU) cannot serve
+    peer memory; None when every distinct pair has peer read, write and native atomics, or when
+    NVML cannot tell. ``nvml`` defaults to the ``pynvml`` module."""
+    distinct = sorted({_uuid_key(u) for u in uuids})
+    if len(distinct) < 2:
+        return None
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError:
+            return None
+    try:
+        nvml.nvmlInit()
+    except Exception:  # no driver library here: no verdict
+        return None
+    try:
+        handles = {}
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            handles[_uuid_key(nvml.nvmlDeviceGetUUID(handle))] = handle
+        if any(u not in handles for u in distinct):
+            return None
+        ok = nvml.NVML_P2P_STATUS_OK
+        for i, a in enumerate(distinct):
+            for b in distinct[i + 1:]:
+                for index_name, what in _CAPABILITIES:
+                    status = nvml.nvmlDeviceGetP2PStatus(handles[a], handles[b],
+                                                         getattr(nvml, f"NVML_P2P_CAPS_INDEX_{index_name}"))
+                    if status != ok:
+                        return (f"GPUs {a} and {b} have no peer-to-peer {what} (NVML: {_status_name(nvml, status)}); "
+                                "symm/fused need GPUs linked by NVLink (or PCIe P2P with native atomics)")
+        return None
+    except Exception:  # a query this driver does not support: no verdict
+        return None
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:
+            pass
