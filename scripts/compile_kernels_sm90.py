@@ -5,6 +5,8 @@ that. Arguments go through triton's own JIT binder (what kernel[grid](...) runs)
 the int specialisations (==1 -> constexpr, %16 -> divisibility) and pointer alignment are what a
 real launch produces; then triton.compile(ASTSource, target=sm_90) down to a cubin. Nothing runs.
 It uses triton internals (checked with triton 3.6 and 3.9); exit code 3 means they moved.
+The PTX of every kernel that touches flags or peer data must also show the memory order the flag
+protocol needs (system-scope acquire/release) and no TMA: the interpreter cannot show either.
 
     env -u TRITON_INTERPRET python scripts/compile_kernels_sm90.py [--quick] [name-filter]
 
@@ -13,6 +15,7 @@ It uses triton internals (checked with triton 3.6 and 3.9); exit code 3 means th
 and the flag kernels always run through ptxas: a GEMM block must leave room for a flag kernel).
 """
 import os
+import re
 import sys
 import time
 import traceback
@@ -77,8 +80,20 @@ def warp_registers(regs_per_thread: int) -> int:
     return -(-regs_per_thread * 32 // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
 
 
-def check(label, kernel, *args, ptx_has=(), beside_flag_kernel=False, flag_kernel=False, **kwargs):
+# The flag protocol's memory order as the PTX must show it (the interpreter, sequentially consistent
+# and cacheless, cannot): consumers read flags with acquire, publishers write them with release, both
+# at system scope (peers are other GPUs). Qualifier order differs between triton versions.
+ACQUIRE_SYS = ("a system-scope acquire load", r"\b(?:ld|atom)(?=[.\w]*\.acquire\b)(?=[.\w]*\.sys\b)[.\w]+")
+RELEASE_SYS = ("a system-scope release store", r"\b(?:st|red|atom)(?=[.\w]*\.release\b)(?=[.\w]*\.sys\b)[.\w]+")
+# TMA (bulk async copies) goes through the async proxy, which acquire/release of the generic proxy
+# does not order: peer data loaded that way could be stale. Kernels touching peer data must not use it.
+NO_TMA = ("cp.async.bulk",)
+
+
+def check(label, kernel, *args, ptx_has=(), ptx_re=(), ptx_not=(), beside_flag_kernel=False, flag_kernel=False,
+          **kwargs):
     """``ptx_has``: instructions the PTX must contain (e.g. the vector stores a hint is there for);
+    ``ptx_re``: (what, regular expression) pairs it must match; ``ptx_not``: instructions it must not contain;
     ``beside_flag_kernel``: a persistent GEMM, whose block must leave room for a flag kernel's;
     ``flag_kernel``: one of those (one warp, at most FLAG_KERNEL_MAX_REGS registers, no spills)."""
     if FILTER not in label:
@@ -88,8 +103,11 @@ def check(label, kernel, *args, ptx_has=(), beside_flag_kernel=False, flag_kerne
         ck, sig = compile_like_launch(kernel, *args, **kwargs)
         md = ck.metadata
         assert "cubin" in ck.asm and "ptx" in ck.asm
-        missing = [i for i in ptx_has if i not in ck.asm["ptx"]]
+        ptx = ck.asm["ptx"]
+        missing = [i for i in ptx_has if i not in ptx] + [what for what, r in ptx_re if not re.search(r, ptx)]
         assert not missing, f"the PTX lacks {missing}"
+        present = [i for i in ptx_not if i in ptx]
+        assert not present, f"the PTX has {present}"
         flag0 = ""
         if os.environ.get("T36_PTXAS") or beside_flag_kernel or flag_kernel:
             regs, spill_st, spill_ld = ptxas_usage(ck.asm["ptx"])
@@ -143,24 +161,26 @@ for dname, dt in DT.items():
             check(f"_ag_gemm_kernel {tag}", AG._ag_gemm_kernel,
                   a, b, out, arrived, err, M, N, kk, EPOCH, BUDGET.amount, a.stride(0), a.stride(1), b.stride(0),
                   b.stride(1), out.stride(0), out.stride(1), R, WORLD=W, DOT_PRECISION=prec, TIMED=BUDGET.timed,
-                  beside_flag_kernel=True, **cfg.meta(kk))
+                  beside_flag_kernel=True, ptx_re=(ACQUIRE_SYS,), ptx_not=NO_TMA, **cfg.meta(kk))
             table = t(W, dtype=torch.int64)
             check(f"_gemm_rs_kernel {tag}", RS._gemm_rs_kernel,
                   a, b, table, table, M, N, kk, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                   R, WORLD=W, DOT_PRECISION=prec, **cfg.meta(kk), beside_flag_kernel=True,
-                  ptx_has=("st.global.v4",))  # 16-byte remote stores (signals.peer_ptr's alignment)
+                  ptx_has=("st.global.v4",),  # 16-byte remote stores (signals.peer_ptr's alignment)
+                  ptx_re=(RELEASE_SYS,), ptx_not=NO_TMA)  # tiles' stores, then the owner's count (release)
 
 # --- all_gather ---------------------------------------------------------------------------------
 for dname in ("bf16", "fp32"):
     dt = DT[dname]
     shard, out, table = t(M * K, dtype=dt), t(W * M * K, dtype=dt), t(W, dtype=torch.int64)
     nb = triton.cdiv(M * K, 256)
-    check(f"_ag_publish_kernel {dname}", AL._ag_publish_kernel, shard, table, M * K, RANK=R, BLOCK=256)
+    check(f"_ag_publish_kernel {dname}", AL._ag_publish_kernel, shard, table, M * K, RANK=R, BLOCK=256,
+          ptx_not=NO_TMA)
     check(f"_ag_pull_kernel {dname}", AL._ag_pull_kernel, table, table, out, M * K, 2, nb, RANK=R, WORLD=W,
-          BLOCK=256)
+          BLOCK=256, ptx_re=(RELEASE_SYS,), ptx_not=NO_TMA)
 for world, epoch in [(4, 5), (8, 1)]:
     check(f"_ag_signal_kernel WORLD={world} epoch={epoch}", AL._ag_signal_kernel, t(world, dtype=torch.int64), epoch,
-          1, WORLD=world, **SG.FLAG_KERNEL_LAUNCH, flag_kernel=True)
+          1, WORLD=world, **SG.FLAG_KERNEL_LAUNCH, flag_kernel=True, ptx_re=(RELEASE_SYS,))
 
 # --- signals -------------------------------------------------------------------------------------
 pads, err, table = t(2 * W, dtype=torch.int64), t(4, dtype=torch.int32), t(W, dtype=torch.int64)
@@ -169,14 +189,14 @@ for name, flag, vals in [("aligned flag, generic ints", pads[2:3], (EPOCH * 37, 
                          ("interpreter-style poll budget", pads[1:2], (7, SG.polls(1000), 1, 1, 1, 0))]:
     target, spins, code, rank, chunk, peer = vals
     check(f"_wait_kernel {name}", SG._wait_kernel, flag, target, err, spins.amount, code, rank, chunk, peer,
-          TIMED=spins.timed, **SG.FLAG_KERNEL_LAUNCH, flag_kernel=True)
+          TIMED=spins.timed, **SG.FLAG_KERNEL_LAUNCH, flag_kernel=True, ptx_re=(ACQUIRE_SYS,))
     check(f"_set_flag_kernel {name}", SG._set_flag_kernel, flag, target, **SG.FLAG_KERNEL_LAUNCH,
-          flag_kernel=True)
+          flag_kernel=True, ptx_re=(RELEASE_SYS,))
 for add in (True, False):
     for peer, index, value in [(2, 5, 7), (1, 1, 1)]:
         check(f"_update_peer_flag_kernel ADD={add} peer={peer} index={index} value={value}",
               SG._update_peer_flag_kernel, table, peer, index, value, ADD=add, **SG.FLAG_KERNEL_LAUNCH,
-              flag_kernel=True)
+              flag_kernel=True, ptx_re=(RELEASE_SYS,))
 
 # --- flash attention: the configs flash_configs hands out on GPUs ---------------------------------
 B, H, HKV, L = 2, 8, 2, 1024
