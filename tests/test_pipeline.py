@@ -1,6 +1,7 @@
 """The pipeline executor on gloo ranks (schedules, simulator and P2P plans: test_pipeline_schedule.py)."""
 import copy
 import os
+import re
 from datetime import timedelta
 
 import pytest
@@ -267,6 +268,38 @@ def test_a_dead_peer_is_a_timeout_naming_it():
     text = str(info.value)
     assert "process died with exit code 7" in text
     assert "PipelineTimeout: stage 0 microbatch " in text and "rank 1 (stage 1)" in text
+
+
+class _Cut(nn.Module):
+    """A stage whose output shape depends on the data: one row for microbatches starting with a
+    negative value. (Every microbatch of a step must cross a boundary with one shape.)"""
+
+    def forward(self, x):
+        return x if x[0, 0] > 0 else x[:1] * 1.0
+
+
+def _changing_shape_on_rank():
+    r = dist.get_rank()
+    stage = _Cut() if r == 0 else nn.Linear(3, 3).double()
+    runner = pp.PipelineRunner(stage, schedule=pp.make_schedule("1f1b", 2, 2), loss_fn=F.mse_loss, timeout=1.0)
+    x = torch.tensor([[1., 0, 0], [1, 1, 1], [-1, 0, 0], [2, 2, 2]], dtype=torch.float64)
+    try:
+        runner.step(x if r == 0 else None, torch.zeros(4, 3, dtype=torch.float64) if r == 1 else None)
+    except (ValueError, pp.PipelineTimeout) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_an_activation_changing_shape_within_a_step_is_refused():
+    """gloo would receive the smaller message into the first microbatch's larger buffer and the
+    next stage would compute on stale rows: the sender refuses it by name (its peer times out, on
+    whichever message of rank 0's it was still waiting for).
+    A pool of its own: the failed step leaves messages in flight."""
+    with RankPool(2, timeout=60) as pool:
+        sender, receiver = pool.run(_changing_shape_on_rank)
+    assert sender == ("ValueError: stage 0 microbatch 1: output (1, 3) torch.float64 differs from this step's first "
+                      "microbatch ((2, 3) torch.float64)"), sender
+    assert re.match(r"PipelineTimeout: stage 1 microbatch \d: no (shape|activation) from rank 0 \(stage 0\)", receiver), receiver
 
 
 def _planted_on_rank():

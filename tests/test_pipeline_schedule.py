@@ -67,6 +67,16 @@ def test_batches_mixing_sends_and_receives_follow_megatrons_parity_rule():
     assert all(mixed), mixed
 
 
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_an_unsplit_backward_costs_b_plus_w(kind):
+    """BW computes the input and the weight gradients: t_b + t_w, as a split schedule pays in B and W."""
+    sched = pp.make_schedule(kind, 4, 8)
+    split_costs = pp.simulate(sched, t_f=1.0, t_b=1.0, t_w=1.0)
+    one_cost = pp.simulate(sched, t_f=1.0, t_b=2.0)
+    assert (split_costs.makespan, split_costs.busy) == (one_cost.makespan, one_cost.busy)
+    assert split_costs.busy == [8 * 3.0] * 4
+
+
 def test_comm_time_and_busy():
     # rank 0: F0 0-1, F1 1-2; rank 1 (each activation 0.5 later): F0 1.5-2.5, F1 2.5-3.5, B0 3.5-5.5,
     # B1 5.5-7.5; rank 0 (each gradient 0.5 later): B0 6-8, B1 8-10. Without comm time: 9.
@@ -93,6 +103,10 @@ def test_deadlock_and_broken_schedules_are_named():
     assert [str(a) for a in sched.actions[1]] == ["F1.0", "B1.0", "F1.1", "B1.1", "W1.0", "W1.1"]
     sched.actions[1][1], sched.actions[1][4] = sched.actions[1][4], sched.actions[1][1]
     with pytest.raises(pp.ScheduleError, match=r"^deadlock: W1.0 needs B1.0, which rank 1 queues after it; "):
+        pp.validate(sched)
+    sched = pp.make_schedule("zb-h1", 2, 2)  # a B whose W is missing: its weight gradients would be lost
+    sched.actions[1].pop()
+    with pytest.raises(pp.ScheduleError, match=r"^stage 1 microbatch 1: B and W must both appear$"):
         pp.validate(sched)
     sched = pp.make_schedule("gpipe", 2, 2)
     sched.actions[0].pop()
