@@ -145,6 +145,45 @@ def test_checkpoint_keeps_buffers(rank_pool, tmp_path, stage):
     assert rank_pool(2).run(_buffers_on_rank, str(tmp_path / "ckpt"), stage) == [True, True]
 
 
+class _HistNet(nn.Module):
+    """A per-rank buffer whose shape differs between ranks (each rank's own histogram)."""
+
+    def __init__(self, bins):
+        super().__init__()
+        self.fc = nn.Linear(D_IN, 2)
+        self.register_buffer("hist", torch.full((bins,), float(dist.get_rank())))
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def _per_rank_buffer_shapes_on_rank(path):
+    """Saved and loaded at each rank's own shape; a model whose buffer changed on rank 1 alone is
+    refused on every rank (rank 0 must not go on into dcp.load and wait there for rank 1)."""
+    rank = dist.get_rank()
+
+    def make(bins):
+        torch.manual_seed(0)
+        return fsdp.shard(_HistNet(bins).double(), stage=2, optimizer=OPTIMIZERS["sgd"])
+
+    fsdp.save(make(rank + 1), path)
+    same = make(rank + 1)
+    same.module.hist.zero_()
+    fsdp.load(same, path)
+    assert same.module.hist.tolist() == [float(rank)] * (rank + 1)
+    try:
+        fsdp.load(make(5 if rank == 1 else rank + 1), path)
+    except ValueError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_per_rank_buffer_shapes_reload_and_a_mismatch_on_one_rank_fails_on_all(rank_pool, tmp_path):
+    path = str(tmp_path / "ckpt")
+    want = f"checkpoint {path!r}: buffer hist was saved as float64 [2]; this model's is float64 [5]"
+    assert rank_pool(2).run(_per_rank_buffer_shapes_on_rank, path) == [want, want]
+
+
 def _rank0_failure_on_rank(path):
     from overlapkernels.runtime.fsdp import checkpoint as ck
 

@@ -88,6 +88,27 @@ def test_reduce_dtype_defaults_to_param_dtype(rank_pool, reduce_dtype, want):
     assert rank_pool(2).run(_dtypes_on_rank, reduce_dtype) == [[("torch.bfloat16", want, "torch.float32")]] * 2
 
 
+def _bf16_reductions_add_in_master_dtype_on_rank():
+    """Two bf16 reduce-scatters in flight for one unit (a module used twice, or leftovers) are added
+    in the master's fp32 when they land: 1 + 2**-9 is exact in fp32 and rounds to 1 in bf16."""
+    sharded = fsdp.shard(nn.Sequential(nn.Linear(4, 8)), stage=2, param_dtype=torch.bfloat16,
+                         reduce_dtype=torch.bfloat16)
+    unit = sharded.all_units[0]
+    for value in (1.0, 2.0 ** -9):  # every rank alike: the mean over ranks is the value
+        for p in unit.params:
+            p.grad = torch.full_like(p, value)
+        unit.reduce_grads(async_op=False)
+    unit.finish_reduce()
+    valid = sum(unit.numels) - dist.get_rank() * unit.shard_numel
+    got = unit.master.grad[:max(0, min(unit.shard_numel, valid))]
+    assert got.dtype == torch.float32 and got.numel() > 0 and bool((got == 1 + 2.0 ** -9).all()), got
+    return True
+
+
+def test_bf16_reductions_in_flight_add_in_master_dtype(rank_pool):
+    assert rank_pool(2).run(_bf16_reductions_add_in_master_dtype_on_rank) == [True, True]
+
+
 def _bf16_model_on_rank():
     """A bf16 model: fp32 master shards and optimizer state; fp32 inputs cast to param_dtype. On one
     rank (no reduction) it equals, bit for bit, bf16 compute over an fp32 master kept by hand."""

@@ -172,6 +172,8 @@ def _bad_layers_on_rank():
         (lambda: RowParallelLinear(4, 4, tp, input_is_parallel=False, sequence_parallel=True),
          r"needs input_is_parallel=True"),
         (lambda: VocabParallelEmbedding(7, 4, tp), r"num_embeddings=7 is not divisible"),
+        (lambda: VocabParallelEmbedding(8, 4, tp, sequence_parallel=True)(torch.zeros(1, 3, dtype=torch.long)),
+         r"sequence length 3 is not divisible by the tensor-parallel size 2 \(sequence_parallel=True\)"),
         (lambda: ParallelSelfAttention(8, 2, 1, tp), r"num_kv_heads=1 is not divisible by the tensor-parallel size 2"),
         (lambda: ParallelSelfAttention(8, 3, 1, tp), r"hidden=8 is not divisible by num_heads=3"),
         (lambda: ParallelMLP(8, 5, tp), r"ffn_hidden=5 is not divisible"),

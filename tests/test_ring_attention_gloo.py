@@ -135,6 +135,14 @@ def _shard_roundtrip_on_rank():
         (full * weight * (rank + 1)).sum().backward()
         assert torch.equal(part.grad, sum(range(1, world + 1)) * ok.shard_sequence(weight, layout=layout))
     assert torch.equal(ok.unshard_sequence(ok.shard_sequence(x.transpose(0, 1), dim=0), dim=0), x.transpose(0, 1))
+    # the global positions each rank's pieces claim (the causal masks' and RoPE's) are the ones it holds
+    from overlapkernels.ops.sequence_shard import segments
+
+    positions = torch.arange(x.shape[1])
+    for layout in ("zigzag", "contiguous"):
+        held = ok.shard_sequence(positions, dim=0, layout=layout)
+        for offset, start, n in segments(layout, world, rank, held.numel()):
+            assert torch.equal(held[offset:offset + n], torch.arange(start, start + n)), (layout, offset, start)
     return True
 
 
