@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import triton.testing
 
 from overlapkernels.bench.report import RowLog, environment, exit_on_sigterm, format_table
+from overlapkernels.bench.timing import gpu_median_s
 from overlapkernels.kernels.triton import flash_attn as fa
 from overlapkernels.kernels.triton.flash_attn import FlashConfig
 
@@ -48,12 +49,11 @@ def main(argv=None) -> int:
             torch.testing.assert_close(out, want.float(), atol=2e-2, rtol=2e-2)  # never time a wrong kernel
             delta = (do.float() * out).sum(-1)
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-                t_sdpa = triton.testing.do_bench(
-                    lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)) / 1e3
+                t_sdpa = gpu_median_s(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
                 qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
                 o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
-                t_sdpa_bwd = triton.testing.do_bench(
-                    lambda: torch.autograd.grad(o, (qr, kr, vr), do, retain_graph=True)) / 1e3
+                t_sdpa_bwd = gpu_median_s(
+                    lambda: torch.autograd.grad(o, (qr, kr, vr), do, retain_graph=True))
 
             grads = fa.block_backward(q, k, v, do, lse, delta, scale, causal=causal)
 
@@ -62,11 +62,10 @@ def main(argv=None) -> int:
                     if pass_ == "forward":
                         torch.testing.assert_close(fa.block_forward(q, k, v, scale, causal=causal)[0], out, atol=2e-2,
                                                    rtol=2e-2)
-                        return triton.testing.do_bench(lambda: fa.block_forward(q, k, v, scale, causal=causal)) / 1e3
+                        return gpu_median_s(lambda: fa.block_forward(q, k, v, scale, causal=causal))
                     for got, ref in zip(fa.block_backward(q, k, v, do, lse, delta, scale, causal=causal), grads):
                         torch.testing.assert_close(got, ref, atol=5e-2, rtol=5e-2)  # alternatives agree with default
-                    return triton.testing.do_bench(
-                        lambda: fa.block_backward(q, k, v, do, lse, delta, scale, causal=causal)) / 1e3
+                    return gpu_median_s(lambda: fa.block_backward(q, k, v, do, lse, delta, scale, causal=causal))
 
             trials = [("forward", "default", default), ("backward", "default", default)]
             trials += [("forward", str(c), fa.FlashConfigs(c, default.dkdv, default.dq)) for c in FWD_ALTERNATIVES

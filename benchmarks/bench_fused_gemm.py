@@ -7,9 +7,9 @@ import argparse
 import sys
 
 import torch
-import triton.testing
 
 from overlapkernels.bench.report import RowLog, environment, exit_on_sigterm, format_table
+from overlapkernels.bench.timing import gpu_median_s
 from overlapkernels.kernels.triton.ag_gemm import ag_gemm
 from overlapkernels.kernels.triton.signals import FLAG_DTYPE, polls
 from overlapkernels.kernels.triton.tile_gemm import GemmConfig, gemm_config
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     rows = RowLog(args.csv, {"M": args.m, "N": args.n, "K": args.k, "dtype": "bfloat16", **env})
     exit_on_sigterm()
     try:
-        t_mm = triton.testing.do_bench(lambda: torch.mm(a, b), warmup=50, rep=300) / 1e3
+        t_mm = gpu_median_s(lambda: torch.mm(a, b), warmup=50, rep=300)
         rows.add({"kernel": "torch.mm", "config": "cuBLAS", "time_us": t_mm * 1e6, "tflops": flops / t_mm / 1e12,
                   "vs_mm": 1.0})
         ref = a.float() @ b.float()
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
                 rows.add({"kernel": name, "config": str(cfg), "time_us": float("nan"), "tflops": float("nan"),
                           "vs_mm": float("nan"), "error": type(exc).__name__})
                 continue
-            t = triton.testing.do_bench(run, warmup=50, rep=300) / 1e3
+            t = gpu_median_s(run, warmup=50, rep=300)
             rows.add({"kernel": name, "config": str(cfg), "time_us": t * 1e6, "tflops": flops / t / 1e12,
                       "vs_mm": t_mm / t})
     finally:

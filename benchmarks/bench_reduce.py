@@ -7,9 +7,9 @@ import argparse
 import sys
 
 import torch
-import triton.testing
 
 from overlapkernels.bench.report import RowLog, environment, exit_on_sigterm, format_table
+from overlapkernels.bench.timing import gpu_median_s
 from overlapkernels.kernels import cuda as cuda_lib
 
 
@@ -35,10 +35,10 @@ def main(argv=None) -> int:
             for s in srcs:
                 want += s.float()
             torch.testing.assert_close(dst, want.to(dtype), atol=0, rtol=0)  # fixed order, fp32: exact
-            t_reduce = triton.testing.do_bench(lambda: cuda_lib.reduce_sum(dst, srcs)) / 1e3
+            t_reduce = gpu_median_s(lambda: cuda_lib.reduce_sum(dst, srcs))
             src_all = torch.cat(srcs)
             copy_dst = torch.empty_like(src_all)
-            t_copy = triton.testing.do_bench(lambda: copy_dst.copy_(src_all)) / 1e3
+            t_copy = gpu_median_s(lambda: copy_dst.copy_(src_all))
             moved = (args.srcs + 1) * dst.numel() * dst.element_size()  # read P sources, write one
             copied = 2 * src_all.numel() * src_all.element_size()       # read and write
             rows.add({"kernel": "ok_reduce_sum", "dtype": str(dtype).replace("torch.", ""), "srcs": args.srcs,

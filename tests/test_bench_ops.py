@@ -432,3 +432,14 @@ def test_tflops_counts_two_flops_per_multiply_add(rank_pool, op, gemm):
     m, k, n = gemm
     for row in rank_pool(2).run(tp_ops.rank_main, tp_ops.config_dict(config))[0]:
         assert row["tflops"] == pytest.approx(2 * m * k * n / (row["time_us"] * 1e-6) / 1e12, rel=1e-9)
+
+
+def test_gpu_median_asks_do_bench_for_the_median(monkeypatch):
+    """do_bench's default is the mean; the GPU benchmark scripts report medians through this."""
+    import triton.testing
+
+    from overlapkernels.bench.timing import gpu_median_s
+
+    seen = {}
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: seen.update(kwargs) or 2.0)
+    assert gpu_median_s(lambda: None, rep=5) == 2e-3 and seen == {"return_mode": "median", "rep": 5}

@@ -17,6 +17,16 @@ METHODS = ["symm", "fused"]
 GPU_TIMEOUT_S = 30
 
 
+@pytest.fixture(scope="module", autouse=True)
+def cuda_ready():
+    """The CUDA context (every module loaded: gpu_check.sh sets CUDA_MODULE_LOADING=EAGER) and
+    cuBLAS made once, before the first world's ranks start their GPU_TIMEOUT_S clock."""
+    if torch.cuda.is_available():
+        x = torch.ones(8, 8, device="cuda")
+        (x @ x).sum().item()
+    yield
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("method", METHODS)
 def test_exact_bf16_with_straggler(world, method):
@@ -34,15 +44,18 @@ def _bf16_random_on_rank(ctx, method, m, k, n):
     torch.testing.assert_close(out.float(), want, atol=1e-1, rtol=1e-2)
     a_all = [torch.randn(w * m, k, generator=gen).to("cuda", torch.bfloat16) for _ in range(w)]
     out2 = ok.matmul_reduce_scatter(a_all[r], b, ctx, method=method)
-    want2 = sum(x.float() @ b.float() for x in a_all).chunk(w)[r]
-    torch.testing.assert_close(out2.float(), want2, atol=2e-1, rtol=2e-2)
+    partials = [(x.float() @ b.float()).chunk(w)[r] for x in a_all]
+    want2 = sum(partials)
+    # each rank's partial travels rounded to bf16 (at most half an ulp: 2**-8 relative) and the fp32
+    # sum is rounded once more; twice that bound per element (fp32 accumulation order differs from
+    # this reference's), plus a little. Not atol/rtol on the output: partials reach ~100 where the
+    # sum is near 0, and their rounding (0.8 here) is what the method does, not an error.
+    bound = 2.0 ** -7 * (sum(p.abs() for p in partials) + want2.abs()) + 1e-2
+    excess = (out2.float() - want2).abs() - bound
+    assert (excess <= 0).all(), f"rank {r}: {int((excess > 0).sum())} elements off by up to {float(excess.max())} more"
     bad = out2.float().clone()
-    bad[1, 1] = bad[1, 1] * 1.05 + 1.0  # planted: the tolerance must catch it
-    try:
-        torch.testing.assert_close(bad, want2, atol=2e-1, rtol=2e-2)
-        return False
-    except AssertionError:
-        return True
+    bad[1, 1] += 2 * bound[1, 1]  # planted: the bound must catch it
+    return bool(((bad - want2).abs() > bound).any())
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -57,6 +57,14 @@ def time_calls(fn, iters: int, warmup: int, device: torch.device, group=None) ->
     return times
 
 
+def gpu_median_s(fn, **do_bench_kwargs) -> float:
+    """Median seconds per call of ``fn`` by ``triton.testing.do_bench`` (whose default is the
+    mean: one slow outlier, a clock ramp or a context switch, would move it; rows report medians)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, return_mode="median", **do_bench_kwargs) / 1e3
+
+
 def time_local(fn, iters: int, warmup: int, device: torch.device, group=None) -> list[float]:
     """Seconds per call of ``fn`` that talks to no other rank (this rank's GEMM alone, attention
     without traffic). On GPU ``triton.testing.do_bench`` times it (its own call count is safe here:
