@@ -1,0 +1,56 @@
+"""Interleaved pipelines with ZeRO over DP (as Megatron's interleaved schedule with its
+distributed optimizer): each rank holds several model chunks, each sharded by fsdp.shard over the
+DP group, run by one PipelineRunner; two optimizer steps against the unsharded model on the whole
+batch (fp64, SGD with momentum: sensitive to the gradient's scale)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import overlapkernels as ok
+from overlapkernels.runtime import fsdp
+from overlapkernels.runtime import pipeline as pp
+from test_pipeline import WIDTH, _model, _stage
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _interleaved_zero_on_rank(kind, v, zero_stage):
+    dims = ok.init_parallel(pp=2, dp=2)
+    p, m = dims.pp_size, 4
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(8, WIDTH, generator=g, dtype=torch.float64),
+                torch.randn(8, WIDTH, generator=g, dtype=torch.float64)) for _ in range(2)]
+    ref = _model(p * v)
+    ref_opt = _sgd(ref.parameters())
+    for x, y in batches:
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+
+    model = _model(p * v)
+    stages = [c * p + dims.pp_rank for c in range(v)]
+    chunks = [fsdp.shard(_stage(model, s), dims.dp_group, stage=zero_stage, optimizer=_sgd) for s in stages]
+    sched = pp.make_schedule(kind, p, m, num_virtual=v)
+    runner = pp.PipelineRunner(chunks if v > 1 else chunks[0], dims.pp_group, schedule=sched, loss_fn=F.mse_loss)
+    first, last = dims.pp_rank == 0, sched.rank_of(sched.num_stages - 1) == dims.pp_rank
+    for x, y in batches:
+        rows = slice(dims.dp_rank * 4, (dims.dp_rank + 1) * 4)  # this DP rank's half of the batch
+        for chunk in chunks:
+            chunk.zero_grad()
+        runner.step(x[rows] if first else None, y[rows] if last else None)
+        for chunk in chunks:
+            chunk.step()
+    for s, chunk in zip(stages, chunks):
+        full = chunk.full_state_dict()
+        for name, want in _stage(ref, s).state_dict().items():
+            torch.testing.assert_close(full[name], want, atol=1e-12, rtol=1e-12,
+                                       msg=lambda msg, n=name: f"stage {s} {n}: {msg}")
+    return True
+
+
+@pytest.mark.parametrize("kind, v", [("interleaved-1f1b", 2), ("zb-h1", 1)])
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_pipeline_chunks_sharded_over_dp_match_the_whole_model(rank_pool, kind, v, zero_stage):
+    assert rank_pool(4).run(_interleaved_zero_on_rank, kind, v, zero_stage) == [True] * 4
