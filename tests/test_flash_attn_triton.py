@@ -34,6 +34,21 @@ def _close(name, got, want, dtype):
     torch.testing.assert_close(got, want.to(got.dtype), atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
 
 
+def test_a_head_dim_above_16_that_is_no_power_of_two():
+    """D = 24 (as 40, 80, 96 in real models): the kernels pad it to the next power of two (tl.arange
+    needs one) and mask the padding; 12, as above, pads to the minimum 16 either way."""
+    q, k, v, do = _inputs(torch.float32, dim=24)
+    args = dict(q_start=7, k_start=3, causal=True)
+    out, lse = fa.block_forward(q, k, v, 0.3, **args)
+    out_ref, lse_ref = ref.block_forward(q, k, v, 0.3, **args)
+    _close("out", out, out_ref, torch.float32)
+    _close("lse", lse, lse_ref, torch.float32)
+    delta = (do.float() * out_ref).sum(-1)
+    for name, got, want in zip(("dq", "dk", "dv"), fa.block_backward(q, k, v, do, lse_ref, delta, 0.3, **args),
+                               ref.block_backward(q, k, v, do, lse_ref, delta, 0.3, **args)):
+        _close(name, got, want, torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("causal, q_start, k_start", OFFSETS)
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])

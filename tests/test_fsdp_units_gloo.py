@@ -114,3 +114,25 @@ def test_tied_weights_across_units(rank_pool, stage):
     # stage 3 would free while the head still uses it; shared with the root (head in no unit) too
     assert rank_pool(2).run(_tied_on_rank, stage, None) == [["mid", "<root>"]] * 2
     assert rank_pool(2).run(_tied_on_rank, stage, ["Embedding", "Block"]) == [["mid", "<root>"]] * 2
+
+
+def _reduced_during_backward_on_rank(stage):
+    """ZeRO 2/3 reduce-scatter a unit as soon as its gradients are all there, while the units
+    before it still run backward (the overlap, and the memory: no unit's full gradient is kept to
+    the end). Seen from the backward of the first unit: every later unit is reduced and has dropped
+    its full gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D_IN, 6), nn.Tanh(), nn.Linear(6, 6), nn.Linear(6, 3)).double()
+    sharded = fsdp.shard(model, stage=stage, optimizer=OPTIMIZERS["sgd"])
+    later = [u for u in sharded.all_units if u.module in (model[2], model[3])]
+    assert len(later) == 2
+    seen = []
+    x = torch.randn(4, D_IN, dtype=torch.float64, requires_grad=True)
+    x.register_hook(lambda g: seen.append([(u.bytes_reduced > 0, u.has_full_grads()) for u in later]))
+    sharded(x).sum().backward()
+    return seen
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_units_are_reduced_during_backward(rank_pool, stage):
+    assert rank_pool(2).run(_reduced_during_backward_on_rank, stage) == [[[(True, False), (True, False)]]] * 2

@@ -52,8 +52,16 @@ def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2, compiled=
     with torch.no_grad():
         for p in again.parameters():
             p.zero_()
-    again.load_state_dict(gather_dense_state_dict(model), strict=True)
+    exported = gather_dense_state_dict(model)
+    again.load_state_dict(exported, strict=True)
     assert torch.equal(again.loss(tokens, targets), dense_loss.detach())
+    # a snapshot: training on does not change it (unsplit tensors, norms and biases, are copies too)
+    before = {k: v.clone() for k, v in exported.items() if torch.is_tensor(v)}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    changed = [k for k, v in before.items() if not torch.equal(exported[k], v)]
+    assert not changed, f"the export aliases live parameters: {changed}"
     return float(loss)
 
 

@@ -239,7 +239,7 @@ def test_planted_error_is_caught(rank_pool):
 def _deferred_linears_on_rank(method, drop_closure=False):
     """Column/Row x SP on/off, each against the same layer without deferral: inside ``deferring``
     backward gives the input and bias gradients and leaves the weight's untouched (an existing
-    .grad, not None, so accumulation is tested too) behind one closure; W adds what plain backward
+    .grad, so accumulation is tested, or None) behind one closure; W adds what plain backward
     adds. A frozen weight gets no closure and no gradient. ``drop_closure``: a planted lost W.
     Also under activation checkpointing (reentrant or not), where backward's saved tensors are
     recomputed aliases of the parameters: the closures must still reach the parameters."""
@@ -263,10 +263,11 @@ def _deferred_linears_on_rank(method, drop_closure=False):
             for i, (p, q) in enumerate(zip(ref.parameters(), zb.parameters())):
                 p.copy_(_randn(*p.shape, seed=10 * rank + i))
                 q.copy_(p)
+        fresh = ckpt == "reentrant" and not frozen  # the weight's .grad starts None: W assigns, not adds
         for layer in (ref, zb):
             layer.weight.requires_grad_(not frozen)
             for i, p in enumerate(layer.parameters()):
-                p.grad = None if frozen and p is layer.weight else _randn(*p.shape, seed=50 + i)
+                p.grad = None if (frozen or fresh) and p is layer.weight else _randn(*p.shape, seed=50 + i)
         rows = s // world if sp and cls is ColumnParallelLinear else s
         x = _randn(rows, b, ref.weight.shape[1], seed=20 + rank)
         xr, xz = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -280,7 +281,7 @@ def _deferred_linears_on_rank(method, drop_closure=False):
             (y * g).sum().backward()
         what = f"{cls.__name__} sp={sp} frozen={frozen} checkpoint={ckpt}"
         assert len(store.closures) == (0 if frozen else 1), what
-        assert (zb.weight.grad is None) if frozen else torch.equal(zb.weight.grad, before), what
+        assert (zb.weight.grad is None) if (frozen or fresh) else torch.equal(zb.weight.grad, before), what
         torch.testing.assert_close(xz.grad, xr.grad, **exact, msg=lambda m: f"{what} input grad: {m}")
         torch.testing.assert_close(zb.bias.grad, ref.bias.grad, **exact, msg=lambda m: f"{what} bias: {m}")
         if drop_closure:
@@ -291,6 +292,8 @@ def _deferred_linears_on_rank(method, drop_closure=False):
             torch.testing.assert_close(zb.weight.grad, ref.weight.grad, **exact,
                                        msg=lambda m: f"{what} weight grad after W: {m}")
             assert not zb.weight.grad.requires_grad, what  # a gradient, not a graph
+            # laid out as the parameter (as autograd leaves it), not a transposed view of W's product
+            assert zb.weight.grad.stride() == zb.weight.stride(), (what, zb.weight.grad.stride())
     # under autocast the matmul sees a bf16 cast of the fp32 weight (not a leaf, so nothing to defer
     # to): its gradient must still reach the parameter, as without deferral
     for sp in (False, True):

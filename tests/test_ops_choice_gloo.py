@@ -72,6 +72,38 @@ def test_auto_records_choice_and_strict_mode_raises(rank_pool):
         assert "256 GEMM flop per byte sent > 128" in backward_error
 
 
+def _rs_reason_on_rank():
+    ok.reset_overlap_stats()
+    ok.matmul_reduce_scatter(torch.ones(2 * 128, 512, dtype=torch.float64), torch.ones(512, 8, dtype=torch.float64))
+    return {key: list(reasons) for key, reasons in ok.overlap_stats(reset=True).reasons.items()}
+
+
+def test_reduce_scatter_rules_see_one_chunk(rank_pool):
+    """A ring step of matmul + reduce-scatter sends one [m, N] running sum, m = rows / world:
+    128 x 8 fp64 = 8192 B here (the whole [256, 8] would be twice that)."""
+    for reasons in rank_pool(2).run(_rs_reason_on_rank):
+        assert any("gloo ring message 8192 B <" in r for r in reasons[("matmul_reduce_scatter", "baseline")]), reasons
+
+
+def test_rule_thresholds_at_their_boundaries():
+    """The documented rules exactly at their limits: CUDA from 1024 rows per rank, gloo from 512 KiB
+    messages and up to (including) the op's flop-per-byte limit."""
+    from overlapkernels.ops import dispatch
+
+    def method(op="all_gather_matmul", *, device="cpu", rows=8, nbytes=dispatch.GLOO_MIN_STEP_BYTES, flops=None):
+        return dispatch.choose(op, "auto", world_size=4, rows_per_rank=rows, step_bytes=nbytes,
+                               step_flops=nbytes if flops is None else flops, device=torch.device(device),
+                               peer_memory=False).method
+
+    limit = dispatch.CUDA_MIN_ROWS_PER_RANK
+    assert [method(device="cuda", rows=rows) for rows in (limit - 1, limit)] == ["baseline", "decomposed"]
+    least = dispatch.GLOO_MIN_STEP_BYTES
+    assert [method(nbytes=nbytes) for nbytes in (least - 1, least)] == ["baseline", "decomposed"]
+    for op, most in dispatch.GLOO_MAX_FLOPS_PER_BYTE.items():
+        assert [method(op, flops=most * least + extra) for extra in (0, 1)] == ["decomposed", "baseline"], op
+    ok.reset_overlap_stats()
+
+
 @pytest.mark.parametrize("requested, has_symm, ipc_built, kind", [
     ("auto", True, True, "symm_mem"), ("auto", True, False, "symm_mem"), ("auto", False, True, "ipc"),
     ("symm_mem", True, True, "symm_mem"), ("ipc", True, True, "ipc"), ("ipc", False, True, "ipc")])

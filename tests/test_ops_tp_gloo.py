@@ -173,7 +173,18 @@ def fp32_partial_sums_case(world, rank, dtype):
 def _fp32_partial_sums_on_rank(dtype):
     r, w = dist.get_rank(), dist.get_world_size()
     a_all, b_all, want, telling = fp32_partial_sums_case(w, r, dtype)
-    return torch.equal(ok.matmul_reduce_scatter(a_all[r], b_all[r], method="decomposed"), want), telling
+    reduced = torch.equal(ok.matmul_reduce_scatter(a_all[r], b_all[r], method="decomposed"), want)
+    # the weight gradient of all-gather + matmul (only the shard saved: the ring gathers it again)
+    # adds each arriving chunk's 16-bit product in fp32 the same way
+    g = torch.Generator().manual_seed(1)
+    shards = [torch.randn(16, 64, generator=g).to(dtype) for _ in range(w)]
+    b = torch.randn(64, 24, generator=g).to(dtype).requires_grad_()
+    grad_out = torch.randn(w * 16, 24, generator=g).to(dtype)
+    ok.all_gather_matmul(shards[r], b, method="decomposed").backward(grad_out)
+    products = [s.T @ grad_out[q * 16:(q + 1) * 16] for q, s in enumerate(shards)]
+    want_wgrad = sum(p.float() for p in products).to(dtype)
+    wgrad_telling = not torch.equal(sum(products, torch.zeros_like(want_wgrad)), want_wgrad)
+    return reduced and torch.equal(b.grad, want_wgrad), telling and wgrad_telling
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -189,6 +200,8 @@ def test_planted_error_is_caught(rank_pool):
 BAD_AG = [
     (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(9, 3)), ValueError,
      r"b.shape\[0\]=9 does not match a_shard.shape\[-1\]=8 \(the contracted dim K\)"),
+    (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3, 2)), ValueError,
+     r"b must be 2-D \[K, N\], got shape \(8, 3, 2\)"),
     (lambda: ok.all_gather_matmul(torch.ones(4, 8), [torch.ones(8, 3), torch.ones(7, 3)]), ValueError,
      r"b\[1\].shape\[0\]=7 does not match"),
     (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3), gather_dim=1), ValueError,

@@ -401,3 +401,24 @@ def _fused_bf16_inside_on_rank(ctx):
 
 def test_fused_bf16_on_cpu_is_refused_inside_the_method_router():
     assert ThreadWorld(2, timeout=30).run(_fused_bf16_inside_on_rank) == [[True, True]] * 2
+
+
+def _two_dtypes_one_shape_on_rank(ctx, method):
+    """A float16 call, then a float32 one of the same shape: each dtype gets its own symmetric
+    slots (a float16 slot would round the float32 shards on their way, silently)."""
+    r, w = ctx.rank, ctx.world_size
+    ones = (torch.ones(4, 8, dtype=torch.float16), torch.ones(8, 2, dtype=torch.float16))
+    ok.all_gather_matmul(*ones, ctx, method=method)
+    ok.matmul_reduce_scatter(torch.ones(w * 4, 8, dtype=torch.float16), ones[1], ctx, method=method)
+    shards = [_rands((4, 8), q) * (1 + 2 ** -20) for q in range(w)]  # not representable in fp16
+    gathered, _ = ok.all_gather_matmul(shards[r], torch.ones(8, 2), ctx, return_gathered=True, method=method)
+    a_all = [_rands((w * 4, 8), 10 + q) for q in range(w)]
+    b = _rands((8, 2), 20)
+    out = ok.matmul_reduce_scatter(a_all[r], b, ctx, method=method)
+    want = sum(x @ b for x in a_all).chunk(w)[r]
+    return torch.equal(gathered, torch.cat(shards)), torch.allclose(out, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["symm", "fused"])
+def test_each_dtype_has_its_own_workspace(method):
+    assert ThreadWorld(2, timeout=60).run(_two_dtypes_one_shape_on_rank, method) == [(True, True)] * 2

@@ -225,6 +225,14 @@ def test_launch_environment_problems_are_named(monkeypatch):
     with pytest.raises(ValueError, match="sets WORLD_SIZE but not all of RANK, WORLD_SIZE, MASTER_ADDR and "
                                          "MASTER_PORT: launch with torchrun"):
         parallel.init_default_process_group("gloo")
+    # three of the four (MASTER_ADDR lost): each process would otherwise start a world of its own
+    for name, value in (("RANK", "1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="sets RANK, WORLD_SIZE, MASTER_PORT but not all of RANK, WORLD_SIZE, "
+                                         "MASTER_ADDR and MASTER_PORT"):
+        parallel.init_default_process_group("gloo")
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("MASTER_PORT")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="backend='nccl' needs CUDA GPUs, and this process sees none"):
             parallel.init_default_process_group("nccl")

@@ -123,3 +123,25 @@ def _live_block_outputs_on_rank():
 
 def test_forward_keeps_no_per_step_outputs(rank_pool):
     assert rank_pool(4).run(_live_block_outputs_on_rank) == [(16, 1)] * 4
+
+
+def _allgather_baseline_on_rank():
+    """The benchmark's unoverlapped baseline (all-gather K/V, then every block) computes what the
+    ring does: its times are only comparable if its answers are."""
+    ra = importlib.import_module("overlapkernels.ops.ring_attention")
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 8, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 2, 8, 8, generator=g, dtype=torch.float64) + rank  # every rank's block differs
+    v = torch.randn(1, 2, 8, 8, generator=g, dtype=torch.float64) * (1 + rank)
+    for layout, causal in (("zigzag", True), ("contiguous", True), ("contiguous", False)):
+        out, lse = ra.ring_forward(q, k, v, dist.group.WORLD, causal, 0.3, layout, "torch")
+        base_out, base_lse = ra.allgather_kv_forward(q, k, v, dist.group.WORLD, causal, 0.3, layout, "torch")
+        torch.testing.assert_close(base_out, out, atol=1e-12, rtol=1e-12, msg=lambda m, lo=layout: f"{lo}: {m}")
+        torch.testing.assert_close(base_lse, lse, atol=1e-12, rtol=1e-12, msg=lambda m, lo=layout: f"{lo}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_allgather_kv_baseline_equals_the_ring(rank_pool, world):
+    assert rank_pool(world).run(_allgather_baseline_on_rank) == [True] * world
