@@ -1,14 +1,13 @@
-"""peer_access_problem: the GPUs' pairwise peer read/write/atomics as NVML reports them (faked
-here: a node of 4 GPUs, NVLink between 0-1, PCIe without P2P atomics elsewhere)."""
+"""Peer access between GPUs as NVML reports it (faked here: a node of 4 GPUs, PCIe without P2P
+atomics between 1 and 2), and the verdict every rank draws from all ranks' reports."""
 from types import SimpleNamespace
 
-import pytest
+from overlapkernels.comm.peer_access import failing_pairs, peer_access_problem
 
-from overlapkernels.comm.peer_access import peer_access_problem
-
-UUIDS = ["5a1e0000-0000-0000-0000-00000000000%d" % i for i in range(4)]  # torch prints no "GPU-"
+UUIDS = ["5a1e0000-0000-0000-0000-00000000000%d" % i for i in range(4)]  # as torch prints them: no "GPU-"
 READ, WRITE, ATOMICS = 0, 1, 3
 OK, NOT_SUPPORTED = 0, 5
+NO_ATOMICS_1_2 = {(UUIDS[1], UUIDS[2]): "no peer-to-peer atomics (NVML: NOT_SUPPORTED)"}
 
 
 def _fake_nvml(no_atomics=(), init_error=False, calls=None):
@@ -16,8 +15,7 @@ def _fake_nvml(no_atomics=(), init_error=False, calls=None):
 
     def p2p(a, b, index):
         calls.append((a, b, index))
-        pair = frozenset((a, b))
-        return NOT_SUPPORTED if index == ATOMICS and pair in no_atomics else OK
+        return NOT_SUPPORTED if index == ATOMICS and frozenset((a, b)) in no_atomics else OK
 
     def init():
         if init_error:
@@ -30,26 +28,27 @@ def _fake_nvml(no_atomics=(), init_error=False, calls=None):
         NVML_P2P_CAPS_INDEX_READ=READ, NVML_P2P_CAPS_INDEX_WRITE=WRITE, NVML_P2P_CAPS_INDEX_ATOMICS=ATOMICS)
 
 
-def test_every_pair_with_peer_access_passes():
+def test_every_pair_and_capability_is_asked():
     calls = []
-    assert peer_access_problem(UUIDS, _fake_nvml(calls=calls)) is None
+    assert failing_pairs(_fake_nvml(calls=calls)) == {}
     assert {frozenset((a, b)) for a, b, _ in calls} == {frozenset((i, j)) for i in range(4) for j in range(i + 1, 4)}
     assert {index for *_, index in calls} == {READ, WRITE, ATOMICS}
 
 
-def test_a_pair_without_native_atomics_is_named():
-    problem = peer_access_problem(UUIDS, _fake_nvml(no_atomics={frozenset((1, 2))}))
-    assert problem == (f"GPUs {UUIDS[1]} and {UUIDS[2]} have no peer-to-peer atomics (NVML: NOT_SUPPORTED); "
-                       "symm/fused need GPUs linked by NVLink (or PCIe P2P with native atomics)")
-    # a group that does not use that pair is fine
-    assert peer_access_problem([UUIDS[0], UUIDS[1]], _fake_nvml(no_atomics={frozenset((1, 2))})) is None
+def test_a_pair_without_native_atomics_is_found_and_named():
+    assert failing_pairs(_fake_nvml(no_atomics={frozenset((1, 2))})) == NO_ATOMICS_1_2
+    assert peer_access_problem(UUIDS, [{}, NO_ATOMICS_1_2]) == (
+        f"GPUs {UUIDS[1]} and {UUIDS[2]} have no peer-to-peer atomics (NVML: NOT_SUPPORTED); symm/fused need GPUs "
+        "linked by NVLink (or PCIe P2P with native atomics)")
+    # NVML's "GPU-" form and case are the same GPU
+    assert peer_access_problem([f"GPU-{u.upper()}" for u in UUIDS], [NO_ATOMICS_1_2]) is not None
 
 
-@pytest.mark.parametrize("uuids", [[UUIDS[2]] * 3, [UUIDS[0]]])
-def test_ranks_sharing_one_gpu_need_no_nvml(uuids):
-    assert peer_access_problem(uuids, SimpleNamespace()) is None  # an empty nvml: never asked
+def test_groups_not_using_a_failing_pair_or_sharing_one_gpu_are_fine():
+    assert peer_access_problem([UUIDS[0], UUIDS[1], UUIDS[3]], [NO_ATOMICS_1_2] * 3) is None
+    assert peer_access_problem([UUIDS[1]] * 4, [NO_ATOMICS_1_2] * 4) is None  # ranks sharing one GPU
 
 
 def test_no_verdict_where_nvml_cannot_answer():
-    assert peer_access_problem(UUIDS, _fake_nvml(init_error=True)) is None
-    assert peer_access_problem([UUIDS[0], "cuda:1"], _fake_nvml(no_atomics={frozenset((0, 1))})) is None  # old torch
+    assert failing_pairs(_fake_nvml(init_error=True)) == {}
+    assert peer_access_problem(UUIDS, [{}, {}]) is None

@@ -4,9 +4,9 @@
 from many thread blocks at once. Over NVLink those are native; over PCIe, peer access may be
 missing, or present without native atomics, and then counts can be lost: a wait that times out,
 or worse. Sitting on one host is not enough, so the ranks' GPUs are checked pairwise with NVML
-(by UUID, so each process's CUDA_VISIBLE_DEVICES does not matter). Where NVML cannot answer (no
-driver library, a UUID NVML does not list, MIG) there is no verdict: the answer is None, as when
-every pair passes.
+(by UUID, so each process's CUDA_VISIBLE_DEVICES does not matter). Each rank lists the failing pairs
+of its host and the ranks exchange the lists, so all decide alike. Where NVML cannot answer (no
+driver library, a UUID NVML does not list, MIG) there is no verdict: nothing fails.
 """
 from __future__ import annotations
 
@@ -25,43 +25,56 @@ def _status_name(nvml, status: int) -> str:
     return names[0].removeprefix("NVML_P2P_STATUS_") if names else str(status)
 
 
-def peer_access_problem(uuids, nvml=None) -> str | None:
-    """Why the GPUs ``uuids`` (one per rank, repeats allowed: ranks sharing a GPU) cannot serve
-    peer memory; None when every distinct pair has peer read, write and native atomics, or when
-    NVML cannot tell. ``nvml`` defaults to the ``pynvml`` module."""
-    distinct = sorted({_uuid_key(u) for u in uuids})
-    if len(distinct) < 2:
-        return None
+def failing_pairs(nvml=None) -> dict:
+    """``{(uuid_a, uuid_b): what is missing}`` over every pair of GPUs NVML lists on this host
+    (UUIDs as ``_uuid_key`` writes them, a < b), empty when every pair has peer read, write and
+    native atomics, or when NVML cannot tell. Local: ranks exchange it, so that every rank decides
+    from the same answers (NVML may answer on one rank and not on another)."""
     if nvml is None:
         try:
             import pynvml as nvml
         except ImportError:
-            return None
+            return {}
     try:
         nvml.nvmlInit()
     except Exception:  # no driver library here: no verdict
-        return None
+        return {}
     try:
         handles = {}
         for index in range(nvml.nvmlDeviceGetCount()):
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
             handles[_uuid_key(nvml.nvmlDeviceGetUUID(handle))] = handle
-        if any(u not in handles for u in distinct):
-            return None
-        ok = nvml.NVML_P2P_STATUS_OK
-        for i, a in enumerate(distinct):
-            for b in distinct[i + 1:]:
+        ok, failing = nvml.NVML_P2P_STATUS_OK, {}
+        uuids = sorted(handles)
+        for i, a in enumerate(uuids):
+            for b in uuids[i + 1:]:
                 for index_name, what in _CAPABILITIES:
                     status = nvml.nvmlDeviceGetP2PStatus(handles[a], handles[b],
                                                          getattr(nvml, f"NVML_P2P_CAPS_INDEX_{index_name}"))
                     if status != ok:
-                        return (f"GPUs {a} and {b} have no peer-to-peer {what} (NVML: {_status_name(nvml, status)}); "
-                                "symm/fused need GPUs linked by NVLink (or PCIe P2P with native atomics)")
-        return None
+                        failing[(a, b)] = f"no peer-to-peer {what} (NVML: {_status_name(nvml, status)})"
+                        break
+        return failing
     except Exception:  # a query this driver does not support: no verdict
-        return None
+        return {}
     finally:
         try:
             nvml.nvmlShutdown()
         except Exception:
             pass
+
+
+def peer_access_problem(uuids, failing_by_rank) -> str | None:
+    """Why the GPUs ``uuids`` (one per rank, repeats allowed: ranks sharing a GPU) cannot serve
+    peer memory, from every rank's ``failing_pairs()``; None when no rank knows of a failing pair
+    among them. The same inputs on every rank give every rank the same answer."""
+    distinct = sorted({_uuid_key(u) for u in uuids})
+    failing = {}
+    for pairs in failing_by_rank:
+        failing.update(pairs)
+    for i, a in enumerate(distinct):
+        for b in distinct[i + 1:]:
+            if (a, b) in failing:
+                return (f"GPUs {a} and {b} have {failing[(a, b)]}; symm/fused need GPUs linked by NVLink (or PCIe "
+                        "P2P with native atomics)")
+    return None

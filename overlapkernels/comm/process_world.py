@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_gather_objects
-from .peer_access import peer_access_problem
+from .peer_access import failing_pairs, peer_access_problem
 from .side_stream import CudaSideStream
 from .symmetric import SymmetricTensor
 
@@ -135,12 +135,13 @@ def group_has_peer_memory(group: dist.ProcessGroup, device: torch.device) -> boo
             able, error = peer_memory_unavailable_reason(device) is None, None
         except ValueError as exc:  # a bad setting here: every rank is told, none is left waiting
             able, error = False, str(exc)
-        uuid = _device_uuid(device) if able else None
-        everyone = all_gather_objects((socket.gethostname(), able, error, uuid), group, device)
-        if errors := [f"rank {dist.get_global_rank(group, r)}: {e}" for r, (_, _, e, _) in enumerate(everyone) if e]:
+        mine = (_device_uuid(device), failing_pairs()) if able else (None, {})
+        everyone = all_gather_objects((socket.gethostname(), able, error, *mine), group, device)
+        if errors := [f"rank {dist.get_global_rank(group, r)}: {e}" for r, (_, _, e, *_) in enumerate(everyone) if e]:
             raise ValueError("; ".join(errors))
-        _group_peer_memory[key] = (len({host for host, *_ in everyone}) == 1 and all(ok for _, ok, _, _ in everyone)
-                                   and peer_access_problem([u for *_, u in everyone]) is None)
+        _group_peer_memory[key] = (len({host for host, *_ in everyone}) == 1 and all(ok for _, ok, *_ in everyone)
+                                   and peer_access_problem([u for *_, u, _ in everyone],
+                                                           [pairs for *_, pairs in everyone]) is None)
     return _group_peer_memory[key]
 
 
@@ -163,20 +164,20 @@ class ProcessPeerWorld:
         if kind is None:
             raise ValueError(why)
         mine = _device_uuid(device)
-        ranks = all_gather_objects((kind, mine, socket.gethostname()), group, device)
-        kinds, hosts = [k for k, _, _ in ranks], sorted({h for _, _, h in ranks})
+        ranks = all_gather_objects((kind, mine, socket.gethostname(), failing_pairs()), group, device)
+        kinds, hosts = [k for k, *_ in ranks], sorted({h for _, _, h, _ in ranks})
         if len(set(kinds)) > 1:  # mixed kinds would deadlock in alloc_symmetric
             raise ValueError(f"ranks chose different peer memory {kinds} (set {PEER_MEMORY_ENV} alike on every "
                              "rank, and install the same torch and CUDA library everywhere)")
         if len(hosts) > 1:  # every rank sees the same hosts, so every rank raises
             raise ValueError(f"peer memory ('symm'/'fused') needs the group on one node; its ranks are on {hosts}: "
                              "use 'decomposed' or 'baseline'")
-        if problem := peer_access_problem([uuid for _, uuid, _ in ranks]):  # the same GPUs on every rank
+        if problem := peer_access_problem([uuid for _, uuid, _, _ in ranks], [pairs for *_, pairs in ranks]):
             raise ValueError(f"peer memory ('symm'/'fused'): {problem}; use 'decomposed' or 'baseline'")
         self.peer_memory = kind
         # ranks sharing this GPU (tests, or MPS): each persistent kernel takes only its share of SMs,
         # or ranks spinning on each other's signals could hold every SM
-        self.ranks_per_device = max(1, sum(uuid == mine for _, uuid, _ in ranks))
+        self.ranks_per_device = max(1, sum(uuid == mine for _, uuid, _, _ in ranks))
 
     @property
     def wait_timeout(self) -> float:
