@@ -87,7 +87,7 @@ ACQUIRE_SYS = ("a system-scope acquire load", r"\b(?:ld|atom)(?=[.\w]*\.acquire\
 RELEASE_SYS = ("a system-scope release store", r"\b(?:st|red|atom)(?=[.\w]*\.release\b)(?=[.\w]*\.sys\b)[.\w]+")
 # TMA (bulk async copies) goes through the async proxy, which acquire/release of the generic proxy
 # does not order: peer data loaded that way could be stale. Kernels touching peer data must not use it.
-NO_TMA = ("cp.async.bulk",)
+NO_TMA = ("cp.async.bulk", "cp.reduce.async.bulk")
 
 
 def check(label, kernel, *args, ptx_has=(), ptx_re=(), ptx_not=(), beside_flag_kernel=False, flag_kernel=False,

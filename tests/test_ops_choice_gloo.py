@@ -95,13 +95,15 @@ def test_rule_thresholds_at_their_boundaries():
                                step_flops=nbytes if flops is None else flops, device=torch.device(device),
                                peer_memory=False).method
 
-    limit = dispatch.CUDA_MIN_ROWS_PER_RANK
-    assert [method(device="cuda", rows=rows) for rows in (limit - 1, limit)] == ["baseline", "decomposed"]
-    least = dispatch.GLOO_MIN_STEP_BYTES
-    assert [method(nbytes=nbytes) for nbytes in (least - 1, least)] == ["baseline", "decomposed"]
-    for op, most in dispatch.GLOO_MAX_FLOPS_PER_BYTE.items():
-        assert [method(op, flops=most * least + extra) for extra in (0, 1)] == ["decomposed", "baseline"], op
-    ok.reset_overlap_stats()
+    try:
+        limit = dispatch.CUDA_MIN_ROWS_PER_RANK
+        assert [method(device="cuda", rows=rows) for rows in (limit - 1, limit)] == ["baseline", "decomposed"]
+        least = dispatch.GLOO_MIN_STEP_BYTES
+        assert [method(nbytes=nbytes) for nbytes in (least - 1, least)] == ["baseline", "decomposed"]
+        for op, most in dispatch.GLOO_MAX_FLOPS_PER_BYTE.items():
+            assert [method(op, flops=most * least + extra) for extra in (0, 1)] == ["decomposed", "baseline"], op
+    finally:
+        ok.reset_overlap_stats()
 
 
 @pytest.mark.parametrize("requested, has_symm, ipc_built, kind", [

@@ -51,17 +51,37 @@ def _bf16_random_on_rank(ctx, method, m, k, n):
     # this reference's), plus a little. Not atol/rtol on the output: partials reach ~100 where the
     # sum is near 0, and their rounding (0.8 here) is what the method does, not an error.
     bound = 2.0 ** -7 * (sum(p.abs() for p in partials) + want2.abs()) + 1e-2
-    excess = (out2.float() - want2).abs() - bound
-    assert (excess <= 0).all(), f"rank {r}: {int((excess > 0).sum())} elements off by up to {float(excess.max())} more"
-    bad = out2.float().clone()
-    bad[1, 1] += 2 * bound[1, 1]  # planted: the bound must catch it
-    return bool(((bad - want2).abs() > bound).any())
+    # and what the method computes, rounding for rounding: bf16 partials added in fp32 in a fixed
+    # order. Equal but where a GEMM's own accumulation order tips a partial's rounding (rare).
+    bf16 = torch.bfloat16
+    rounded = sum(p.to(bf16).float() for p in partials).to(bf16).float()
+
+    def judged(result):
+        within, differ = bool(((result - want2).abs() <= bound).all()), float((result != rounded).float().mean())
+        return within and differ < 0.01, f"rank {r}: within the bound {within}, {differ:.2%} differ from rounded"
+
+    fine, why = judged(out2.float())
+    assert fine, why
+    # planted: a lost partial, and partials added in bf16 (within the bound, but rounded differently)
+    lost = sum(p.to(bf16).float() for p in partials[1:]).to(bf16).float()
+    in_bf16 = partials[0].to(bf16)
+    for p in partials[1:]:
+        in_bf16 = in_bf16 + p.to(bf16)
+    return not judged(lost)[0] and not judged(in_bf16.float())[0]
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_bf16_random_close_to_fp32_reference(method):
-    assert ThreadWorld(4, device="cuda", timeout=GPU_TIMEOUT_S).run(_bf16_random_on_rank, method, 256, 512, 384) == \
-        [True] * 4
+    """cuBLAS may add split-K pieces in bf16 (torch allows it by default): then symm's partials carry
+    more than one rounding each and the bounds above, one rounding per partial, would not hold. The
+    methods' own summation is what is under test, so cuBLAS adds in fp32 here, as fused's GEMM does."""
+    matmul = torch.backends.cuda.matmul
+    allowed, matmul.allow_bf16_reduced_precision_reduction = matmul.allow_bf16_reduced_precision_reduction, False
+    try:
+        assert ThreadWorld(4, device="cuda", timeout=GPU_TIMEOUT_S).run(_bf16_random_on_rank, method, 256, 512,
+                                                                         384) == [True] * 4
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = allowed
 
 
 def _process_world_on_rank(method, peer_memory):

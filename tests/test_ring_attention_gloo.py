@@ -141,7 +141,9 @@ def _shard_roundtrip_on_rank():
     positions = torch.arange(x.shape[1])
     for layout in ("zigzag", "contiguous"):
         held = ok.shard_sequence(positions, dim=0, layout=layout)
-        for offset, start, n in segments(layout, world, rank, held.numel()):
+        pieces = segments(layout, world, rank, held.numel())
+        assert sum(n for *_, n in pieces) == held.numel(), (layout, pieces)
+        for offset, start, n in pieces:
             assert torch.equal(held[offset:offset + n], torch.arange(start, start + n)), (layout, offset, start)
     return True
 

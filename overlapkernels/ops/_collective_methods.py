@@ -33,9 +33,12 @@ class _ComputeStreams:
         if self.cuda:
             self.main = torch.cuda.current_stream(device)
             if device not in self._side_streams:
-                # from the high-priority pool: ProcessGroupNCCL draws its streams from the default
-                # one, and a GEMM that shared a stream with the ring's P2P would queue behind it
-                self._side_streams[device] = torch.cuda.Stream(device, priority=-1)
+                # Made once (each torch.cuda.Stream() takes the next stream of torch's pool). Default
+                # priority, as the main stream: a high-priority GEMM would take freed SMs ahead of the
+                # ring's NCCL kernel and start the transfer it should hide late. The price: the pool
+                # is ProcessGroupNCCL's too, so with 32+ streams drawn this one may alias an NCCL
+                # stream (then its GEMMs queue behind that stream's transfers). Unmeasured either way.
+                self._side_streams[device] = torch.cuda.Stream(device)
             self.side = self._side_streams[device]
             self.side.wait_stream(self.main)
 
