@@ -1,7 +1,8 @@
 """What NCCL refuses or pairs differently from gloo, checked on gloo ranks (``nccl_like``): strided
 inputs to the ops, as models make them (q, k, v cut from one packed projection), and whole training
-steps of every composition only ever hand contiguous tensors to a collective or P2P op, and their
-P2P messages pair in posting order as they do by tag (NCCL ignores tags). Each strided call also
+steps of every composition only ever hand contiguous tensors to a collective or P2P op, their P2P
+messages pair in posting order as they do by tag (NCCL ignores tags), and no rank posts a collective
+and a P2P batch on one communicator in the opposite order to its peers. Each strided call also
 equals the same call on contiguous copies, bitwise."""
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch.distributed as dist
 
 import overlapkernels as ok
 from overlapkernels.comm import collectives
-from nccl_like import NonContiguous, check_p2p_logs, nccl_rules
+from nccl_like import Collective, NonContiguous, check_p2p_logs, nccl_rules
 from test_train_4d import _compose_on_rank
 
 
@@ -77,7 +78,9 @@ def test_training_steps_keep_nccl_rules(rank_pool, layout, schedule, zero_stage)
     and reductions, as Trainer runs them."""
     results = rank_pool(4).run(_checked_composition_on_rank, layout, schedule, zero_stage)
     assert all(losses == results[0][0] for losses, _ in results)
-    assert check_p2p_logs([log for _, log in results]) > 0
+    logs = [log for _, log in results]
+    assert check_p2p_logs(logs) > 0
+    assert {item[0] for log in logs for _, item in log if isinstance(item, Collective)} >= {"all_reduce"}
 
 
 def _planted_on_rank():
@@ -93,6 +96,17 @@ def _planted_on_rank():
 
 def test_the_check_catches_a_strided_collective(rank_pool):
     assert rank_pool(2).run(_planted_on_rank) == [True, True]
+
+
+def test_the_replay_catches_a_collective_and_a_batch_posted_in_opposite_orders():
+    """On one communicator: rank 0 sends, then joins an all-reduce; rank 1 joins the all-reduce
+    before it receives. NCCL hangs (each waits for the other); in the same order it completes."""
+    send, recv, reduce = [(True, 1, 0, (4,), "f")], [(False, 0, 0, (4,), "f")], Collective(("all_reduce", (0, 1)))
+    assert check_p2p_logs([[("g", send), ("g", reduce)], [("g", recv), ("g", reduce)]]) == 2
+    with pytest.raises(AssertionError, match="deadlock"):
+        check_p2p_logs([[("g", send), ("g", reduce)], [("g", reduce), ("g", recv)]])
+    with pytest.raises(AssertionError, match="rank 0's collective 0 is all_reduce, rank 1's is"):
+        check_p2p_logs([[("g", reduce)], [("g", Collective(("barrier", (0, 1))))]])
 
 
 def test_the_replay_catches_messages_that_only_tags_pair():
