@@ -9,7 +9,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-import triton.testing
+import triton
 
 from overlapkernels.bench.report import RowLog, environment, exit_on_sigterm, format_table
 from overlapkernels.bench.timing import gpu_median_s

@@ -33,7 +33,7 @@ class Collective(tuple):
 
 
 class NonContiguous(AssertionError):
-    pass
+    """A tensor NCCL would refuse."""
 
 
 def _tensors(args, kwargs):

@@ -10,6 +10,8 @@ driver library, a UUID NVML does not list, MIG) there is no verdict: nothing fai
 """
 from __future__ import annotations
 
+import contextlib
+
 # what each access pattern of the kernels needs: loads, stores, and the counters' atomic adds
 _CAPABILITIES = (("READ", "read"), ("WRITE", "write"), ("ATOMICS", "atomics"))
 
@@ -58,10 +60,8 @@ def failing_pairs(nvml=None) -> dict:
     except Exception:  # a query this driver does not support: no verdict
         return {}
     finally:
-        try:
+        with contextlib.suppress(Exception):
             nvml.nvmlShutdown()
-        except Exception:
-            pass
 
 
 def peer_access_problem(uuids, failing_by_rank) -> str | None:

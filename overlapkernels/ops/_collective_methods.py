@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 
-from .._compat import all_gather_single, reduce_scatter_single
+from ..comm.collectives import all_gather, reduce_scatter
 from ..comm.ring import Ring, wait_all
 from ..profiling.ranges import span
 
@@ -53,9 +53,7 @@ class _ComputeStreams:
 
 
 def ag_matmul_baseline(a_shard: torch.Tensor, bs: list, group) -> tuple:
-    ring = Ring.of(group)
-    a_full = a_shard.new_empty((ring.world_size * a_shard.shape[0], a_shard.shape[1]))
-    all_gather_single(a_full, a_shard.contiguous(), group=group)  # NCCL refuses strided (a q cut from a packed qkv)
+    a_full, _ = all_gather(a_shard, group)  # contiguous on the wire: NCCL refuses a strided shard (a q of a qkv)
     return a_full, [a_full @ b for b in bs]
 
 
@@ -125,11 +123,7 @@ def ag_wgrad(a_shard: torch.Tensor, grad_outs: list, group, method: str) -> list
 
 
 def matmul_rs_baseline(a: torch.Tensor, b: torch.Tensor, group) -> torch.Tensor:
-    ring = Ring.of(group)
-    full = a @ b
-    out = full.new_empty((full.shape[0] // ring.world_size, full.shape[1]))
-    reduce_scatter_single(out, full, group=group)
-    return out
+    return reduce_scatter(a @ b, group)[0]
 
 
 def matmul_rs_decomposed(a: torch.Tensor, b: torch.Tensor, group) -> torch.Tensor:
