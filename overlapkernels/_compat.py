@@ -24,8 +24,15 @@ def eager_under_compile(fn):
     Why: our ops take ProcessGroups, which dynamo treats as opaque script objects (any attribute
     access is a hard error in torch 2.13, not a graph break), and they drive their own streams,
     device flags and persistent Triton kernels, which a captured graph could not replay. The code
-    between them (norms, activations, residuals) still compiles."""
-    return torch.compiler.disable(fn)
+    between them (norms, activations, residuals) still compiles.
+
+    ``torch._disable_dynamo`` (what torch uses on its own functions) imports ``torch._dynamo`` on
+    the first call rather than at import: ``torch.compiler.disable`` would import it here, adding
+    ~1.5 s to every ``import overlapkernels`` (each rank, each CLI run) that never compiles. Its
+    wrapper lives in torch's own file, which dynamo never traces into, so it is skipped even on a
+    first call made under ``torch.compile``."""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    return lazy(fn) if lazy is not None else torch.compiler.disable(fn)
 
 
 _interp_lock = threading.Lock()

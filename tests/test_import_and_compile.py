@@ -1,0 +1,32 @@
+"""`import overlapkernels` stays light, and the ops still run eagerly under torch.compile when their
+first call is made while compiling (the eager-under-compile wrapper imports dynamo lazily)."""
+import subprocess
+import sys
+import textwrap
+
+_SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    import torch.distributed as dist
+    import overlapkernels as ok
+
+    assert "torch._dynamo" not in sys.modules, "import overlapkernels pulled in torch._dynamo"
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    x, w1, w2 = torch.randn(6, 5), torch.randn(5, 4), torch.randn(4, 3)
+
+    def step(x):
+        h = ok.all_gather_matmul(x, w1, group).relu()  # first call of each op: under compile
+        return ok.matmul_reduce_scatter(h, w2, group) * 2
+
+    out = torch.compile(step, backend="eager")(x)
+    torch.testing.assert_close(out, (x @ w1).relu() @ w2 * 2)
+    dist.destroy_process_group()
+    print("ok")
+""")
+
+
+def test_import_is_light_and_first_call_under_compile_runs_eagerly():
+    done = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
