@@ -201,9 +201,9 @@ for add in (True, False):
 # --- flash attention: the configs flash_configs hands out on GPUs ---------------------------------
 B, H, HKV, L = 2, 8, 2, 1024
 FLASH = {("bf16", 64): FA.CUDA_FLASH_16BIT[64], ("bf16", 128): FA.CUDA_FLASH_16BIT[128],
-         ("bf16", 256): FA.CUDA_FLASH_SMALL, ("fp16", 128): FA.CUDA_FLASH_16BIT[128],
-         ("fp32", 64): FA.CUDA_FLASH_FP32, ("fp32", 128): FA.CUDA_FLASH_FP32,
-         ("fp32", 256): FA.CUDA_FLASH_FP32_WIDE}
+         ("bf16", 256): FA.CUDA_FLASH_16BIT[256], ("fp16", 128): FA.CUDA_FLASH_16BIT[128],
+         ("fp32", 64): FA.CUDA_FLASH_FP32[64], ("fp32", 128): FA.CUDA_FLASH_FP32[128],
+         ("fp32", 256): FA.CUDA_FLASH_FP32[256], ("bf16", 512): FA.CUDA_FLASH_WIDE, ("fp32", 512): FA.CUDA_FLASH_WIDE}
 for (dname, hd), cfgs in FLASH.items():
     dt = DT[dname]
     if QUICK and (dname, hd) not in (("bf16", 128), ("fp32", 64)):

@@ -140,7 +140,8 @@ def test_backward_of_a_sliced_q_with_dout_laid_out_otherwise(dout_layout):
 def test_flash_configs_fit_the_device():
     cpu = fa.flash_configs(torch.device("cpu"), torch.float16, 128)
     assert cpu == fa.INTERPRETER_FLASH
-    for cfgs in (*fa.CUDA_FLASH_16BIT.values(), fa.CUDA_FLASH_FP32, fa.CUDA_FLASH_FP32_WIDE, fa.CUDA_FLASH_SMALL):
+    for cfgs in (*fa.CUDA_FLASH_16BIT.values(), *fa.CUDA_FLASH_FP32.values(), *fa.CUDA_FLASH_SMALL.values(),
+                 fa.CUDA_FLASH_WIDE):
         for cfg in (cfgs.fwd, cfgs.dkdv, cfgs.dq):  # tl.dot needs >= 16 and powers of two
             assert cfg.block_m >= 16 and cfg.block_n >= 16
             assert cfg.block_m & (cfg.block_m - 1) == 0 and cfg.block_n & (cfg.block_n - 1) == 0
@@ -207,18 +208,24 @@ def test_ring_on_triton_kernels(rank_pool, layout, causal):
 # --------------------------------------------------------------------------- GPU (make gpu-check)
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
-def test_bf16_kernels_vs_sdpa(causal):
-    q, k, v, do = _inputs(torch.bfloat16, heads=8, kv_heads=2, lq=300, lk=300, dim=128, device="cuda")
-    out, lse = fa.block_forward(q, k, v, 128 ** -0.5, causal=causal)
-    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)))
+@pytest.mark.parametrize("dtype, dim, tol", [(torch.bfloat16, 64, 5e-2), (torch.bfloat16, 96, 5e-2),
+                                             (torch.bfloat16, 128, 5e-2), (torch.bfloat16, 256, 5e-2), (torch.bfloat16, 512, 5e-2),
+                                             (torch.float32, 128, 1e-4), (torch.float32, 256, 1e-4)])
+def test_kernels_vs_sdpa(causal, dtype, dim, tol):
+    """Every GPU tile table (16-bit D=64/128/256/512, D=96 padded to 128, fp32) against SDPA."""
+    q, k, v, do = _inputs(dtype, heads=8, kv_heads=2, lq=300, lk=300, dim=dim, device="cuda")
+    out, lse = fa.block_forward(q, k, v, dim ** -0.5, causal=causal)
+    # fp32: the reference in fp64 (SDPA's fp32 kernels may use TF32); 16-bit: SDPA in that dtype
+    ref_dtype = torch.float64 if dtype == torch.float32 else dtype
+    qr, kr, vr = (t.detach().to(ref_dtype).requires_grad_() for t in (q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)))
     want = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
-    torch.testing.assert_close(out, want.float(), atol=2e-2, rtol=2e-2)
-    want.backward(do)
+    torch.testing.assert_close(out, want.float(), atol=tol / 2.5, rtol=tol / 2.5)
+    want.backward(do.to(ref_dtype))
     delta = (do.float() * out).sum(-1)
-    dq, dk, dv = fa.block_backward(q, k, v, do, lse, delta, 128 ** -0.5, causal=causal)
-    torch.testing.assert_close(dq, qr.grad.float(), atol=5e-2, rtol=5e-2)
-    torch.testing.assert_close(dk, kr.grad.float().reshape(2, 2, 4, 300, 128).sum(2), atol=5e-2, rtol=5e-2)
-    torch.testing.assert_close(dv, vr.grad.float().reshape(2, 2, 4, 300, 128).sum(2), atol=5e-2, rtol=5e-2)
+    dq, dk, dv = fa.block_backward(q, k, v, do, lse, delta, dim ** -0.5, causal=causal)
+    torch.testing.assert_close(dq, qr.grad.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(dk, kr.grad.float().reshape(2, 2, 4, 300, dim).sum(2), atol=tol, rtol=tol)
+    torch.testing.assert_close(dv, vr.grad.float().reshape(2, 2, 4, 300, dim).sum(2), atol=tol, rtol=tol)
 
 
 def _ring_bf16_one_gpu_on_rank(layout):
@@ -256,8 +263,12 @@ def test_ring_bf16_two_ranks_one_gpu(rank_pool, layout):
 
 @pytest.mark.parametrize("smem_kb, dtype, head_dim, want", [
     (227, torch.bfloat16, 128, fa.CUDA_FLASH_16BIT[128]), (227, torch.float16, 64, fa.CUDA_FLASH_16BIT[64]),
-    (227, torch.bfloat16, 256, fa.CUDA_FLASH_SMALL), (99, torch.bfloat16, 128, fa.CUDA_FLASH_SMALL),
-    (227, torch.float32, 128, fa.CUDA_FLASH_FP32), (227, torch.float32, 256, fa.CUDA_FLASH_FP32_WIDE)])
+    (227, torch.bfloat16, 32, fa.CUDA_FLASH_16BIT[64]), (227, torch.bfloat16, 256, fa.CUDA_FLASH_16BIT[256]),
+    (227, torch.bfloat16, 512, fa.CUDA_FLASH_WIDE), (99, torch.bfloat16, 128, fa.CUDA_FLASH_SMALL[128]),
+    (99, torch.float16, 16, fa.CUDA_FLASH_SMALL[128]), (99, torch.bfloat16, 256, fa.CUDA_FLASH_SMALL[256]),
+    (99, torch.bfloat16, 512, fa.CUDA_FLASH_WIDE), (227, torch.float32, 16, fa.CUDA_FLASH_FP32[64]),
+    (227, torch.float32, 128, fa.CUDA_FLASH_FP32[128]), (227, torch.float32, 256, fa.CUDA_FLASH_FP32[256]),
+    (99, torch.float32, 64, fa.CUDA_FLASH_FP32[64]), (227, torch.float32, 512, fa.CUDA_FLASH_WIDE)])
 def test_flash_config_rules_per_gpu(monkeypatch, smem_kb, dtype, head_dim, want):
     monkeypatch.setattr(fa, "shared_memory_per_block", lambda device: smem_kb << 10)
     assert fa.flash_configs(torch.device("cuda", 0), dtype, head_dim) is want

@@ -246,21 +246,42 @@ def _same(cfg: FlashConfig) -> FlashConfigs:
 
 # The interpreter is slow: small tiles. GPU configs come from compiling candidates for sm_90 with
 # triton 3.6 and 3.9 (scripts/compile_kernels_sm90.py: shared memory, wgmma, ptxas spills), not
-# yet from timings - benchmarks/bench_flash_attn.py sweeps alternatives on a GPU. 16-bit: no
-# spills at D=64 and 128. The dK/dV kernel keeps two fp32 [BLOCK_N, D] accumulators: at D=128 a
-# 64x64 tile with 4 warps spills ~300 B per thread, 32x64 with 8 warps none. fp32 (IEEE: FMA, no
-# tensor cores; tests and fp32 users) spilled 13-45 KB per thread in dK/dV at 64x64 / 32x32 with
-# 4 warps; these spill none at D=64 and ~0.6 KB at D=128.
+# yet from timings - benchmarks/bench_flash_attn.py sweeps alternatives on a GPU. The dK/dV kernel
+# keeps two fp32 [BLOCK_N, D] accumulators, so it spills first: at D=128 a 64x64 tile with 4 warps
+# spills ~300 B per thread, 32x64 with 8 warps none; at D=256 64x32 with 4 warps (the small-memory
+# tile) spills ~100 B and 16x64 with 8 warps none (the only wgmma tile found without spills; 32x64
+# with 8 warps needs 1 stage), and dQ's 64x32 spills up to 12 B with 4 warps under triton 3.6, none
+# with 8. fp32 (IEEE: FMA, no tensor cores; tests and fp32 users) spilled 13-45 KB per thread in dK/dV
+# at 64x64 / 32x32 with 4 warps; with 8 warps 32x32 spills none at D=64, 16x16 none at D=128
+# (32x32: ~0.6 KB) and ~0.4 KB at D=256 (16x16 with 4 warps: ~2.3 KB).
 INTERPRETER_FLASH = _same(FlashConfig(16, 16))
 CUDA_FLASH_16BIT = {64: FlashConfigs(fwd=FlashConfig(128, 64, 8, 3), dkdv=FlashConfig(32, 128, 8, 2),
                                      dq=FlashConfig(128, 64, 8, 3)),
                     128: FlashConfigs(fwd=FlashConfig(128, 64, 8, 3), dkdv=FlashConfig(32, 64, 8, 3),
-                                      dq=FlashConfig(128, 64, 8, 3))}
-CUDA_FLASH_FP32 = FlashConfigs(fwd=FlashConfig(32, 64, 8, 2), dkdv=FlashConfig(32, 32, 8, 2),
-                               dq=FlashConfig(32, 64, 8, 2))
-CUDA_FLASH_FP32_WIDE = _same(FlashConfig(16, 16, 4, 2))  # D > 128
-# head dims above 128, or GPUs with ~100 KB of shared memory per block
-CUDA_FLASH_SMALL = _same(FlashConfig(64, 32, 4, 2))
+                                      dq=FlashConfig(128, 64, 8, 3)),
+                    256: FlashConfigs(fwd=FlashConfig(64, 32, 4, 2), dkdv=FlashConfig(16, 64, 8, 2),
+                                      dq=FlashConfig(64, 32, 8, 2))}
+CUDA_FLASH_FP32 = {64: FlashConfigs(fwd=FlashConfig(32, 64, 8, 2), dkdv=FlashConfig(32, 32, 8, 2),
+                                    dq=FlashConfig(32, 64, 8, 2)),
+                   128: FlashConfigs(fwd=FlashConfig(32, 64, 8, 2), dkdv=FlashConfig(16, 16, 8, 2),
+                                     dq=FlashConfig(32, 64, 8, 2)),
+                   256: FlashConfigs(fwd=FlashConfig(16, 16, 4, 2), dkdv=FlashConfig(16, 16, 8, 2),
+                                     dq=FlashConfig(16, 16, 4, 2))}
+# 16-bit on GPUs with ~100 KB of shared memory per block (sm_86/89; compiled for sm_86): at D=256
+# 64x32 needs 100 KB in dK/dV and dQ, over the 99 KB such a GPU has.
+CUDA_FLASH_SMALL = {128: _same(FlashConfig(64, 32, 4, 2)),
+                    256: FlashConfigs(fwd=FlashConfig(64, 32, 4, 2), dkdv=FlashConfig(16, 32, 4, 2),
+                                      dq=FlashConfig(32, 32, 4, 2))}
+# D > 256, any dtype and GPU: 64x32 needs 256 KB in bf16 dQ at D=512 (over sm_90's 227 KB) and
+# spills KBs; these take <= 65 KB in 16-bit (129 KB in fp32) and spill none in bf16 at D=512.
+CUDA_FLASH_WIDE = FlashConfigs(fwd=FlashConfig(16, 16, 4, 2), dkdv=FlashConfig(16, 16, 8, 2), dq=FlashConfig(16, 16, 4, 2))
+
+
+def _for_head_dim(table: dict, head_dim: int) -> FlashConfigs:
+    """The entry of the smallest listed head dim >= ``head_dim``; the wide tiles past the last."""
+    fits = [d for d in table if d >= head_dim]
+    return table[min(fits)] if fits else CUDA_FLASH_WIDE
+
 
 _forced: FlashConfigs | None = None
 
@@ -283,10 +304,10 @@ def flash_configs(device: torch.device, dtype: torch.dtype, head_dim: int) -> Fl
     if device.type != "cuda":
         return INTERPRETER_FLASH
     if dtype == torch.float32:
-        return CUDA_FLASH_FP32 if head_dim <= 128 else CUDA_FLASH_FP32_WIDE
-    if head_dim > 128 or shared_memory_per_block(device) < 160 * 1024:
-        return CUDA_FLASH_SMALL
-    return CUDA_FLASH_16BIT[64 if head_dim <= 64 else 128]
+        return _for_head_dim(CUDA_FLASH_FP32, head_dim)
+    if shared_memory_per_block(device) < 160 * 1024:
+        return _for_head_dim(CUDA_FLASH_SMALL, head_dim)
+    return _for_head_dim(CUDA_FLASH_16BIT, head_dim)
 
 
 def _head_dim(q) -> int:
