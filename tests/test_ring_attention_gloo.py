@@ -135,6 +135,12 @@ def _shard_roundtrip_on_rank():
         (full * weight * (rank + 1)).sum().backward()
         assert torch.equal(part.grad, sum(range(1, world + 1)) * ok.shard_sequence(weight, layout=layout))
     assert torch.equal(ok.unshard_sequence(ok.shard_sequence(x.transpose(0, 1), dim=0), dim=0), x.transpose(0, 1))
+    # ring_attention's output carries its layout: unsharding it with another one is refused
+    qkv = ok.shard_sequence(torch.ones(1, 4 * world, 2, 4, dtype=torch.float64), layout="contiguous")
+    out = ok.ring_attention(qkv, qkv, qkv, causal=True)  # contiguous both: accepted
+    with pytest.raises(ValueError, match=r"x_local was laid out with layout='contiguous'"):
+        ok.unshard_sequence(out)
+    assert ok.unshard_sequence(out, layout="contiguous").shape == (1, 4 * world, 2, 4)
     # the global positions each rank's pieces claim (the causal masks' and RoPE's) are the ones it holds
     from overlapkernels.ops.sequence_shard import segments
 
@@ -183,6 +189,12 @@ BAD = [
      r"q.dtype=torch.int64: expected one of \['torch.float16', 'torch.bfloat16', 'torch.float32', 'torch.float64'\]"),
     (lambda q, k, v: ok.ring_attention(q.bool(), k.bool(), v.bool()), ValueError, r"q.dtype=torch.bool: expected"),
     (lambda q, k, v: ok.ring_attention(q, k[:, :, :0], v[:, :, :0]), ValueError, r"k/v 0: the query heads must be"),
+    # the defaults differ (shard_sequence zigzag, ring_attention contiguous): a dropped layout= is refused
+    (lambda q, k, v: ok.ring_attention(*(ok.shard_sequence(t[:, :4]) for t in (q, k, v)), causal=True), ValueError,
+     r"ring_attention: q was laid out with layout='zigzag' \(by shard_sequence or ring_attention\) but "
+     r"layout='contiguous' was passed"),
+    (lambda q, k, v: ok.unshard_sequence(ok.shard_sequence(q[:, :4], layout="contiguous")), ValueError,
+     r"unshard_sequence: x_local was laid out with layout='contiguous'.* but layout='zigzag' was passed"),
 ]
 
 

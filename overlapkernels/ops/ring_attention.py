@@ -25,7 +25,7 @@ from ..profiling.ranges import span
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands
 from ._autograd import first_order_only
 from ._validate import check_float_dtype, check_not_dtensor, same_call_on_every_rank
-from .sequence_shard import check_layout, segments
+from .sequence_shard import check_layout, check_layout_tag, segments, tag_layout
 
 FORMATS = ("bshd", "sbhd")
 KV_TAG, GRAD_TAG = 0, 1  # two exchanges may be in flight between the same ranks
@@ -276,6 +276,8 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, lay
     """
     group = resolve_group(group)
     with same_call_on_every_rank(group, "ring_attention", getattr(q, "device", None)) as call:
+        for name, t in (("q", q), ("k", k), ("v", v)):  # before autocast's copies, which carry no tag
+            check_layout_tag(t, name, layout, group, "ring_attention")
         if isinstance(q, torch.Tensor):  # inside torch.autocast: its dtype, as SDPA would
             q, k, v = cast_operands(autocast_dtype(q.device), q, k, v)
         _validate(q, k, v, qkv_format, layout, softmax_scale)
@@ -291,5 +293,5 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, lay
                                        group, causal, scale, layout, backend)
     # laid out like q (callers .view() it to [B, S, H*D]), and always a copy of the tensor saved for
     # backward (contiguous() would alias it when H or S_local is 1), so in-place ops on it are safe
-    out = _from_bhsd(out, qkv_format).clone(memory_format=torch.contiguous_format)
+    out = tag_layout(_from_bhsd(out, qkv_format).clone(memory_format=torch.contiguous_format), layout)
     return (out, lse) if return_lse else out
