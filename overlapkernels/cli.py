@@ -323,15 +323,16 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--json", action="store_true")
     rep.set_defaults(func=_profile_report)
 
-    demo = sub.add_parser("demo", help="train the small GPT in a 4-D composition on CPU ranks (or under torchrun)")
-    demo.add_argument("--tp", type=int, default=2)
-    demo.add_argument("--pp", type=int, default=2)
-    demo.add_argument("--cp", type=int, default=1)
-    demo.add_argument("--dp", type=int, default=1)
-    demo.add_argument("--steps", type=int, default=20)
+    demo = sub.add_parser("demo", help="train the small GPT in a 4-D composition on CPU ranks (or under torchrun)",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    demo.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    demo.add_argument("--pp", type=int, default=2, help="pipeline stages")
+    demo.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    demo.add_argument("--dp", type=int, default=1, help="data-parallel size (tp*pp*cp*dp ranks in all)")
+    demo.add_argument("--steps", type=int, default=20, help="training steps")
     demo.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | zb-h1")
     demo.add_argument("--nproc", type=int, default=4, help="CPU ranks to spawn when not under torchrun")
-    demo.add_argument("--timeout", type=float, default=600.0)
+    demo.add_argument("--timeout", type=float, default=600.0, help="seconds before spawned ranks are killed")
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="microbenchmarks")

@@ -108,6 +108,12 @@ def test_pipeline_bench_smoke(rank_pool):
     rows = rank_pool(2).run(pb.rank_main, pb.config_dict(cfg))[0]
     assert [r["kind"] for r in rows] == ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
     assert all(r["sim_us"] > 0 for r in rows)
+    # the published bubbles at p=2, m=2: (p-1)/(m+p-1), interleaved (p-1)/(vm+p-1), ZB-H1 (p-1)/(3m+p-1),
+    # the last being what the simulator gives at t_F = t_B = t_W
+    assert [r["bubble_theory"] for r in rows] == pytest.approx([1 / 3, 1 / 3, 1 / 5, 1 / 7])
+    from overlapkernels.runtime import pipeline as pp
+    zb = pp.simulate(pp.make_schedule("zb-h1", 2, 2), t_f=1, t_b=1, t_w=1)
+    assert rows[3]["bubble_theory"] == pytest.approx(zb.bubble_fraction)
     _spread_and_telemetry(rows, "step_us")
 
 

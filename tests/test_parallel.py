@@ -133,13 +133,19 @@ def test_group_none_before_any_process_group_says_how_to_make_one(monkeypatch):
 
 
 def test_single_process_without_launcher():
-    """No torchrun environment: a world of one on gloo, every axis of size 1."""
+    """No torchrun environment: a world of one on gloo, every axis of size 1; asking for more ranks
+    says that no launcher started them."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    code = ("import overlapkernels as ok, torch.distributed as dist; d = ok.init_parallel();"
-            "print(d.world_size, d.tp_size, d.dp_size, d.tp_rank, dist.get_backend())")
+    code = ("import overlapkernels as ok, torch.distributed as dist\n"
+            "try:\n    ok.init_parallel(tp=2)\nexcept ValueError as exc:\n    print(exc)\n"
+            "d = ok.init_parallel()\nprint(d.world_size, d.tp_size, d.dp_size, d.tp_rank, dist.get_backend())")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["1", "1", "1", "0", "gloo"]
+    refused, made = out.stdout.strip().splitlines()
+    assert refused == ("tp*cp*pp = 2*1*1 = 2 does not divide world size 1: no launcher set WORLD_SIZE, so this is a "
+                       "1-rank world; start the ranks with torchrun --nproc-per-node N (or set RANK, WORLD_SIZE, "
+                       "MASTER_ADDR and MASTER_PORT)")
+    assert made.split() == ["1", "1", "1", "0", "gloo"]
 
 
 def _timeouts_on_rank(kwargs):

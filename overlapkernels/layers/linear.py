@@ -164,6 +164,11 @@ class RowParallelLinear(DefersWeightGrad, _MegatronExtraState, nn.Module):
             check_input(self, x, self.in_features, "in_features")
             x = split_last_dim(x, self.group)
         if self.sequence_parallel:
+            world = dist.get_world_size(self.group)
+            if x.dim() < 2 or x.shape[0] % world:  # in the layer's terms, not the op's (a, scatter_dim)
+                raise ValueError(f"RowParallelLinear: x.shape={tuple(x.shape)}: with sequence_parallel=True the "
+                                 f"sequence dim (dim 0 of [S, B, H]) is scattered over the tensor-parallel size "
+                                 f"{world}, so it must be divisible by {world}")
             out = linear_reduce_scatter(x, self.weight, self.group, scatter_dim=0, method=self.method)
         else:
             out = reduce_from_tp_region(local_matmul(x, self.weight, self.defer_weight_grad), self.group)
