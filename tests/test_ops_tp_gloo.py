@@ -377,6 +377,24 @@ def _callers_use_on_rank(method):
     _compare("rs grad a", a_rs.grad, torch.ones(*a_rs.shape[:-1], 5, dtype=torch.float64) @ b0.T, False,
              torch.float64)
 
+    # the products are not views (a module returning one would make FSDP2 warn, and an in-place op on
+    # it drop FSDP2's pre-backward hook), for 2-D and 3-D inputs, gather dims 0 and 1, lists of weights
+    for x, dim in ((shards[rank], 0), (shards[rank], 1), (shards[rank][0], 0)):
+        for got in (ok.all_gather_matmul(x, b0, gather_dim=dim, method=method),
+                    *ok.all_gather_matmul(x, [b0, b0[:, :2]], gather_dim=dim, method=method),
+                    ok.matmul_reduce_scatter(torch.cat([x] * world, dim=dim), b0, scatter_dim=dim, method=method)):
+            assert got._base is None, (x.shape, dim)
+    # the gathered input stays a view of what backward saved (save_gathered): changing it in place raises
+    a = shards[rank].clone().requires_grad_()
+    gathered, out = ok.all_gather_matmul(a, b0, return_gathered=True, save_gathered=True, method=method)
+    gathered.mul_(2)
+    try:
+        out.sum().backward()
+    except RuntimeError as exc:
+        assert "modified by an inplace operation" in str(exc), str(exc)
+    else:
+        raise AssertionError("an in-place change to the saved gathered input went unnoticed")
+
     for m_rows, k in ((0, 6), (2, 0)):  # as torch.cat(...) @ b: an empty result, or zeros
         got = ok.all_gather_matmul(torch.ones(m_rows, k, dtype=torch.float64), torch.ones(k, 5, dtype=torch.float64),
                                    method=method)
