@@ -12,6 +12,8 @@ import traceback
 def _info(args) -> int:
     from .profiling.inventory import format_inventory, inventory
 
+    if _launched() and os.environ.get("LOCAL_RANK", "0") != "0":
+        return 0  # under torchrun: one report per node (the inventory is the node's), not one per rank
     info = inventory()
     print(json.dumps(info, indent=2, default=str) if args.json else format_inventory(info))
     return 0

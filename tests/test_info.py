@@ -24,6 +24,14 @@ def test_info_without_gpu_exits_zero():
     assert isinstance(data["gpu"]["available"], bool)
 
 
+def test_info_under_torchrun_reports_once_per_node():
+    """The inventory is the node's: local rank 0 prints it, the other ranks nothing."""
+    launched = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    out = subprocess.run([sys.executable, "-m", "overlapkernels", "info"], env=launched, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout == "", (out.stdout, out.stderr)
+
+
 def test_settings_in_effect_are_recorded(monkeypatch):
     """OVERLAPKERNELS_* change what runs (auto mode, SM reserve, ...): info and every bench row say so."""
     from overlapkernels.bench.report import environment
