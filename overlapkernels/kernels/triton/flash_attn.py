@@ -253,7 +253,8 @@ def _same(cfg: FlashConfig) -> FlashConfigs:
 # with 8 warps needs 1 stage), and dQ's 64x32 spills up to 12 B with 4 warps under triton 3.6, none
 # with 8. fp32 (IEEE: FMA, no tensor cores; tests and fp32 users) spilled 13-45 KB per thread in dK/dV
 # at 64x64 / 32x32 with 4 warps; with 8 warps 32x32 spills none at D=64, 16x16 none at D=128
-# (32x32: ~0.6 KB) and ~0.4 KB at D=256 (16x16 with 4 warps: ~2.3 KB).
+# (32x32: ~0.6 KB) and ~0.4 KB at D=256 (16x16 with 4 warps: ~2.3 KB); dQ at D=128 16x64 (84 KB; 32x64
+# took 104 KB, over what ~100 KB GPUs have, which use these fp32 tables too: all fit them up to D=256).
 INTERPRETER_FLASH = _same(FlashConfig(16, 16))
 CUDA_FLASH_16BIT = {64: FlashConfigs(fwd=FlashConfig(128, 64, 8, 3), dkdv=FlashConfig(32, 128, 8, 2),
                                      dq=FlashConfig(128, 64, 8, 3)),
@@ -264,7 +265,7 @@ CUDA_FLASH_16BIT = {64: FlashConfigs(fwd=FlashConfig(128, 64, 8, 3), dkdv=FlashC
 CUDA_FLASH_FP32 = {64: FlashConfigs(fwd=FlashConfig(32, 64, 8, 2), dkdv=FlashConfig(32, 32, 8, 2),
                                     dq=FlashConfig(32, 64, 8, 2)),
                    128: FlashConfigs(fwd=FlashConfig(32, 64, 8, 2), dkdv=FlashConfig(16, 16, 8, 2),
-                                     dq=FlashConfig(32, 64, 8, 2)),
+                                     dq=FlashConfig(16, 64, 8, 2)),
                    256: FlashConfigs(fwd=FlashConfig(16, 16, 4, 2), dkdv=FlashConfig(16, 16, 8, 2),
                                      dq=FlashConfig(16, 16, 4, 2))}
 # 16-bit on GPUs with ~100 KB of shared memory per block (sm_86/89; compiled for sm_86): at D=256
