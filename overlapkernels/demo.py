@@ -44,6 +44,9 @@ class DemoConfig:
 
         make_schedule(self.schedule, self.pp, 2 * self.pp)
         problems = []
+        if self.schedule == "interleaved-1f1b":  # one chunk per rank: it would run (and report) as 1f1b
+            problems.append("schedule='interleaved-1f1b': the demo's Trainer holds one model chunk per pipeline rank, "
+                            "where it is 1f1b; expected gpipe, 1f1b or zb-h1")
         if self.steps < 1 or self.reference_steps < 0:
             problems.append(f"steps={self.steps} must be >= 1 (reference_steps={self.reference_steps} >= 0)")
         if 2 % self.tp:

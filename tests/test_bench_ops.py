@@ -128,6 +128,16 @@ def test_demo_smoke(rank_pool):
     assert "1-proc ref" in demo.format_rows(rows, cfg)
 
 
+def test_demo_refuses_compositions_it_cannot_run_before_spawning():
+    from overlapkernels import demo
+
+    for kwargs, message in ((dict(tp=3, pp=1), r"tp=3 must divide the 2 KV heads"),
+                            (dict(schedule="interleaved-1f1b"), r"schedule='interleaved-1f1b': the demo's Trainer "
+                                                                r"holds one model chunk per pipeline rank")):
+        with pytest.raises(ValueError, match=message):
+            demo.DemoConfig(**kwargs).resolved(3 if kwargs.get("tp") == 3 else 4)
+
+
 def test_demo_zero_bubble_simulation_uses_the_measured_weight_gradients(rank_pool):
     """Without W's time the simulator gives zb-h1 1F1B's bubble, (p-1)/(m+p-1) = 1/5 here: the row's
     figure must be the simulation of the measured per-microbatch F, B and W times, W included."""
