@@ -138,7 +138,7 @@ def init_parallel(tp: int = 1, cp: int = 1, pp: int = 1, dp: int = -1, backend: 
     try:
         sizes = resolve_sizes(world_size, tp=tp, cp=cp, pp=pp, dp=dp)
     except ValueError as exc:
-        if world_size == 1 and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
+        if world_size == 1 and "world size" in str(exc) and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
             raise ValueError(f"{exc}: no launcher set WORLD_SIZE, so this is a 1-rank world; start the ranks "
                              "with torchrun --nproc-per-node N (or set RANK, WORLD_SIZE, MASTER_ADDR and "
                              "MASTER_PORT)") from None

@@ -181,10 +181,10 @@ def _bad_layers_on_rank():
         (lambda: ok.vocab_parallel_cross_entropy(torch.ones(2, 3), torch.zeros(3, dtype=torch.long), tp),
          r"target shape \(3,\) must equal logits_shard.shape\[:-1\] \(2,\)"),
         (lambda: RowParallelLinear(4, 4, tp, sequence_parallel=True)(torch.ones(3, 1, 2)),
-         r"RowParallelLinear: x.shape=\(3, 1, 2\): with sequence_parallel=True the sequence dim \(dim 0 of \[S, B, H\]\) "
-         r"is scattered over the tensor-parallel size 2, so it must be divisible by 2"),
+         r"RowParallelLinear\(sequence_parallel=True\), which scatters x's dim 0 \(the sequence of \[S, B, H\]\) over "
+         r"the tensor-parallel ranks: x.shape\[scatter_dim=0\]=3 is not divisible by the group size 2"),
         (lambda: RowParallelLinear(4, 4, tp, sequence_parallel=True)(torch.ones(2)),
-         r"RowParallelLinear: x.shape=\(2,\): with sequence_parallel=True"),
+         r"RowParallelLinear\(sequence_parallel=True\).*: x must have at least 2 dims"),
         # a wrong input width, in the layer's terms (the op would name a_shard/b, torch's matmul only
         # "mat1 and mat2 shapes cannot be multiplied"), with or without sequence parallelism
         (lambda: ColumnParallelLinear(8, 4, tp, sequence_parallel=True)(torch.ones(3, 1, 7)),

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import overlapkernels as ok
+from overlapkernels.layers import RowParallelLinear
 
 
 # ------------------------------------------------------------------------- auto, stats, strict mode
@@ -365,6 +366,9 @@ def _mismatched_calls_on_rank():
             lambda: ok.matmul_reduce_scatter(torch.ones(4 + r, 8), b, method="decomposed"),  # 5 rows: rank 1 rejects
             lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), b, method="symm" if r else "decomposed"),
             lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), b, scatter_dim=0 if r else -2, method="decomposed"),
+            # a layer's own wording of the op's check, still made where every rank hears of it
+            lambda: RowParallelLinear(8, 4, dist.group.WORLD, sequence_parallel=True, method="decomposed")(
+                torch.ones(4 + r, 1, 4)),
         ]
         for call in calls:
             try:
@@ -382,7 +386,7 @@ def _mismatched_calls_on_rank():
 def test_ranks_that_disagree_are_named_under_distributed_debug(rank_pool):
     hint = "; every rank must make the same call (TORCH_DISTRIBUTED_DEBUG=DETAIL check)"
     errors = rank_pool(2).run(_mismatched_calls_on_rank)
-    for shapes, method, grads, _, _, dims in errors:
+    for shapes, method, grads, _, _, dims, _ in errors:
         assert shapes == ("all_gather_matmul: the ranks of the group disagree on a_shard (rank 0: a_shard=[4, 8] "
                           "float32; rank 1: a_shard=[5, 8] float32)" + hint), shapes
         assert "disagree on method (rank 0: method='baseline'; rank 1: method='decomposed')" in method, method
@@ -396,6 +400,11 @@ def test_ranks_that_disagree_are_named_under_distributed_debug(rank_pool):
                             "a.shape[scatter_dim=0]=5 is not divisible by the group size 2)" + hint)
     assert "needs CUDA" in errors[1][4] and errors[0][4].startswith(
         "matmul_reduce_scatter: other ranks' arguments were rejected (rank 1: ValueError: ")
+    layer = "RowParallelLinear(sequence_parallel=True), which scatters x's dim 0 (the sequence of [S, B, H]) over the " \
+            "tensor-parallel ranks: "
+    assert errors[1][6] == layer + "x.shape[scatter_dim=0]=5 is not divisible by the group size 2"
+    assert errors[0][6] == layer + ("linear_reduce_scatter: other ranks' arguments were rejected (rank 1: ValueError: "
+                                    "x.shape[scatter_dim=0]=5 is not divisible by the group size 2)" + hint)
 
 
 def test_deferred_error_records_raise_in_call_order():

@@ -141,6 +141,18 @@ def _shard_roundtrip_on_rank():
     with pytest.raises(ValueError, match=r"x_local was laid out with layout='contiguous'"):
         ok.unshard_sequence(out)
     assert ok.unshard_sequence(out, layout="contiguous").shape == (1, 4 * world, 2, 4)
+    # tags are per (dim, group): a sequence sharded over CP (zigzag) and then its heads over TP
+    # (contiguous) is still zigzag along the sequence over CP
+    if world == 4:
+        dims = ok.init_parallel(tp=2, cp=2)
+        full = torch.randn(1, 8, 4, 2, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        y = ok.shard_sequence(ok.shard_sequence(full, dims.cp_group, dim=1, layout="zigzag"), dims.tp_group, dim=2,
+                              layout="contiguous")
+        assert torch.equal(ok.unshard_sequence(y, dims.cp_group, dim=1, layout="zigzag"),
+                           ok.shard_sequence(full, dims.tp_group, dim=2, layout="contiguous"))
+        ok.ring_attention(y, y, y, dims.cp_group, causal=True, layout="zigzag")  # accepted
+        with pytest.raises(ValueError, match=r"x_local was laid out with layout='zigzag'"):
+            ok.unshard_sequence(y, dims.cp_group, dim=1, layout="contiguous")
     # the global positions each rank's pieces claim (the causal masks' and RoPE's) are the ones it holds
     from overlapkernels.ops.sequence_shard import segments
 

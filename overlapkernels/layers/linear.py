@@ -164,12 +164,13 @@ class RowParallelLinear(DefersWeightGrad, _MegatronExtraState, nn.Module):
             check_input(self, x, self.in_features, "in_features")
             x = split_last_dim(x, self.group)
         if self.sequence_parallel:
-            world = dist.get_world_size(self.group)
-            if x.dim() < 2 or x.shape[0] % world:  # in the layer's terms, not the op's (a, scatter_dim)
-                raise ValueError(f"RowParallelLinear: x.shape={tuple(x.shape)}: with sequence_parallel=True the "
-                                 f"sequence dim (dim 0 of [S, B, H]) is scattered over the tensor-parallel size "
-                                 f"{world}, so it must be divisible by {world}")
-            out = linear_reduce_scatter(x, self.weight, self.group, scatter_dim=0, method=self.method)
+            # the op checks x before communicating (inside its TORCH_DISTRIBUTED_DEBUG=DETAIL exchange, so
+            # every rank hears of one rank's bad input); its errors are said here in the layer's terms
+            try:
+                out = linear_reduce_scatter(x, self.weight, self.group, scatter_dim=0, method=self.method)
+            except ValueError as exc:
+                raise ValueError(f"RowParallelLinear(sequence_parallel=True), which scatters x's dim 0 (the "
+                                 f"sequence of [S, B, H]) over the tensor-parallel ranks: {exc}") from exc
         else:
             out = reduce_from_tp_region(local_matmul(x, self.weight, self.defer_weight_grad), self.group)
         return out if self.bias is None else out + self.bias.to(out.dtype)  # (autocast: see column_parallel)

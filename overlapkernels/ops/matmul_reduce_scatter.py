@@ -111,19 +111,20 @@ def linear_reduce_scatter(x, weight, group=None, *, scatter_dim=0, method="auto"
 def _matmul_reduce_scatter(a, b, group, scatter_dim, method, transposed):
     group = group if is_peer_world(group) else resolve_group(group)
     op = "linear_reduce_scatter" if transposed else "matmul_reduce_scatter"
+    name = "x" if transposed else "a"  # as the public signature names it
     with same_call_on_every_rank(group, op, getattr(a, "device", None)) as call:
-        check_tensor("a", a, min_dim=2)
-        check_float_dtype("a", a)
+        check_tensor(name, a, min_dim=2)
+        check_float_dtype(name, a)
         if isinstance(b, (list, tuple)):
             raise TypeError(f"b must be a single [K, N] tensor, got {type(b).__name__}")
         a, b = cast_operands(autocast_dtype(a.device), a, b)  # inside torch.autocast: its dtype, as a matmul
         b_kn = b.t() if transposed else b  # [K, N]: what is checked and what the methods multiply by
-        check_weights(b_kn, a, "a")
-        dim = check_dim("scatter_dim", scatter_dim, a, "a")
+        check_weights(b_kn, a, name)
+        dim = check_dim("scatter_dim", scatter_dim, a, name)
         method = check_method(method)
         world = group_size(group)
         if a.shape[dim] % world:
-            raise ValueError(f"a.shape[scatter_dim={scatter_dim}]={a.shape[dim]} is not divisible by the group "
+            raise ValueError(f"{name}.shape[scatter_dim={scatter_dim}]={a.shape[dim]} is not divisible by the group "
                              f"size {world}")
         _methods.check_available(method, group, a.device, a.dtype)
         call.args = dict(a=a, b=b_kn, scatter_dim=dim, method=method)

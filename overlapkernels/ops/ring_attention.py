@@ -28,6 +28,7 @@ from ._validate import check_float_dtype, check_not_dtensor, same_call_on_every_
 from .sequence_shard import check_layout, check_layout_tag, segments, tag_layout
 
 FORMATS = ("bshd", "sbhd")
+SEQ_DIM = {"bshd": 1, "sbhd": 0}
 KV_TAG, GRAD_TAG = 0, 1  # two exchanges may be in flight between the same ranks
 
 
@@ -276,8 +277,9 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, lay
     """
     group = resolve_group(group)
     with same_call_on_every_rank(group, "ring_attention", getattr(q, "device", None)) as call:
+        seq_dim = SEQ_DIM.get(qkv_format) if isinstance(qkv_format, str) else None  # None: _validate names it
         for name, t in (("q", q), ("k", k), ("v", v)):  # before autocast's copies, which carry no tag
-            check_layout_tag(t, name, layout, group, "ring_attention")
+            check_layout_tag(t, name, seq_dim, group, layout, "ring_attention")
         if isinstance(q, torch.Tensor):  # inside torch.autocast: its dtype, as SDPA would
             q, k, v = cast_operands(autocast_dtype(q.device), q, k, v)
         _validate(q, k, v, qkv_format, layout, softmax_scale)
@@ -293,5 +295,5 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, lay
                                        group, causal, scale, layout, backend)
     # laid out like q (callers .view() it to [B, S, H*D]), and always a copy of the tensor saved for
     # backward (contiguous() would alias it when H or S_local is 1), so in-place ops on it are safe
-    out = tag_layout(_from_bhsd(out, qkv_format).clone(memory_format=torch.contiguous_format), layout)
+    out = tag_layout(_from_bhsd(out, qkv_format).clone(memory_format=torch.contiguous_format), seq_dim, group, layout)
     return (out, lse) if return_lse else out

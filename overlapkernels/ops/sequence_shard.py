@@ -20,18 +20,25 @@ LAYOUTS = ("contiguous", "zigzag")
 # shard_sequence tags its result with its layout, and ring_attention its output, so that a tensor
 # given to ring_attention or unshard_sequence with another layout is refused rather than attended
 # or reordered wrongly without an error: the API's defaults differ (shard/unshard_sequence
-# "zigzag", ring_attention "contiguous"), so one dropped layout= would do exactly that. Best effort:
-# new tensors (projections, .to() / .contiguous() copies) carry no tag and are not checked.
-_LAYOUT_TAG = "_overlapkernels_layout"
+# "zigzag", ring_attention "contiguous"), so one dropped layout= would do exactly that. A tag is per
+# (dim, group): a tensor sharded over CP along the sequence and over another group along another dim
+# keeps both. Best effort: new tensors (projections, .to() / .contiguous() copies) carry none.
+_LAYOUT_TAG = "_overlapkernels_layouts"  # {(dim, id(group)): layout}
 
 
-def tag_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
-    setattr(x, _LAYOUT_TAG, layout)
+def tag_layout(x: torch.Tensor, dim: int, group, layout: str, inherit=None) -> torch.Tensor:
+    """Tag ``x`` as laid out by ``layout`` along ``dim`` over ``group``, keeping ``inherit``'s tags
+    of the other dims (a part cut along one dim keeps its layout along the others)."""
+    tags = {key: value for key, value in getattr(inherit, _LAYOUT_TAG, {}).items() if key[0] != dim}
+    tags[(dim, id(group))] = layout
+    setattr(x, _LAYOUT_TAG, tags)
     return x
 
 
-def check_layout_tag(x, name: str, layout: str, group, what: str) -> None:
-    tagged = getattr(x, _LAYOUT_TAG, None)
+def check_layout_tag(x, name: str, dim: int, group, layout: str, what: str) -> None:
+    if layout not in LAYOUTS:
+        return  # the caller's own check names a bad layout
+    tagged = getattr(x, _LAYOUT_TAG, {}).get((dim, id(group)))
     if tagged is not None and tagged != layout and dist.get_world_size(group) > 1:
         raise ValueError(f"{what}: {name} was laid out with layout={tagged!r} (by shard_sequence or ring_attention) "
                          f"but layout={layout!r} was passed; pass one layout to shard_sequence, ring_attention and "
@@ -83,7 +90,7 @@ def shard_sequence(x, group=None, *, dim=1, layout="zigzag"):
                          f"({'2 x ' if layout == 'zigzag' else ''}the group size {world}, layout={layout!r})")
     chunks = x.chunk(parts, dim=dim)
     mine = _chunk_order(layout, world)[rank * (parts // world):(rank + 1) * (parts // world)]
-    return tag_layout(torch.cat([chunks[c] for c in mine], dim=dim), layout)
+    return tag_layout(torch.cat([chunks[c] for c in mine], dim=dim), dim, group, layout, inherit=x)
 
 
 class _Unshard(torch.autograd.Function):
@@ -118,7 +125,7 @@ def unshard_sequence(x_local, group=None, *, dim=1, layout="zigzag"):
     """Gather the parts that ``shard_sequence`` laid out and reorder them into the full sequence."""
     group = resolve_group(group)
     dim, layout = _check(x_local, dim, layout, "x_local")
-    check_layout_tag(x_local, "x_local", layout, group, "unshard_sequence")
+    check_layout_tag(x_local, "x_local", dim, group, layout, "unshard_sequence")
     if layout == "zigzag" and x_local.shape[dim] % 2:
         raise ValueError(f"x_local.shape[{dim}]={x_local.shape[dim]} is odd; a zigzag part holds two equal chunks")
     return _Unshard.apply(x_local, group, dim, layout)

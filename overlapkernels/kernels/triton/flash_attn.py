@@ -273,8 +273,9 @@ CUDA_FLASH_FP32 = {64: FlashConfigs(fwd=FlashConfig(32, 64, 8, 2), dkdv=FlashCon
 CUDA_FLASH_SMALL = {128: _same(FlashConfig(64, 32, 4, 2)),
                     256: FlashConfigs(fwd=FlashConfig(64, 32, 4, 2), dkdv=FlashConfig(16, 32, 4, 2),
                                       dq=FlashConfig(32, 32, 4, 2))}
-# D > 256, any dtype and GPU: 64x32 needs 256 KB in bf16 dQ at D=512 (over sm_90's 227 KB) and
-# spills KBs; these take <= 65 KB in 16-bit (129 KB in fp32) and spill none in bf16 at D=512.
+# D > 256, any dtype: 64x32 needs 256 KB in bf16 dQ at D=512 (over sm_90's 227 KB) and spills KBs;
+# these take <= 65 KB in 16-bit and spill none in bf16 at D=512. fp32 at D=512 takes 129 KB (too much
+# for ~100 KB GPUs) and dK/dV spills 2-8 KB: a test path only.
 CUDA_FLASH_WIDE = FlashConfigs(fwd=FlashConfig(16, 16, 4, 2), dkdv=FlashConfig(16, 16, 8, 2), dq=FlashConfig(16, 16, 4, 2))
 
 
