@@ -208,12 +208,12 @@ def test_ring_on_triton_kernels(rank_pool, layout, causal):
 # --------------------------------------------------------------------------- GPU (make gpu-check)
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, dim, causal, tol", [
-    (torch.bfloat16, 128, False, 5e-2), (torch.bfloat16, 128, True, 5e-2), (torch.bfloat16, 64, True, 5e-2),
-    (torch.bfloat16, 96, True, 5e-2), (torch.bfloat16, 256, True, 5e-2), (torch.bfloat16, 512, True, 5e-2),
-    (torch.float32, 128, True, 1e-4), (torch.float32, 256, True, 1e-4)])
+    (torch.bfloat16, 128, False, 5e-2), (torch.bfloat16, 128, True, 5e-2), (torch.bfloat16, 256, True, 5e-2),
+    (torch.bfloat16, 512, True, 5e-2), (torch.float32, 128, True, 1e-4)])
 def test_kernels_vs_sdpa(dtype, dim, causal, tol):
-    """Every GPU tile table (16-bit D=64/128/256/512, D=96 padded to 128, fp32) against SDPA; causal
-    only beside D=128 bf16 (each case compiles three kernels within gpu-check's time)."""
+    """The GPU tile tables against SDPA: 16-bit D=128 (the benchmark's), 256 and 512 (wide tiles), fp32
+    (an fp64 reference). Few cases: each compiles three kernels within gpu-check's test step, whose
+    pipeline tests come after these."""
     q, k, v, do = _inputs(dtype, heads=8, kv_heads=2, lq=300, lk=300, dim=dim, device="cuda")
     out, lse = fa.block_forward(q, k, v, dim ** -0.5, causal=causal)
     # fp32: the reference in fp64 (SDPA's fp32 kernels may use TF32); 16-bit: SDPA in that dtype
