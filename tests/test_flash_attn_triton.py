@@ -118,6 +118,32 @@ def test_rectangular_tiles_match_reference(causal, q_start, k_start):
         _close(name, got, want, torch.float32)
 
 
+def _gpu_tile_tables():
+    tables = {**{f"16bit D<={d}": c for d, c in fa.CUDA_FLASH_16BIT.items()},
+              **{f"fp32 D<={d}": c for d, c in fa.CUDA_FLASH_FP32.items()},
+              **{f"small-smem D<={d}": c for d, c in fa.CUDA_FLASH_SMALL.items()}, "wide": fa.CUDA_FLASH_WIDE}
+    return list(tables.values()), list(tables)
+
+
+@pytest.mark.parametrize("causal, q_start, k_start", [(True, 7, 3), (True, 1, 0)])
+@pytest.mark.parametrize("configs", _gpu_tile_tables()[0], ids=_gpu_tile_tables()[1])
+def test_every_gpu_tile_table_matches_reference(configs, causal, q_start, k_start):
+    """The exact tile shapes each GPU table hands out (64x32 forward beside a 16x64 dK/dV, 128-row
+    tiles, ...), run by the interpreter over ragged lengths (150 queries x 146 keys: two 128-row tiles)
+    with ring offsets: a shape-specific masking or loop-bound bug shows here, before a GPU runs them."""
+    q, k, v, do = _inputs(torch.float32, heads=1, kv_heads=1, lq=150, lk=146)
+    args = dict(q_start=q_start, k_start=k_start, causal=causal)
+    with fa.forced_flash_configs(configs):
+        out, lse = fa.block_forward(q, k, v, 0.3, **args)
+        out_ref, lse_ref = ref.block_forward(q, k, v, 0.3, **args)
+        _close("out", out, out_ref, torch.float32)
+        _close("lse", lse, lse_ref, torch.float32)
+        delta = (do * out_ref).sum(-1)
+        grads = fa.block_backward(q, k, v, do, lse_ref, delta, 0.3, **args)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref.block_backward(q, k, v, do, lse_ref, delta, 0.3, **args)):
+        _close(name, got, want, torch.float32)
+
+
 @pytest.mark.parametrize("dout_layout", ["dense", "transposed"])
 def test_backward_of_a_sliced_q_with_dout_laid_out_otherwise(dout_layout):
     """q sliced out of a longer sequence (as a ring block) and a dout whose strides differ from q's:
