@@ -11,6 +11,7 @@ from overlapkernels.comm.rank_pool import RankError
 from overlapkernels.comm.thread_world import ThreadWorld
 from overlapkernels.kernels.triton.ag_gemm import ag_gemm
 from overlapkernels.kernels.triton.signals import polls
+from overlapkernels.kernels.triton import tile_gemm as TG
 from overlapkernels.kernels.triton.tile_gemm import INTERPRETER_GEMM, GemmConfig, forced_gemm_config, gemm_config
 from test_ops_tp_gloo import fp32_partial_sums_case
 
@@ -251,13 +252,13 @@ def test_planted_missing_wait_is_caught():
     assert err.tolist() == [1, 0, 1, 1]  # ready timeout, rank 0, chunk 1, peer 1
 
 
-def _tile_shapes_on_rank(ctx, k, method="fused"):
+def _tile_shapes_on_rank(ctx, k, method="fused", m=40, n=48):
     r, w = ctx.rank, ctx.world_size
-    shards = [_ints((40, k), torch.float32, q) for q in range(w)]
-    b = _ints((k, 48), torch.float32, 50)
+    shards = [_ints((m, k), torch.float32, q) for q in range(w)]
+    b = _ints((k, n), torch.float32, 50)
     out = ok.all_gather_matmul(shards[r], b, ctx, method=method)
     assert torch.equal(out, torch.cat(shards) @ b)
-    a_all = [_ints((w * 40, k), torch.float32, 60 + q) for q in range(w)]
+    a_all = [_ints((w * m, k), torch.float32, 60 + q) for q in range(w)]
     out = ok.matmul_reduce_scatter(a_all[r], b, ctx, method=method)
     assert torch.equal(out, sum(x @ b for x in a_all).chunk(w)[r])
     return True
@@ -270,6 +271,22 @@ def test_fused_rectangular_tiles_with_remainders(k):
     with a ragged edge, so a wrong tile index or mask shows up as a wrong value."""
     with forced_gemm_config(GemmConfig(16, 32, 16)):
         assert ThreadWorld(2, timeout=60).run(_tile_shapes_on_rank, k) == [True, True]
+
+
+GPU_GEMM_CONFIGS = {name: getattr(TG, name) for name in ("CUDA_GEMM_16BIT", "CUDA_GEMM_16BIT_SMALL", "CUDA_GEMM_FP32",
+                                                             "SMALL_SMEM_GEMM", "SMALL_SMEM_GEMM_SMALL")}
+
+
+@pytest.mark.parametrize("name", list(GPU_GEMM_CONFIGS))
+def test_fused_ops_with_every_gpu_tile_config(name):
+    """The exact tiles gemm_config hands out on GPUs (128x256x64, ...), which the interpreter's
+    default never uses: chunks of BLOCK_M + 7 rows x BLOCK_N + 9 columns (2 x 2 ragged tiles each),
+    K a multiple of BLOCK_K (the unmasked loop the 16-bit GPU configs require) and not."""
+    cfg = GPU_GEMM_CONFIGS[name]
+    with forced_gemm_config(cfg):
+        for k in (cfg.block_k, cfg.block_k + 8):
+            assert ThreadWorld(2, timeout=60).run(_tile_shapes_on_rank, k, "fused", cfg.block_m + 7,
+                                                  cfg.block_n + 9) == [True, True], k
 
 
 def test_gemm_config_is_a_pure_function_of_the_call():
