@@ -100,39 +100,8 @@ def test_reference_matches_sdpa(causal, q_start, k_start, kv_heads):
         torch.testing.assert_close(got, grad, **tight, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("causal, q_start, k_start", OFFSETS)
-def test_rectangular_tiles_match_reference(causal, q_start, k_start):
-    """GPU configs use BLOCK_M != BLOCK_N, and different ones per kernel: run that in the
-    interpreter (fwd 32x16, dK/dV 16x32, dQ 32x16) over 40 queries x 36 keys, ragged edges."""
-    q, k, v, do = _inputs(torch.float32, lq=40, lk=36)
-    args = dict(q_start=q_start, k_start=k_start, causal=causal)
-    wide, tall = fa.FlashConfig(32, 16), fa.FlashConfig(16, 32)
-    with fa.forced_flash_configs(fa.FlashConfigs(fwd=wide, dkdv=tall, dq=wide)):
-        out, lse = fa.block_forward(q, k, v, 0.3, **args)
-        out_ref, lse_ref = ref.block_forward(q, k, v, 0.3, **args)
-        _close("out", out, out_ref, torch.float32)
-        _close("lse", lse, lse_ref, torch.float32)
-        delta = (do * out_ref).sum(-1)
-        grads = fa.block_backward(q, k, v, do, lse_ref, delta, 0.3, **args)
-    for name, got, want in zip(("dq", "dk", "dv"), grads, ref.block_backward(q, k, v, do, lse_ref, delta, 0.3, **args)):
-        _close(name, got, want, torch.float32)
-
-
-def _gpu_tile_tables():
-    tables = {**{f"16bit D<={d}": c for d, c in fa.CUDA_FLASH_16BIT.items()},
-              **{f"fp32 D<={d}": c for d, c in fa.CUDA_FLASH_FP32.items()},
-              **{f"small-smem D<={d}": c for d, c in fa.CUDA_FLASH_SMALL.items()}, "wide": fa.CUDA_FLASH_WIDE}
-    return list(tables.values()), list(tables)
-
-
-@pytest.mark.parametrize("causal, q_start, k_start", [(True, 7, 3), (True, 1, 0)])
-@pytest.mark.parametrize("configs", _gpu_tile_tables()[0], ids=_gpu_tile_tables()[1])
-def test_every_gpu_tile_table_matches_reference(configs, causal, q_start, k_start):
-    """The exact tile shapes each GPU table hands out (64x32 forward beside a 16x64 dK/dV, 128-row
-    tiles, ...), run by the interpreter over ragged lengths (150 queries x 146 keys: two 128-row tiles)
-    with ring offsets: a shape-specific masking or loop-bound bug shows here, before a GPU runs them."""
-    q, k, v, do = _inputs(torch.float32, heads=1, kv_heads=1, lq=150, lk=146)
-    args = dict(q_start=q_start, k_start=k_start, causal=causal)
+def _tiles_match_reference(configs, q, k, v, do, **args):
+    """Forward and backward with every flash kernel forced to ``configs``, against the reference (fp32)."""
     with fa.forced_flash_configs(configs):
         out, lse = fa.block_forward(q, k, v, 0.3, **args)
         out_ref, lse_ref = ref.block_forward(q, k, v, 0.3, **args)
@@ -142,6 +111,30 @@ def test_every_gpu_tile_table_matches_reference(configs, causal, q_start, k_star
         grads = fa.block_backward(q, k, v, do, lse_ref, delta, 0.3, **args)
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref.block_backward(q, k, v, do, lse_ref, delta, 0.3, **args)):
         _close(name, got, want, torch.float32)
+
+
+@pytest.mark.parametrize("causal, q_start, k_start", OFFSETS)
+def test_rectangular_tiles_match_reference(causal, q_start, k_start):
+    """GPU configs use BLOCK_M != BLOCK_N, and different ones per kernel: run that in the
+    interpreter (fwd 32x16, dK/dV 16x32, dQ 32x16) over 40 queries x 36 keys, ragged edges."""
+    wide, tall = fa.FlashConfig(32, 16), fa.FlashConfig(16, 32)
+    _tiles_match_reference(fa.FlashConfigs(fwd=wide, dkdv=tall, dq=wide), *_inputs(torch.float32, lq=40, lk=36),
+                           q_start=q_start, k_start=k_start, causal=causal)
+
+
+GPU_TILE_TABLES = {**{f"16bit D<={d}": c for d, c in fa.CUDA_FLASH_16BIT.items()},
+                   **{f"fp32 D<={d}": c for d, c in fa.CUDA_FLASH_FP32.items()},
+                   **{f"small-smem D<={d}": c for d, c in fa.CUDA_FLASH_SMALL.items()}, "wide": fa.CUDA_FLASH_WIDE}
+
+
+@pytest.mark.parametrize("causal, q_start, k_start", [(True, 7, 3), (True, 1, 0)])
+@pytest.mark.parametrize("table", list(GPU_TILE_TABLES))
+def test_every_gpu_tile_table_matches_reference(table, causal, q_start, k_start):
+    """The exact tile shapes each GPU table hands out (64x32 forward beside a 16x64 dK/dV, 128-row
+    tiles, ...), run by the interpreter over ragged lengths (150 queries x 146 keys: two 128-row tiles)
+    with ring offsets: a shape-specific masking or loop-bound bug shows here, before a GPU runs them."""
+    _tiles_match_reference(GPU_TILE_TABLES[table], *_inputs(torch.float32, heads=1, kv_heads=1, lq=150, lk=146),
+                           q_start=q_start, k_start=k_start, causal=causal)
 
 
 @pytest.mark.parametrize("dout_layout", ["dense", "transposed"])
@@ -166,8 +159,7 @@ def test_backward_of_a_sliced_q_with_dout_laid_out_otherwise(dout_layout):
 def test_flash_configs_fit_the_device():
     cpu = fa.flash_configs(torch.device("cpu"), torch.float16, 128)
     assert cpu == fa.INTERPRETER_FLASH
-    for cfgs in (*fa.CUDA_FLASH_16BIT.values(), *fa.CUDA_FLASH_FP32.values(), *fa.CUDA_FLASH_SMALL.values(),
-                 fa.CUDA_FLASH_WIDE):
+    for cfgs in GPU_TILE_TABLES.values():
         for cfg in (cfgs.fwd, cfgs.dkdv, cfgs.dq):  # tl.dot needs >= 16 and powers of two
             assert cfg.block_m >= 16 and cfg.block_n >= 16
             assert cfg.block_m & (cfg.block_m - 1) == 0 and cfg.block_n & (cfg.block_n - 1) == 0
