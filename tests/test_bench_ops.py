@@ -117,43 +117,6 @@ def test_pipeline_bench_smoke(rank_pool):
     _spread_and_telemetry(rows, "step_us")
 
 
-def test_demo_smoke(rank_pool):
-    from overlapkernels import demo
-
-    cfg = demo.DemoConfig(steps=2, reference_steps=2, batch=4, seq=8, vocab=16, hidden=16, layers=2)
-    rows = rank_pool(4).run(demo.rank_main, demo.config_dict(cfg))[0]
-    assert [r["step"] for r in rows] == [0, 1]
-    for row in rows:  # the 4-D run and the single-process reference agree (fp32)
-        assert row["loss"] == pytest.approx(row["reference"], rel=1e-5)
-    assert "1-proc ref" in demo.format_rows(rows, cfg)
-
-
-def test_demo_refuses_compositions_it_cannot_run_before_spawning():
-    from overlapkernels import demo
-
-    for kwargs, message in ((dict(tp=3, pp=1), r"tp=3 must divide the 2 KV heads"),
-                            (dict(schedule="interleaved-1f1b"), r"schedule='interleaved-1f1b': the demo's Trainer "
-                                                                r"holds one model chunk per pipeline rank")):
-        with pytest.raises(ValueError, match=message):
-            demo.DemoConfig(**kwargs).resolved(3 if kwargs.get("tp") == 3 else 4)
-
-
-def test_demo_zero_bubble_simulation_uses_the_measured_weight_gradients(rank_pool):
-    """Without W's time the simulator gives zb-h1 1F1B's bubble, (p-1)/(m+p-1) = 1/5 here: the row's
-    figure must be the simulation of the measured per-microbatch F, B and W times, W included."""
-    from overlapkernels import demo
-    from overlapkernels.runtime import pipeline as pp
-
-    cfg = demo.DemoConfig(tp=1, pp=2, steps=1, reference_steps=1, batch=4, seq=8, vocab=16, hidden=16, layers=2,
-                          schedule="zb-h1")
-    (row,) = rank_pool(2).run(demo.rank_main, demo.config_dict(cfg))[0]
-    assert row["loss"] == pytest.approx(row["reference"], rel=1e-5)
-    assert row["t_w"] > 0, row
-    zb = pp.make_schedule("zb-h1", 2, 4)
-    assert row["bubble_simulated"] == pp.simulate(zb, t_f=row["t_f"], t_b=row["t_b"], t_w=row["t_w"]).bubble_fraction
-    assert row["bubble_simulated"] != pp.simulate(zb, t_f=row["t_f"], t_b=row["t_b"]).bubble_fraction
-
-
 @pytest.mark.parametrize("kind", ["collectives", "ag-matmul", "matmul-rs", "ring-attention", "layers", "fsdp",
                                   "pipeline"])
 def test_plots_for_every_kind(tmp_path, kind):
