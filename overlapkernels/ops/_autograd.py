@@ -28,10 +28,10 @@ def first_order_only(op: str, why: str = "its backward communicates, which autog
     return decorate
 
 
-def reshaped_result(t: torch.Tensor, shape) -> torch.Tensor:
-    """``t.view(shape)`` for an op's final result (``t`` contiguous, internal, never seen again),
-    which autograd does not mark as a view of ``t``: ``aten._unsafe_view``, as ``torch.matmul``
-    returns its folded GEMM. Why: a module returning a view (an op's output straight from a layer without a
-    bias) makes FSDP2 warn, and an in-place op on that output (``out += y``, which we allow) would
-    drop FSDP2's pre-backward hook on it and skip the all-gather backward needs."""
-    return torch.ops.aten._unsafe_view.default(t, tuple(shape))
+def not_a_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (an op's final result: contiguous, internal, never seen again) as a tensor autograd does not
+    mark as a view of another: ``aten._unsafe_view``, as ``torch.matmul`` returns its folded GEMM. Why:
+    a module returning a view (an op's output straight from a layer without a bias) makes FSDP2 warn,
+    and an in-place op on that output (``out += y``, which we allow) would drop FSDP2's pre-backward
+    hook on it and skip the all-gather backward needs."""
+    return torch.ops.aten._unsafe_view.default(t, t.shape)

@@ -10,7 +10,7 @@ from ..parallel import resolve_group
 from ..profiling.ranges import span
 from . import _methods
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands, cast_weights
-from ._autograd import first_order_only, reshaped_result
+from ._autograd import first_order_only, not_a_view
 from ._validate import check_dim, check_float_dtype, check_tensor, check_weights, group_size, is_peer_world, same_call_on_every_rank
 from .dispatch import check_method, choose, strict_active, strict_in_backward
 from .measure import auto_mode, measured
@@ -160,8 +160,8 @@ def _all_gather_matmul(a_shard, b, group, gather_dim, return_gathered, method, s
     def restore(t2d):  # [W*m, n] -> the layout of a_shard, gathered along gather_dim (contiguous, like torch.cat)
         return t2d.view(world * lead[0], *lead[1:], t2d.shape[-1]).movedim(0, gather_dim).contiguous()
 
-    # the products are not views (see reshaped_result); the gathered input stays one, since backward
+    # the products are not views (see not_a_view); the gathered input stays one, since backward
     # may have saved it and only a view shares its version counter (an in-place change then raises)
-    outs = [reshaped_result(o, o.shape) for o in map(restore, outs)]
+    outs = [not_a_view(restore(o)) for o in outs]
     result = outs[0] if single else outs
     return (restore(a_full), result) if return_gathered else result

@@ -10,7 +10,7 @@ from ..parallel import resolve_group
 from ..profiling.ranges import span
 from . import _methods
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands
-from ._autograd import first_order_only, reshaped_result
+from ._autograd import first_order_only, not_a_view
 from ._collective_methods import accumulation_dtype
 from ._validate import check_dim, check_float_dtype, check_tensor, check_weights, group_size, is_peer_world, same_call_on_every_rank
 from .dispatch import check_method, choose, strict_active, strict_in_backward
@@ -136,4 +136,4 @@ def _matmul_reduce_scatter(a, b, group, scatter_dim, method, transposed):
     with span(f"ok/matmul_reduce_scatter[{chosen}]"), autocast_off(x2d.device):
         out2d = MatmulReduceScatter.apply(x2d, b, group, method, chosen, transposed)
     out = out2d.view(lead[0] // world, *lead[1:], out2d.shape[-1]).movedim(0, dim).contiguous()
-    return reshaped_result(out, out.shape)  # contiguous, like reduce_scatter's output
+    return not_a_view(out)  # contiguous, like reduce_scatter's output
