@@ -37,9 +37,10 @@ AG_CASES = [  # (shard shape, gather_dim, weight widths)
 ]
 
 
-def _ag_case_on_rank(method, shard_shape, gather_dim, widths, dtype, exact, save_gathered, as_list, unused=None):
+def _ag_case_on_rank(method, shard_shape, gather_dim, widths, dtype, exact, save_gathered, as_list, unused=None,
+                     group=None):
     """``unused``: the index of an output that gets no gradient (a QKV part a model leaves out)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     k = shard_shape[-1]
     gd = gather_dim % len(shard_shape)
     shards = [_make(shard_shape, dtype, 100 + r, exact) for r in range(world)]
@@ -51,7 +52,7 @@ def _ag_case_on_rank(method, shard_shape, gather_dim, widths, dtype, exact, save
     a_shard = shards[rank].clone().requires_grad_()
     bs = [w.clone().requires_grad_() for w in weights[rank]]
     b_arg = bs if (as_list or len(bs) > 1) else bs[0]
-    gathered, outs = ok.all_gather_matmul(a_shard, b_arg, gather_dim=gather_dim, return_gathered=True,
+    gathered, outs = ok.all_gather_matmul(a_shard, b_arg, group, gather_dim=gather_dim, return_gathered=True,
                                           method=method, save_gathered=save_gathered)
     assert isinstance(outs, list) == isinstance(b_arg, list)  # a tensor in, a tensor out
     outs = outs if isinstance(outs, list) else [outs]
@@ -74,13 +75,14 @@ def _ag_case_on_rank(method, shard_shape, gather_dim, widths, dtype, exact, save
     return True
 
 
-def _ag_all_cases_on_rank(method):
+def _ag_all_cases_on_rank(method, group=None):
     for shape, gd, widths in AG_CASES:
         for save in (False, True):
-            _ag_case_on_rank(method, shape, gd, widths, torch.float64, True, save, False)
-    _ag_case_on_rank(method, (7, 33), 0, [5, 3], torch.float64, False, False, True)
-    _ag_case_on_rank(method, (7, 33), 0, [4, 5, 2], torch.float64, True, False, True, unused=1)  # K of QKV unused
-    _ag_case_on_rank(method, (7, 2, 33), 0, [5], torch.float32, False, False, False)
+            _ag_case_on_rank(method, shape, gd, widths, torch.float64, True, save, False, group=group)
+    _ag_case_on_rank(method, (7, 33), 0, [5, 3], torch.float64, False, False, True, group=group)
+    _ag_case_on_rank(method, (7, 33), 0, [4, 5, 2], torch.float64, True, False, True, unused=1,  # K of QKV unused
+                     group=group)
+    _ag_case_on_rank(method, (7, 2, 33), 0, [5], torch.float32, False, False, False, group=group)
     return True
 
 
@@ -99,8 +101,8 @@ RS_CASES = [  # (per-rank rows multiple, rest shape, scatter_dim, K, N)
 ]
 
 
-def _rs_case_on_rank(method, lead_per_rank, scatter_dim, k, n, dtype, exact):
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _rs_case_on_rank(method, lead_per_rank, scatter_dim, k, n, dtype, exact, group=None):
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     lead = list(lead_per_rank)
     lead[scatter_dim] *= world
     a_all = [_make((*lead, k), dtype, 400 + r, exact) for r in range(world)]
@@ -111,7 +113,7 @@ def _rs_case_on_rank(method, lead_per_rank, scatter_dim, k, n, dtype, exact):
 
     a = a_all[rank].clone().requires_grad_()
     b = b_all[rank].clone().requires_grad_()
-    out = ok.matmul_reduce_scatter(a, b, scatter_dim=scatter_dim, method=method)
+    out = ok.matmul_reduce_scatter(a, b, group, scatter_dim=scatter_dim, method=method)
     assert out.is_contiguous()
     full = sum(x @ w for x, w in zip(a_all, b_all))
     _compare("out", out, full.chunk(world, dim=scatter_dim)[rank], exact, dtype)
@@ -122,11 +124,11 @@ def _rs_case_on_rank(method, lead_per_rank, scatter_dim, k, n, dtype, exact):
     return True
 
 
-def _rs_all_cases_on_rank(method):
+def _rs_all_cases_on_rank(method, group=None):
     for lead, sd, k, n in RS_CASES:
-        _rs_case_on_rank(method, lead, sd, k, n, torch.float64, True)
-    _rs_case_on_rank(method, (7,), 0, 33, 5, torch.float64, False)
-    _rs_case_on_rank(method, (7, 2), 0, 33, 5, torch.float32, False)
+        _rs_case_on_rank(method, lead, sd, k, n, torch.float64, True, group)
+    _rs_case_on_rank(method, (7,), 0, 33, 5, torch.float64, False, group)
+    _rs_case_on_rank(method, (7, 2), 0, 33, 5, torch.float32, False, group)
     return True
 
 

@@ -28,9 +28,9 @@ def _rands(shape, seed, device="cpu"):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
-def _forward_cases_on_rank(ctx, method, dtype, straggler):
+def _forward_cases_on_rank(ctx, method, dtype, straggler, calls=3):
     r, w, dev = ctx.rank, ctx.world_size, ctx.device
-    for call in range(3):  # repeated calls reuse the workspace: epochs, released slots
+    for call in range(calls):  # repeated calls reuse the workspace: epochs, released slots
         if r == straggler:
             time.sleep(STRAGGLER_DELAY_S)
         shards = [_ints((7, 33), dtype, 10 * call + q, dev) for q in range(w)]

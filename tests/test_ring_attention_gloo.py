@@ -28,8 +28,9 @@ def _full_reference(q, k, v, causal, scale):
     return out, torch.logsumexp(s, dim=-1)
 
 
-def _case_on_rank(layout, causal, heads, kv_heads, fmt, with_lse, scale=None, batch=2, dim=8, per_rank=6):
-    world = dist.get_world_size()
+def _case_on_rank(layout, causal, heads, kv_heads, fmt, with_lse, scale=None, batch=2, dim=8, per_rank=6,
+                  group=None):
+    world = dist.get_world_size(group)
     seq = per_rank * world
     g = torch.Generator().manual_seed(1000 + 7 * heads + kv_heads + int(causal))
     q = torch.randn(batch, seq, heads, dim, generator=g, dtype=torch.float64, requires_grad=True)
@@ -44,7 +45,7 @@ def _case_on_rank(layout, causal, heads, kv_heads, fmt, with_lse, scale=None, ba
     loss.backward()
 
     def local(x, d=1):  # this rank's part, laid out like the inputs
-        return ok.shard_sequence(x.detach(), dim=d, layout=layout)
+        return ok.shard_sequence(x.detach(), group, dim=d, layout=layout)
 
     seq_dim = 1 if fmt == "bshd" else 0
 
@@ -53,7 +54,7 @@ def _case_on_rank(layout, causal, heads, kv_heads, fmt, with_lse, scale=None, ba
         return (x if fmt == "bshd" else x.transpose(0, 1).contiguous()).requires_grad_()
 
     ql, kl, vl = fmt_in(q), fmt_in(k), fmt_in(v)
-    out, lse = ok.ring_attention(ql, kl, vl, causal=causal, softmax_scale=scale, layout=layout, qkv_format=fmt,
+    out, lse = ok.ring_attention(ql, kl, vl, group, causal=causal, softmax_scale=scale, layout=layout, qkv_format=fmt,
                                  return_lse=True)
     d_out_local = local(d_out) if fmt == "bshd" else local(d_out).transpose(0, 1)
     loss_local = (out * d_out_local).sum() + ((lse * local(d_lse, 2)).sum() if with_lse else 0)
@@ -82,12 +83,13 @@ CASES = [
 ]
 
 
-def _all_cases_on_rank():
+def _all_cases_on_rank(group=None):
     for case in CASES:
-        _case_on_rank(*case)
-    _case_on_rank("zigzag", True, 2, 1, "bshd", False, scale=0.3)
-    _case_on_rank("contiguous", False, 2, 2, "sbhd", False, scale=np.float32(-0.25))  # any finite real, as SDPA
-    _case_on_rank("contiguous", True, 2, 1, "bshd", False, scale=torch.tensor(0.5, dtype=torch.float64))
+        _case_on_rank(*case, group=group)
+    _case_on_rank("zigzag", True, 2, 1, "bshd", False, scale=0.3, group=group)
+    _case_on_rank("contiguous", False, 2, 2, "sbhd", False, scale=np.float32(-0.25),  # any finite real, as SDPA
+                  group=group)
+    _case_on_rank("contiguous", True, 2, 1, "bshd", False, scale=torch.tensor(0.5, dtype=torch.float64), group=group)
     return True
 
 

@@ -1,0 +1,74 @@
+"""Node-sized worlds: the other tests run 2 and 4 ranks, a real NVLink node runs TP=8 or CP=8, and its
+TP groups are subgroups whose group ranks are not their global ranks. Here: 8 gloo ranks (ops, ring
+attention, layers, ZeRO-3 and pipelines against the same dense references as the 2- and 4-rank tests), two
+disjoint subgroups of odd sizes 3 and 5 with scattered global ranks working at the same time (a peer
+addressed by its group rank instead of its global one, or a message crossing groups, fails here), and
+the peer-memory algorithms with 8 threads."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from nccl_like import replay_like_nccl
+from overlapkernels.comm.thread_world import ThreadWorld
+from test_fsdp_gloo import _train_on_rank
+from test_layers_gloo import _blocks_on_rank, _linears_on_rank
+from test_ops_tp_gloo import _ag_all_cases_on_rank, _rs_all_cases_on_rank
+from test_ops_tp_peer import _forward_cases_on_rank
+from test_pipeline import _executor_on_rank
+from test_ring_attention_gloo import _all_cases_on_rank as _ring_cases_on_rank
+
+NODE = 8
+SUBGROUPS = ([1, 4, 6], [0, 2, 3, 5, 7])  # odd sizes, global ranks neither contiguous nor starting at 0
+
+
+def _ops_on_rank(method, group=None):
+    return _ag_all_cases_on_rank(method, group) and _rs_all_cases_on_rank(method, group)
+
+
+@pytest.mark.parametrize("method", ["baseline", "decomposed"])
+def test_tp_ops_on_eight_ranks(rank_pool, method):
+    assert rank_pool(NODE).run(_ops_on_rank, method) == [True] * NODE
+
+
+def test_ring_attention_on_eight_ranks(rank_pool):
+    """Zigzag over 16 chunks, contiguous over 8, GQA/MQA, both formats, every gradient."""
+    assert rank_pool(NODE).run(_ring_cases_on_rank) == [True] * NODE
+
+
+def test_layers_and_zero3_on_eight_ranks(rank_pool):
+    pool = rank_pool(NODE)
+    assert pool.run(_linears_on_rank, "decomposed") == [True] * NODE
+    assert pool.run(_blocks_on_rank, "decomposed") == [True] * NODE
+    pool.run(_train_on_rank, 3, 1, None)  # asserts inside: every parameter equals single-process training
+
+
+@pytest.mark.parametrize("kind, v", [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)])
+def test_pipeline_of_eight_stages(rank_pool, kind, v):
+    """Exact gradients over 8 (16 virtual) stages; the P2P every rank posted keeps NCCL's rules."""
+    results = rank_pool(NODE).run(_executor_on_rank, kind, 2 * NODE, v)
+    assert sum(has_loss for has_loss, _ in results) == 1
+    replay_like_nccl([log for _, log in results])
+
+
+def _on_subgroups_on_rank():
+    # new_group is collective over the world: every rank creates both groups, in the same order
+    groups = [dist.new_group(ranks) for ranks in SUBGROUPS]
+    mine = next(g for g, ranks in zip(groups, SUBGROUPS) if dist.get_rank() in ranks)
+    assert dist.get_rank(mine) != dist.get_rank() or dist.get_rank() == 0  # group ranks are not global ranks
+    _ops_on_rank("decomposed", mine)
+    _ops_on_rank("baseline", mine)
+    _ring_cases_on_rank(mine)
+    return dist.get_world_size(mine)
+
+
+def test_ops_and_ring_on_concurrent_odd_subgroups(rank_pool):
+    sizes = rank_pool(NODE).run(_on_subgroups_on_rank)
+    assert sizes == [3 if r in SUBGROUPS[0] else 5 for r in range(NODE)]
+
+
+@pytest.mark.parametrize("method", ["symm", "fused"])
+def test_peer_memory_methods_with_eight_threads(method):
+    """One call per op (the 2- and 4-rank tests repeat calls): pulls in order rank+1 .. rank+7, eight
+    chunk signals per op, the last rank a straggler; fp32 under the interpreter."""
+    results = ThreadWorld(NODE, timeout=120).run(_forward_cases_on_rank, method, torch.float32, NODE - 1, calls=1)
+    assert results == [True] * NODE
