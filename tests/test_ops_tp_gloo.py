@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 
 import overlapkernels as ok
+from overlapkernels.ops.all_gather_matmul import all_gather_linear
+from overlapkernels.ops.matmul_reduce_scatter import linear_reduce_scatter
 
 WORLDS = [2, 4]
 METHODS = ["baseline", "decomposed", "auto"]
@@ -249,6 +251,20 @@ BAD_AG = [
                                       method="decomposed"), ValueError, r"a.dtype=torch.float8_e5m2: expected one of"),
     (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8, dtype=torch.int64), torch.ones(8, 3, dtype=torch.int64)),
      ValueError, r"a.dtype=torch.int64: expected one of"),
+    # the *_linear forms (the parallel layers' ops) name their own operands and F.linear's [N, K] weights
+    (lambda: all_gather_linear(torch.ones(4, 8), [torch.ones(3, 8), torch.ones(3, 9)]), ValueError,
+     r"^weight\[1\].shape\[1\]=9 does not match x_shard.shape\[-1\]=8 \(the contracted dim K\)"),
+    (lambda: all_gather_linear(torch.ones(4, 8), torch.ones(3, 8)), TypeError,
+     r"^weights must be a list/tuple of \[N, K\] tensors sharing the gather, got a single tensor \(pass \[weight\]\)"),
+    (lambda: all_gather_linear(torch.ones(8), [torch.ones(3, 8)]), ValueError, r"^x_shard must have at least 2 dims"),
+    (lambda: all_gather_linear(torch.ones(4, 8), [torch.ones(3, 8, dtype=torch.float64)]), ValueError,
+     r"^weight\[0\].dtype=torch.float64 does not match x_shard.dtype=torch.float32"),
+    (lambda: linear_reduce_scatter(torch.ones(4, 8), torch.ones(8, 3)), ValueError,
+     r"^weight.shape\[1\]=3 does not match x.shape\[-1\]=8 \(the contracted dim K\)"),
+    (lambda: linear_reduce_scatter(torch.ones(4, 8), torch.ones(3, 8, 1)), ValueError,
+     r"^weight must be 2-D \[N, K\], got shape \(3, 8, 1\)"),
+    (lambda: linear_reduce_scatter(torch.ones(4, 8), [torch.ones(3, 8)]), TypeError,
+     r"^weight must be a single \[N, K\] tensor, got list"),
     (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3), 3), TypeError,
      r"group=3: expected a torch.distributed ProcessGroup or None .*got int"),
     (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 3), "tp"), TypeError,

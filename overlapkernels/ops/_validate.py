@@ -52,27 +52,30 @@ def check_float_dtype(name: str, value: torch.Tensor) -> None:
         raise ValueError(f"{name}.dtype={value.dtype}: expected one of {[str(d) for d in FLOAT_DTYPES]}")
 
 
-def check_weights(b, a: torch.Tensor, a_name: str) -> tuple[list, bool]:
-    """``b`` as a list of [K, N] tensors matching ``a``; the bool says whether it was a single one."""
+def check_weights(b, a: torch.Tensor, a_name: str, *, linear: bool = False) -> tuple[list, bool]:
+    """``b`` as a list of [K, N] tensors matching ``a``; the bool says whether it was a single one.
+    ``linear``: ``b`` holds ``F.linear``'s [N, K] weights (the ``*_linear`` forms), checked and named
+    in those terms and returned transposed to [K, N]."""
+    b_name, layout, k_dim = ("weight", "[N, K]", 1) if linear else ("b", "[K, N]", 0)
     single = isinstance(b, torch.Tensor)
     if not single and not (isinstance(b, (list, tuple)) and b):
-        raise TypeError(f"b must be a [K, N] tensor or a non-empty list/tuple of them, got {type(b).__name__}"
-                        + (" (empty)" if isinstance(b, (list, tuple)) else ""))
+        raise TypeError(f"{b_name} must be a {layout} tensor or a non-empty list/tuple of them, got "
+                        f"{type(b).__name__}" + (" (empty)" if isinstance(b, (list, tuple)) else ""))
     bs = [b] if single else list(b)
     k = a.shape[-1]
     for i, w in enumerate(bs):
-        name = "b" if single else f"b[{i}]"
+        name = b_name if single else f"{b_name}[{i}]"
         check_tensor(name, w)
         if w.dim() != 2:
-            raise ValueError(f"{name} must be 2-D [K, N], got shape {tuple(w.shape)}")
-        if w.shape[0] != k:
-            raise ValueError(f"{name}.shape[0]={w.shape[0]} does not match {a_name}.shape[-1]={k} (the contracted "
-                             "dim K)")
+            raise ValueError(f"{name} must be 2-D {layout}, got shape {tuple(w.shape)}")
+        if w.shape[k_dim] != k:
+            raise ValueError(f"{name}.shape[{k_dim}]={w.shape[k_dim]} does not match {a_name}.shape[-1]={k} (the "
+                             "contracted dim K)")
         if w.dtype != a.dtype:
             raise ValueError(f"{name}.dtype={w.dtype} does not match {a_name}.dtype={a.dtype}")
         if w.device != a.device:
             raise ValueError(f"{name} is on {w.device} but {a_name} is on {a.device}; expected one device")
-    return bs, single
+    return ([w.t() for w in bs] if linear else bs), single
 
 
 def check_dim(name: str, dim, tensor: torch.Tensor, tensor_name: str) -> int:

@@ -127,19 +127,23 @@ def all_gather_linear(x_shard, weights, group=None, *, gather_dim=0, method="aut
     column-parallel layers' op. Autograd sees the weights themselves rather than ``w.T`` views, so
     with ``save_gathered=True`` a zero-bubble B (``weight_grad_store.deferring``) leaves their
     gradients to W."""
-    return _all_gather_matmul(x_shard, list(weights), group, gather_dim, False, method, save_gathered, True)
+    return _all_gather_matmul(x_shard, weights, group, gather_dim, False, method, save_gathered, True)
 
 
 def _all_gather_matmul(a_shard, b, group, gather_dim, return_gathered, method, save_gathered, transposed):
     group = group if is_peer_world(group) else resolve_group(group)
     op = "all_gather_linear" if transposed else "all_gather_matmul"
+    name = "x_shard" if transposed else "a_shard"  # as the public signature names it
     with same_call_on_every_rank(group, op, getattr(a_shard, "device", None)) as call:
-        check_tensor("a_shard", a_shard, min_dim=2)
-        check_float_dtype("a_shard", a_shard)
+        check_tensor(name, a_shard, min_dim=2)
+        check_float_dtype(name, a_shard)
         amp = autocast_dtype(a_shard.device)  # inside torch.autocast: run in its dtype, as a matmul would
         a_shard, b = cast_operands(amp, a_shard)[0], cast_weights(amp, b)
-        bs, single = check_weights([w.t() for w in b] if transposed else b, a_shard, "a_shard")
-        gather_dim = check_dim("gather_dim", gather_dim, a_shard, "a_shard")
+        bs, single = check_weights(b, a_shard, name, linear=transposed)
+        if transposed and single:
+            raise TypeError("weights must be a list/tuple of [N, K] tensors sharing the gather, got a single tensor "
+                            "(pass [weight])")
+        gather_dim = check_dim("gather_dim", gather_dim, a_shard, name)
         method = check_method(method)
         if not isinstance(return_gathered, bool):
             raise TypeError(f"return_gathered must be a bool, got {type(return_gathered).__name__}")
