@@ -187,6 +187,20 @@ def set_group_timeout(group: dist.ProcessGroup, timeout) -> None:
 
 
 @functools.cache  # every op call checks every operand: look the class up once
+def matmul_allows_tf32() -> bool:
+    """Whether torch's fp32 CUDA matmuls may use TF32, whichever API the user set it with. Since
+    torch 2.9 ``torch.backends.cuda.matmul.fp32_precision`` (or the global
+    ``torch.backends.fp32_precision``) is the way; once it was used, reading the legacy ``allow_tf32``
+    raises. Setting ``allow_tf32`` updates ``fp32_precision`` too, so reading the new one sees both."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision is None:  # torch < 2.9: the legacy flag only
+        return bool(matmul.allow_tf32)
+    if precision == "none":  # inherits the global setting
+        precision = getattr(torch.backends, "fp32_precision", "none")
+    return precision == "tf32"
+
+
 def dtensor_type() -> type:
     """torch's DTensor class: public as ``torch.distributed.tensor`` from torch 2.5, private
     (``torch.distributed._tensor``) in 2.4, which setup.py still admits."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .._compat import matmul_allows_tf32
 from ..kernels.triton import signals as sig
 from ..kernels.triton import tile_gemm
 from ..kernels.triton.ag_gemm import ag_gemm
@@ -32,7 +33,7 @@ def warm(world, key, launch_all) -> None:
     if world.device.type != "cuda":
         return
     done = world.workspace(("kernel-warmup",), lambda _world: set())
-    key = (key, torch.backends.cuda.matmul.allow_tf32, tile_gemm._forced)  # both change the compiled variant
+    key = (key, matmul_allows_tf32(), tile_gemm._forced)  # both change the compiled variant
     if key in done:
         return
     shared = getattr(world, "shares_context", False)

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._compat import matmul_allows_tf32
 from ..interpreter import bf16_message, bf16_miscomputed
 
 
@@ -133,7 +134,7 @@ def launch_device(device: torch.device):
 def dot_precision(dtype: torch.dtype):
     """fp32 inputs: IEEE unless torch allows TF32 (so fp32 results match torch.mm); 16-bit: default."""
     if dtype == torch.float32:
-        return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+        return "tf32" if matmul_allows_tf32() else "ieee"
     return None
 
 
