@@ -439,3 +439,46 @@ def _two_dtypes_one_shape_on_rank(ctx, method):
 @pytest.mark.parametrize("method", ["symm", "fused"])
 def test_each_dtype_has_its_own_workspace(method):
     assert ThreadWorld(2, timeout=60).run(_two_dtypes_one_shape_on_rank, method) == [(True, True)] * 2
+
+
+class _EarlierCallTimedOut(RuntimeError):
+    pass
+
+
+def _deferred_error_on_rank(ctx, op, method):
+    """On a GPU process world a timeout is raised a call late (``DeferredErrorCheck``): a call that
+    itself went fine raises its predecessor's error from ``check_errors``. That call must still have
+    finished its part of the protocol (released its slots), or every peer's next call waits out
+    its timeout, and one error spreads to all ranks. Rank 0's check raises on call 1 here."""
+    r, w = ctx.rank, ctx.world_size
+
+    def call(seed):
+        if op == "ag":
+            shards = [_ints((4, 8), torch.float32, seed + q) for q in range(w)]
+            out = ok.all_gather_matmul(shards[r], _ints((8, 3), torch.float32, seed), ctx, method=method)
+            return torch.equal(out, torch.cat(shards) @ _ints((8, 3), torch.float32, seed))
+        a_all = [_ints((2 * w, 8), torch.float32, seed + q) for q in range(w)]
+        out = ok.matmul_reduce_scatter(a_all[r], _ints((8, 3), torch.float32, seed), ctx, method=method)
+        return torch.equal(out, sum(x @ _ints((8, 3), torch.float32, seed) for x in a_all).chunk(w)[r])
+
+    check_errors = ctx.check_errors
+    if r == 0:
+        def raising(*args, **kwargs):
+            ctx.check_errors = check_errors  # once
+            raise _EarlierCallTimedOut("an earlier call timed out")
+
+        ctx.check_errors = raising
+    try:
+        call(0)
+        caught = False
+    except _EarlierCallTimedOut:
+        caught = True
+    return caught, call(10), call(20)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_an_error_raised_at_the_check_leaves_the_protocol_in_step(method, op):
+    # wait timeout 1 s (half the world's): a slot never released would make calls 2 and 3 time out
+    results = ThreadWorld(2, timeout=2).run(_deferred_error_on_rank, op, method, timeout=60)
+    assert results == [(True, True, True), (False, True, True)]

@@ -155,7 +155,6 @@ def _reduce_scatter_partials(world, method: str, dtype, m: int, n: int, device, 
         _join_quietly(world.side_stream())
         raise
     world.side_stream().synchronize()
-    world.check_errors(err, _op_name("matmul_reduce_scatter", method), epoch)
     acc = torch.zeros(m, n, dtype=accumulation_dtype(dtype), device=device)
     for q in range(w):  # fixed order: bitwise reproducible whatever order partials arrived in
         acc += ws.slots.local[q]
@@ -163,6 +162,9 @@ def _reduce_scatter_partials(world, method: str, dtype, m: int, n: int, device, 
     for q in range(w):  # 4. release our slots for the next call
         if q != r:
             sig.set_peer_flag(ws.pads, q, w + r, epoch)
+    # last, as in ag_matmul: on a GPU it may raise an earlier call's timeout (checked a call late);
+    # raised before step 4, this call's slots would stay held and every peer's next call time out
+    world.check_errors(err, _op_name("matmul_reduce_scatter", method), epoch)
     return out
 
 
