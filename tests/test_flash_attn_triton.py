@@ -1,6 +1,10 @@
 """The Triton flash-attention kernels alone vs the torch reference (interpreter on CPU; compiled
 with -m gpu), and ring attention running on them."""
 import importlib
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -156,6 +160,37 @@ def test_backward_of_a_sliced_q_with_dout_laid_out_otherwise(dout_layout):
         _close(name, g, want, torch.float32)
 
 
+_BEYOND_INT32 = textwrap.dedent("""
+    import torch
+    from overlapkernels.kernels import attention_ref as ref
+    from overlapkernels.kernels.triton import flash_attn as fa
+
+    stride_b, L, D = (1 << 30) + 64, 16, 16  # batch 2 starts at element 2^31 + 128: past int32
+    storage = torch.empty(2 * stride_b + L * D, dtype=torch.float16)  # virtual: pages untouched stay unbacked
+    x = storage.as_strided((3, 1, L, D), (stride_b, L * D, D, 1))
+    x.copy_(torch.randn(3, 1, L, D, generator=torch.Generator().manual_seed(0)))
+    dense = x.clone()  # the same values at small offsets: the reference
+    out, lse = fa.block_forward(x, x, x, 0.25, causal=True)
+    dq, dk, dv = fa.block_backward(x, x, x, x, lse, (out * x.float()).sum(-1), 0.25, causal=True)
+    want = ref.block_forward(dense, dense, dense, 0.25, causal=True)
+    want_grads = ref.block_backward(dense, dense, dense, dense, want[1], (want[0] * dense.float()).sum(-1), 0.25,
+                                    causal=True)
+    for name, got, expected in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), (*want, *want_grads)):
+        torch.testing.assert_close(got, expected.to(got.dtype), atol=2e-3, rtol=2e-3, msg=lambda m, n=name: f"{n}: {m}")
+    print("ok")
+""")
+
+
+def test_offsets_past_int32_of_a_batch_or_head():
+    """A (batch, head) base offset of 2^31 elements or more (B*H*S*D at long context): a 32-bit product
+    wraps and the kernels read and write elsewhere (a segfault under the interpreter, garbage or an
+    illegal address on a GPU). Three batches 2^30 elements apart in one virtual 4 GiB buffer, of which
+    only the touched pages are ever backed; a fresh process, so a crash fails this test only."""
+    out = subprocess.run([sys.executable, "-c", _BEYOND_INT32], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], (out.returncode, out.stderr[-3000:])
+
+
 def test_flash_configs_fit_the_device():
     cpu = fa.flash_configs(torch.device("cpu"), torch.float16, 128)
     assert cpu == fa.INTERPRETER_FLASH
@@ -190,7 +225,7 @@ def test_bf16_on_cpu_is_refused_not_misread():
         fa.block_forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.3)
     a = torch.ones(4, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"fused GEMM with bfloat16 runs in Triton's interpreter here \(CPU\), which computes bfloat16 wrongly"):
-        check_gemm_operands(a, a.T, a)
+        check_gemm_operands(a, a.T, a, 1)
 
 
 def _ring_on_triton_on_rank(layout, causal):

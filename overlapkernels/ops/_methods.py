@@ -37,6 +37,16 @@ def check_available(method: str, group, device, dtype=None) -> None:
         raise ValueError(reason)
 
 
+def check_fused_sizes(method: str, rows_per_chunk: int, k: int, n: int) -> None:
+    """``fused`` on chunks [rows_per_chunk, k] @ [k, n]: refused by size before anything
+    communicates (the backward's dual op multiplies the same three extents)."""
+    if method == "fused":
+        from ..kernels.triton.tile_gemm import fused_sizes_error
+
+        if error := fused_sizes_error(rows_per_chunk, k, n):
+            raise ValueError(error)
+
+
 def _peer_world(method: str, group, device, dtype):
     """The world a peer-memory method runs in: the group itself (thread world), or a CUDA process
     group's symmetric-memory world. Errors say what is missing, before anything communicates."""

@@ -1,6 +1,7 @@
 """All-gather + matmul: the column-parallel forward under sequence parallelism."""
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import torch
@@ -148,6 +149,8 @@ def _all_gather_matmul(a_shard, b, group, gather_dim, return_gathered, method, s
         if not isinstance(return_gathered, bool):
             raise TypeError(f"return_gathered must be a bool, got {type(return_gathered).__name__}")
         _methods.check_available(method, group, a_shard.device, a_shard.dtype)
+        _methods.check_fused_sizes(method, math.prod(a_shard.shape[:-1]), a_shard.shape[-1],
+                                   max(w.shape[1] for w in bs))
         # save_gathered decides whether backward gathers again; gradients decide whether it runs at all
         call.args = dict(a_shard=a_shard, b=bs, gather_dim=gather_dim, method=method, save_gathered=bool(save_gathered))
     world = group_size(group)

@@ -1,6 +1,7 @@
 """Matmul + reduce-scatter: the row-parallel forward under sequence parallelism."""
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import torch
@@ -127,6 +128,7 @@ def _matmul_reduce_scatter(a, b, group, scatter_dim, method, transposed):
             raise ValueError(f"{name}.shape[scatter_dim={scatter_dim}]={a.shape[dim]} is not divisible by the group "
                              f"size {world}")
         _methods.check_available(method, group, a.device, a.dtype)
+        _methods.check_fused_sizes(method, math.prod(a.shape[:-1]) // world, a.shape[-1], b_kn.shape[1])
         call.args = dict(a=a, b=b_kn, scatter_dim=dim, method=method)
     x = a.movedim(dim, 0)
     lead = x.shape[:-1]

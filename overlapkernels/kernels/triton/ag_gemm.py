@@ -47,7 +47,7 @@ def ag_gemm(a_full: torch.Tensor, b: torch.Tensor, out: torch.Tensor, arrived: t
             ranks_per_device: int = 1) -> torch.Tensor:
     """``out = a_full @ b``, tile by tile as chunks of ``a_full`` arrive (``arrived[c] >= epoch``).
     ``config``: tile shape and launch options (default: ``gemm_config`` for this device and shape)."""
-    check_gemm_operands(a_full, b, out)
+    check_gemm_operands(a_full, b, out, world_size)
     rows_per_chunk = a_full.shape[0] // world_size
     n, k = b.shape[1], b.shape[0]
     config = config or gemm_config(a_full.device, a_full.dtype, rows_per_chunk, n, k)

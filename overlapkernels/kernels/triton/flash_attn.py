@@ -6,6 +6,8 @@ query. Query head h reads kv head h // (H / H_kv). Outputs are fp32 (the ring me
 rows that see no key give out = 0 and lse = -inf, never NaN. Backward takes the *final* lse and
 delta = rowsum(dO * O), as ring attention recomputes every block against the merged result.
 Softmax runs in base 2 (exp2 with log2(e) folded into the scale), the usual flash trick.
+Each program's (batch, head) base offset is 64-bit (its program id cast to int64): B*H*S*D reaches
+2^31 elements at long context (B=1, H=128, S=131072, D=128); offsets within one head stay 32-bit.
 """
 from __future__ import annotations
 
@@ -74,8 +76,9 @@ def _fwd_step(acc, m_i, l_i, q, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mas
 @triton.jit
 def _load_kv_tile(k_ptr, v_ptr, kv_base, offs_n, offs_d, d_mask, Lk, sk_s):
     kv_mask = (offs_n[:, None] < Lk) & d_mask[None, :]
-    offs = kv_base + offs_n[:, None] * sk_s + offs_d[None, :]
-    return tl.load(k_ptr + offs, mask=kv_mask, other=0.0), tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+    offs = offs_n[:, None] * sk_s + offs_d[None, :]  # within one (batch, head): 32-bit
+    return (tl.load(k_ptr + kv_base + offs, mask=kv_mask, other=0.0),
+            tl.load(v_ptr + kv_base + offs, mask=kv_mask, other=0.0))
 
 
 @triton.jit
@@ -84,7 +87,7 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
                       H, GROUP, Lq, Lk, D, q_start, k_start, scale_log2,
                       CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                       DOT_PRECISION: tl.constexpr):
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    pid_m, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docstring)
     b, h = bh // H, bh % H
     hk = h // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -133,7 +136,7 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_p
                            H_KV, GROUP, Lq, Lk, D, q_start, k_start, scale, scale_log2,
                            CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    pid_n, bh = tl.program_id(0), tl.program_id(1)
+    pid_n, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docstring)
     b, hk = bh // H_KV, bh % H_KV
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -150,9 +153,10 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_p
         for m0 in range(lo, Lq, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             q_mask = (offs_m[:, None] < Lq) & d_mask[None, :]
-            q_off = b * sq_b + h * sq_h + offs_m[:, None] * sq_s + offs_d[None, :]
-            q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
-            do = tl.load(do_ptr + q_off, mask=q_mask, other=0.0)
+            q_base = b * sq_b + h * sq_h
+            q_off = offs_m[:, None] * sq_s + offs_d[None, :]
+            q = tl.load(q_ptr + q_base + q_off, mask=q_mask, other=0.0)
+            do = tl.load(do_ptr + q_base + q_off, mask=q_mask, other=0.0)
             lse = tl.load(lse_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=float("-inf"))
             delta = tl.load(delta_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=0.0)
             p = _probs(q, k, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, CAUSAL, DOT_PRECISION)
@@ -160,9 +164,10 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_p
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
-    out_off = b * sdk_b + hk * sdk_h + offs_n[:, None] * sdk_s + offs_d[None, :]
-    tl.store(dk_ptr + out_off, dk * scale, mask=kv_mask)
-    tl.store(dv_ptr + out_off, dv, mask=kv_mask)
+    out_base = b * sdk_b + hk * sdk_h
+    out_off = offs_n[:, None] * sdk_s + offs_d[None, :]
+    tl.store(dk_ptr + out_base + out_off, dk * scale, mask=kv_mask)
+    tl.store(dv_ptr + out_base + out_off, dv, mask=kv_mask)
 
 
 @triton.jit
@@ -183,16 +188,17 @@ def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr
                          H, GROUP, Lq, Lk, D, q_start, k_start, scale, scale_log2,
                          CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    pid_m, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docstring)
     b, h = bh // H, bh % H
     hk = h // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     d_mask = offs_d < D
     q_mask = (offs_m[:, None] < Lq) & d_mask[None, :]
-    q_off = b * sq_b + h * sq_h + offs_m[:, None] * sq_s + offs_d[None, :]
-    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
-    do = tl.load(do_ptr + q_off, mask=q_mask, other=0.0)
+    q_base = b * sq_b + h * sq_h
+    q_off = offs_m[:, None] * sq_s + offs_d[None, :]
+    q = tl.load(q_ptr + q_base + q_off, mask=q_mask, other=0.0)
+    do = tl.load(do_ptr + q_base + q_off, mask=q_mask, other=0.0)
     lse = tl.load(lse_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=float("inf"))
     delta = tl.load(delta_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=0.0)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)

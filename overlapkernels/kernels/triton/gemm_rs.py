@@ -46,7 +46,7 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, slots, pads, *, rank: int, world_s
     """Scatter ``a @ b``'s chunks into the owners' ``slots`` (symmetric [W, m, N]) and count them in
     the owners' ``pads`` (symmetric int64, counts at [0, W)). ``config`` must be the same on every
     rank. Returns the tiles per chunk: the count each owner waits for from each rank."""
-    check_gemm_operands(a, b, slots.local)
+    check_gemm_operands(a, b, slots.local, world_size)
     rows_per_chunk, n, k = a.shape[0] // world_size, b.shape[1], b.shape[0]
     _gemm_rs_kernel[(num_programs(a.device, world_size * config.tiles(rows_per_chunk, n), ranks_per_device),)](
         a, b, slots.peer_ptrs, pads.peer_ptrs, rows_per_chunk, n, k,
