@@ -435,3 +435,30 @@ def test_deferred_error_records_raise_in_call_order():
     assert events[1].waited and [p[2] for p in check._pending] == ["op2"]
     check.flush()
     assert check._pending == [] and events[2].waited
+
+
+def test_caches_per_group_do_not_outlive_their_group(monkeypatch):
+    """torch names groups "0", "1", ... again after destroy_process_group and a new init: a cache keyed
+    by name gave the new world the old one's peer-memory answer (and symmetric buffers, and measured
+    choices). One process, two worlds in turn, peer memory able in the first only."""
+    from overlapkernels.comm import process_world as pw
+    from overlapkernels.ops import measure
+
+    assert not dist.is_initialized()
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    answers, names, measured = [], [], []
+    for able in (True, False):
+        monkeypatch.setattr(pw, "peer_memory_unavailable_reason", lambda device, able=able: None if able else "none")
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            names.append(dist.group.WORLD.group_name)
+            answers.append(pw.group_has_peer_memory(dist.group.WORLD, torch.device("cpu")))
+            calls = []
+            measure.measured("op", ("shape",), dist.group.WORLD, torch.device("cpu"), calls.append)
+            measured.append(len(calls))
+        finally:
+            dist.destroy_process_group()
+    assert names[0] == names[1]  # the premise: the name comes back
+    assert answers == [True, False]
+    assert measured[0] == measured[1] > 0  # the second world is measured afresh, not served the first's choice

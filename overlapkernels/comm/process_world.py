@@ -120,6 +120,16 @@ def peer_memory_unavailable_reason(device: torch.device) -> str | None:
 
 
 _group_peer_memory: dict = {}
+_keyed_groups: dict = {}
+
+
+def group_key(group: dist.ProcessGroup) -> tuple:
+    """A cache key only this group object has. Not the name alone: torch hands out the same names
+    again after ``destroy_process_group`` and a new ``init_process_group`` (a restart inside one
+    process, a test), and a cache keyed by name would give the new group the old one's symmetric
+    buffers or answers. The id is unique while the object lives, and keeping it here keeps it alive."""
+    _keyed_groups.setdefault(id(group), group)
+    return group.group_name, id(group)
 
 
 def group_has_peer_memory(group: dist.ProcessGroup, device: torch.device) -> bool:
@@ -129,7 +139,7 @@ def group_has_peer_memory(group: dist.ProcessGroup, device: torch.device) -> boo
     and every rank gets the same answer. Why ask the ranks rather than the launcher's numbering
     (LOCAL_WORLD_SIZE): that can be inherited from an outer launcher, ranks can be renumbered and
     nodes can differ in size, and ranks that disagreed would then disagree on what to run."""
-    key = (group.group_name, device, os.environ.get(PEER_MEMORY_ENV))
+    key = (group_key(group), device, os.environ.get(PEER_MEMORY_ENV))
     if key not in _group_peer_memory:
         try:
             able, error = peer_memory_unavailable_reason(device) is None, None
@@ -254,7 +264,7 @@ _worlds: dict = {}
 
 
 def process_peer_world(group: dist.ProcessGroup, device: torch.device) -> ProcessPeerWorld:
-    key = (group.group_name, device, requested_peer_memory())
+    key = (group_key(group), device, requested_peer_memory())
     if key not in _worlds:
         if not _worlds:
             atexit.register(report_pending_errors)

@@ -55,7 +55,9 @@ def _sync(device: torch.device) -> None:
 
 def measured(op: str, key: tuple, group, device: torch.device, run) -> Choice:
     """The cached or freshly measured choice for ``key``; ``run(method)`` performs one call."""
-    key = (op, group.group_name, *key)
+    from ..comm.process_world import group_key
+
+    key = (op, group_key(group), *key)
     if key in _cache:
         return _cache[key]
     methods = candidates(group, device)
