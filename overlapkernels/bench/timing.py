@@ -45,9 +45,10 @@ def time_calls(fn, iters: int, warmup: int, device: torch.device, group=None) ->
         dist.barrier(group=group)
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            stream = torch.cuda.current_stream(device)  # device's, even when another device is current
+            start.record(stream)
             fn()
-            end.record()
+            end.record(stream)
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
         else:
