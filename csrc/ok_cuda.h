@@ -19,7 +19,7 @@ extern "C" {
 #endif
 
 // Bumped whenever a signature below changes; the loader refuses a library of another version.
-#define OK_CUDA_ABI_VERSION 2
+#define OK_CUDA_ABI_VERSION 3
 // The most source buffers ok_reduce_sum accepts (passed by value in the kernel's parameters).
 #define OK_MAX_REDUCE_SRCS 64
 
@@ -54,6 +54,10 @@ OK_API int ok_ipc_alloc(int32_t device, uint64_t bytes, void** ptr, unsigned cha
 OK_API int ok_ipc_open(int32_t device, const unsigned char* handle, void** ptr);
 OK_API int ok_ipc_close(int32_t device, void* ptr);
 OK_API int ok_free(int32_t device, void* ptr);
+
+// A new non-blocking stream on `device` at the device's highest priority, never one of torch's
+// pooled streams (which collectives may share); it lives as long as the process.
+OK_API int ok_stream_create(int32_t device, void** stream);
 
 #ifdef __cplusplus
 }

@@ -188,5 +188,35 @@ def test_library_calls_run_with_their_device_current(monkeypatch):
     import re
 
     source = inspect.getsource(cuda_lib)
-    direct = re.findall(r"(?<!_on\()\blib\.ok_(signal_set|signal_wait|reduce_sum|ipc_\w+|free)\(", source)
+    direct = re.findall(r"(?<!_on\()\blib\.ok_(signal_set|signal_wait|reduce_sum|ipc_\w+|free|stream_create)\(", source)
     assert direct == [], direct
+
+
+@pytest.mark.gpu
+def test_own_stream_is_none_of_torchs_pooled_streams():
+    """The side stream that spin-waits on peers must not be a stream torch also hands to others (NCCL
+    draws from the same pools): none of the 32 entries of either priority pool, and it runs work."""
+    if not cuda_lib.is_loadable():
+        pytest.skip("the CUDA library is not built (make cuda)")
+    own = cuda_lib.own_stream("cuda")
+    pooled = {torch.cuda.Stream(priority=p).cuda_stream for p in (0, -1) for _ in range(64)}
+    assert own.cuda_stream not in pooled and own.device == torch.device("cuda", torch.cuda.current_device())
+    x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    own.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(own):
+        y = x * 2
+    torch.cuda.current_stream().wait_stream(own)
+    assert torch.equal(y, torch.arange(1 << 20, device="cuda", dtype=torch.float32) * 2)
+
+
+@pytest.mark.parametrize("loadable", [True, False])
+def test_side_stream_is_its_own_where_the_library_is_built(monkeypatch, loadable):
+    from overlapkernels.comm import side_stream
+
+    made = []
+    monkeypatch.setattr(cuda_lib, "is_loadable", lambda: loadable)
+    monkeypatch.setattr(cuda_lib, "own_stream", lambda device: made.append(("own", device)) or "own")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device, priority=0: made.append(("pool", device, priority)) or "pool")
+    stream = side_stream.CudaSideStream(torch.device("cuda", 1)).stream
+    cuda1 = torch.device("cuda", 1)
+    assert (stream, made) == (("own", [("own", cuda1)]) if loadable else ("pool", [("pool", cuda1, -1)]))

@@ -55,10 +55,16 @@ class ThreadSideStream:
 
 class CudaSideStream:
     def __init__(self, device: torch.device):
-        # High priority, as Flux's copy stream: copies get ahead of queued compute, and torch's
-        # high-priority pool is not the low-priority one ProcessGroupNCCL draws its streams from,
-        # so a spin-wait here never shares a stream with a collective it might be waiting behind.
-        self.stream = torch.cuda.Stream(device, priority=-1)
+        # High priority, as Flux's copy stream: copies get ahead of queued compute. A stream of its
+        # own (csrc/stream.cu) where the CUDA library is built: torch's pooled streams are handed out
+        # round-robin and ProcessGroupNCCL draws from the same pools (the high-priority one under
+        # TORCH_NCCL_HIGH_PRIORITY=1), and a collective sharing this stream would queue behind a
+        # spin-wait that may wait, through a peer, on that collective. Without the library, torch's
+        # high-priority pool: apart from NCCL's streams unless NCCL is asked for high priority.
+        from ..kernels import cuda as cuda_lib
+
+        self.stream = (cuda_lib.own_stream(device) if cuda_lib.is_loadable()
+                       else torch.cuda.Stream(device, priority=-1))
 
     def submit(self, fn, keep_alive=()) -> None:
         """Run ``fn`` on the side stream after everything the rank enqueued so far. Tensors in

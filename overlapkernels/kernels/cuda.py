@@ -17,11 +17,11 @@ import torch
 from .errors import CudaLibraryError, SignalTimeoutError
 
 LIB_NAME = "liboverlapkernels_cuda.so"
-ABI_VERSION = 2          # must match OK_CUDA_ABI_VERSION in csrc/ok_cuda.h
+ABI_VERSION = 3          # must match OK_CUDA_ABI_VERSION in csrc/ok_cuda.h
 MAX_REDUCE_SRCS = 64     # OK_MAX_REDUCE_SRCS
 IPC_HANDLE_BYTES = 64    # OK_IPC_HANDLE_BYTES
 EXPORTS = ("ok_abi_version", "ok_error_string", "ok_signal_set", "ok_signal_wait", "ok_reduce_sum", "ok_ipc_alloc",
-           "ok_ipc_open", "ok_ipc_close", "ok_free")
+           "ok_ipc_open", "ok_ipc_close", "ok_free", "ok_stream_create")
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _ERR_WAIT_TIMEOUT = 1
 BUILD_HINT = ("build it with `make cuda` (needs nvcc), or reinstall with nvcc on PATH: "
@@ -80,6 +80,7 @@ def load() -> ctypes.CDLL:
         lib.ok_ipc_open.argtypes = [c.c_int32, c.c_char_p, c.POINTER(c.c_void_p)]
         lib.ok_ipc_close.argtypes = [c.c_int32, c.c_void_p]
         lib.ok_free.argtypes = [c.c_int32, c.c_void_p]
+        lib.ok_stream_create.argtypes = [c.c_int32, c.POINTER(c.c_void_p)]
         for fn in EXPORTS[2:]:
             getattr(lib, fn).restype = c.c_int
         if lib.ok_abi_version() != ABI_VERSION:
@@ -231,6 +232,15 @@ def ipc_close(ptr: int, device) -> None:
 def free(ptr: int, device) -> None:
     lib, device = load(), _cuda_device(device)
     _check(lib, _on(device.index, lib.ok_free, device.index, ptr), "free")
+
+
+def own_stream(device) -> torch.cuda.ExternalStream:
+    """A stream no one else is handed (see csrc/stream.cu): non-blocking, at the device's highest
+    priority, kept for the life of the process."""
+    lib, device = load(), _cuda_device(device)
+    stream = ctypes.c_void_p()
+    _check(lib, _on(device.index, lib.ok_stream_create, device.index, ctypes.byref(stream)), "stream_create")
+    return torch.cuda.ExternalStream(stream.value, device=device)
 
 
 def tensor_at(ptr: int, shape, dtype: torch.dtype, device) -> torch.Tensor:
