@@ -154,3 +154,30 @@ def _measured_backward_on_rank():
 def test_measured_auto_covers_backward_dual_ops(rank_pool):
     chosen = rank_pool(2).run(_measured_backward_on_rank)
     assert chosen[0] == chosen[1]
+
+
+@pytest.mark.parametrize("rows, fits", [(65536, True), (65537, False)])
+def test_measured_auto_leaves_out_fused_past_its_32_bit_offsets(world_of_one, monkeypatch, rows, fits):
+    """Measured auto must not time (and so fail in) a fused GEMM the call's chunks do not fit: both
+    ops, forward shapes [rows, 32768] per chunk, tell the measurement whether fused fits."""
+    import importlib
+
+    from overlapkernels.ops.dispatch import Choice
+
+    # the modules (the package re-exports the functions under the same names)
+    agm = importlib.import_module("overlapkernels.ops.all_gather_matmul")
+    mrs = importlib.import_module("overlapkernels.ops.matmul_reduce_scatter")
+
+    told = []
+
+    def fake_measured(op, key, group, device, run, fused_fits=True):
+        told.append((op, fused_fits))
+        return Choice("baseline", "fake")
+
+    monkeypatch.setenv("OVERLAPKERNELS_AUTO", "measure")
+    monkeypatch.setattr(agm, "measured", fake_measured)
+    monkeypatch.setattr(mrs, "measured", fake_measured)
+    x, b = torch.empty(rows, 32768, device="meta"), torch.empty(32768, 8, device="meta")
+    agm.resolve("auto", dist.group.WORLD, x, 8, 2, bs=[b])
+    mrs.resolve("auto", dist.group.WORLD, torch.empty(2 * rows, 32768, device="meta"), b, 2, measurable=True)
+    assert told == [("all_gather_matmul", fits), ("matmul_reduce_scatter", fits)]

@@ -37,14 +37,18 @@ def check_available(method: str, group, device, dtype=None) -> None:
         raise ValueError(reason)
 
 
+def fused_sizes_error(rows_per_chunk: int, k: int, n: int) -> str | None:
+    """Why ``fused`` cannot multiply chunks [rows_per_chunk, k] @ [k, n] (32-bit offsets), or None."""
+    from ..kernels.triton import tile_gemm
+
+    return tile_gemm.fused_sizes_error(rows_per_chunk, k, n)
+
+
 def check_fused_sizes(method: str, rows_per_chunk: int, k: int, n: int) -> None:
     """``fused`` on chunks [rows_per_chunk, k] @ [k, n]: refused by size before anything
     communicates (the backward's dual op multiplies the same three extents)."""
-    if method == "fused":
-        from ..kernels.triton.tile_gemm import fused_sizes_error
-
-        if error := fused_sizes_error(rows_per_chunk, k, n):
-            raise ValueError(error)
+    if method == "fused" and (error := fused_sizes_error(rows_per_chunk, k, n)):
+        raise ValueError(error)
 
 
 def _peer_world(method: str, group, device, dtype):

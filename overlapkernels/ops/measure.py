@@ -36,7 +36,9 @@ def auto_mode() -> str:
     return mode
 
 
-def candidates(group, device: torch.device) -> list:
+def candidates(group, device: torch.device, fused_fits: bool = True) -> list:
+    """``fused_fits``: the call's chunks are within the fused GEMMs' 32-bit offsets (the same on
+    every rank: the ranks make the same call)."""
     found = ["baseline", "decomposed"]
     if device.type == "cuda":
         from ..comm.process_world import group_has_peer_memory
@@ -44,7 +46,7 @@ def candidates(group, device: torch.device) -> list:
         # every rank must time the same methods: measuring is collective already, so the ranks agree
         # on peer memory (all able, one node) rather than each deciding alone
         if group_has_peer_memory(group, device):
-            found += ["symm", "fused"]
+            found += ["symm", "fused"] if fused_fits else ["symm"]
     return found
 
 
@@ -53,14 +55,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measured(op: str, key: tuple, group, device: torch.device, run) -> Choice:
+def measured(op: str, key: tuple, group, device: torch.device, run, fused_fits: bool = True) -> Choice:
     """The cached or freshly measured choice for ``key``; ``run(method)`` performs one call."""
     from ..comm.process_world import group_key
 
     key = (op, group_key(group), *key)
     if key in _cache:
         return _cache[key]
-    methods = candidates(group, device)
+    methods = candidates(group, device, fused_fits)
     seconds = []
     with torch.no_grad():
         for method in methods:
