@@ -186,7 +186,6 @@ def set_group_timeout(group: dist.ProcessGroup, timeout) -> None:
                       f"{torch.__version__}; it keeps the backend's default", stacklevel=3)
 
 
-@functools.cache  # every op call checks every operand: look the class up once
 def matmul_allows_tf32() -> bool:
     """Whether torch's fp32 CUDA matmuls may use TF32, whichever API the user set it with. Since
     torch 2.9 ``torch.backends.cuda.matmul.fp32_precision`` (or the global
@@ -201,6 +200,7 @@ def matmul_allows_tf32() -> bool:
     return precision == "tf32"
 
 
+@functools.cache  # every op call checks every operand: look the class up once
 def dtensor_type() -> type:
     """torch's DTensor class: public as ``torch.distributed.tensor`` from torch 2.5, private
     (``torch.distributed._tensor``) in 2.4, which setup.py still admits."""

@@ -30,3 +30,17 @@ def test_fp32_dot_precision_follows_torch_whichever_api_set_it(setting, want):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [want, "None"], out.stdout
+
+
+def test_a_setting_changed_between_calls_is_seen():
+    """Read at every call, not once: a training script may switch TF32 on after a first fp32 call."""
+    script = ("import torch\n"
+              "from overlapkernels.kernels.triton.tile_gemm import dot_precision\n"
+              "print(dot_precision(torch.float32))\n"
+              "torch.backends.cuda.matmul.allow_tf32 = True\n"
+              "print(dot_precision(torch.float32))\n"
+              "torch.backends.cuda.matmul.allow_tf32 = False\n"
+              "print(dot_precision(torch.float32))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["ieee", "tf32", "ieee"], out.stdout
