@@ -5,10 +5,12 @@
 # (epoch seconds; the Makefile sets it when make starts) bounds the CUDA probe and cuts every step's
 # limit (the csrc build's too) to the time left; a step with no time left is skipped, reported failed.
 # Benchmark rows go to $GPU_CSV (default: $OUT/gpu-check.csv where the device tool sets OUT, else
-# benchmarks/results/gpu-check.csv), each row as it is measured. Each step's full output also goes
-# to $GPU_LOGS/gpu-check-<step>.log and a pytest step's results to $GPU_LOGS/<step>.xml (GPU_LOGS:
-# $OUT, else benchmarks/results/gpu-check-logs): the device tool returns only the tail of stdout,
-# which ends with a summary table of every step. Usage: PY=python3 bash scripts/gpu_check.sh
+# benchmarks/results/gpu-check.csv), each row as it is measured. Every step's full output also goes
+# to $GPU_LOGS/gpu-check.log, under a "##### step <name>" line, and a pytest step's results to
+# $GPU_LOGS/<step>.xml (GPU_LOGS: $OUT, else benchmarks/results/gpu-check-logs): the device tool
+# returns only the tail of stdout, which ends with a summary table of every step, and at most 8
+# files from $OUT, so the script leaves 4 there (the CSV, the log, two XMLs), not one per step.
+# Usage: PY=python3 bash scripts/gpu_check.sh
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -16,6 +18,8 @@ GPU_CSV=${GPU_CSV:-${OUT:+$OUT/gpu-check.csv}}
 GPU_CSV=${GPU_CSV:-benchmarks/results/gpu-check.csv}
 GPU_LOGS=${GPU_LOGS:-${OUT:-benchmarks/results/gpu-check-logs}}
 mkdir -p "$GPU_LOGS"
+GPU_LOG=$GPU_LOGS/gpu-check.log
+: > "$GPU_LOG"
 # Scripts under benchmarks/ import the package from this checkout, installed or not.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export CUDA_DEVICE_MAX_CONNECTIONS=32  # a hardware queue per rank stream in the one-GPU world
@@ -61,7 +65,8 @@ step() {  # step SECONDS NAME CMD...   (NAME: no spaces, it names the log)
   local start=$SECONDS
   # The benchmarks turn SIGTERM into SystemExit (their rows are already in the CSV) and conftest.py
   # into KeyboardInterrupt (pytest still writes its summary and XML); --kill-after for the rest.
-  timeout --signal=TERM --kill-after=10 "$limit" "$@" 2>&1 | tee "$GPU_LOGS/gpu-check-$name.log"
+  echo "##### step $name" >> "$GPU_LOG"
+  timeout --signal=TERM --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$GPU_LOG"
   local rc=${PIPESTATUS[0]} secs=$((SECONDS - start)) status=ok
   echo "=== $name: exit $rc after $secs s"
   case $rc in
@@ -106,11 +111,12 @@ step 25 bench_reduce "$PY" benchmarks/bench_reduce.py --csv "$GPU_CSV"
 step 75 bench_flash_attn "$PY" benchmarks/bench_flash_attn.py --csv "$GPU_CSV"
 # several ranks spinning on flags on one GPU (symm/fused ops): the riskiest, so last
 # (no --maxfail: the process-world tests, last in the file, are the ones most worth the time; the
-# step's limit bounds a run of hangs, and each test's world gives up after 30 s)
-pytest_step 120 gpu_tests_one_gpu "${EAGER[@]}" "${PYTEST[@]}" -m gpu tests/test_ops_tp_gpu.py
+# step's limit bounds a run of hangs, and each test's world gives up after 30 s). 170 s: eager module
+# loading in pytest and in each spawned rank, and ~20 kernel compiles, come before those tests.
+pytest_step 170 gpu_tests_one_gpu "${EAGER[@]}" "${PYTEST[@]}" -m gpu tests/test_ops_tp_gpu.py
 step 50 bench_one_gpu_ag_matmul "${EAGER[@]}" "$PY" benchmarks/bench_one_gpu_ag_matmul.py --csv "$GPU_CSV"
 
-echo "=== results: $GPU_CSV; logs: $GPU_LOGS/gpu-check-<step>.log"
+echo "=== results: $GPU_CSV; log of every step: $GPU_LOG"
 if [ ${#failed[@]} -gt 0 ]; then
   printf '=== FAILED: %s\n' "${failed[@]}"
 fi

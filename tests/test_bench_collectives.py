@@ -110,15 +110,19 @@ def _git(cwd, *args):
                    capture_output=True)
 
 
-def test_commit_only_from_a_repository_that_tracks_the_package(tmp_path):
+def test_commit_only_from_a_repository_that_tracks_the_package(tmp_path, monkeypatch):
     """An installed copy inside some other repository must not report that repository's commit;
     local edits show as -dirty."""
     from overlapkernels.bench.report import git_commit
 
+    monkeypatch.delenv("OVERLAPKERNELS_COMMIT", raising=False)
     pkg = tmp_path / "repo" / "overlapkernels"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     assert git_commit(pkg) == "unknown"  # no repository at all
+    monkeypatch.setenv("OVERLAPKERNELS_COMMIT", "abc123def456")  # a copy without .git, told its commit
+    assert git_commit(pkg) == "abc123def456"
+    monkeypatch.delenv("OVERLAPKERNELS_COMMIT")
     _git(tmp_path / "repo", "init", "-q")
     (tmp_path / "repo" / "other.txt").write_text("x")
     _git(tmp_path / "repo", "add", "other.txt")

@@ -52,6 +52,12 @@ def _run(tmp_path, deadline, cases=""):
                                "GPU_CHECK_DEADLINE": str(deadline)})
 
 
+def _step_log(tmp_path, step):
+    """One step's part of the combined log: after its "##### step" line, up to the next."""
+    parts = (tmp_path / "gpu-check.log").read_text().split("##### step ")
+    return next(part.split("\n", 1)[1] for part in parts if part.split("\n", 1)[0] == step)
+
+
 def _summary(stdout):
     """The summary table's rows: {step: the rest of its line}."""
     table = stdout.split("=== summary\n", 1)[1].splitlines()[1:]
@@ -85,8 +91,12 @@ def test_the_cuda_probe_is_cut_to_the_deadline(tmp_path):
 def test_each_step_logs_in_full_and_a_summary_table_ends_the_output(tmp_path):
     out = _run(tmp_path, int(time.time()) + 400, cases='  *bench_reduce*) echo "reduce output"; exit 3;;\n')
     assert out.returncode == 1, out.stdout + out.stderr
-    assert "ran: csrc/build.py" in (tmp_path / "gpu-check-csrc_build.log").read_text()
-    assert "reduce output" in (tmp_path / "gpu-check-bench_reduce.log").read_text()
+    assert "ran: csrc/build.py" in _step_log(tmp_path, "csrc_build")
+    assert "reduce output" in _step_log(tmp_path, "bench_reduce") and "reduce" not in _step_log(tmp_path, "info")
+    # the device tool brings back at most 8 files from $OUT: the script leaves 3 here (no rows: the
+    # stand-in benchmarks write no CSV), beside the stand-in python itself
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu-check.log", "gpu_tests.xml", "gpu_tests_one_gpu.xml",
+                                                          "python"]
     pytest_runs = [line for line in out.stdout.splitlines() if line.startswith("ran: -m pytest")]
     assert len(pytest_runs) == 2 and all(" -q -rfE " in line for line in pytest_runs), pytest_runs  # concise
     assert pytest_runs[0].endswith(f"--junitxml={tmp_path}/gpu_tests.xml")
@@ -95,7 +105,7 @@ def test_each_step_logs_in_full_and_a_summary_table_ends_the_output(tmp_path):
     assert list(summary) == ["csrc_build", "info", "compile_sm90", "gpu_tests", "bench_fused_gemm", "bench_reduce",
                              "bench_flash_attn", "gpu_tests_one_gpu", "bench_one_gpu_ag_matmul"]
     # this triton's sm_90 compile, outside the interpreter
-    assert "ran: scripts/compile_kernels_sm90.py --quick" in (tmp_path / "gpu-check-compile_sm90.log").read_text()
+    assert "ran: scripts/compile_kernels_sm90.py --quick" in _step_log(tmp_path, "compile_sm90")
     assert re.fullmatch(r"ok +\d+  4 passed, 2 failed, 1 errors, 3 skipped", summary["gpu_tests"])
     assert summary["bench_reduce"].startswith("FAILED (exit 3)") and summary["info"].startswith("ok")
     tail = out.stdout.rstrip().splitlines()
@@ -118,7 +128,7 @@ def test_a_benchmark_stopped_by_its_limit_keeps_its_rows(tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     rows = list(csv.DictReader((tmp_path / "gpu-check.csv").open()))
     assert [(r["i"], r["device"]) for r in rows] == [("0", "stand-in"), ("1", "stand-in")]
-    assert "table of 2 rows" in (tmp_path / "gpu-check-bench_fused_gemm.log").read_text()
+    assert "table of 2 rows" in _step_log(tmp_path, "bench_fused_gemm")
     assert _summary(out.stdout)["bench_fused_gemm"].startswith("TIMEOUT")
 
 

@@ -10,10 +10,17 @@ import subprocess
 from pathlib import Path
 
 
+COMMIT_ENV = "OVERLAPKERNELS_COMMIT"
+
+
 def git_commit(package_dir: str | os.PathLike | None = None) -> str:
     """``git describe --always --dirty`` of the checkout this package was imported from, or
     'unknown' when the package is not tracked by a git repository (an installed copy, even one
-    inside some other repository, must not report that repository's commit)."""
+    inside some other repository, must not report that repository's commit).
+    $OVERLAPKERNELS_COMMIT, where set, is taken as is: a copy of a checkout without its .git (what a
+    remote GPU machine receives) names its commit that way."""
+    if given := os.environ.get(COMMIT_ENV, "").strip():
+        return given
     package = Path(package_dir) if package_dir is not None else Path(__file__).resolve().parent.parent
 
     def git(*args):
