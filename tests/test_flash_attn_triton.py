@@ -214,6 +214,15 @@ def test_float64_is_refused_with_a_pointer_to_the_torch_backend():
     q, k, v, _ = _inputs(torch.float64)
     with pytest.raises(ValueError, match="dtype torch.float64 not supported.*the torch backend takes float64"):
         fa.block_forward(q, k, v, 0.3)
+    # so ring_attention takes that backend for float64 on a GPU too (SDPA takes float64 there)
+    ring = importlib.import_module("overlapkernels.ops.ring_attention")
+    meta = torch.empty(1, 2, 2, 8, device="meta")
+    cuda_like = type("CudaLike", (), {"is_cuda": True})
+    for dtype, want in ((torch.float64, "torch"), (torch.float32, "triton"), (torch.bfloat16, "triton")):
+        fake = cuda_like()
+        fake.dtype = dtype
+        assert ring.default_backend(fake) == want, dtype
+    assert ring.default_backend(meta) == "torch"  # not CUDA: the kernels would only be interpreted
 
 
 def test_bf16_on_cpu_is_refused_not_misread():
@@ -313,6 +322,30 @@ def _ring_bf16_one_gpu_on_rank(layout):
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_ring_bf16_two_ranks_one_gpu(rank_pool, layout):
     assert rank_pool(2).run(_ring_bf16_one_gpu_on_rank, layout) == [True, True]
+
+
+def _ring_fp64_cuda_on_rank():
+    """float64 on a GPU runs the torch backend (the kernels take 16/32-bit): exact to fp64 rounding."""
+    import overlapkernels as ok
+
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 8 * world, n, 16, generator=g, dtype=torch.float64).cuda().requires_grad_()
+               for n in (4, 2, 2))
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(2, 1),
+                                          v.transpose(1, 2).repeat_interleave(2, 1), is_causal=True).transpose(1, 2)
+    want.sum().backward()
+    ql, kl, vl = (ok.shard_sequence(x.detach()).requires_grad_() for x in (q, k, v))
+    out = ok.ring_attention(ql, kl, vl, causal=True, layout="zigzag")
+    out.sum().backward()
+    for got, ref_t in ((out, want), (ql.grad, q.grad), (kl.grad, k.grad), (vl.grad, v.grad)):
+        torch.testing.assert_close(got, ok.shard_sequence(ref_t.detach()), atol=1e-10, rtol=1e-10)
+    return True
+
+
+@pytest.mark.gpu
+def test_ring_fp64_on_gpu_takes_the_torch_backend(rank_pool):
+    assert rank_pool(2).run(_ring_fp64_cuda_on_rank) == [True, True]
 
 
 @pytest.mark.parametrize("smem_kb, dtype, head_dim, want", [

@@ -40,6 +40,12 @@ def _backend(name: str):
     return attention_ref
 
 
+def default_backend(q: torch.Tensor) -> str:
+    """The Triton flash kernels on CUDA in 16-bit and fp32; the torch reference on CPU (where Triton
+    only interprets) and for float64, which the kernels do not take and SDPA does (numerics checks)."""
+    return "triton" if q.is_cuda and q.dtype != torch.float64 else "torch"
+
+
 def _visibility(q_start, q_len, k_start, k_len, causal) -> str:
     """How much of a key segment a query segment sees: 'none', 'full' or 'partial'."""
     if not causal or k_start + k_len - 1 <= q_start:
@@ -289,7 +295,7 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, lay
         scale = _check_scale(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         call.args = dict(q=q, k=k, v=v, causal=causal, softmax_scale=scale, layout=layout,
                          qkv_format=qkv_format)
-    backend = "triton" if q.is_cuda else "torch"
+    backend = default_backend(q)
     with span("ok/ring_attention"), autocast_off(q.device):  # the kernels keep fp32 softmax statistics
         out, lse = RingAttention.apply(_to_bhsd(q, qkv_format), _to_bhsd(k, qkv_format), _to_bhsd(v, qkv_format),
                                        group, causal, scale, layout, backend)
