@@ -223,12 +223,12 @@ for (dname, hd), cfgs in FLASH.items():
         check(f"_flash_fwd_kernel {tag(cfgs.fwd)}", FA._flash_fwd_kernel, q, k, v, o, lse,
               q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
               o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-              H, H // HKV, L, L, hd, 0, 0, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.fwd.meta())
+              H // HKV, L, L, hd, 0, 0, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.fwd.meta())
         check(f"_flash_bwd_dkdv_kernel {tag(cfgs.dkdv)}", FA._flash_bwd_dkdv_kernel, q, k, v, do, lse, delta, dk, dv,
-              *common, dk.stride(0), dk.stride(1), dk.stride(2), HKV, H // HKV, L, L, hd, 0, 0, 0.125,
+              *common, dk.stride(0), dk.stride(1), dk.stride(2), H // HKV, L, L, hd, 0, 0, 0.125,
               0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.dkdv.meta())
         check(f"_flash_bwd_dq_kernel {tag(cfgs.dq)}", FA._flash_bwd_dq_kernel, q, k, v, do, lse, delta, dq,
-              *common, dq.stride(0), dq.stride(1), dq.stride(2), H, H // HKV, L, L, hd, 0, 0, 0.125,
+              *common, dq.stride(0), dq.stride(1), dq.stride(2), H // HKV, L, L, hd, 0, 0, 0.125,
               0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.dq.meta())
 
 failed = sum(r.startswith("FAIL") for r in results)

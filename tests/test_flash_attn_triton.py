@@ -160,6 +160,47 @@ def test_backward_of_a_sliced_q_with_dout_laid_out_otherwise(dout_layout):
         _close(name, g, want, torch.float32)
 
 
+def test_v_laid_out_unlike_k():
+    """The kernels read v with k's strides: a v transposed in memory ([B, L, H, D] order, as a bshd
+    view) is brought to k's layout first, not read wrongly (it was off by ~2 before)."""
+    q, k, v, do = _inputs(torch.float32)
+    v = v.transpose(1, 2).contiguous().transpose(1, 2)
+    assert v.stride() != k.stride()
+    out, lse = fa.block_forward(q, k, v, 0.3, causal=True, q_start=4)
+    want, want_lse = ref.block_forward(q, k, v, 0.3, causal=True, q_start=4)
+    _close("out", out, want, torch.float32)
+    delta = (do * want).sum(-1)
+    got = fa.block_backward(q, k, v, do, want_lse, delta, 0.3, causal=True, q_start=4)
+    for name, g, w in zip(("dq", "dk", "dv"), got, ref.block_backward(q, k, v, do, want_lse, delta, 0.3, causal=True,
+                                                                     q_start=4)):
+        _close(name, g, w, torch.float32)
+
+
+def test_grid_keeps_batch_times_heads_off_one_axis(monkeypatch):
+    """CUDA caps grid axes 1 and 2 at 65535: B*H on one axis failed to launch at B=512, H=128 (the
+    interpreter has no such cap). Each kernel's launch grid, recorded instead of launched."""
+    grids = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            grids[self.name] = grid
+            return lambda *args, **kwargs: None
+
+    for name in ("_flash_fwd_kernel", "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel"):
+        monkeypatch.setattr(fa, name, Recorder(name))
+    b, h, h_kv, length = 512, 128, 128, 16
+    q = torch.zeros(b, h, length, 16)
+    k = v = torch.zeros(b, h_kv, length, 16)
+    _, lse = fa.block_forward(q, k, v, 0.3)
+    fa.block_backward(q, k, v, q, lse, lse, 0.3)
+    assert set(grids) == {"_flash_fwd_kernel", "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel"}
+    for name, grid in grids.items():
+        assert len(grid) == 3 and max(grid[1:]) <= 65535 and grid[1] * grid[2] == b * h, (name, grid)
+
+
 _BEYOND_INT32 = textwrap.dedent("""
     import torch
     from overlapkernels.kernels import attention_ref as ref

@@ -6,8 +6,10 @@ query. Query head h reads kv head h // (H / H_kv). Outputs are fp32 (the ring me
 rows that see no key give out = 0 and lse = -inf, never NaN. Backward takes the *final* lse and
 delta = rowsum(dO * O), as ring attention recomputes every block against the merged result.
 Softmax runs in base 2 (exp2 with log2(e) folded into the scale), the usual flash trick.
-Each program's (batch, head) base offset is 64-bit (its program id cast to int64): B*H*S*D reaches
-2^31 elements at long context (B=1, H=128, S=131072, D=128); offsets within one head stay 32-bit.
+The grid is (tiles, heads, batch): heads and batch on axes of their own, each under CUDA's 65535,
+where B*H on one axis passed it (B=512, H=128). Each program's (batch, head) base offset is 64-bit
+(its program ids cast to int64): B*H*S*D reaches 2^31 elements at long context (B=1, H=128,
+S=131072, D=128); offsets within one head stay 32-bit.
 """
 from __future__ import annotations
 
@@ -84,11 +86,10 @@ def _load_kv_tile(k_ptr, v_ptr, kv_base, offs_n, offs_d, d_mask, Lk, sk_s):
 @triton.jit
 def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
                       sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, so_b, so_h, so_s, sl_b, sl_h,
-                      H, GROUP, Lq, Lk, D, q_start, k_start, scale_log2,
+                      GROUP, Lq, Lk, D, q_start, k_start, scale_log2,
                       CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                       DOT_PRECISION: tl.constexpr):
-    pid_m, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docstring)
-    b, h = bh // H, bh % H
+    pid_m, h, b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)  # (docstring)
     hk = h // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -133,11 +134,10 @@ def _probs(q, k, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, CAUS
 @triton.jit
 def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
                            sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sl_b, sl_h, sdk_b, sdk_h, sdk_s,
-                           H_KV, GROUP, Lq, Lk, D, q_start, k_start, scale, scale_log2,
+                           GROUP, Lq, Lk, D, q_start, k_start, scale, scale_log2,
                            CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    pid_n, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docstring)
-    b, hk = bh // H_KV, bh % H_KV
+    pid_n, hk, b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)  # (docstring)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     d_mask = offs_d < D
@@ -185,11 +185,10 @@ def _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d
 @triton.jit
 def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                          sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sl_b, sl_h, sdq_b, sdq_h, sdq_s,
-                         H, GROUP, Lq, Lk, D, q_start, k_start, scale, scale_log2,
+                         GROUP, Lq, Lk, D, q_start, k_start, scale, scale_log2,
                          CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    pid_m, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # 64-bit base offsets (docstring)
-    b, h = bh // H, bh % H
+    pid_m, h, b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)  # (docstring)
     hk = h // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -318,6 +317,12 @@ def flash_configs(device: torch.device, dtype: torch.dtype, head_dim: int) -> Fl
     return _for_head_dim(CUDA_FLASH_16BIT, head_dim)
 
 
+def _same_layout(k, v):
+    """The kernels read v with k's strides: give both the same (the ring passes them alike; a caller
+    may not, and a v laid out otherwise would be read wrongly, silently)."""
+    return (k, v) if k.stride() == v.stride() else (k.contiguous(), v.contiguous())
+
+
 def _head_dim(q) -> int:
     return max(16, triton.next_power_of_2(q.shape[-1]))
 
@@ -325,16 +330,17 @@ def _head_dim(q) -> int:
 def block_forward(q, k, v, scale: float, *, q_start: int = 0, k_start: int = 0, causal: bool = False):
     """-> out [B, H, Lq, D] fp32, lse [B, H, Lq] fp32."""
     _check(q, k, v)
+    k, v = _same_layout(k, v)
     b, h, lq, d = q.shape
     out = torch.empty(b, h, lq, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
     head_dim = _head_dim(q)
     cfg = flash_configs(q.device, q.dtype, head_dim).fwd
-    grid = (triton.cdiv(lq, cfg.block_m), b * h)
+    grid = (triton.cdiv(lq, cfg.block_m), h, b)  # query tiles fastest: a head's K/V stay in L2
     with launch_device(q.device):
         _flash_fwd_kernel[grid](q, k, v, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
                                 k.stride(2), out.stride(0), out.stride(1), out.stride(2), lse.stride(0),
-                                lse.stride(1), h, h // k.shape[1], lq, k.shape[2], d, q_start, k_start,
+                                lse.stride(1), h // k.shape[1], lq, k.shape[2], d, q_start, k_start,
                                 scale * LOG2E, CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype),
                                 **cfg.meta())
     return out, lse
@@ -344,6 +350,7 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, *, q_start: int = 0,
                    causal: bool = False):
     """-> dq [B, H, Lq, D], dk, dv [B, H_kv, Lk, D], fp32."""
     _check(q, k, v)
+    k, v = _same_layout(k, v)
     b, h, lq, d = q.shape
     h_kv, lk = k.shape[1], k.shape[2]
     dout = dout.to(q.dtype)
@@ -360,10 +367,10 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, *, q_start: int = 0,
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), lse.stride(0),
               lse.stride(1))
     with launch_device(q.device):
-        _flash_bwd_dkdv_kernel[(triton.cdiv(lk, cfgs.dkdv.block_n), b * h_kv)](
+        _flash_bwd_dkdv_kernel[(triton.cdiv(lk, cfgs.dkdv.block_n), h_kv, b)](
             q, k, v, dout, lse, delta, dk, dv, *common, dk.stride(0), dk.stride(1), dk.stride(2),
-            h_kv, h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E, **fixed, **cfgs.dkdv.meta())
-        _flash_bwd_dq_kernel[(triton.cdiv(lq, cfgs.dq.block_m), b * h)](
+            h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E, **fixed, **cfgs.dkdv.meta())
+        _flash_bwd_dq_kernel[(triton.cdiv(lq, cfgs.dq.block_m), h, b)](
             q, k, v, dout, lse, delta, dq, *common, dq.stride(0), dq.stride(1), dq.stride(2),
-            h, h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E, **fixed, **cfgs.dq.meta())
+            h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E, **fixed, **cfgs.dq.meta())
     return dq, dk, dv
