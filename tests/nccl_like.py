@@ -7,7 +7,9 @@ where an NCCL job would crash, hang or pair the wrong tensors:
   send meets the n-th receive, and a batch's sends complete only while the receiver's batch runs.
   gloo pairs by tag, so an order that would cross two messages under NCCL passes there unseen;
 - a communicator runs its work in order: a collective completes only when every member reaches it,
-  so a rank that posts it before a P2P batch its peer posts after it hangs NCCL.
+  so a rank that posts it before a P2P batch its peer posts after it hangs NCCL;
+- MAX and MIN reductions are fmax/fmin, which drop a NaN (gloo keeps one from rank 0 only): a NaN
+  that reaches one is refused, since the result would differ between the two backends.
 
 ``nccl_rules()`` wraps torch.distributed's entry points, and every alias of them that a module of
 the package bound at import (``_compat.all_gather_single``), for the duration of a block, and
@@ -36,6 +38,10 @@ class NonContiguous(AssertionError):
     """A tensor NCCL would refuse."""
 
 
+class NaNIntoMinMax(AssertionError):
+    """A NaN that NCCL's fmax/fmin would drop."""
+
+
 def _tensors(args, kwargs):
     for arg in list(args) + list(kwargs.values()):
         if torch.is_tensor(arg):
@@ -56,6 +62,11 @@ def _checked(name, fn, log):
 
     def checked(*args, **kwargs):
         _refuse_strided(name, _tensors(args, kwargs))
+        op = kwargs.get("op", args[1] if name == "all_reduce" and len(args) > 1 else None)
+        if op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN) and any(
+                t.is_floating_point() and t.isnan().any() for t in _tensors(args, kwargs)):
+            raise NaNIntoMinMax(f"{name}(op={op}): a NaN enters the reduction; NCCL's fmax/fmin drops it "
+                                "(gloo keeps one from rank 0 only)")
         if name not in _POINT_TO_POINT:
             try:
                 group = signature.bind_partial(*args, **kwargs).arguments.get("group")

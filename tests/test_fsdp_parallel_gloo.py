@@ -1,6 +1,7 @@
 """fsdp.shard composed with the other parallelisms (TP + SP layers, the GPT, CP peers) on gloo
 ranks vs the dense model on the whole batch, and gradient clipping over all of them (ours under
 fsdp.shard, and under torch's FSDP2)."""
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -244,6 +245,28 @@ def test_planted_doubled_cp_sum_is_caught(rank_pool):
 def test_clip_grad_norm_bad_arguments_raise_before_communicating(max_norm, norm_type, exc, pattern):
     with pytest.raises(exc, match=pattern):  # no process group here: it must not get that far
         ok.clip_grad_norm_([nn.Parameter(torch.ones(2))], max_norm, norm_type, dims=None)
+
+
+def _nonfinite_norm_on_rank(bad_rank, value, norm_type):
+    from nccl_like import nccl_rules
+
+    p = nn.Parameter(torch.ones(4, dtype=torch.float64))
+    p.grad = torch.ones(4, dtype=torch.float64)
+    if dist.get_rank() == bad_rank:
+        p.grad[1] = value
+    with nccl_rules():  # a NaN reaching NCCL's MAX (fmax) would be dropped: refused here
+        norm = ok.clip_grad_norm_([p], 1.0, norm_type, dims=None)
+    return norm.item()
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_nan_or_inf_gradient_on_any_rank_reaches_every_rank(rank_pool, norm_type, bad_rank):
+    """The inf norm all-reduces with MAX, which NCCL computes with fmax: it dropped a NaN from any
+    rank (gloo from any but rank 0), so the other ranks clipped on as if all were finite."""
+    nan = rank_pool(2).run(_nonfinite_norm_on_rank, bad_rank, math.nan, norm_type)
+    assert all(math.isnan(n) for n in nan), nan
+    assert rank_pool(2).run(_nonfinite_norm_on_rank, bad_rank, math.inf, norm_type) == [math.inf] * 2
 
 
 def _clip_in_no_sync_on_rank():

@@ -54,6 +54,11 @@ def global_norm(pieces, norm_type: float, group, device: torch.device, *, refuse
         for t, _ in pieces:
             if t.numel():
                 total[0] = torch.maximum(total[0], t.detach().abs().max().double().to(device))
+        # NCCL's MAX is fmax, which drops a NaN (gloo keeps one only from rank 0): a NaN gradient on
+        # one rank must make the norm NaN everywhere, as torch's clip_grad_norm_ does on one rank
+        # (the flag carries it; the value is zeroed so both backends reduce alike)
+        total[1] = torch.maximum(total[1], total[0].isnan().double())
+        total[0] = torch.nan_to_num(total[0], nan=0.0, posinf=math.inf)
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         norm = total[0]
     else:
