@@ -41,7 +41,7 @@ def _run_ranks(rank_main, config: dict, args) -> tuple[list[dict] | None, str]:
     if _launched():
         import torch.distributed as dist
 
-        from .parallel import init_default_process_group
+        from .parallel import init_default_process_group, uses_nccl
 
         init_default_process_group()
         gate = _kind_gate
@@ -50,7 +50,7 @@ def _run_ranks(rank_main, config: dict, args) -> tuple[list[dict] | None, str]:
         rows = rank_main(config)
         if gate is not None:
             gate.stage = "done"
-        return (rows if dist.get_rank() == 0 else None), ("cuda" if dist.get_backend() == "nccl" else "cpu")
+        return (rows if dist.get_rank() == 0 else None), ("cuda" if uses_nccl() else "cpu")
     if args.nproc < 1:
         raise ValueError(f"--nproc {args.nproc}: expected >= 1")
     from .comm.rank_pool import RankPool

@@ -82,6 +82,30 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def uses_nccl(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``group`` (default: the world) moves CUDA tensors through NCCL: backend "nccl", a
+    mixed one ("cpu:gloo,cuda:nccl", torchtitan's), or "undefined" (``init_process_group()`` with
+    no backend: gloo for CPU tensors, NCCL for CUDA ones where torch has it). Not an exact string
+    compare: those last two read as CPU-only, and a job then ran on the CPU or staged every message
+    through host copies. gloo alone also lists CUDA among its device types (it copies through the
+    host), so the CUDA backend's class decides there."""
+    group = group or dist.group.WORLD
+    if "nccl" in str(dist.get_backend(group)):
+        return True
+    nccl = getattr(dist, "ProcessGroupNCCL", None)  # absent from CPU builds of torch
+    if nccl is None or not any(t.type == "cuda" for t in getattr(group, "_device_types", ())):
+        return False
+    try:
+        return isinstance(group._get_backend(torch.device("cuda")), nccl)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where ``group``'s tensors live: this rank's current GPU under NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if uses_nccl(group) else torch.device("cpu")
+
+
 def init_default_process_group(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
     """Initialise the default group from torchrun's environment, or as a 1-rank world without it."""
     if dist.is_initialized():
@@ -146,7 +170,7 @@ def init_parallel(tp: int = 1, cp: int = 1, pp: int = 1, dp: int = -1, backend: 
     init_default_process_group(backend, timeout=timeout or DEFAULT_TIMEOUT)
     from torch.distributed.device_mesh import init_device_mesh
 
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device_type = "cuda" if uses_nccl() else "cpu"
     mesh = init_device_mesh(device_type, tuple(sizes[a] for a in AXES), mesh_dim_names=AXES)
     group_timeout = timeout or _compat.group_timeout(dist.group.WORLD) or DEFAULT_TIMEOUT
     for axis in AXES:

@@ -242,3 +242,37 @@ def test_launch_environment_problems_are_named(monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="backend='nccl' needs CUDA GPUs, and this process sees none"):
             parallel.init_default_process_group("nccl")
+
+
+def test_nccl_is_recognised_in_every_spelling_of_the_backend(world_of_one, monkeypatch):
+    """`init_process_group()` with no backend reads 'undefined' and torchtitan's reads
+    'cpu:gloo,cuda:nccl': both move CUDA tensors with NCCL, and an exact compare with 'nccl' read
+    them as CPU-only (the mesh, the trainer and the benchmarks then ran on the CPU). gloo alone
+    also lists CUDA among its device types (host copies): not NCCL."""
+    import re
+    from pathlib import Path
+
+    from overlapkernels import parallel
+
+    world = dist.group.WORLD
+    assert not parallel.uses_nccl() and parallel.comm_device() == torch.device("cpu")  # gloo
+    monkeypatch.setattr(parallel.dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert parallel.uses_nccl(world)
+    monkeypatch.setattr(parallel.dist, "get_backend", lambda group=None: "undefined")
+    assert not parallel.uses_nccl(world)  # this torch has no NCCL, or the group no CUDA backend
+
+    class FakeNCCL:
+        pass
+
+    fake_group = type("Group", (), {"_device_types": [torch.device("cpu"), torch.device("cuda")],
+                                    "_get_backend": lambda self, device: FakeNCCL()})()
+    monkeypatch.setattr(parallel.dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    assert parallel.uses_nccl(fake_group)  # 'undefined' on a GPU machine: NCCL serves CUDA tensors
+    fake_group._get_backend = lambda device: object()  # gloo serving CUDA tensors through the host
+    assert not parallel.uses_nccl(fake_group)
+    # and nothing in the package compares the backend's name exactly any more
+    package = Path(parallel.__file__).parent
+    exact = [f"{path.relative_to(package)}:{n}" for path in package.rglob("*.py")
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if re.search(r"get_backend\([^)]*\)\s*[=!]=", line)]
+    assert exact == [], exact

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives as C
+from ..parallel import comm_device
 from ..profiling.ranges import span
 from .metrics import algbw_gbps, busbw_gbps, summarize
 from .progress import track
@@ -65,8 +66,7 @@ def run_collectives(config: CollectivesConfig, group=None) -> list[dict]:
     config.validate()
     group = group or dist.group.WORLD
     world = dist.get_world_size(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else \
-        torch.device("cpu")
+    device = comm_device(group)
     dtype = DTYPES[config.dtype]
     elem = torch.empty((), dtype=dtype).element_size()
     rows = []

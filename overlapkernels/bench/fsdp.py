@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..parallel import comm_device
 from ..profiling.ranges import span
 from .metrics import summarize
 from .progress import track
@@ -48,8 +49,7 @@ def run_fsdp(cfg: FsdpConfig, group=None) -> list[dict]:
 
     cfg.validate()
     group = group or dist.group.WORLD
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else \
-        torch.device("cpu")
+    device = comm_device(group)
     x = torch.randn(cfg.batch, cfg.width, device=device)
     rows = []
     sweep = [(stage, prefetch) for stage in cfg.stages

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from ..parallel import comm_device
 from .metrics import summarize
 from .progress import track
 from .timing import (DTYPES, available_methods, check_counts, check_dtype, check_sizes, row_times, slowest_rank,
@@ -53,8 +54,7 @@ def run_layers(cfg: LayersConfig, group=None) -> list[dict]:
     group = group or dist.group.WORLD
     world = dist.get_world_size(group)
     cfg.validate(world)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else \
-        torch.device("cpu")
+    device = comm_device(group)
     dtype = DTYPES[cfg.dtype]
     rows, times = [], {}
     x = torch.randn(cfg.seq // world, cfg.batch, cfg.hidden, generator=torch.Generator().manual_seed(0))

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from ..parallel import comm_device
 from .metrics import summarize
 from .progress import track
 from .timing import check_counts, check_sizes, slowest_rank, telemetry
@@ -53,8 +54,7 @@ def run_pipeline(cfg: PipelineBenchConfig, group=None) -> list[dict]:
     group = group or dist.group.WORLD
     p, rank = dist.get_world_size(group), dist.get_rank(group)
     cfg.validate(p)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else \
-        torch.device("cpu")
+    device = comm_device(group)
     rows = []
     for kind in track(cfg.kinds, "pipeline", enabled=rank == 0):
         v = 2 if kind == "interleaved-1f1b" else 1

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops.sequence_shard import LAYOUTS
+from ..parallel import comm_device
 from .metrics import overlap_efficiency, summarize
 from .progress import track
 from .timing import DTYPES, check_counts, check_dtype, check_sizes, slowest_rank, telemetry, time_calls, time_local
@@ -64,8 +65,7 @@ def run_ring(cfg: RingConfig, group=None) -> list[dict]:
     group = group or dist.group.WORLD
     world = dist.get_world_size(group)
     cfg.validate(world)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else \
-        torch.device("cpu")
+    device = comm_device(group)
     dtype = DTYPES[cfg.dtype]
     backend = "triton" if device.type == "cuda" else "torch"
     local = cfg.seq // world

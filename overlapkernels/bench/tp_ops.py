@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from ..parallel import comm_device
 from .metrics import overlap_efficiency, summarize
 from .progress import track
 from .timing import (DTYPES, available_methods, check_counts, check_dtype, row_times, slowest_rank,
@@ -106,8 +107,7 @@ def run_tp_ops(config: TpOpsConfig, group=None) -> list[dict]:
     group = group or dist.group.WORLD
     world = dist.get_world_size(group)
     config.validate(world)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else \
-        torch.device("cpu")
+    device = comm_device(group)
     dtype = DTYPES[config.dtype]
     fn = ok.all_gather_matmul if config.op == "ag-matmul" else ok.matmul_reduce_scatter
     methods = available_methods(dict.fromkeys(("baseline", *config.methods)), group, device, config.op)

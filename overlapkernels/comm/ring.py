@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..parallel import uses_nccl
+
 
 class _StagedWork:
     """gloo moves only host memory: CUDA tensors go through CPU copies, and the receiving copy
@@ -37,7 +39,7 @@ class Ring:
 
     @classmethod
     def of(cls, group: dist.ProcessGroup) -> "Ring":
-        return cls(group, dist.get_rank(group), dist.get_world_size(group), dist.get_backend(group) == "gloo")
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), not uses_nccl(group))
 
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank % self.world_size)

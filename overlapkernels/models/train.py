@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..ops.cross_entropy import vocab_parallel_cross_entropy
 from ..ops.sequence_shard import shard_sequence
+from ..parallel import comm_device
 from ..runtime import fsdp
 from ..runtime import pipeline as pp
 from .gpt import GPT, shard_dense_state_dict
@@ -43,8 +44,7 @@ class Trainer:
             raise ValueError(f"zero_stage={zero_stage!r}: expected 1, 2 or 3")
         self.config, self.dims = config, dims
         # NCCL moves CUDA tensors only: the stage lives on this rank's GPU there, on the CPU under gloo
-        self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
+        self.device = torch.device(device) if device is not None else comm_device()
         self.stage = GPT(config, dims, dtype=dtype, device=self.device, pipeline_stage=(dims.pp_rank, dims.pp_size))
         if dense_state_dict is not None:
             self.stage.load_state_dict(shard_dense_state_dict(self.stage, dense_state_dict))

@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..parallel import uses_nccl
 from .dispatch import Choice
 
 AUTO_ENV = "OVERLAPKERNELS_AUTO"
@@ -74,7 +75,7 @@ def measured(op: str, key: tuple, group, device: torch.device, run, fused_fits: 
                 run(method)
             _sync(device)
             seconds.append((time.perf_counter() - start) / REPEATS)
-    times = torch.tensor(seconds, dtype=torch.float64, device=device if dist.get_backend(group) == "nccl" else "cpu")
+    times = torch.tensor(seconds, dtype=torch.float64, device=device if uses_nccl(group) else "cpu")
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     times = times.tolist()
     best = min(range(len(methods)), key=times.__getitem__)

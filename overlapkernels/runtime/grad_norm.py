@@ -18,6 +18,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from ..parallel import comm_device, uses_nccl
 
 
 def replicas(param, dims, *, sharded_over_dp: bool = False, partitioned: bool | None = None) -> int:
@@ -165,8 +166,8 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *, dims) -> torch.Tenso
     except (TypeError, ValueError) as exc:  # only some ranks may refuse (one pipeline stage's mesh)
         grads, refusal = [], exc
     device = grads[0][0].device if grads else (params[0][0].device if params else torch.device("cpu"))
-    if dist.get_backend() == "nccl" and device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
+    if uses_nccl() and device.type != "cuda":
+        device = comm_device()
     total = global_norm(grads, p, dist.group.WORLD, device, refused=refusal is not None)
     if refusal is not None:  # after the all-reduce, so no rank is left waiting in it
         raise refusal

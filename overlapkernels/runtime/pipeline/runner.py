@@ -24,8 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+from ...parallel import comm_device, resolve_group, uses_nccl
 
-from ...parallel import resolve_group
 from ...profiling.ranges import span
 from .p2p import check_comm_plan, comm_plan
 from .simulate import validate
@@ -56,9 +56,7 @@ def _stage_device(modules, group) -> torch.device:
             for t in itertools.chain(mod.parameters(), mod.buffers()):
                 return t.device
     # a stage with no parameters or buffers (an activation, a reshape): NCCL moves CUDA tensors only
-    if "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return comm_device(group)
 
 
 class PipelineRunner:
@@ -103,7 +101,7 @@ class PipelineRunner:
         self.schedule, self.loss_fn, self.timeout = schedule, loss_fn, timeout
         self.last_stage = schedule.num_stages - 1
         self._joined = False
-        self._nccl = "nccl" in str(dist.get_backend(self.group))
+        self._nccl = uses_nccl(self.group)
         # gloo moves host memory only (handed a CUDA tensor it would read device addresses as host
         # ones): with CUDA stages (N ranks sharing one GPU, gloo for control) messages travel
         # through CPU copies, as comm.ring does
