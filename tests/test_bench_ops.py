@@ -4,6 +4,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from overlapkernels.bench import tp_ops
 from overlapkernels.profiling.telemetry import COLUMNS as TELEMETRY
@@ -58,6 +60,44 @@ def test_methods_without_peer_memory_are_skipped_not_fatal(rank_pool):
                                 iters=1, warmup=0)
     rows = rank_pool(2).run(tp_ops.rank_main, tp_ops.config_dict(config))[0]
     assert [r["method"] for r in rows] == ["decomposed"]
+
+
+def _peer_methods_on_cuda_ranks_without_peer_memory(locally_able_rank):
+    """As on a CUDA group spanning two hosts: each rank's own checks pass (on rank ``locally_able_rank``
+    only, else all), the ranks' agreement says no peer memory; asked once on every rank alike."""
+    import io
+    from contextlib import redirect_stdout
+
+    from overlapkernels.bench import timing
+    from overlapkernels.comm import process_world as pw
+    from overlapkernels.ops import _methods
+
+    asked = []
+    own, agreed = _methods.unavailable_reason, pw.group_has_peer_memory
+    ok_here = locally_able_rank is None or dist.get_rank() == locally_able_rank
+    _methods.unavailable_reason = lambda method, group, device, dtype=None: (
+        None if ok_here or method not in ("symm", "fused") else "no IPC library here")
+    pw.group_has_peer_memory = lambda group, device: asked.append(device) or False
+    try:
+        with redirect_stdout(io.StringIO()) as out:
+            kept = timing.available_methods(["baseline", "symm", "decomposed", "fused"], dist.group.WORLD,
+                                            torch.device("cuda", 0), "ag-matmul")
+    finally:
+        _methods.unavailable_reason, pw.group_has_peer_memory = own, agreed
+    return kept, len(asked), out.getvalue()
+
+
+@pytest.mark.parametrize("locally_able_rank", [None, 1])
+def test_peer_methods_are_skipped_where_the_ranks_have_no_peer_memory_together(rank_pool, locally_able_rank):
+    """Each rank's own checks cannot see that the group spans hosts: symm/fused then failed inside the
+    kind (ending `bench all`). Now the ranks' agreement skips them, asked exactly once on every rank
+    (a collective), whatever each rank's own answer was."""
+    results = rank_pool(2).run(_peer_methods_on_cuda_ranks_without_peer_memory, locally_able_rank)
+    for kept, asked, _ in results:
+        assert kept == ["baseline", "decomposed"] and asked == 1
+    said = results[0][2]
+    why = "no IPC library here" if locally_able_rank is not None else "the group has no peer memory"
+    assert f"# ag-matmul: skipped method='symm': {why}" in said and "skipped method='fused'" in said
 
 
 def test_cli_rejects_bad_shape_before_spawning():

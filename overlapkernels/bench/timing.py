@@ -8,6 +8,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..parallel import comm_device
+
 
 # dtypes a benchmark accepts by name (--dtype)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -88,6 +90,8 @@ def available_methods(methods, group, device, what: str) -> list[str]:
     skipped one printed with its reason on rank 0. Every rank skips the same ones (a flag all-reduce),
     else the others would wait in a collective that one rank never joins."""
     from ..ops._methods import unavailable_reason
+    from ..ops._validate import is_peer_world
+    from ..ops.dispatch import PEER_MEMORY_METHODS
 
     reasons = {}
     for method in methods:
@@ -95,7 +99,20 @@ def available_methods(methods, group, device, what: str) -> list[str]:
             reasons[method] = unavailable_reason(method, group, device) if method != "auto" else None
         except ValueError as exc:  # e.g. a bad peer-memory setting
             reasons[method] = str(exc)
-    flags = torch.tensor([reason is not None for reason in reasons.values()], dtype=torch.int32, device=device)
+    # this rank's own checks cannot see the others: ranks on two hosts, or GPUs without peer access
+    # between them, would fail inside the kind (ending `bench all`); the ranks' agreement (collective,
+    # the same answer everywhere) runs once, where a CUDA process group is asked for symm/fused
+    # (whether to ask depends only on what every rank was given alike, never on a rank's own answers)
+    asked = [m for m in methods if m in PEER_MEMORY_METHODS]
+    if asked and device.type == "cuda" and not is_peer_world(group):
+        from ..comm.process_world import group_has_peer_memory
+
+        if not group_has_peer_memory(group, device):
+            for method in asked:
+                reasons[method] = reasons[method] or ("the group has no peer memory (its ranks span hosts, or a "
+                                                      "pair of its GPUs lacks peer access)")
+    flags = torch.tensor([reason is not None for reason in reasons.values()], dtype=torch.int32,
+                         device=comm_device(group))
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     kept = []
     for (method, reason), skip in zip(reasons.items(), flags.tolist()):
