@@ -334,3 +334,43 @@ def test_checkpoint_under_tp2_by_dp2(rank_pool, tmp_path):
     assert rank_pool(2).run(_tp_dp_checkpoint_on_rank, path, False) == [True] * 2
     for message in rank_pool(2).run(_tp1_load_on_rank, path):  # TP=1: another model split, refused
         assert "holds 2 model parts (one per tp/pp/cp coordinate); this job has 1" in message, message
+
+
+def _blind_rank_on_rank(path, blind_in):
+    """Rank 1 cannot see what rank 0 writes (storage not shared by the nodes), in ``blind_in``: both
+    ranks raise naming rank 1, none waits in a collective (the pool would report a timeout)."""
+    from overlapkernels.runtime.fsdp import checkpoint as ck
+
+    sharded = fsdp.shard(_net(), stage=2)
+    if blind_in == "load":
+        fsdp.save(sharded, path)
+    exists = ck.os.path.exists
+    if dist.get_rank() == 1:
+        ck.os.path.exists = lambda p: False if p.endswith(ck.META) else exists(p)
+    try:
+        (fsdp.save if blind_in == "save" else fsdp.load)(sharded, path)
+    except (RuntimeError, ValueError) as exc:
+        return type(exc).__name__, str(exc)
+    finally:
+        ck.os.path.exists = exists
+    return "no error"
+
+
+@pytest.mark.parametrize("blind_in", ["save", "load"])
+def test_a_rank_that_cannot_see_the_checkpoint_fails_every_rank(rank_pool, tmp_path, blind_in):
+    results = rank_pool(2).run(_blind_rank_on_rank, str(tmp_path / "c"), blind_in)
+    for kind, said in results:
+        assert "1" in said and "cannot see the checkpoint" in said and "shared by all nodes" in said, said
+    assert len({said for _, said in results}) == 1  # the same error on every rank
+
+
+def _missing_checkpoint_on_rank(path):
+    try:
+        fsdp.load(fsdp.shard(_net(), stage=1), path)
+    except FileNotFoundError as exc:
+        return str(exc)
+
+
+def test_a_missing_checkpoint_raises_on_every_rank(rank_pool, tmp_path):
+    want = f"no overlapkernels FSDP checkpoint at {str(tmp_path / 'none')!r}"
+    assert rank_pool(2).run(_missing_checkpoint_on_rank, str(tmp_path / "none")) == [want, want]

@@ -197,6 +197,18 @@ def save(sharded, path) -> None:
     # every shard is on disk before the switch: dcp.save returns on every rank only then
     _on_rank0_for_all(write_meta, f"writing {os.path.join(tmp, META)!r}")
     _on_rank0_for_all(lambda: _switch(tmp, path, old), f"moving {tmp!r} to {path!r}")
+    _every_rank_sees(path, "fsdp.save")
+
+
+def _every_rank_sees(path: str, what: str) -> None:
+    """Raise on every rank unless every rank sees the checkpoint at ``path`` (a collective). Rank 0
+    alone renames and writes the metadata: on storage that is not shared by all nodes, the others'
+    shards stayed in their own temp folders, and a load would find nothing there."""
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, os.path.exists(os.path.join(path, META)))
+    if blind := [r for r, ok in enumerate(seen) if not ok]:
+        raise RuntimeError(f"{what}: ranks {blind} cannot see the checkpoint {path!r} that rank 0 sees; every rank "
+                           "must reach it through one filesystem shared by all nodes")
 
 
 def _switch(tmp: str, path: str, old: str) -> None:
@@ -258,21 +270,38 @@ def _check(sharded, path, meta, part, parts) -> str | None:
     return None
 
 
-def load(sharded, path) -> None:
-    """Restore parameters and optimizer state saved by ``save`` (same model, unit split and
-    tp/pp/cp layout; any dp size). A collective over the world, like ``save``."""
-    path = os.path.normpath(os.fspath(path))
+def _find(path: str) -> tuple:
+    """(the checkpoint's path, its metadata, None), or (path, None, the error to raise on every rank)."""
     if not os.path.exists(os.path.join(path, META)) and os.path.exists(os.path.join(path + ".old", META)):
         path += ".old"  # a save was interrupted between its two renames
     meta_file = os.path.join(path, META)
     if not os.path.exists(meta_file):
-        raise FileNotFoundError(f"no overlapkernels FSDP checkpoint at {path!r}")
-    with open(meta_file) as f:
-        meta = json.load(f)
+        return path, None, FileNotFoundError(f"no overlapkernels FSDP checkpoint at {path!r}")
+    try:
+        with open(meta_file) as f:
+            return path, json.load(f), None
+    except (OSError, ValueError) as exc:
+        return path, None, RuntimeError(f"fsdp.load: cannot read {meta_file!r}: {type(exc).__name__}: {exc}")
+
+
+def load(sharded, path) -> None:
+    """Restore parameters and optimizer state saved by ``save`` (same model, unit split and
+    tp/pp/cp layout; any dp size). A collective over the world, like ``save``."""
+    path = os.path.normpath(os.fspath(path))
     part, parts = _part(sharded)
+    # rank 0 picks the checkpoint and reads its metadata for everyone: ranks deciding alone could
+    # pick different ones (path or path.old) or raise while the others wait in a collective
+    found = [_find(path) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(found, src=0)
+    path, meta, error = found[0]
+    if error is not None:
+        raise error
     # decided together: a part that cannot load must not leave the others waiting inside dcp.load
+    problem = (None if os.path.exists(os.path.join(path, META)) else
+               f"rank {dist.get_rank()} cannot see the checkpoint {path!r} that rank 0 sees; every rank must "
+               "reach it through one filesystem shared by all nodes")
     problems = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, _check(sharded, path, meta, part, parts))
+    dist.all_gather_object(problems, problem or _check(sharded, path, meta, part, parts))
     problem = next((p for p in problems if p is not None), None)
     if problem is not None:
         raise ValueError(problem)
