@@ -22,6 +22,23 @@ def _info(args) -> int:
     return 0
 
 
+_created_group = False  # the default group was made here (under torchrun): main() destroys it at the end
+
+
+def _end_process_group() -> None:
+    """After a command that made the default group ran to its end: NCCL warns when a process exits
+    with it alive, and exiting with live communicators can leave a peer waiting. Not after a failure
+    (a peer may be stuck in a collective: `exit_now` ends such a rank), nor for a group the caller
+    made (a test's rank pool, a script calling main())."""
+    global _created_group
+    if _created_group:
+        import torch.distributed as dist
+
+        _created_group = False
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _launched() -> bool:
     """True under torchrun (or any launcher that sets the env:// variables)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -43,6 +60,8 @@ def _run_ranks(rank_main, config: dict, args) -> tuple[list[dict] | None, str]:
 
         from .parallel import init_default_process_group, uses_nccl
 
+        global _created_group
+        _created_group = _created_group or not dist.is_initialized()
         init_default_process_group()
         gate = _kind_gate
         if gate is not None and not gate.vote(True):
@@ -396,7 +415,9 @@ def main(argv=None) -> int:
             check_output_paths(**{name: getattr(args, name, None) for name in ("csv", "json_out", "plot", "profile")})
         if getattr(args, "timeout", None) is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
             raise ValueError(f"--timeout {args.timeout}: expected a finite number of seconds > 0")
-        return args.func(args)
+        code = args.func(args)
+        _end_process_group()
+        return code
     except ValueError as exc:  # bad input: a one-line message, not a traceback
         print(f"overlapkernels: error: {exc}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """Collectives benchmark: the busbw formulas, size parsing, CSV rows, a smoke run (no timing asserts)."""
 import csv
 import math
+import os
 import subprocess
 import sys
 
@@ -239,3 +240,26 @@ def _slowest_on_rank():
 def test_a_row_reports_the_slowest_rank_per_statistic(rank_pool):
     """A collective is done when its last rank is: each statistic is the maximum over ranks."""
     assert rank_pool(2).run(_slowest_on_rank) == [{"median_s": 2.0, "min_s": 3.0, "max_s": 4.0}] * 2
+
+
+def test_under_a_launcher_the_cli_ends_the_group_it_made(tmp_path):
+    """Under torchrun the CLI makes the default group: it destroys it when the command has run (NCCL
+    warns when a process exits with it alive, and live communicators can leave a peer waiting); a
+    group the caller made is left alone."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = ("import torch.distributed as dist\n"
+              "from overlapkernels import cli\n"
+              "argv = ['bench', 'collectives', '--sizes', '1K', '--iters', '1', '--warmup', '0', '--ops', 'all_reduce']\n"
+              "print(cli.main(argv), dist.is_initialized())\n"
+              "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+              "print(cli.main(argv), dist.is_initialized())\n")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [line for line in out.stdout.splitlines() if line.startswith("0 ")] == ["0 False", "0 True"], out.stdout
