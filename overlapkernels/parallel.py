@@ -106,6 +106,18 @@ def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if uses_nccl(group) else torch.device("cpu")
 
 
+# where launchers put a process's rank on its node: torchrun, Slurm's srun, Open MPI's mpirun, MVAPICH
+LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK")
+
+
+def local_device_index() -> int:
+    """This process's GPU: its rank on the node (torchrun's LOCAL_RANK, else srun's or mpirun's; 0
+    with none) modulo the GPUs it sees, so a launcher that gives each process one visible GPU
+    (CUDA_VISIBLE_DEVICES per rank) gets GPU 0 rather than an invalid device ordinal."""
+    local = next((int(os.environ[name]) for name in LOCAL_RANK_VARIABLES if os.environ.get(name, "").isdigit()), 0)
+    return local % max(torch.cuda.device_count(), 1)
+
+
 def init_default_process_group(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
     """Initialise the default group from torchrun's environment, or as a 1-rank world without it."""
     if dist.is_initialized():
@@ -115,7 +127,7 @@ def init_default_process_group(backend: str | None = None, timeout: timedelta = 
         if not torch.cuda.is_available():
             raise ValueError("backend='nccl' needs CUDA GPUs, and this process sees none; use 'gloo' (or None: "
                              "nccl where CUDA is available, else gloo)")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(local_device_index())
     launcher = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name in os.environ]
     if launcher and int(os.environ.get("WORLD_SIZE", 1)) > 1 and len(launcher) < 4:  # half a launcher
         raise ValueError(f"the environment sets {', '.join(launcher)} but not all of RANK, WORLD_SIZE, MASTER_ADDR "

@@ -87,8 +87,13 @@ def _planted_on_rank():
     x = torch.ones(4, 4, dtype=torch.float64)
     with nccl_rules():
         collectives.all_reduce(x)  # the package's alias of dist.all_reduce is checked too
-        try:
+        try:  # the package's in-place all_reduce refuses a strided tensor itself, before any rank sends
             collectives.all_reduce(x.t()[:, :2])
+            return False
+        except ValueError as exc:
+            assert "all_reduce: x of shape (4, 2) with strides (1, 4) is not contiguous" in str(exc)
+        try:
+            dist.all_reduce(x.t()[:, :2])
         except NonContiguous as exc:
             return "all_reduce" in str(exc)
     return False

@@ -276,3 +276,22 @@ def test_nccl_is_recognised_in_every_spelling_of_the_backend(world_of_one, monke
              for n, line in enumerate(path.read_text().splitlines(), 1)
              if re.search(r"get_backend\([^)]*\)\s*[=!]=", line)]
     assert exact == [], exact
+
+
+@pytest.mark.parametrize("env, gpus, want", [
+    ({"LOCAL_RANK": "3"}, 8, 3),                             # torchrun
+    ({"SLURM_LOCALID": "5"}, 8, 5),                          # srun sets no LOCAL_RANK
+    ({"OMPI_COMM_WORLD_LOCAL_RANK": "2"}, 4, 2),             # mpirun
+    ({"LOCAL_RANK": "1", "SLURM_LOCALID": "6"}, 8, 1),       # torchrun inside an allocation: its own wins
+    ({"LOCAL_RANK": "3"}, 1, 0),                             # one visible GPU per process
+    ({}, 8, 0),
+])
+def test_each_process_takes_its_gpu_whichever_launcher_started_it(monkeypatch, env, gpus, want):
+    from overlapkernels import parallel
+
+    for name in parallel.LOCAL_RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert parallel.local_device_index() == want

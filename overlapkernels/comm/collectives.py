@@ -30,6 +30,9 @@ def reduce_scatter(x: torch.Tensor, group=None, *, async_op: bool = False):
 
 def all_reduce(x: torch.Tensor, group=None, *, async_op: bool = False):
     """In-place sum over ranks -> ``(x, work or None)``."""
+    if not x.is_contiguous():  # in place: no contiguous copy to hand over instead
+        raise ValueError(f"all_reduce: x of shape {tuple(x.shape)} with strides {x.stride()} is not contiguous; it "
+                         "is reduced in place, and NCCL refuses strided tensors (gloo would copy silently)")
     return x, dist.all_reduce(x, op=dist.ReduceOp.SUM, group=resolve_group(group), async_op=async_op)
 
 
