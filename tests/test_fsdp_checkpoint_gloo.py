@@ -374,3 +374,22 @@ def _missing_checkpoint_on_rank(path):
 def test_a_missing_checkpoint_raises_on_every_rank(rank_pool, tmp_path):
     want = f"no overlapkernels FSDP checkpoint at {str(tmp_path / 'none')!r}"
     assert rank_pool(2).run(_missing_checkpoint_on_rank, str(tmp_path / "none")) == [want, want]
+
+
+def _tensor_lr_on_rank(path):
+    make = lambda: fsdp.shard(_net(), stage=2, optimizer=lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(1e-2)))  # noqa: E731
+    first = make()
+    for group in first.optimizer.param_groups:
+        group["lr"].fill_(5e-3)  # a schedule updating the tensor in place
+    fsdp.save(first, path)
+    resumed = make()
+    fsdp.load(resumed, path)
+    return [(type(g["lr"]).__name__, float(g["lr"]), g["lr"].dtype == torch.float32)
+            for g in resumed.optimizer.param_groups]
+
+
+def test_a_tensor_learning_rate_saves_and_loads_as_a_tensor(rank_pool, tmp_path):
+    """json.dump takes no tensors: a tensor lr failed the save after every shard was written; and
+    loaded as a float it would change what a compiled optimizer sees."""
+    for groups in rank_pool(2).run(_tensor_lr_on_rank, str(tmp_path / "c")):
+        assert groups and all(g == ("Tensor", float(torch.tensor(5e-3)), True) for g in groups), groups

@@ -182,7 +182,7 @@ def save(sharded, path) -> None:
     optim = sharded.optimizer.state_dict()
     plan, buffer_plan = _plan_optim(sharded, optim["state"]), _plan_buffers(sharded)
     mine = {"world_size": dist.get_world_size(sharded.group), "stage": sharded.stage, "units": _units(sharded),
-            "param_groups": optim["param_groups"], "optim": plan, "buffers": buffer_plan}
+            "param_groups": _json_groups(optim["param_groups"]), "optim": plan, "buffers": buffer_plan}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (part, mine))
     by_part = dict(everyone)  # every rank of a part has the same entry
@@ -209,6 +209,31 @@ def _every_rank_sees(path: str, what: str) -> None:
     if blind := [r for r, ok in enumerate(seen) if not ok]:
         raise RuntimeError(f"{what}: ranks {blind} cannot see the checkpoint {path!r} that rank 0 sees; every rank "
                            "must reach it through one filesystem shared by all nodes")
+
+
+def _json_groups(groups: list) -> list:
+    """The optimizer's param_groups as JSON for the metadata. A hyperparameter may be a tensor (a
+    tensor lr, for a compiled optimizer or a schedule that updates it in place): kept as
+    {"tensor": value, "dtype": name}, so it loads back as a tensor, not a float, and json.dump,
+    which takes no tensors, does not fail after every shard is written."""
+    def plain(value):
+        if torch.is_tensor(value):
+            return {"tensor": value.tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+    return [{key: plain(value) for key, value in group.items()} for group in groups]
+
+
+def _tensor_groups(groups: list) -> list:
+    """``_json_groups`` undone: its tensors back as (CPU) tensors."""
+    def back(value):
+        if isinstance(value, dict) and set(value) == {"tensor", "dtype"}:
+            return torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
+        if isinstance(value, list):
+            return [back(v) for v in value]
+        return value
+    return [{key: back(value) for key, value in group.items()} for group in groups]
 
 
 def _switch(tmp: str, path: str, old: str) -> None:
@@ -322,7 +347,7 @@ def load(sharded, path) -> None:
              checkpoint_id=path)
     for unit in sharded.all_units:  # the padding past numel is not in the checkpoint: zeros
         unit.master.data[_valid(unit):].zero_()
-    sharded.optimizer.load_state_dict({"state": template, "param_groups": meta["param_groups"]})
+    sharded.optimizer.load_state_dict({"state": template, "param_groups": _tensor_groups(meta["param_groups"])})
     for unit in sharded.all_units:
         if unit.gathered:
             unit.publish()
