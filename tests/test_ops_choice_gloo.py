@@ -463,3 +463,25 @@ def test_caches_per_group_do_not_outlive_their_group(monkeypatch):
     assert names[0] == names[1]  # the premise: the name comes back
     assert answers == [True, False]
     assert measured[0] == measured[1] > 0  # the second world is measured afresh, not served the first's choice
+
+
+def _one_rank_without_peer_memory_on_rank():
+    from overlapkernels.comm import process_world as pw
+
+    r = dist.get_rank()
+    saved = pw.resolve_peer_memory, pw._device_uuid, pw.failing_pairs
+    pw.resolve_peer_memory = lambda *a, **k: ("ipc", None) if r == 0 else (None, "no CUDA library built here")
+    pw._device_uuid, pw.failing_pairs = (lambda device: f"gpu{r}"), (lambda: {})
+    try:
+        pw.ProcessPeerWorld(dist.group.WORLD, torch.device("cpu"))
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        pw.resolve_peer_memory, pw._device_uuid, pw.failing_pairs = saved
+    return "built"
+
+
+def test_a_rank_that_cannot_join_the_peer_world_fails_every_rank(rank_pool):
+    """Rank 1 has no peer memory of its own (here: no CUDA library): it raised alone while rank 0
+    waited for it in the world's exchange. Now both raise, naming it."""
+    assert rank_pool(2).run(_one_rank_without_peer_memory_on_rank) == ["rank 1: no CUDA library built here"] * 2

@@ -171,10 +171,14 @@ class ProcessPeerWorld:
         self._errors = DeferredErrorCheck()
         kind, why = resolve_peer_memory(requested_peer_memory(), has_symm_mem=torch_has_symmetric_memory(),
                                         ipc_built=cuda_lib.is_loadable())
-        if kind is None:
-            raise ValueError(why)
-        mine = _device_uuid(device)
-        ranks = all_gather_objects((kind, mine, socket.gethostname(), failing_pairs()), group, device)
+        # a rank that cannot take part still joins the exchange (a collective its peers are in) and
+        # says why, so every rank raises rather than some waiting for it
+        mine = _device_uuid(device) if kind else None
+        exchanged = all_gather_objects((kind, mine, socket.gethostname(), failing_pairs() if kind else {},
+                                        None if kind else why), group, device)
+        if unable := [f"rank {dist.get_global_rank(group, r)}: {w}" for r, (*_, w) in enumerate(exchanged) if w]:
+            raise ValueError("; ".join(unable))
+        ranks = [entry[:4] for entry in exchanged]
         kinds, hosts = [k for k, *_ in ranks], sorted({h for _, _, h, _ in ranks})
         if len(set(kinds)) > 1:  # mixed kinds would deadlock in alloc_symmetric
             raise ValueError(f"ranks chose different peer memory {kinds} (set {PEER_MEMORY_ENV} alike on every "
