@@ -85,20 +85,16 @@ def default_backend() -> str:
 def uses_nccl(group: dist.ProcessGroup | None = None) -> bool:
     """Whether ``group`` (default: the world) moves CUDA tensors through NCCL: backend "nccl", a
     mixed one ("cpu:gloo,cuda:nccl", torchtitan's), or "undefined" (``init_process_group()`` with
-    no backend: gloo for CPU tensors, NCCL for CUDA ones where torch has it). Not an exact string
-    compare: those last two read as CPU-only, and a job then ran on the CPU or staged every message
-    through host copies. gloo alone also lists CUDA among its device types (it copies through the
-    host), so the CUDA backend's class decides there."""
+    no backend: gloo for CPU tensors, NCCL for CUDA ones where torch has it). Not an exact compare
+    of the backend's name: those last two read as CPU-only, and a job then ran on the CPU or staged
+    every message through host copies. The backend config maps each device type to its backend
+    ("cpu:gloo,cuda:gloo" for gloo alone, which copies CUDA tensors through the host), also under
+    TORCH_DISTRIBUTED_DEBUG=DETAIL, whose wrapper hides the backend's class."""
     group = group or dist.group.WORLD
-    if "nccl" in str(dist.get_backend(group)):
-        return True
-    nccl = getattr(dist, "ProcessGroupNCCL", None)  # absent from CPU builds of torch
-    if nccl is None or not any(t.type == "cuda" for t in getattr(group, "_device_types", ())):
-        return False
-    try:
-        return isinstance(group._get_backend(torch.device("cuda")), nccl)
-    except (AttributeError, RuntimeError):
-        return False
+    config = getattr(dist, "get_backend_config", None)
+    if config is None:  # torch < 2.2
+        return "nccl" in str(dist.get_backend(group))
+    return "cuda:nccl" in config(group)
 
 
 def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
@@ -106,16 +102,26 @@ def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if uses_nccl(group) else torch.device("cpu")
 
 
-# where launchers put a process's rank on its node: torchrun, Slurm's srun, Open MPI's mpirun, MVAPICH
-LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK")
+# where launchers put a process's rank on its node: torchrun, then Open MPI's and MVAPICH's mpirun,
+# then Slurm's srun last (mpirun inside an allocation starts its daemons with srun, so every rank
+# it launches inherits SLURM_LOCALID=0)
+LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
 
 
 def local_device_index() -> int:
-    """This process's GPU: its rank on the node (torchrun's LOCAL_RANK, else srun's or mpirun's; 0
-    with none) modulo the GPUs it sees, so a launcher that gives each process one visible GPU
-    (CUDA_VISIBLE_DEVICES per rank) gets GPU 0 rather than an invalid device ordinal."""
-    local = next((int(os.environ[name]) for name in LOCAL_RANK_VARIABLES if os.environ.get(name, "").isdigit()), 0)
-    return local % max(torch.cuda.device_count(), 1)
+    """This process's GPU: its rank on the node (torchrun's LOCAL_RANK, else mpirun's or srun's; 0
+    with none). A process that sees one GPU (CUDA_VISIBLE_DEVICES per rank) takes it; a local rank
+    past the GPUs it sees is refused by name, rather than two ranks sharing a GPU (NCCL then fails
+    with "Duplicate GPU")."""
+    name, local = next(((name, int(os.environ[name])) for name in LOCAL_RANK_VARIABLES
+                        if os.environ.get(name, "").isdigit()), (None, 0))
+    visible = torch.cuda.device_count()
+    if visible == 1:
+        return 0
+    if local >= visible:
+        raise ValueError(f"{name}={local}: this process sees {visible} GPUs (0..{visible - 1}); start at most "
+                         f"{visible} ranks per node, or give each rank its own GPU with CUDA_VISIBLE_DEVICES")
+    return local
 
 
 def init_default_process_group(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
