@@ -25,21 +25,19 @@ def _info(args) -> int:
     return 0
 
 
-_created_group = False  # the default group was made here (under torchrun): main() destroys it at the end
+_depth = 0  # main() calls in progress: `bench all` runs each kind through a nested main()
 
 
-def _end_process_group() -> None:
-    """After a command that made the default group ran to its end: NCCL warns when a process exits
-    with it alive, and exiting with live communicators can leave a peer waiting. Not after a failure
-    (a peer may be stuck in a collective: `exit_now` ends such a rank), nor for a group the caller
-    made (a test's rank pool, a script calling main())."""
-    global _created_group
-    if _created_group:
-        import torch.distributed as dist
+def _end_process_group(made_here: bool, code: int) -> None:
+    """After a command under a launcher ran to its end on every rank (exit code 0), destroy the
+    default group if this command made it: NCCL warns when a process exits with it alive, and
+    exiting with live communicators can leave a peer waiting. Not after a failure (a peer may be in
+    a collective: `exit_now` ends such a rank), nor for a group the caller made (a test's rank pool,
+    a script calling main()), nor inside `bench all`'s kinds (the next kind needs it)."""
+    import torch.distributed as dist
 
-        _created_group = False
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    if made_here and code == 0 and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _launched() -> bool:
@@ -63,8 +61,6 @@ def _run_ranks(rank_main, config: dict, args) -> tuple[list[dict] | None, str]:
 
         from .parallel import init_default_process_group, uses_nccl
 
-        global _created_group
-        _created_group = _created_group or not dist.is_initialized()
         init_default_process_group()
         gate = _kind_gate
         if gate is not None and not gate.vote(True):
@@ -410,6 +406,7 @@ def _output_dir_args(parser) -> None:
 
 
 def main(argv=None) -> int:
+    global _depth
     args = build_parser().parse_args(argv)
     try:
         if args.command == "bench":
@@ -418,8 +415,15 @@ def main(argv=None) -> int:
             check_output_paths(**{name: getattr(args, name, None) for name in ("csv", "json_out", "plot", "profile")})
         if getattr(args, "timeout", None) is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
             raise ValueError(f"--timeout {args.timeout}: expected a finite number of seconds > 0")
-        code = args.func(args)
-        _end_process_group()
+        import torch.distributed as dist
+
+        made_here = _depth == 0 and _launched() and not dist.is_initialized()
+        _depth += 1
+        try:
+            code = args.func(args)
+        finally:
+            _depth -= 1
+        _end_process_group(made_here, code)
         return code
     except ValueError as exc:  # bad input: a one-line message, not a traceback
         print(f"overlapkernels: error: {exc}", file=sys.stderr)

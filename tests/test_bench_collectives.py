@@ -255,6 +255,14 @@ def test_under_a_launcher_the_cli_ends_the_group_it_made(tmp_path):
               "from overlapkernels import cli\n"
               "argv = ['bench', 'collectives', '--sizes', '1K', '--iters', '1', '--warmup', '0', '--ops', 'all_reduce']\n"
               "print(cli.main(argv), dist.is_initialized())\n"
+              # `bench all` runs its kinds through nested main() calls: the group lives until the end
+              "kinds = []\n"
+              "def all_kinds(args):\n"
+              "    for _ in range(2):\n"
+              "        kinds.append((cli.main(argv), dist.is_initialized()))\n"
+              "    return 0\n"
+              "cli._bench_all = all_kinds\n"
+              "print(cli.main(['bench', 'all']), dist.is_initialized(), kinds)\n"
               "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
               "print(cli.main(argv), dist.is_initialized())\n")
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
@@ -262,4 +270,5 @@ def test_under_a_launcher_the_cli_ends_the_group_it_made(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert [line for line in out.stdout.splitlines() if line.startswith("0 ")] == ["0 False", "0 True"], out.stdout
+    assert [line for line in out.stdout.splitlines() if line.startswith("0 ")] == [
+        "0 False", "0 False [(0, True), (0, True)]", "0 True"], out.stdout
