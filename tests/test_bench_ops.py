@@ -241,7 +241,7 @@ def _bench_all_under_torchrun(monkeypatch, behaviour, peer=None):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(parallel, "init_default_process_group", lambda: None)
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(parallel, "uses_nccl", lambda group=None: False)  # no group here: gloo, as on CPU ranks
     gate = _FakeGate(peer or {})
     monkeypatch.setattr(cli, "_KindGate", lambda: gate)
     monkeypatch.setattr(cli, "_exit_now", lambda code: (_ for _ in ()).throw(_Exited(code)))
