@@ -62,7 +62,7 @@ def test_methods_without_peer_memory_are_skipped_not_fatal(rank_pool):
     assert [r["method"] for r in rows] == ["decomposed"]
 
 
-def _peer_methods_on_cuda_ranks_without_peer_memory(locally_able_rank):
+def _peer_methods_on_cuda_ranks_without_peer_memory(locally_able_rank, bad_setting=False):
     """As on a CUDA group spanning two hosts: each rank's own checks pass (on rank ``locally_able_rank``
     only, else all), the ranks' agreement says no peer memory; asked once on every rank alike."""
     import io
@@ -77,7 +77,13 @@ def _peer_methods_on_cuda_ranks_without_peer_memory(locally_able_rank):
     ok_here = locally_able_rank is None or dist.get_rank() == locally_able_rank
     _methods.unavailable_reason = lambda method, group, device, dtype=None: (
         None if ok_here or method not in ("symm", "fused") else "no IPC library here")
-    pw.group_has_peer_memory = lambda group, device: asked.append(device) or False
+    def agreement(group, device):
+        asked.append(device)
+        if bad_setting:
+            raise ValueError("rank 1: OVERLAPKERNELS_RESERVED_SMS='lots': expected a whole number of SMs >= 1")
+        return False
+
+    pw.group_has_peer_memory = agreement
     try:
         with redirect_stdout(io.StringIO()) as out:
             kept = timing.available_methods(["baseline", "symm", "decomposed", "fused"], dist.group.WORLD,
@@ -87,16 +93,18 @@ def _peer_methods_on_cuda_ranks_without_peer_memory(locally_able_rank):
     return kept, len(asked), out.getvalue()
 
 
-@pytest.mark.parametrize("locally_able_rank", [None, 1])
-def test_peer_methods_are_skipped_where_the_ranks_have_no_peer_memory_together(rank_pool, locally_able_rank):
+@pytest.mark.parametrize("locally_able_rank, bad_setting", [(None, False), (1, False), (None, True)])
+def test_peer_methods_are_skipped_where_the_ranks_have_no_peer_memory_together(rank_pool, locally_able_rank,
+                                                                               bad_setting):
     """Each rank's own checks cannot see that the group spans hosts: symm/fused then failed inside the
     kind (ending `bench all`). Now the ranks' agreement skips them, asked exactly once on every rank
-    (a collective), whatever each rank's own answer was."""
-    results = rank_pool(2).run(_peer_methods_on_cuda_ranks_without_peer_memory, locally_able_rank)
+    (a collective), whatever each rank's own answer was; a bad setting it reports is a skip too."""
+    results = rank_pool(2).run(_peer_methods_on_cuda_ranks_without_peer_memory, locally_able_rank, bad_setting)
     for kept, asked, _ in results:
         assert kept == ["baseline", "decomposed"] and asked == 1
     said = results[0][2]
-    why = "no IPC library here" if locally_able_rank is not None else "the group has no peer memory"
+    why = ("no IPC library here" if locally_able_rank is not None else
+           "rank 1: OVERLAPKERNELS_RESERVED_SMS='lots'" if bad_setting else "the group has no peer memory")
     assert f"# ag-matmul: skipped method='symm': {why}" in said and "skipped method='fused'" in said
 
 

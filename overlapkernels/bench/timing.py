@@ -107,10 +107,14 @@ def available_methods(methods, group, device, what: str) -> list[str]:
     if asked and device.type == "cuda" and not is_peer_world(group):
         from ..comm.process_world import group_has_peer_memory
 
-        if not group_has_peer_memory(group, device):
+        try:
+            together = group_has_peer_memory(group, device)
+            why = "the group has no peer memory (its ranks span hosts, or a pair of its GPUs lacks peer access)"
+        except ValueError as exc:  # a bad setting, raised on every rank alike: a skip, as before
+            together, why = False, str(exc)
+        if not together:
             for method in asked:
-                reasons[method] = reasons[method] or ("the group has no peer memory (its ranks span hosts, or a "
-                                                      "pair of its GPUs lacks peer access)")
+                reasons[method] = reasons[method] or why
     flags = torch.tensor([reason is not None for reason in reasons.values()], dtype=torch.int32,
                          device=comm_device(group))
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
