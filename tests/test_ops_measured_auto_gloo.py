@@ -181,3 +181,26 @@ def test_measured_auto_leaves_out_fused_past_its_32_bit_offsets(world_of_one, mo
     agm.resolve("auto", dist.group.WORLD, x, 8, 2, bs=[b])
     mrs.resolve("auto", dist.group.WORLD, torch.empty(2 * rows, 32768, device="meta"), b, 2, measurable=True)
     assert told == [("all_gather_matmul", fits), ("matmul_reduce_scatter", fits)]
+
+
+def test_auto_weighs_every_weight_together_against_fused_offsets(world_of_one, monkeypatch):
+    """Backward multiplies by the weights concatenated ([sum N, K]): two weights that each fit can
+    pass 2^31 together. Measured auto is told fused does not fit; in a peer-memory world the rules
+    pick symm rather than a fused call that would raise."""
+    import importlib
+
+    from overlapkernels.ops.dispatch import Choice, choose
+
+    agm = importlib.import_module("overlapkernels.ops.all_gather_matmul")
+    told = []
+    monkeypatch.setenv("OVERLAPKERNELS_AUTO", "measure")
+    monkeypatch.setattr(agm, "measured", lambda *a, fused_fits=True: told.append(fused_fits) or Choice("baseline", ""))
+    x = torch.empty(1024, 1 << 20, device="meta")  # K * 1536 < 2^31 <= K * 3072
+    one, two = [torch.empty(1 << 20, 1536, device="meta")], [torch.empty(1 << 20, 1536, device="meta")] * 2
+    agm.resolve("auto", dist.group.WORLD, x, 1536, 2, bs=one)
+    agm.resolve("auto", dist.group.WORLD, x, 3072, 2, bs=two)
+    assert told == [True, False]
+    common = dict(world_size=2, rows_per_rank=1024, step_bytes=1 << 20, step_flops=1 << 30,
+                  device=torch.device("cpu"), peer_memory=True, dtype=torch.float32)
+    assert choose("all_gather_matmul", "auto", **common).method == "fused"
+    assert choose("all_gather_matmul", "auto", fused_fits=False, **common).method == "symm"

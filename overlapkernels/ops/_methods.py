@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..kernels.interpreter import bf16_message, bf16_miscomputed
+from ..kernels.offsets import fused_sizes_error
 from . import _collective_methods as coll
 from ._validate import is_peer_world
 from .dispatch import PEER_MEMORY_METHODS, capturing
@@ -37,16 +38,10 @@ def check_available(method: str, group, device, dtype=None) -> None:
         raise ValueError(reason)
 
 
-def fused_sizes_error(rows_per_chunk: int, k: int, n: int) -> str | None:
-    """Why ``fused`` cannot multiply chunks [rows_per_chunk, k] @ [k, n] (32-bit offsets), or None."""
-    from ..kernels.triton import tile_gemm
-
-    return tile_gemm.fused_sizes_error(rows_per_chunk, k, n)
-
-
 def check_fused_sizes(method: str, rows_per_chunk: int, k: int, n: int) -> None:
     """``fused`` on chunks [rows_per_chunk, k] @ [k, n]: refused by size before anything
-    communicates (the backward's dual op multiplies the same three extents)."""
+    communicates. ``n``: every weight's width together (the backward's dual op multiplies by the
+    weights concatenated, [n, k]); its three extents are the forward's."""
     if method == "fused" and (error := fused_sizes_error(rows_per_chunk, k, n)):
         raise ValueError(error)
 

@@ -7,6 +7,7 @@ from functools import partial
 import torch
 
 from .._compat import eager_under_compile
+from ..kernels.offsets import fused_sizes_error
 from ..parallel import resolve_group
 from ..profiling.ranges import span
 from . import _methods
@@ -25,15 +26,16 @@ def resolve(method: str, group, x2d: torch.Tensor, n_total: int, world: int, bs=
     moves a chunk [m, K] and multiplies it by [K, n_total]. ``bs`` (the operands): lets
     ``OVERLAPKERNELS_AUTO=measure`` time the candidates on these operands."""
     m, k = x2d.shape
+    fused_fits = method != "auto" or fused_sizes_error(m, k, n_total) is None
     measure = None
     if bs is not None and method == "auto" and auto_mode() == "measure" and not is_peer_world(group):
         key = (tuple(x2d.shape), tuple(tuple(b.shape) for b in bs), x2d.dtype, x2d.device)
         measure = partial(measured, OP, key, group, x2d.device,
                           lambda m_: _methods.ag_matmul(x2d.detach(), [b.detach() for b in bs], group, m_),
-                          fused_fits=_methods.fused_sizes_error(m, k, max((b.shape[1] for b in bs), default=0)) is None)
+                          fused_fits=fused_fits)
     return choose(OP, method, world_size=world, rows_per_rank=m, step_bytes=m * k * x2d.element_size(),
                   step_flops=2 * m * k * n_total, device=x2d.device, peer_memory=is_peer_world(group),
-                  measure=measure, dtype=x2d.dtype).method
+                  measure=measure, dtype=x2d.dtype, fused_fits=fused_fits).method
 
 
 class AllGatherMatmul(torch.autograd.Function):
@@ -150,8 +152,9 @@ def _all_gather_matmul(a_shard, b, group, gather_dim, return_gathered, method, s
         if not isinstance(return_gathered, bool):
             raise TypeError(f"return_gathered must be a bool, got {type(return_gathered).__name__}")
         _methods.check_available(method, group, a_shard.device, a_shard.dtype)
+        # the weights' total width: backward multiplies by all of them concatenated ([sum N, K])
         _methods.check_fused_sizes(method, math.prod(a_shard.shape[:-1]), a_shard.shape[-1],
-                                   max(w.shape[1] for w in bs))
+                                   sum(w.shape[1] for w in bs))
         # save_gathered decides whether backward gathers again; gradients decide whether it runs at all
         call.args = dict(a_shard=a_shard, b=bs, gather_dim=gather_dim, method=method, save_gathered=bool(save_gathered))
     world = group_size(group)

@@ -127,11 +127,12 @@ def check_method(method) -> str:
 
 
 def choose(op: str, method: str, *, world_size: int, rows_per_rank: int, step_bytes: int, step_flops: int,
-           device: torch.device, peer_memory: bool, measure=None, dtype=None) -> Choice:
+           device: torch.device, peer_memory: bool, measure=None, dtype=None, fused_fits: bool = True) -> Choice:
     """Resolve ``method`` for one call. ``rows_per_rank``: M of one chunk; ``step_bytes`` /
     ``step_flops``: one ring message and the GEMM work that can hide it; ``peer_memory``: whether
     the group offers symmetric buffers (thread world); ``dtype``: the operands'. ``measure``: a callable returning a measured
-    Choice (``OVERLAPKERNELS_AUTO=measure``, forward calls on process groups; ops/measure.py)."""
+    Choice (``OVERLAPKERNELS_AUTO=measure``, forward calls on process groups; ops/measure.py).
+    ``fused_fits``: the call's chunks are within the fused GEMMs' 32-bit offsets."""
     intensity = step_flops / max(step_bytes, 1)
     if method != "auto":
         choice = Choice(method, "requested")
@@ -142,6 +143,9 @@ def choose(op: str, method: str, *, world_size: int, rows_per_rank: int, step_by
     elif peer_memory and dtype is not None and bf16_miscomputed(dtype, device):
         choice = Choice("symm", "peer-memory world, bfloat16 in Triton's interpreter, which computes bf16 wrongly: "
                                 "symm multiplies with torch")
+    elif peer_memory and not fused_fits:
+        choice = Choice("symm", "peer-memory world, chunks past the fused GEMMs' 32-bit offsets: symm multiplies "
+                                "with torch")
     elif peer_memory:
         choice = Choice("fused", "peer-memory world: persistent Triton GEMM waiting on chunk signals")
     elif device.type == "cuda":

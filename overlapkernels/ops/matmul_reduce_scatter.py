@@ -7,6 +7,7 @@ from functools import partial
 import torch
 
 from .._compat import eager_under_compile
+from ..kernels.offsets import fused_sizes_error
 from ..parallel import resolve_group
 from ..profiling.ranges import span
 from . import _methods
@@ -27,14 +28,15 @@ def resolve(method: str, group, a2d: torch.Tensor, b: torch.Tensor, world: int, 
     ``measurable``: lets ``OVERLAPKERNELS_AUTO=measure`` time the candidates."""
     m, k, n = a2d.shape[0] // world, a2d.shape[1], b.shape[1]
     elem = torch.empty((), dtype=accumulation_dtype(a2d.dtype)).element_size()
+    fused_fits = method != "auto" or fused_sizes_error(m, k, n) is None
     measure = None
     if measurable and method == "auto" and auto_mode() == "measure" and not is_peer_world(group):
         key = (tuple(a2d.shape), tuple(b.shape), a2d.dtype, a2d.device)
         measure = partial(measured, OP, key, group, a2d.device,
-                          lambda m_: _methods.matmul_rs(a2d.detach(), b.detach(), group, m_),
-                          fused_fits=_methods.fused_sizes_error(m, k, n) is None)
+                          lambda m_: _methods.matmul_rs(a2d.detach(), b.detach(), group, m_), fused_fits=fused_fits)
     return choose(OP, method, world_size=world, rows_per_rank=m, step_bytes=m * n * elem, step_flops=2 * m * k * n,
-                  device=a2d.device, peer_memory=is_peer_world(group), measure=measure, dtype=a2d.dtype).method
+                  device=a2d.device, peer_memory=is_peer_world(group), measure=measure, dtype=a2d.dtype,
+                  fused_fits=fused_fits).method
 
 
 class MatmulReduceScatter(torch.autograd.Function):

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from ..._compat import matmul_allows_tf32
 from ..interpreter import bf16_message, bf16_miscomputed
+from ..offsets import last_offset, offsets_error
 
 
 RESERVED_SMS = 4  # left free for the copy stream's wait/signal kernels (default)
@@ -163,31 +164,6 @@ def reserved_sms() -> int:
     return int(raw)
 
 
-INT32_OFFSETS = 1 << 31
-
-
-def _last_offset(shape, strides) -> int:
-    return sum((size - 1) * stride for size, stride in zip(shape, strides) if size > 0)
-
-
-def offsets_error(last_offsets: dict, operands: str) -> str | None:
-    """The fused kernels address each chunk from a 64-bit base with 32-bit offsets (fewer address
-    registers in the main loop): why an operand whose last element lies at offset 2^31 or beyond
-    cannot run, or None. ``last_offsets``: {"a chunk" / "b" / "output chunk": offset}."""
-    too_far = [f"the {name} spans {last + 1} elements" for name, last in last_offsets.items() if last >= INT32_OFFSETS]
-    if not too_far:
-        return None
-    return (f"fused GEMM: {', '.join(too_far)} ({operands}); the kernel's offsets within a chunk are 32-bit "
-            "(< 2^31 elements): use method='symm' (cuBLAS per chunk) or 'decomposed'")
-
-
-def fused_sizes_error(rows_per_chunk: int, k: int, n: int) -> str | None:
-    """``offsets_error`` for dense operands: a chunk [rows_per_chunk, k], b [k, n], an output chunk
-    [rows_per_chunk, n]; what the ops check before anything communicates."""
-    spans = {"a chunk": rows_per_chunk * k - 1, "b": k * n - 1, "output chunk": rows_per_chunk * n - 1}
-    return offsets_error(spans, f"{rows_per_chunk} rows per chunk, K={k}, N={n}")
-
-
 def check_gemm_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, world_size: int) -> None:
     """``a`` [W*m, K] and ``out`` [W*m, N] (or the [W, m, N] slots) in ``world_size`` chunks."""
     if a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -197,7 +173,7 @@ def check_gemm_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, wor
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"fused GEMM: expected a [M, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
     m = a.shape[0] // world_size
-    spans = {"a chunk": _last_offset((m, a.shape[1]), a.stride()), "b": _last_offset(b.shape, b.stride()),
-             "output chunk": _last_offset((m, out.shape[-1]), out.stride()[-2:])}
+    spans = {"a chunk": last_offset((m, a.shape[1]), a.stride()), "b": last_offset(b.shape, b.stride()),
+             "output chunk": last_offset((m, out.shape[-1]), out.stride()[-2:])}
     if error := offsets_error(spans, f"a {tuple(a.shape)} in {world_size} chunks, b {tuple(b.shape)}"):
         raise ValueError(error)
