@@ -448,12 +448,13 @@ def test_caches_per_group_do_not_outlive_their_group(monkeypatch):
     assert not dist.is_initialized()
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
-    answers, names, measured = [], [], []
+    answers, names, measured, keys = [], [], [], []
     for able in (True, False):
         monkeypatch.setattr(pw, "peer_memory_unavailable_reason", lambda device, able=able: None if able else "none")
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
             names.append(dist.group.WORLD.group_name)
+            keys.append((dist.group.WORLD.group_name, id(dist.group.WORLD)))
             answers.append(pw.group_has_peer_memory(dist.group.WORLD, torch.device("cpu")))
             calls = []
             measure.measured("op", ("shape",), dist.group.WORLD, torch.device("cpu"), calls.append)
@@ -463,6 +464,10 @@ def test_caches_per_group_do_not_outlive_their_group(monkeypatch):
     assert names[0] == names[1]  # the premise: the name comes back
     assert answers == [True, False]
     assert measured[0] == measured[1] > 0  # the second world is measured afresh, not served the first's choice
+    # and the first world's entries are gone (with whatever buffers they held), the second's kept
+    for cache in (pw._group_peer_memory, measure._cache):
+        held = [key for key in cache if any(part in keys for part in key)]
+        assert held and all(keys[0] not in key for key in held), held
 
 
 def _one_rank_without_peer_memory_on_rank():

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_gather_objects
+from .group_cache import group_key, per_group_cache
 from .peer_access import failing_pairs, peer_access_problem
 from .side_stream import CudaSideStream
 from .symmetric import SymmetricTensor
@@ -119,17 +120,7 @@ def peer_memory_unavailable_reason(device: torch.device) -> str | None:
     return why
 
 
-_group_peer_memory: dict = {}
-_keyed_groups: dict = {}
-
-
-def group_key(group: dist.ProcessGroup) -> tuple:
-    """A cache key only this group object has. Not the name alone: torch hands out the same names
-    again after ``destroy_process_group`` and a new ``init_process_group`` (a restart inside one
-    process, a test), and a cache keyed by name would give the new group the old one's symmetric
-    buffers or answers. The id is unique while the object lives, and keeping it here keeps it alive."""
-    _keyed_groups.setdefault(id(group), group)
-    return group.group_name, id(group)
+_group_peer_memory: dict = per_group_cache()
 
 
 def group_has_peer_memory(group: dist.ProcessGroup, device: torch.device) -> bool:
@@ -264,7 +255,7 @@ class ProcessPeerWorld:
 # Workspaces hold symmetric buffers that are expensive to set up (a collective rendezvous), so
 # each (group, device) keeps one world for the life of the process, like torch's own
 # symmetric-memory workspace cache.
-_worlds: dict = {}
+_worlds: dict = per_group_cache()
 
 
 def process_peer_world(group: dist.ProcessGroup, device: torch.device) -> ProcessPeerWorld:

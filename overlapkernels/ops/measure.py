@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..comm.group_cache import group_key, per_group_cache
 from ..parallel import uses_nccl
 from .dispatch import Choice
 
@@ -27,7 +28,7 @@ AUTO_ENV = "OVERLAPKERNELS_AUTO"
 AUTO_MODES = ("rules", "measure")
 REPEATS = 3
 
-_cache: dict = {}
+_cache: dict = per_group_cache()
 
 
 def auto_mode() -> str:
@@ -58,8 +59,6 @@ def _sync(device: torch.device) -> None:
 
 def measured(op: str, key: tuple, group, device: torch.device, run, fused_fits: bool = True) -> Choice:
     """The cached or freshly measured choice for ``key``; ``run(method)`` performs one call."""
-    from ..comm.process_world import group_key
-
     key = (op, group_key(group), *key)
     if key in _cache:
         return _cache[key]
