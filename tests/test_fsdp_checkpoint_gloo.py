@@ -344,7 +344,8 @@ def _blind_rank_on_rank(path, blind_in):
     sharded = fsdp.shard(_net(), stage=2)
     if blind_in == "load":
         fsdp.save(sharded, path)
-    exists = ck.os.path.exists
+    exists, wait = ck.os.path.exists, ck.VISIBILITY_WAIT_S
+    ck.VISIBILITY_WAIT_S = 0.5  # it keeps looking that long (a network filesystem's cached view)
     if dist.get_rank() == 1:
         ck.os.path.exists = lambda p: False if p.endswith(ck.META) else exists(p)
     try:
@@ -352,7 +353,7 @@ def _blind_rank_on_rank(path, blind_in):
     except (RuntimeError, ValueError) as exc:
         return type(exc).__name__, str(exc)
     finally:
-        ck.os.path.exists = exists
+        ck.os.path.exists, ck.VISIBILITY_WAIT_S = exists, wait
     return "no error"
 
 
@@ -393,3 +394,19 @@ def test_a_tensor_learning_rate_saves_and_loads_as_a_tensor(rank_pool, tmp_path)
     loaded as a float it would change what a compiled optimizer sees."""
     for groups in rank_pool(2).run(_tensor_lr_on_rank, str(tmp_path / "c")):
         assert groups and all(g == ("Tensor", float(torch.tensor(5e-3)), True) for g in groups), groups
+
+
+def test_a_checkpoint_that_shows_up_late_is_waited_for(tmp_path, monkeypatch):
+    """A network filesystem may show another node's rename a little late: a rank looks again (listing
+    the folder refreshes the view) before it calls the checkpoint unreachable."""
+    from overlapkernels.runtime.fsdp import checkpoint as ck
+
+    path = tmp_path / "c"
+    calls = []
+    real = ck.os.path.exists
+    monkeypatch.setattr(ck.os.path, "exists", lambda p: (calls.append(p), len(calls) > 3 and real(p))[1])
+    path.mkdir()
+    (path / ck.META).write_text("{}")
+    assert ck._sees(str(path)) and len(calls) == 4
+    monkeypatch.setattr(ck, "VISIBILITY_WAIT_S", 0.3)
+    assert not ck._sees(str(tmp_path / "never"))

@@ -21,10 +21,12 @@ counters) are saved too: once when the ranks agree, else per rank (then same wor
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import time
 
 import torch
 import torch.distributed as dist
@@ -200,12 +202,30 @@ def save(sharded, path) -> None:
     _every_rank_sees(path, "fsdp.save")
 
 
+# How long a rank keeps looking for a checkpoint another rank wrote before calling it unreachable:
+# NFS caches directory lookups (acdirmin, 30 s by default, but listing the folder revalidates it)
+VISIBILITY_WAIT_S = 10.0
+
+
+def _sees(path: str) -> bool:
+    """Whether this rank sees the checkpoint at ``path``, waiting up to VISIBILITY_WAIT_S for it."""
+    meta = os.path.join(path, META)
+    deadline = time.monotonic() + VISIBILITY_WAIT_S
+    while not os.path.exists(meta):
+        if time.monotonic() >= deadline:
+            return False
+        with contextlib.suppress(OSError):  # listing the parent refreshes a network filesystem's view
+            os.listdir(os.path.dirname(path) or ".")
+        time.sleep(0.2)
+    return True
+
+
 def _every_rank_sees(path: str, what: str) -> None:
     """Raise on every rank unless every rank sees the checkpoint at ``path`` (a collective). Rank 0
     alone renames and writes the metadata: on storage that is not shared by all nodes, the others'
     shards stayed in their own temp folders, and a load would find nothing there."""
     seen = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, os.path.exists(os.path.join(path, META)))
+    dist.all_gather_object(seen, _sees(path))
     if blind := [r for r, ok in enumerate(seen) if not ok]:
         raise RuntimeError(f"{what}: ranks {blind} cannot see the checkpoint {path!r} that rank 0 sees; every rank "
                            "must reach it through one filesystem shared by all nodes")
@@ -322,7 +342,7 @@ def load(sharded, path) -> None:
     if error is not None:
         raise error
     # decided together: a part that cannot load must not leave the others waiting inside dcp.load
-    problem = (None if os.path.exists(os.path.join(path, META)) else
+    problem = (None if _sees(path) else
                f"rank {dist.get_rank()} cannot see the checkpoint {path!r} that rank 0 sees; every rank must "
                "reach it through one filesystem shared by all nodes")
     problems = [None] * dist.get_world_size()
