@@ -62,7 +62,10 @@ def _checked(name, fn, log):
 
     def checked(*args, **kwargs):
         _refuse_strided(name, _tensors(args, kwargs))
-        op = kwargs.get("op", args[1] if name == "all_reduce" and len(args) > 1 else None)
+        try:  # op may come by keyword or by position (all_reduce's 2nd, reduce's 3rd)
+            op = signature.bind_partial(*args, **kwargs).arguments.get("op")
+        except TypeError:  # a call torch itself will refuse
+            op = kwargs.get("op")
         if op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN) and any(
                 t.is_floating_point() and t.isnan().any() for t in _tensors(args, kwargs)):
             raise NaNIntoMinMax(f"{name}(op={op}): a NaN enters the reduction; NCCL's fmax/fmin drops it "

@@ -265,6 +265,11 @@ BAD_AG = [
      r"^weight must be 2-D \[N, K\], got shape \(3, 8, 1\)"),
     (lambda: linear_reduce_scatter(torch.ones(4, 8), [torch.ones(3, 8)]), TypeError,
      r"^weight must be a single \[N, K\] tensor, got list"),
+    (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), "w"), TypeError, r"^b must be a single \[K, N\] tensor, got str$"),
+    (lambda: all_gather_linear(torch.ones(4, 8), torch.ones(3, 9)), TypeError,  # a bare tensor, whatever its shape
+     r"^weights must be a list/tuple of \[N, K\] tensors sharing the gather, got a single tensor \(pass \[weight\]\)"),
+    (lambda: all_gather_linear(torch.ones(4, 8), []), TypeError,
+     r"^weights must be a non-empty list/tuple of \[N, K\] tensors, got list \(empty\)$"),
     (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3), 3), TypeError,
      r"group=3: expected a torch.distributed ProcessGroup or None .*got int"),
     (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 3), "tp"), TypeError,

@@ -65,3 +65,17 @@ def test_minus_ndim_is_a_valid_dim():
     a, b = _randn(4, 8, seed=0), _randn(8, 3, seed=1)
     torch.testing.assert_close(ok.all_gather_matmul(a, b, gather_dim=-2, method="baseline"), a @ b)
     torch.testing.assert_close(ok.matmul_reduce_scatter(a, b, scatter_dim=-2, method="baseline"), a @ b)
+
+
+def test_all_gather_linear_takes_its_weights_from_any_sequence():
+    """A generator of weights (a module's parameters filtered on the fly) is read once, also under
+    autocast, where each weight is cast like the input."""
+    from overlapkernels.ops.all_gather_matmul import all_gather_linear
+
+    x, w1, w2 = _randn(6, 8, seed=0), _randn(3, 8, seed=1), _randn(5, 8, seed=2)
+    outs = all_gather_linear(x, (w for w in (w1, w2)))
+    for out, w in zip(outs, (w1, w2)):
+        torch.testing.assert_close(out, x @ w.T)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = all_gather_linear(x, (w for w in (w1, w2)))
+    assert [o.dtype for o in outs] == [torch.bfloat16] * 2

@@ -44,6 +44,8 @@ def cast_weights(dtype: torch.dtype | None, b):
     ``cast_operands``, keeping its container type."""
     if isinstance(b, (list, tuple)):
         return type(b)(cast_operands(dtype, *b))
+    if not isinstance(b, (torch.Tensor, str, bytes)) and hasattr(b, "__iter__"):
+        return list(cast_operands(dtype, *b))  # a generator: read once, here
     return cast_operands(dtype, b)[0]
 
 

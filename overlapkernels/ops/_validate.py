@@ -52,16 +52,26 @@ def check_float_dtype(name: str, value: torch.Tensor) -> None:
         raise ValueError(f"{name}.dtype={value.dtype}: expected one of {[str(d) for d in FLOAT_DTYPES]}")
 
 
-def check_weights(b, a: torch.Tensor, a_name: str, *, linear: bool = False) -> tuple[list, bool]:
+def check_weights(b, a: torch.Tensor, a_name: str, *, linear: bool = False, many: bool | None = None
+                  ) -> tuple[list, bool]:
     """``b`` as a list of [K, N] tensors matching ``a``; the bool says whether it was a single one.
     ``linear``: ``b`` holds ``F.linear``'s [N, K] weights (the ``*_linear`` forms), checked and named
-    in those terms and returned transposed to [K, N]."""
+    in those terms and returned transposed to [K, N]. ``many``: True, a sequence of them only (a
+    shared gather); False, one tensor only; None, either."""
     b_name, layout, k_dim = ("weight", "[N, K]", 1) if linear else ("b", "[K, N]", 0)
     single = isinstance(b, torch.Tensor)
-    if not single and not (isinstance(b, (list, tuple)) and b):
-        raise TypeError(f"{b_name} must be a {layout} tensor or a non-empty list/tuple of them, got "
-                        f"{type(b).__name__}" + (" (empty)" if isinstance(b, (list, tuple)) else ""))
-    bs = [b] if single else list(b)
+    if many is False and not single:
+        raise TypeError(f"{b_name} must be a single {layout} tensor, got {type(b).__name__}")
+    if many and single:
+        raise TypeError(f"{b_name}s must be a list/tuple of {layout} tensors sharing the gather, got a single tensor "
+                        f"(pass [{b_name}])")
+    if not single and not isinstance(b, (str, bytes)) and hasattr(b, "__iter__"):
+        b = list(b)  # a generator too
+    if not single and not (isinstance(b, list) and b):
+        what = "a non-empty list/tuple of " + ("them" if many is None else f"{layout} tensors")
+        raise TypeError((f"{b_name} must be a {layout} tensor or {what}" if many is None else f"{b_name}s must be {what}")
+                        + f", got {type(b).__name__}" + (" (empty)" if isinstance(b, list) else ""))
+    bs = [b] if single else b
     k = a.shape[-1]
     for i, w in enumerate(bs):
         name = b_name if single else f"{b_name}[{i}]"

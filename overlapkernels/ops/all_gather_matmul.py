@@ -143,10 +143,7 @@ def _all_gather_matmul(a_shard, b, group, gather_dim, return_gathered, method, s
         check_float_dtype(name, a_shard)
         amp = autocast_dtype(a_shard.device)  # inside torch.autocast: run in its dtype, as a matmul would
         a_shard, b = cast_operands(amp, a_shard)[0], cast_weights(amp, b)
-        bs, single = check_weights(b, a_shard, name, linear=transposed)
-        if transposed and single:
-            raise TypeError("weights must be a list/tuple of [N, K] tensors sharing the gather, got a single tensor "
-                            "(pass [weight])")
+        bs, single = check_weights(b, a_shard, name, linear=transposed, many=True if transposed else None)
         gather_dim = check_dim("gather_dim", gather_dim, a_shard, name)
         method = check_method(method)
         if not isinstance(return_gathered, bool):

@@ -119,11 +119,8 @@ def _matmul_reduce_scatter(a, b, group, scatter_dim, method, transposed):
     with same_call_on_every_rank(group, op, getattr(a, "device", None)) as call:
         check_tensor(name, a, min_dim=2)
         check_float_dtype(name, a)
-        if isinstance(b, (list, tuple)):
-            raise TypeError(f"{'weight' if transposed else 'b'} must be a single {'[N, K]' if transposed else '[K, N]'} "
-                            f"tensor, got {type(b).__name__}")
         a, b = cast_operands(autocast_dtype(a.device), a, b)  # inside torch.autocast: its dtype, as a matmul
-        (b_kn,), _ = check_weights(b, a, name, linear=transposed)  # [K, N]: what the methods multiply by
+        (b_kn,), _ = check_weights(b, a, name, linear=transposed, many=False)  # [K, N]: what the methods multiply by
         dim = check_dim("scatter_dim", scatter_dim, a, name)
         method = check_method(method)
         world = group_size(group)

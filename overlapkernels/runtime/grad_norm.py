@@ -18,6 +18,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+
 from ..parallel import comm_device, uses_nccl
 
 

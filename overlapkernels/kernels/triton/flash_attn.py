@@ -9,7 +9,8 @@ Softmax runs in base 2 (exp2 with log2(e) folded into the scale), the usual flas
 The grid is (tiles, heads, batch): heads and batch on axes of their own, each under CUDA's 65535,
 where B*H on one axis passed it (B=512, H=128). Each program's (batch, head) base offset is 64-bit
 (its program ids cast to int64): B*H*S*D reaches 2^31 elements at long context (B=1, H=128,
-S=131072, D=128); offsets within one head stay 32-bit.
+S=131072, D=128). Offsets within one head stay 32-bit: S*D for the contiguous [B, H, S, D] blocks
+ring attention passes; a strided view whose sequence stride is H*D would need S*H*D < 2^31.
 """
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
-from ...parallel import comm_device, resolve_group, uses_nccl
 
+from ...parallel import comm_device, resolve_group, uses_nccl
 from ...profiling.ranges import span
 from .p2p import check_comm_plan, comm_plan
 from .simulate import validate
