@@ -217,6 +217,10 @@ def test_side_stream_is_its_own_where_the_library_is_built(monkeypatch, loadable
     monkeypatch.setattr(cuda_lib, "is_loadable", lambda: loadable)
     monkeypatch.setattr(cuda_lib, "own_stream", lambda device: made.append(("own", device)) or "own")
     monkeypatch.setattr(torch.cuda, "Stream", lambda device, priority=0: made.append(("pool", device, priority)) or "pool")
-    stream = side_stream.CudaSideStream(torch.device("cuda", 1)).stream
+    monkeypatch.setattr(side_stream, "_own_streams", {})
     cuda1 = torch.device("cuda", 1)
-    assert (stream, made) == (("own", [("own", cuda1)]) if loadable else ("pool", [("pool", cuda1, -1)]))
+    streams = [side_stream.CudaSideStream(cuda1, slot=s).stream for s in (0, 1, 0)]
+    if loadable:  # one per slot, made once: a thread-world rank's runs reuse it (none is ever destroyed)
+        assert streams == ["own"] * 3 and made == [("own", cuda1)] * 2
+    else:
+        assert streams == ["pool"] * 3 and made == [("pool", cuda1, -1)] * 3

@@ -53,8 +53,14 @@ class ThreadSideStream:
         self._queue.put((None, threading.Event()))
 
 
+# Streams of our own, one per (device, slot), made once: never destroyed, since the caching allocator
+# may still record events on a stream that tensors were record_stream'ed to after their last use.
+_own_streams: dict = {}
+
+
 class CudaSideStream:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, slot: int = 0):
+        """``slot``: which of this device's own streams (a thread-world rank's, reused by each run)."""
         # High priority, as Flux's copy stream: copies get ahead of queued compute. A stream of its
         # own (csrc/stream.cu) where the CUDA library is built: torch's pooled streams are handed out
         # round-robin and ProcessGroupNCCL draws from the same pools (the high-priority one under
@@ -63,8 +69,13 @@ class CudaSideStream:
         # high-priority pool: apart from NCCL's streams unless NCCL is asked for high priority.
         from ..kernels import cuda as cuda_lib
 
-        self.stream = (cuda_lib.own_stream(device) if cuda_lib.is_loadable()
-                       else torch.cuda.Stream(device, priority=-1))
+        if cuda_lib.is_loadable():
+            key = (torch.device(device), slot)
+            if key not in _own_streams:
+                _own_streams[key] = cuda_lib.own_stream(device)
+            self.stream = _own_streams[key]
+        else:
+            self.stream = torch.cuda.Stream(device, priority=-1)
 
     def submit(self, fn, keep_alive=()) -> None:
         """Run ``fn`` on the side stream after everything the rank enqueued so far. Tensors in

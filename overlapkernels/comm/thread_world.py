@@ -63,7 +63,7 @@ class ThreadRank:
     def side_stream(self):
         """This rank's copy engine: work submitted here runs in order, concurrently with the rank."""
         if self._side is None:
-            self._side = (CudaSideStream(self.device) if self.device.type == "cuda"
+            self._side = (CudaSideStream(self.device, slot=self.rank) if self.device.type == "cuda"
                           else ThreadSideStream(f"ok-thread-rank{self.rank}-copy"))
         return self._side
 
