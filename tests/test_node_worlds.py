@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from nccl_like import replay_like_nccl
+from overlapkernels.comm.rank_pool import RankPool
 from overlapkernels.comm.thread_world import ThreadWorld
 from test_fsdp_gloo import _train_on_rank
 from test_layers_gloo import _blocks_on_rank, _linears_on_rank
@@ -21,31 +22,41 @@ NODE = 8
 SUBGROUPS = ([1, 4, 6], [0, 2, 3, 5, 7])  # odd sizes, global ranks neither contiguous nor starting at 0
 
 
+@pytest.fixture(scope="module")
+def node_pool():
+    """8 ranks for this module only: the session's pools serve the 2- and 4-rank tests, and 8 idle
+    processes would otherwise stay alive, holding memory, through every later module."""
+    pool = RankPool(NODE, timeout=120.0)
+    yield pool
+    pool.close()
+
+
 def _ops_on_rank(method, group=None):
     return _ag_all_cases_on_rank(method, group) and _rs_all_cases_on_rank(method, group)
 
 
-@pytest.mark.parametrize("method", ["baseline", "decomposed"])
-def test_tp_ops_on_eight_ranks(rank_pool, method):
-    assert rank_pool(NODE).run(_ops_on_rank, method) == [True] * NODE
+def test_tp_ops_on_eight_ranks(node_pool):
+    """decomposed: the ring of 8 (baseline is torch's collectives, the same code at any size; it runs
+    on the subgroups below)."""
+    assert node_pool.run(_ops_on_rank, "decomposed") == [True] * NODE
 
 
-def test_ring_attention_on_eight_ranks(rank_pool):
+def test_ring_attention_on_eight_ranks(node_pool):
     """Zigzag over 16 chunks, contiguous over 8, GQA/MQA, both formats, every gradient."""
-    assert rank_pool(NODE).run(_ring_cases_on_rank) == [True] * NODE
+    assert node_pool.run(_ring_cases_on_rank) == [True] * NODE
 
 
-def test_layers_and_zero3_on_eight_ranks(rank_pool):
-    pool = rank_pool(NODE)
+def test_layers_and_zero3_on_eight_ranks(node_pool):
+    pool = node_pool
     assert pool.run(_linears_on_rank, "decomposed") == [True] * NODE
     assert pool.run(_blocks_on_rank, "decomposed") == [True] * NODE
     pool.run(_train_on_rank, 3, 1, None)  # asserts inside: every parameter equals single-process training
 
 
 @pytest.mark.parametrize("kind, v", [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)])
-def test_pipeline_of_eight_stages(rank_pool, kind, v):
+def test_pipeline_of_eight_stages(node_pool, kind, v):
     """Exact gradients over 8 (16 virtual) stages; the P2P every rank posted keeps NCCL's rules."""
-    results = rank_pool(NODE).run(_executor_on_rank, kind, 2 * NODE, v)
+    results = node_pool.run(_executor_on_rank, kind, 2 * NODE, v)
     assert sum(has_loss for has_loss, _ in results) == 1
     replay_like_nccl([log for _, log in results])
 
@@ -61,8 +72,8 @@ def _on_subgroups_on_rank():
     return dist.get_world_size(mine)
 
 
-def test_ops_and_ring_on_concurrent_odd_subgroups(rank_pool):
-    sizes = rank_pool(NODE).run(_on_subgroups_on_rank)
+def test_ops_and_ring_on_concurrent_odd_subgroups(node_pool):
+    sizes = node_pool.run(_on_subgroups_on_rank)
     assert sizes == [3 if r in SUBGROUPS[0] else 5 for r in range(NODE)]
 
 
