@@ -13,10 +13,10 @@ from overlapkernels.comm.rank_pool import RankPool
 from overlapkernels.comm.thread_world import ThreadWorld
 from test_fsdp_gloo import _train_on_rank
 from test_layers_gloo import _blocks_on_rank, _linears_on_rank
-from test_ops_tp_gloo import _ag_all_cases_on_rank, _rs_all_cases_on_rank
+from test_ops_tp_gloo import _ag_case_on_rank, _rs_case_on_rank
 from test_ops_tp_peer import _forward_cases_on_rank
 from test_pipeline import _executor_on_rank
-from test_ring_attention_gloo import _all_cases_on_rank as _ring_cases_on_rank
+from test_ring_attention_gloo import _case_on_rank as _ring_case_on_rank
 
 NODE = 8
 SUBGROUPS = ([1, 4, 6], [0, 2, 3, 5, 7])  # odd sizes, global ranks neither contiguous nor starting at 0
@@ -31,8 +31,24 @@ def node_pool():
     pool.close()
 
 
+# A few cases of the 2- and 4-rank tests' lists at each size (8 ranks share 2 CPU cores here): what
+# the size changes is the ring and the chunk arithmetic, which every case exercises.
 def _ops_on_rank(method, group=None):
-    return _ag_all_cases_on_rank(method, group) and _rs_all_cases_on_rank(method, group)
+    f64, f32 = torch.float64, torch.float32
+    _ag_case_on_rank(method, (7, 33), 0, [5], f64, True, False, False, group=group)  # bitwise, re-gathered
+    _ag_case_on_rank(method, (7, 3, 33), 0, [4, 9, 1], f64, True, True, False, group=group)  # QKV, saved
+    _ag_case_on_rank(method, (3, 7, 33), 1, [6], f32, False, False, False, group=group)
+    _rs_case_on_rank(method, (7,), 0, 33, 5, f64, True, group)
+    _rs_case_on_rank(method, (2, 3, 7), 2, 33, 5, f64, True, group)
+    _rs_case_on_rank(method, (7, 2), 0, 33, 5, f32, False, group)
+    return True
+
+
+def _ring_cases_on_rank(group=None):
+    _ring_case_on_rank("zigzag", True, 4, 2, "bshd", False, group=group)  # GQA
+    _ring_case_on_rank("contiguous", True, 4, 1, "bshd", True, group=group)  # MQA, through the lse too
+    _ring_case_on_rank("zigzag", False, 2, 2, "sbhd", False, group=group)
+    return True
 
 
 def test_tp_ops_on_eight_ranks(node_pool):
@@ -42,7 +58,7 @@ def test_tp_ops_on_eight_ranks(node_pool):
 
 
 def test_ring_attention_on_eight_ranks(node_pool):
-    """Zigzag over 16 chunks, contiguous over 8, GQA/MQA, both formats, every gradient."""
+    """Zigzag over 16 chunks, contiguous over 8, GQA/MQA, both formats, every gradient and the lse."""
     assert node_pool.run(_ring_cases_on_rank) == [True] * NODE
 
 
@@ -56,7 +72,7 @@ def test_layers_and_zero3_on_eight_ranks(node_pool):
 @pytest.mark.parametrize("kind, v", [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)])
 def test_pipeline_of_eight_stages(node_pool, kind, v):
     """Exact gradients over 8 (16 virtual) stages; the P2P every rank posted keeps NCCL's rules."""
-    results = node_pool.run(_executor_on_rank, kind, 2 * NODE, v)
+    results = node_pool.run(_executor_on_rank, kind, NODE, v)  # 8 microbatches: every stage busy at once
     assert sum(has_loss for has_loss, _ in results) == 1
     replay_like_nccl([log for _, log in results])
 
