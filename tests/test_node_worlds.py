@@ -1,6 +1,6 @@
 """Node-sized worlds: the other tests run 2 and 4 ranks, a real NVLink node runs TP=8 or CP=8, and its
 TP groups are subgroups whose group ranks are not their global ranks. Here: 8 gloo ranks (ops, ring
-attention, layers, ZeRO-3 and pipelines against the same dense references as the 2- and 4-rank tests), two
+attention and pipelines against the same dense references as the 2- and 4-rank tests), two
 disjoint subgroups of odd sizes 3 and 5 with scattered global ranks working at the same time (a peer
 addressed by its group rank instead of its global one, or a message crossing groups, fails here), and
 the peer-memory algorithms with 8 threads."""
@@ -11,8 +11,6 @@ import torch.distributed as dist
 from nccl_like import replay_like_nccl
 from overlapkernels.comm.rank_pool import RankPool
 from overlapkernels.comm.thread_world import ThreadWorld
-from test_fsdp_gloo import _train_on_rank
-from test_layers_gloo import _blocks_on_rank, _linears_on_rank
 from test_ops_tp_gloo import _ag_case_on_rank, _rs_case_on_rank
 from test_ops_tp_peer import _forward_cases_on_rank
 from test_pipeline import _executor_on_rank
@@ -31,23 +29,18 @@ def node_pool():
     pool.close()
 
 
-# A few cases of the 2- and 4-rank tests' lists at each size (8 ranks share 2 CPU cores here): what
-# the size changes is the ring and the chunk arithmetic, which every case exercises.
+# One or two cases of the 2- and 4-rank tests' lists (8 ranks share 2 CPU cores in CI): what the size
+# changes is the ring and the chunk arithmetic, which every case exercises.
 def _ops_on_rank(method, group=None):
-    f64, f32 = torch.float64, torch.float32
-    _ag_case_on_rank(method, (7, 33), 0, [5], f64, True, False, False, group=group)  # bitwise, re-gathered
-    _ag_case_on_rank(method, (7, 3, 33), 0, [4, 9, 1], f64, True, True, False, group=group)  # QKV, saved
-    _ag_case_on_rank(method, (3, 7, 33), 1, [6], f32, False, False, False, group=group)
-    _rs_case_on_rank(method, (7,), 0, 33, 5, f64, True, group)
-    _rs_case_on_rank(method, (2, 3, 7), 2, 33, 5, f64, True, group)
-    _rs_case_on_rank(method, (7, 2), 0, 33, 5, f32, False, group)
+    f64 = torch.float64
+    _ag_case_on_rank(method, (7, 3, 33), 0, [4, 9, 1], f64, True, False, False, group=group)  # QKV, bitwise
+    _rs_case_on_rank(method, (2, 3, 7), 2, 33, 5, f64, True, group)  # 4-D, scattered along dim 2
     return True
 
 
 def _ring_cases_on_rank(group=None):
     _ring_case_on_rank("zigzag", True, 4, 2, "bshd", False, group=group)  # GQA
-    _ring_case_on_rank("contiguous", True, 4, 1, "bshd", True, group=group)  # MQA, through the lse too
-    _ring_case_on_rank("zigzag", False, 2, 2, "sbhd", False, group=group)
+    _ring_case_on_rank("contiguous", True, 4, 1, "sbhd", True, group=group)  # MQA, through the lse too
     return True
 
 
@@ -62,14 +55,7 @@ def test_ring_attention_on_eight_ranks(node_pool):
     assert node_pool.run(_ring_cases_on_rank) == [True] * NODE
 
 
-def test_layers_and_zero3_on_eight_ranks(node_pool):
-    pool = node_pool
-    assert pool.run(_linears_on_rank, "decomposed") == [True] * NODE
-    assert pool.run(_blocks_on_rank, "decomposed") == [True] * NODE
-    pool.run(_train_on_rank, 3, 1, None)  # asserts inside: every parameter equals single-process training
-
-
-@pytest.mark.parametrize("kind, v", [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)])
+@pytest.mark.parametrize("kind, v", [("interleaved-1f1b", 2), ("zb-h1", 1)])
 def test_pipeline_of_eight_stages(node_pool, kind, v):
     """Exact gradients over 8 (16 virtual) stages; the P2P every rank posted keeps NCCL's rules."""
     results = node_pool.run(_executor_on_rank, kind, NODE, v)  # 8 microbatches: every stage busy at once
@@ -83,7 +69,6 @@ def _on_subgroups_on_rank():
     mine = next(g for g, ranks in zip(groups, SUBGROUPS) if dist.get_rank() in ranks)
     assert dist.get_rank(mine) != dist.get_rank() or dist.get_rank() == 0  # group ranks are not global ranks
     _ops_on_rank("decomposed", mine)
-    _ops_on_rank("baseline", mine)
     _ring_cases_on_rank(mine)
     return dist.get_world_size(mine)
 
@@ -93,7 +78,7 @@ def test_ops_and_ring_on_concurrent_odd_subgroups(node_pool):
     assert sizes == [3 if r in SUBGROUPS[0] else 5 for r in range(NODE)]
 
 
-@pytest.mark.parametrize("method", ["symm", "fused"])
+@pytest.mark.parametrize("method", ["fused"])
 def test_peer_memory_methods_with_eight_threads(method):
     """One call per op (the 2- and 4-rank tests repeat calls): pulls in order rank+1 .. rank+7, eight
     chunk signals per op, the last rank a straggler; fp32 under the interpreter."""
