@@ -248,7 +248,9 @@ class ProcessPeerWorld:
 
     def side_stream(self) -> CudaSideStream:
         if self._side is None:
-            self._side = CudaSideStream(self.device)
+            # a stream per world, as before streams of our own: two groups' ops (TP and CP) issued from
+            # different streams must not queue behind each other's spin-waits
+            self._side = CudaSideStream(self.device, slot=("world", self.group.group_name))
         return self._side
 
 

@@ -59,8 +59,9 @@ _own_streams: dict = {}
 
 
 class CudaSideStream:
-    def __init__(self, device: torch.device, slot: int = 0):
-        """``slot``: which of this device's own streams (a thread-world rank's, reused by each run)."""
+    def __init__(self, device: torch.device, slot=0):
+        """``slot``: which of this device's own streams (a thread-world rank's, reused by each run; a
+        process world's, by its group's name, which a re-created group reuses)."""
         # High priority, as Flux's copy stream: copies get ahead of queued compute. A stream of its
         # own (csrc/stream.cu) where the CUDA library is built: torch's pooled streams are handed out
         # round-robin and ProcessGroupNCCL draws from the same pools (the high-priority one under
