@@ -410,3 +410,44 @@ def test_a_checkpoint_that_shows_up_late_is_waited_for(tmp_path, monkeypatch):
     assert ck._sees(str(path)) and len(calls) == 4
     monkeypatch.setattr(ck, "VISIBILITY_WAIT_S", 0.3)
     assert not ck._sees(str(tmp_path / "never"))
+
+
+def _unkeepable_group_value_on_rank(path):
+    import numpy as np
+
+    sharded = fsdp.shard(_net(), stage=1)
+    sharded.optimizer.param_groups[0]["note"] = np.float32(0.5)  # JSON has no such number
+    try:
+        fsdp.save(sharded, path)
+    except TypeError as exc:
+        return str(exc).split(" (")[0], os.path.exists(path + ".tmp")
+    return "saved", None
+
+
+def test_a_param_group_value_json_cannot_keep_is_refused_before_writing(rank_pool, tmp_path):
+    want = ("fsdp.save: the optimizer's param_groups hold a value the checkpoint cannot keep", False)
+    assert rank_pool(2).run(_unkeepable_group_value_on_rank, str(tmp_path / "c")) == [want, want]
+
+
+def _malformed_metadata_on_rank(path):
+    import json
+
+    from overlapkernels.runtime.fsdp import checkpoint as ck
+
+    sharded = fsdp.shard(_net(), stage=1)
+    fsdp.save(sharded, path)
+    if dist.get_rank() == 0:
+        with open(os.path.join(path, ck.META), "w") as f:
+            json.dump({"format": ck.FORMAT}, f)  # JSON, ours in format, missing everything else
+    dist.barrier()
+    try:
+        fsdp.load(sharded, path)
+    except ValueError as exc:
+        return str(exc).split(" (")[0]
+    return "loaded"
+
+
+def test_malformed_metadata_is_refused_by_every_rank(rank_pool, tmp_path):
+    path = str(tmp_path / "c")
+    want = f"checkpoint {path!r} has metadata this version cannot read"
+    assert rank_pool(2).run(_malformed_metadata_on_rank, path) == [want, want]

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from ... import _compat
+
 META = "overlapkernels_fsdp.json"
 FORMAT = 2  # 1 (per-rank keys, same world size only) was never released: not readable
 
@@ -189,6 +191,11 @@ def save(sharded, path) -> None:
     dist.all_gather_object(everyone, (part, mine))
     by_part = dict(everyone)  # every rank of a part has the same entry
     meta = {"format": FORMAT, **mine} if parts == 1 else {"format": FORMAT, "parts": [by_part[k] for k in range(parts)]}
+    try:  # the same on every rank: refused by all before any shard is written, not after
+        json.dumps(meta)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"fsdp.save: the optimizer's param_groups hold a value the checkpoint cannot keep ({exc}); "
+                        "use numbers, strings, bools, None, tensors or lists of them") from None
     dist.barrier()
     dcp.save(_state(sharded, optim["state"], plan, _prefix(part, parts), buffer_plan), checkpoint_id=tmp)
 
@@ -210,7 +217,10 @@ VISIBILITY_WAIT_S = 10.0
 def _sees(path: str) -> bool:
     """Whether this rank sees the checkpoint at ``path``, waiting up to VISIBILITY_WAIT_S for it."""
     meta = os.path.join(path, META)
-    deadline = time.monotonic() + VISIBILITY_WAIT_S
+    # the ranks that see it wait in a collective meanwhile: stay well inside the group's timeout
+    timeout = _compat.group_timeout(dist.group.WORLD)
+    wait = min(VISIBILITY_WAIT_S, timeout.total_seconds() / 4) if timeout is not None else VISIBILITY_WAIT_S
+    deadline = time.monotonic() + wait
     while not os.path.exists(meta):
         if time.monotonic() >= deadline:
             return False
@@ -245,15 +255,23 @@ def _json_groups(groups: list) -> list:
     return [{key: plain(value) for key, value in group.items()} for group in groups]
 
 
-def _tensor_groups(groups: list) -> list:
-    """``_json_groups`` undone: its tensors back as (CPU) tensors."""
-    def back(value):
+def _tensor_groups(groups: list, current: list) -> list:
+    """``_json_groups`` undone: its tensors back as tensors, copied into the optimizer's own where it
+    holds one under that key (so its device stays: a capturable or compiled optimizer's CUDA lr;
+    torch's load_state_dict then deep-copies the groups, as for any checkpoint), else CPU tensors."""
+    def back(value, now):
         if isinstance(value, dict) and set(value) == {"tensor", "dtype"}:
-            return torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
+            saved = torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
+            if torch.is_tensor(now) and now.shape == saved.shape:
+                with torch.no_grad():
+                    return now.copy_(saved)
+            return saved
         if isinstance(value, list):
-            return [back(v) for v in value]
+            nows = now if isinstance(now, (list, tuple)) and len(now) == len(value) else [None] * len(value)
+            return [back(v, n) for v, n in zip(value, nows)]
         return value
-    return [{key: back(value) for key, value in group.items()} for group in groups]
+    return [{key: back(value, mine.get(key)) for key, value in group.items()}
+            for group, mine in zip(groups, current + [{}] * (len(groups) - len(current)))]
 
 
 def _switch(tmp: str, path: str, old: str) -> None:
@@ -345,8 +363,13 @@ def load(sharded, path) -> None:
     problem = (None if _sees(path) else
                f"rank {dist.get_rank()} cannot see the checkpoint {path!r} that rank 0 sees; every rank must "
                "reach it through one filesystem shared by all nodes")
+    if problem is None:
+        try:
+            problem = _check(sharded, path, meta, part, parts)
+        except Exception as exc:  # noqa: BLE001 - metadata that is JSON but not ours: told to every rank
+            problem = f"checkpoint {path!r} has metadata this version cannot read ({type(exc).__name__}: {exc})"
     problems = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem or _check(sharded, path, meta, part, parts))
+    dist.all_gather_object(problems, problem)
     problem = next((p for p in problems if p is not None), None)
     if problem is not None:
         raise ValueError(problem)
@@ -367,7 +390,8 @@ def load(sharded, path) -> None:
              checkpoint_id=path)
     for unit in sharded.all_units:  # the padding past numel is not in the checkpoint: zeros
         unit.master.data[_valid(unit):].zero_()
-    sharded.optimizer.load_state_dict({"state": template, "param_groups": _tensor_groups(meta["param_groups"])})
+    groups = _tensor_groups(meta["param_groups"], sharded.optimizer.param_groups)
+    sharded.optimizer.load_state_dict({"state": template, "param_groups": groups})
     for unit in sharded.all_units:
         if unit.gathered:
             unit.publish()
