@@ -15,10 +15,9 @@ from .bench.kind_gate import KindGate as _KindGate, KindSkipped as _KindSkipped,
 def _info(args) -> int:
     from .profiling.inventory import format_inventory, inventory
 
-    from .parallel import LOCAL_RANK_VARIABLES
+    from .parallel import local_rank
 
-    local = next((os.environ[name] for name in LOCAL_RANK_VARIABLES if name in os.environ), "0")
-    if _launched() and local != "0":
+    if _launched() and local_rank() != 0:
         return 0  # under a launcher: one report per node (the inventory is the node's), not one per rank
     info = inventory()
     print(json.dumps(info, indent=2, default=str) if args.json else format_inventory(info))

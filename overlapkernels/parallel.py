@@ -102,20 +102,26 @@ def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if uses_nccl(group) else torch.device("cpu")
 
 
-# where launchers put a process's rank on its node: torchrun, then Open MPI's and MVAPICH's mpirun,
-# then Slurm's srun last (mpirun inside an allocation starts its daemons with srun, so every rank
-# it launches inherits SLURM_LOCALID=0)
-LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+# where launchers put a process's rank on its node: torchrun, then the MPI launchers (Open MPI,
+# MVAPICH, MPICH/Intel MPI, PMI, Cray PALS), then Slurm's srun last (mpirun inside an allocation
+# starts its daemons with srun, so every rank it launches inherits SLURM_LOCALID=0)
+LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+                        "PMI_LOCAL_RANK", "PALS_LOCAL_RANKID", "SLURM_LOCALID")
+
+
+def local_rank() -> int:
+    """This process's rank on its node, from the first launcher variable set (0 with none)."""
+    return next((int(os.environ[name]) for name in LOCAL_RANK_VARIABLES if os.environ.get(name, "").isdigit()), 0)
 
 
 def local_device_index() -> int:
     """This process's GPU: its rank on the node (torchrun's LOCAL_RANK, else mpirun's or srun's; 0
-    with none). A process that sees one GPU (CUDA_VISIBLE_DEVICES per rank) takes it; a local rank
-    past the GPUs it sees is refused by name, rather than two ranks sharing a GPU (NCCL then fails
-    with "Duplicate GPU")."""
-    name, local = next(((name, int(os.environ[name])) for name in LOCAL_RANK_VARIABLES
-                        if os.environ.get(name, "").isdigit()), (None, 0))
-    visible = torch.cuda.device_count()
+    with none). A process that sees one GPU (CUDA_VISIBLE_DEVICES per rank) takes it (ranks that
+    were all given the same one then share it: not visible from here); a local rank past the GPUs it
+    sees is refused by name, rather than two ranks sharing a GPU (NCCL then fails with "Duplicate
+    GPU")."""
+    name = next((name for name in LOCAL_RANK_VARIABLES if os.environ.get(name, "").isdigit()), None)
+    local, visible = local_rank(), torch.cuda.device_count()
     if visible == 1:
         return 0
     if local >= visible:

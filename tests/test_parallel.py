@@ -275,6 +275,7 @@ def test_nccl_is_recognised_in_every_spelling_of_the_backend(world_of_one, monke
     ({"SLURM_LOCALID": "5"}, 8, 5),                                 # srun sets no LOCAL_RANK
     ({"OMPI_COMM_WORLD_LOCAL_RANK": "2"}, 4, 2),                    # mpirun
     ({"OMPI_COMM_WORLD_LOCAL_RANK": "2", "SLURM_LOCALID": "0"}, 4, 2),  # mpirun inside a Slurm allocation
+    ({"MPI_LOCALRANKID": "3", "SLURM_LOCALID": "0"}, 4, 3),     # MPICH / Intel MPI there
     ({"LOCAL_RANK": "1", "SLURM_LOCALID": "6"}, 8, 1),              # torchrun inside an allocation
     ({"LOCAL_RANK": "3"}, 1, 0),                                    # one visible GPU per process
     ({}, 8, 0),
