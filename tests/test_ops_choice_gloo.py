@@ -468,6 +468,22 @@ def test_caches_per_group_do_not_outlive_their_group(monkeypatch):
     for cache in (pw._group_peer_memory, measure._cache):
         held = [key for key in cache if any(part in keys for part in key)]
         assert held and all(keys[0] not in key for key in held), held
+    # a destroyed subgroup whose name never comes back goes when the next new group is keyed
+    from overlapkernels.comm.group_cache import group_key
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sub = dist.new_group([0])
+        measure.measured("op", ("shape",), sub, torch.device("cpu"), lambda method: None)
+        sub_key = group_key(sub)
+        assert any(sub_key in key for key in measure._cache)
+        dist.destroy_process_group(sub)
+        other = dist.new_group([0])
+        assert other.group_name != sub_key[0]
+        group_key(other)
+        assert not any(sub_key in key for key in measure._cache)
+    finally:
+        dist.destroy_process_group()
 
 
 def _one_rank_without_peer_memory_on_rank():
