@@ -442,7 +442,7 @@ def test_each_dtype_has_its_own_workspace(method):
 
 
 class _EarlierCallTimedOut(RuntimeError):
-    pass
+    """What a call's ``check_errors`` raises on a GPU when an earlier call had timed out."""
 
 
 def _deferred_error_on_rank(ctx, op, method):
@@ -483,42 +483,3 @@ def test_an_error_raised_at_the_check_leaves_the_protocol_in_step(method, op):
     # the next call wait it out and time out
     results = ThreadWorld(2, timeout=20).run(_deferred_error_on_rank, op, method, timeout=90)
     assert results == [(True, True, True), (False, True, True)]
-
-
-@pytest.mark.parametrize("a_shape, b_shape, world, said", [
-    ((2 * 65537, 32768), (32768, 8), 2, "the a chunk spans 2147516416 elements"),  # m*K = 2^31 + K
-    ((8, 65536), (65536, 32769), 2, "the b spans 2147549184 elements"),
-    ((2 * 65537, 8), (8, 32768), 2, "the output chunk spans 2147516416 elements"),
-])
-def test_fused_gemm_refuses_chunks_past_32_bit_offsets(a_shape, b_shape, world, said):
-    """Offsets within a chunk are 32-bit in the fused kernels: a chunk (or b) whose last element lies
-    at offset 2^31 or beyond is refused by name before any rank signals, not wrapped into reads and
-    writes elsewhere. One row (or column) less, whose last offset is 2^31 - 1, is accepted."""
-    from overlapkernels.kernels.triton.tile_gemm import check_gemm_operands
-
-    a, b = torch.empty(a_shape, device="meta"), torch.empty(b_shape, device="meta")
-    out = torch.empty(a_shape[0], b_shape[1], device="meta")
-    with pytest.raises(ValueError, match=f"^fused GEMM: {said} .*use method='symm'"):
-        check_gemm_operands(a, b, out, world)
-    if "b" in said:
-        check_gemm_operands(a, torch.empty(b_shape[0], b_shape[1] - 1, device="meta"), out[:, :-1], world)
-    else:
-        check_gemm_operands(a[:-world], b, out[:-world], world)
-
-
-def _huge_fused_on_rank(ctx):
-    said = []
-    for call in (lambda: ok.all_gather_matmul(torch.empty(65537, 32768, device="meta"),
-                                              torch.empty(32768, 8, device="meta"), ctx, method="fused"),
-                 lambda: ok.matmul_reduce_scatter(torch.empty(2 * 65537, 32768, device="meta"),
-                                                  torch.empty(32768, 8, device="meta"), ctx, method="fused")):
-        with pytest.raises(ValueError) as info:
-            call()
-        said.append(str(info.value))
-    return said
-
-
-def test_the_ops_refuse_fused_past_32_bit_offsets_before_communicating():
-    want = ("fused GEMM: the a chunk spans 2147516416 elements (65537 rows per chunk, K=32768, N=8); the kernel's "
-            "offsets within a chunk are 32-bit (< 2^31 elements): use method='symm' (cuBLAS per chunk) or 'decomposed'")
-    assert ThreadWorld(2, timeout=30).run(_huge_fused_on_rank) == [[want, want]] * 2

@@ -1,0 +1,129 @@
+"""fsdp.save / fsdp.load where storage and metadata misbehave, on gloo ranks: a rank that cannot see
+the checkpoint (storage not shared by the nodes) or sees it late (a network filesystem's cache), a
+missing checkpoint, metadata that is not ours, and optimizer hyperparameters JSON cannot hold as is.
+Every failure is raised by every rank, never by one while the others wait."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from overlapkernels.runtime import fsdp
+from test_fsdp_gloo import _net
+
+
+def _blind_rank_on_rank(path, blind_in):
+    """Rank 1 cannot see what rank 0 writes (storage not shared by the nodes), in ``blind_in``: both
+    ranks raise naming rank 1, none waits in a collective (the pool would report a timeout)."""
+    from overlapkernels.runtime.fsdp import checkpoint as ck
+
+    sharded = fsdp.shard(_net(), stage=2)
+    if blind_in == "load":
+        fsdp.save(sharded, path)
+    exists, wait = ck.os.path.exists, ck.VISIBILITY_WAIT_S
+    ck.VISIBILITY_WAIT_S = 0.5  # it keeps looking that long (a network filesystem's cached view)
+    if dist.get_rank() == 1:
+        ck.os.path.exists = lambda p: False if p.endswith(ck.META) else exists(p)
+    try:
+        (fsdp.save if blind_in == "save" else fsdp.load)(sharded, path)
+    except (RuntimeError, ValueError) as exc:
+        return type(exc).__name__, str(exc)
+    finally:
+        ck.os.path.exists, ck.VISIBILITY_WAIT_S = exists, wait
+    return "no error"
+
+
+@pytest.mark.parametrize("blind_in", ["save", "load"])
+def test_a_rank_that_cannot_see_the_checkpoint_fails_every_rank(rank_pool, tmp_path, blind_in):
+    results = rank_pool(2).run(_blind_rank_on_rank, str(tmp_path / "c"), blind_in)
+    for kind, said in results:
+        assert "1" in said and "cannot see the checkpoint" in said and "shared by all nodes" in said, said
+    assert len({said for _, said in results}) == 1  # the same error on every rank
+
+
+def _missing_checkpoint_on_rank(path):
+    try:
+        fsdp.load(fsdp.shard(_net(), stage=1), path)
+    except FileNotFoundError as exc:
+        return str(exc)
+
+
+def test_a_missing_checkpoint_raises_on_every_rank(rank_pool, tmp_path):
+    want = f"no overlapkernels FSDP checkpoint at {str(tmp_path / 'none')!r}"
+    assert rank_pool(2).run(_missing_checkpoint_on_rank, str(tmp_path / "none")) == [want, want]
+
+
+def _tensor_lr_on_rank(path):
+    make = lambda: fsdp.shard(_net(), stage=2, optimizer=lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(1e-2)))  # noqa: E731
+    first = make()
+    for group in first.optimizer.param_groups:
+        group["lr"].fill_(5e-3)  # a schedule updating the tensor in place
+    fsdp.save(first, path)
+    resumed = make()
+    fsdp.load(resumed, path)
+    return [(type(g["lr"]).__name__, float(g["lr"]), g["lr"].dtype == torch.float32)
+            for g in resumed.optimizer.param_groups]
+
+
+def test_a_tensor_learning_rate_saves_and_loads_as_a_tensor(rank_pool, tmp_path):
+    """json.dump takes no tensors: a tensor lr failed the save after every shard was written; and
+    loaded as a float it would change what a compiled optimizer sees."""
+    for groups in rank_pool(2).run(_tensor_lr_on_rank, str(tmp_path / "c")):
+        assert groups and all(g == ("Tensor", float(torch.tensor(5e-3)), True) for g in groups), groups
+
+
+def test_a_checkpoint_that_shows_up_late_is_waited_for(tmp_path, monkeypatch):
+    """A network filesystem may show another node's rename a little late: a rank looks again (listing
+    the folder refreshes the view) before it calls the checkpoint unreachable."""
+    from overlapkernels.runtime.fsdp import checkpoint as ck
+
+    path = tmp_path / "c"
+    calls = []
+    real = ck.os.path.exists
+    monkeypatch.setattr(ck.os.path, "exists", lambda p: (calls.append(p), len(calls) > 3 and real(p))[1])
+    path.mkdir()
+    (path / ck.META).write_text("{}")
+    assert ck._sees(str(path)) and len(calls) == 4
+    monkeypatch.setattr(ck, "VISIBILITY_WAIT_S", 0.3)
+    assert not ck._sees(str(tmp_path / "never"))
+
+
+def _unkeepable_group_value_on_rank(path):
+    import numpy as np
+
+    sharded = fsdp.shard(_net(), stage=1)
+    sharded.optimizer.param_groups[0]["note"] = np.float32(0.5)  # JSON has no such number
+    try:
+        fsdp.save(sharded, path)
+    except TypeError as exc:
+        return str(exc).split(" (")[0], os.path.exists(path + ".tmp")
+    return "saved", None
+
+
+def test_a_param_group_value_json_cannot_keep_is_refused_before_writing(rank_pool, tmp_path):
+    want = ("fsdp.save: the optimizer's param_groups hold a value the checkpoint cannot keep", False)
+    assert rank_pool(2).run(_unkeepable_group_value_on_rank, str(tmp_path / "c")) == [want, want]
+
+
+def _malformed_metadata_on_rank(path):
+    import json
+
+    from overlapkernels.runtime.fsdp import checkpoint as ck
+
+    sharded = fsdp.shard(_net(), stage=1)
+    fsdp.save(sharded, path)
+    if dist.get_rank() == 0:
+        with open(os.path.join(path, ck.META), "w") as f:
+            json.dump({"format": ck.FORMAT}, f)  # JSON, ours in format, missing everything else
+    dist.barrier()
+    try:
+        fsdp.load(sharded, path)
+    except ValueError as exc:
+        return str(exc).split(" (")[0]
+    return "loaded"
+
+
+def test_malformed_metadata_is_refused_by_every_rank(rank_pool, tmp_path):
+    path = str(tmp_path / "c")
+    want = f"checkpoint {path!r} has metadata this version cannot read"
+    assert rank_pool(2).run(_malformed_metadata_on_rank, path) == [want, want]
