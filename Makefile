@@ -17,7 +17,7 @@ DEPS_IMPORT := import torch, overlapkernels, pytest, pytest_timeout, triton, pyn
 PYTEST_ARGS ?=
 PIP_TIMEOUT ?= 1800
 
-.PHONY: deps setup demo test cuda gpu-check clean bench-collectives bench-node
+.PHONY: deps setup test-deps demo test cuda gpu-check clean bench-collectives bench-node
 
 # The Python side only: a virtualenv, torch, the package and its test dependencies.
 deps:
@@ -37,8 +37,18 @@ demo: setup
 bench-collectives: setup
 	$(PY) -m overlapkernels bench collectives --nproc 4 --sizes 1K:4M --iters 10 --warmup 2
 
+# megatron-core, for the state-dict interchange tests, needs torch>=2.6: installed only over such a
+# torch and with the installed torch pinned (pip never swaps a user's torch for it); without it
+# (older torch, no network) those tests are skipped and say why.
+MEGATRON_PIN := megatron-core==0.16.1
+test-deps: setup
+	@if ! $(PY) -c "import megatron.core" 2>/dev/null && $(PY) -c "import sys, torch; \
+	  sys.exit(tuple(int(p) for p in torch.__version__.split('+')[0].split('.')[:2]) < (2, 6))"; then \
+	  timeout $(PIP_TIMEOUT) $(PY) -m pip install -q "$(MEGATRON_PIN)" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')" \
+	  || echo "$(MEGATRON_PIN) not installed: the Megatron interchange tests will be skipped"; fi
+
 # pytest exits non-zero (5) when no test ran, so an empty suite fails here too.
-test: setup
+test: test-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 cuda:

@@ -55,7 +55,10 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["overlapkernels", "overlapkernels.*"]),
     install_requires=["torch>=2.4", "triton", "nvidia-ml-py"],
-    extras_require={"test": ["pytest>=7", "pytest-timeout", "megatron-core==0.16.1"], "bench": ["matplotlib", "rich"]},
+    # megatron-core (interchange tests only) is an extra of its own: it needs torch>=2.6, and pip would
+    # replace an older torch to satisfy it; `make test` installs it only over a torch that satisfies it
+    extras_require={"test": ["pytest>=7", "pytest-timeout"], "bench": ["matplotlib", "rich"],
+                    "megatron": ["megatron-core==0.16.1"]},
     entry_points={"console_scripts": ["overlapkernels=overlapkernels.cli:main"]},
     cmdclass={"build_py": BuildPyWithCuda},
 )

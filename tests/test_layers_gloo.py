@@ -153,6 +153,17 @@ def _embedding_and_loss_on_rank():
         (want * w).sum().backward()
         (got * w).sum().backward()
         _close(f"logits grad (smoothing {smoothing})", shard.grad, full.grad.chunk(world, -1)[rank])
+    for bad in ("0.1", None, True):
+        with pytest.raises(TypeError, match=rf"label_smoothing must be a float in \[0, 1\], got {type(bad).__name__}"):
+            ok.vocab_parallel_cross_entropy(shard, target, tp, label_smoothing=bad)
+    # as Megatron's embedding, whose state dict has no _extra_state; ours once saved one: still loads strictly
+    assert list(par.state_dict()) == ["weight"]
+    par.load_state_dict({"weight": par.weight.detach() * 2, "_extra_state": None})
+    _close("loaded weight", par.weight, dense.weight.chunk(world)[rank] * 2)
+    with pytest.raises(RuntimeError, match='Unexpected key.*"junk"'):
+        par.load_state_dict({"weight": par.weight.detach(), "junk": None})
+    with pytest.raises(TypeError, match="tokens must be a torch.Tensor of token ids, got list"):
+        par([[0, 1]])
     return True
 
 

@@ -1,5 +1,5 @@
-"""State dicts interchange with megatron-core's tensor-parallel linears (gloo, no SP): the same
-per-rank state dict gives the same outputs and gradients. Skipped when megatron-core is absent
+"""State dicts interchange with megatron-core's tensor-parallel linears and vocabulary-parallel
+embedding (gloo, no SP): the same per-rank state dict gives the same outputs and gradients. Skipped when megatron-core is absent
 (`pip install "megatron-core==0.16.1"` runs on the CPU machine)."""
 import importlib.util
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlapkernels.layers import ColumnParallelLinear, RowParallelLinear
+from overlapkernels.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 
@@ -66,6 +66,51 @@ def _megatron_linears_on_rank(planted=False):
 
 def test_megatron_state_dicts_interchange(rank_pool):
     assert rank_pool(2).run(_megatron_linears_on_rank) == [True, True]
+
+
+def _megatron_embedding_on_rank(planted=False):
+    """Megatron's embedding has ``weight`` only (no ``_extra_state``, unlike its linears): strict
+    loads both ways, the same rows per rank, the same output and weight gradient."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    world = dist.get_world_size()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    cfg = ModelParallelConfig(tensor_model_parallel_size=world, use_cpu_initialization=True, params_dtype=torch.float64)
+    torch.manual_seed(0)
+    theirs = tensor_parallel.VocabParallelEmbedding(5 * world, 3, init_method=torch.nn.init.normal_, config=cfg)
+    ours = VocabParallelEmbedding(5 * world, 3, parallel_state.get_tensor_model_parallel_group(), dtype=torch.float64)
+    assert sorted(ours.state_dict()) == sorted(theirs.state_dict()) == ["weight"]
+    ours.load_state_dict(theirs.state_dict())
+    theirs.load_state_dict(ours.state_dict())
+    assert (ours.vocab_start_index, ours.vocab_end_index) == (theirs.vocab_start_index, theirs.vocab_end_index)
+    if planted:  # rows a hair off: the comparison below must notice
+        with torch.no_grad():
+            ours.weight.add_(1e-9)
+    tokens = torch.randint(0, 5 * world, (2, 7), generator=torch.Generator().manual_seed(3))
+    y_ours, y_theirs = ours(tokens), theirs(tokens)
+    torch.testing.assert_close(y_ours, y_theirs, atol=0, rtol=0)  # one nonzero row per token: the sum is exact
+    g = torch.randn(y_ours.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    y_ours.backward(g)
+    y_theirs.backward(g)
+    torch.testing.assert_close(ours.weight.grad, theirs.weight.main_grad if getattr(theirs.weight, "main_grad", None)
+                               is not None else theirs.weight.grad, atol=1e-12, rtol=1e-12)
+    return True
+
+
+def test_megatron_embedding_state_dict_interchanges(rank_pool):
+    assert rank_pool(2).run(_megatron_embedding_on_rank) == [True, True]
+
+
+def _planted_embedding_on_rank():
+    with pytest.raises(AssertionError, match="Tensor-likes are not"):
+        _megatron_embedding_on_rank(planted=True)
+    return True
+
+
+def test_planted_embedding_error_is_caught(rank_pool):
+    assert rank_pool(2).run(_planted_embedding_on_rank) == [True, True]
 
 
 def _planted_on_rank():

@@ -184,7 +184,8 @@ BAD = [
     (lambda q, k, v: ok.ring_attention(q, k.float(), v), ValueError, r"k.dtype=torch.float32 does not match q.dtype"),
     (lambda q, k, v: ok.ring_attention(q, k, v.expand(2, 6, 2, 8)), ValueError, r"k and v must have one shape"),
     (lambda q, k, v: ok.ring_attention(q[:, :5], k[:, :5], v[:, :5], layout="zigzag"), ValueError,
-     r"local sequence length 5 is odd: zigzag needs S divisible by 2 x the group size"),
+     r"local sequence length 5 \(q.shape\[1\], bshd\) is odd: layout='zigzag' needs S divisible by 2 x the group "
+     r"size"),
     (lambda q, k, v: ok.ring_attention(q, k[:, :4], v[:, :4]), ValueError,
      r"must agree in batch, local sequence length and head dim"),
     (lambda q, k, v: ok.ring_attention(q[0], k, v), ValueError, r"q must be 4-D \(bshd\), got shape \(6, 4, 8\)"),
@@ -198,6 +199,8 @@ BAD = [
     (lambda q, k, v: ok.shard_sequence(torch.ones(2, 7), layout="contiguous"), ValueError,
      r"x.shape\[1\]=7 is not divisible by 2 \(the group size 2"),
     (lambda q, k, v: ok.shard_sequence(torch.ones(2, 8), dim=2), ValueError, r"dim=2 is not a dim of x"),
+    (lambda q, k, v: ok.shard_sequence(torch.ones(2, 8), dim="1"), TypeError, r"dim must be an int, got str '1'"),
+    (lambda q, k, v: ok.unshard_sequence(torch.ones(2, 8), dim=1.0), TypeError, r"dim must be an int, got float 1.0"),
     (lambda q, k, v: ok.unshard_sequence(torch.ones(2, 3)), ValueError, r"x_local.shape\[1\]=3 is odd"),
     (lambda q, k, v: ok.ring_attention(q.long(), k.long(), v.long()), ValueError,
      r"q.dtype=torch.int64: expected one of \['torch.float16', 'torch.bfloat16', 'torch.float32', 'torch.float64'\]"),

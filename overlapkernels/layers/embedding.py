@@ -8,13 +8,15 @@ from torch import nn
 from ..ops._validate import check_ids
 from ..ops.tp_regions import reduce_from_tp_region, reduce_scatter_first_dim
 from ..parallel import resolve_group
-from .linear import _MegatronExtraState, divide, sharded_parameter
+from .linear import divide, sharded_parameter
 from .tags import remember_tensor_parallel
 
 
-class VocabParallelEmbedding(_MegatronExtraState, nn.Module):
+class VocabParallelEmbedding(nn.Module):
     """weight [V/P, E]: rank r holds token ids [r V/P, (r+1) V/P). tokens [B, S] -> [B, S, E], or with
-    ``sequence_parallel`` [S/P, B, E] (reduce-scattered along the sequence, as Megatron does)."""
+    ``sequence_parallel`` [S/P, B, E] (reduce-scattered along the sequence, as Megatron does).
+
+    State dict: ``weight`` only, as Megatron's (unlike its linears, it has no ``_extra_state``)."""
 
     def __init__(self, num_embeddings, embedding_dim, group=None, *, sequence_parallel=False, dtype=None,
                  device=None, init_method=None):
@@ -28,7 +30,14 @@ class VocabParallelEmbedding(_MegatronExtraState, nn.Module):
         self.weight = sharded_parameter((num_embeddings, embedding_dim), 0, self.group, init_method, dtype, device)
         remember_tensor_parallel(self)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # our releases before 2026-11-30 saved an ``_extra_state`` (None) here: still load them strictly
+        state_dict = {k: v for k, v in state_dict.items() if k != prefix + "_extra_state"}
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def forward(self, tokens):
+        if not isinstance(tokens, torch.Tensor):
+            raise TypeError(f"tokens must be a torch.Tensor of token ids, got {type(tokens).__name__}")
         if tokens.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"tokens must be an integer tensor, got {tokens.dtype}")
         bad = (tokens < 0) | (tokens >= self.num_embeddings)  # nn.Embedding raises IndexError for these

@@ -7,6 +7,8 @@ ignore_index=..., label_smoothing=...)``.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.distributed as dist
 
@@ -74,6 +76,9 @@ def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, ignore_ind
                          f"{tuple(logits_shard.shape[:-1])}")
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must be an integer tensor, got {target.dtype}")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
+        raise TypeError(f"label_smoothing must be a float in [0, 1], got {type(label_smoothing).__name__} "
+                        f"{label_smoothing!r}")
     if not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing}: expected a value in [0, 1]")
     group = resolve_group(group)

@@ -251,8 +251,8 @@ def _validate(q, k, v, qkv_format, layout, softmax_scale):
         raise ValueError(f"q has {q.shape[2]} heads, k/v {k.shape[2]}: the query heads must be a multiple of the "
                          "key/value heads (GQA/MQA)")
     if layout == "zigzag" and q.shape[seq] % 2:
-        raise ValueError(f"local sequence length {q.shape[seq]} is odd: zigzag needs S divisible by 2 x the group "
-                         "size")
+        raise ValueError(f"local sequence length {q.shape[seq]} (q.shape[{seq}], {qkv_format}) is odd: "
+                         "layout='zigzag' needs S divisible by 2 x the group size")
     if softmax_scale is not None:
         _check_scale(softmax_scale)
 
