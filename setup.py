@@ -9,7 +9,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Distribution, find_packages, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
@@ -44,6 +44,19 @@ class BuildPyWithCuda(build_py):
             print(f"overlapkernels: CUDA library build failed, installing without it:\n{exc}")
 
 
+def _builds_cuda_library() -> bool:
+    return os.environ.get("OVERLAPKERNELS_SKIP_CUDA") != "1" and _csrc_builder().nvcc_path() is not None
+
+
+class CudaLibraryDistribution(Distribution):
+    """A wheel that carries the CUDA library (a native .so, built for this machine's architecture) is
+    tagged for this platform, not ``py3-none-any``, so pip will not install it on another (an x86_64
+    library on an aarch64 Grace node)."""
+
+    def has_ext_modules(self):
+        return _builds_cuda_library()
+
+
 setup(
     name="overlapkernels",
     version="0.1.0",
@@ -61,4 +74,5 @@ setup(
                     "megatron": ["megatron-core==0.16.1"]},
     entry_points={"console_scripts": ["overlapkernels=overlapkernels.cli:main"]},
     cmdclass={"build_py": BuildPyWithCuda},
+    distclass=CudaLibraryDistribution,
 )
