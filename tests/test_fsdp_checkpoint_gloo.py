@@ -157,22 +157,35 @@ class _HistNet(nn.Module):
         return self.fc(x)
 
 
+def _hist_sharded(bins):
+    torch.manual_seed(0)
+    return fsdp.shard(_HistNet(bins).double(), stage=2, optimizer=OPTIMIZERS["sgd"])
+
+
 def _per_rank_buffer_shapes_on_rank(path):
-    """Saved and loaded at each rank's own shape; a model whose buffer changed on rank 1 alone is
-    refused on every rank (rank 0 must not go on into dcp.load and wait there for rank 1)."""
+    """Saved and loaded at each rank's own shape; a model whose buffer changed on rank 1 alone, or
+    whose buffers are others than the checkpoint's, is refused on every rank (rank 0 must not go on
+    into dcp.load and wait there for rank 1)."""
     rank = dist.get_rank()
-
-    def make(bins):
-        torch.manual_seed(0)
-        return fsdp.shard(_HistNet(bins).double(), stage=2, optimizer=OPTIMIZERS["sgd"])
-
-    fsdp.save(make(rank + 1), path)
-    same = make(rank + 1)
+    fsdp.save(_hist_sharded(rank + 1), path)
+    same = _hist_sharded(rank + 1)
     same.module.hist.zero_()
     fsdp.load(same, path)
     assert same.module.hist.tolist() == [float(rank)] * (rank + 1)
+    more = _hist_sharded(rank + 1)
+    more.module.register_buffer("extra", torch.zeros(1))
+    said = []
+    for sharded in (_hist_sharded(5 if rank == 1 else rank + 1), more):
+        try:
+            fsdp.load(sharded, path)
+        except ValueError as exc:
+            said.append(str(exc))
+    return said
+
+
+def _per_rank_buffers_on_one_rank(path):
     try:
-        fsdp.load(make(5 if rank == 1 else rank + 1), path)
+        fsdp.load(_hist_sharded(1), path)
     except ValueError as exc:
         return str(exc)
     return "loaded"
@@ -180,8 +193,13 @@ def _per_rank_buffer_shapes_on_rank(path):
 
 def test_per_rank_buffer_shapes_reload_and_a_mismatch_on_one_rank_fails_on_all(rank_pool, tmp_path):
     path = str(tmp_path / "ckpt")
-    want = f"checkpoint {path!r}: buffer hist was saved as float64 [2]; this model's is float64 [5]"
+    want = [f"checkpoint {path!r}: buffer hist was saved as float64 [2]; this model's is float64 [5]",
+            f"checkpoint {path!r} holds buffers ['hist']; this model has ['extra', 'hist']"]
     assert rank_pool(2).run(_per_rank_buffer_shapes_on_rank, path) == [want, want]
+    # buffers that differ between the ranks that saved them cannot be resharded
+    assert rank_pool(1).run(_per_rank_buffers_on_one_rank, path) == [
+        f"checkpoint {path!r}: buffers ['hist'] differ between the ranks that saved it (e.g. BatchNorm statistics "
+        "without SyncBatchNorm), so they reload only on 2 ranks, not 1"]
 
 
 def _rank0_failure_on_rank(path):
@@ -260,6 +278,10 @@ def _per_rank_state_on_rank(path, load_only):
         sharded.step()
         # a statistic per rank and not shaped like the shard (as block-quantised optimizers keep)
         sharded.optimizer.state[first]["absmax"] = torch.full((rank + 1,), float(rank))
+        # values that are no tensors (an optimizer counting its steps in an int): kept, not dropped
+        sharded.optimizer.state[first]["count"] = 3
+        sharded.optimizer.state[first]["history"] = [torch.arange(2.0, dtype=torch.float64), 0.5, None]
+        sharded.optimizer.state[first]["seen_by"] = [rank, 1.5]  # differs between ranks
         fsdp.save(sharded, path)
     fresh = fsdp.shard(_net(), stage=2, optimizer=OPTIMIZERS["sgd"])
     try:
@@ -269,17 +291,22 @@ def _per_rank_state_on_rank(path, load_only):
     got = fresh.optimizer.state[fresh.all_units[0].master]
     assert torch.equal(got["absmax"], torch.full((rank + 1,), float(rank))), got["absmax"]
     assert torch.equal(got["momentum_buffer"], sharded.optimizer.state[first]["momentum_buffer"]) or load_only
+    assert type(got["count"]) is int and got["count"] == 3, got["count"]
+    history = got["history"]
+    assert torch.equal(history[0], torch.arange(2.0, dtype=torch.float64)) and history[1:] == [0.5, None], history
+    assert got["seen_by"] == [rank, 1.5], got["seen_by"]
     return "ok"
 
 
 def test_per_rank_optimizer_state_stays_per_rank(rank_pool, tmp_path):
     """State that differs between ranks and is not shaped like the shard cannot be resharded: it
     comes back rank by rank at the same world size (not one rank's copy for all, as a single key
-    would give), and another world size is refused naming the state."""
+    would give), and another world size is refused naming the state. Values that are no tensors
+    come back too (they were dropped: a resumed optimizer restarted its own step count)."""
     path = str(tmp_path / "ckpt")
     assert rank_pool(2).run(_per_rank_state_on_rank, path, False) == ["ok", "ok"]
     refused = rank_pool(4).run(_per_rank_state_on_rank, path, True)
-    assert all("optimizer state ['0/absmax'] differs between ranks" in r and "only on 2 ranks, not 4" in r
+    assert all("optimizer state ['0/absmax', '0/seen_by'] differs between ranks" in r and "only on 2 ranks, not 4" in r
                for r in refused), refused
 
 

@@ -61,8 +61,12 @@ def _tensor_lr_on_rank(path):
     fsdp.save(first, path)
     resumed = make()
     fsdp.load(resumed, path)
+    # an optimizer that holds a float lr gets the saved tensor (torch's load_state_dict restores what
+    # was saved, too)
+    floating = fsdp.shard(_net(), stage=2, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    fsdp.load(floating, path)
     return [(type(g["lr"]).__name__, float(g["lr"]), g["lr"].dtype == torch.float32)
-            for g in resumed.optimizer.param_groups]
+            for sharded in (resumed, floating) for g in sharded.optimizer.param_groups]
 
 
 def test_a_tensor_learning_rate_saves_and_loads_as_a_tensor(rank_pool, tmp_path):
@@ -101,29 +105,86 @@ def _unkeepable_group_value_on_rank(path):
 
 
 def test_a_param_group_value_json_cannot_keep_is_refused_before_writing(rank_pool, tmp_path):
-    want = ("fsdp.save: the optimizer's param_groups hold a value the checkpoint cannot keep", False)
+    want = ("fsdp.save: the optimizer's param_groups or state hold a value the checkpoint cannot keep", False)
     assert rank_pool(2).run(_unkeepable_group_value_on_rank, str(tmp_path / "c")) == [want, want]
 
 
+def _stray_optimizer_parameter_on_rank(path):
+    """An optimizer factory that adds a parameter of its own: the checkpoint would not hold it, so
+    save and load refuse by index, on every rank, before writing or reading anything."""
+    stray = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    sharded = fsdp.shard(_net(), stage=2, optimizer=lambda ps: torch.optim.SGD([*ps, stray], lr=0.1))
+    fsdp.save(fsdp.shard(_net(), stage=2), path + "-good")
+    said = []
+    for call in (lambda: fsdp.save(sharded, path), lambda: fsdp.load(sharded, path + "-good")):
+        try:
+            call()
+        except ValueError as exc:
+            said.append(str(exc))
+    return said, os.path.exists(path) or os.path.exists(path + ".tmp")
+
+
+def test_optimizer_parameters_that_are_no_units_masters_are_refused(rank_pool, tmp_path):
+    want = ["optimizer parameters [4] are not units' masters: fsdp checkpoints hold only what fsdp.shard gave the "
+            "optimizer"] * 2  # the units inp, blocks, out and the root hold indices 0-3
+    assert rank_pool(2).run(_stray_optimizer_parameter_on_rank, str(tmp_path / "c")) == [(want, False)] * 2
+
+
+def _groups_that_do_not_partition_on_rank(path):
+    """Rank 0 shards over a group of its own, rank 1 over the world: rank 0 would be in two model
+    parts. Refused by save and load alike on every rank, which then still communicate in step."""
+    own = dist.new_group([0])
+    sharded = fsdp.shard(_net(), own if dist.get_rank() == 0 else None, stage=1)
+    said = []
+    for call in (fsdp.save, fsdp.load):
+        try:
+            call(sharded, path)
+        except ValueError as exc:
+            said.append(str(exc))
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return said, int(total)
+
+
+def test_sharding_groups_that_do_not_partition_the_world_are_refused(rank_pool, tmp_path):
+    want = ["fsdp.save/load: the sharding groups of the ranks [(0,), (0, 1)] do not partition the world of 2 ranks; "
+            "every rank must call with its own dp group"] * 2
+    assert rank_pool(2).run(_groups_that_do_not_partition_on_rank, str(tmp_path / "c")) == [(want, 2)] * 2
+
+
 def _malformed_metadata_on_rank(path):
+    """Metadata that is JSON but not ours, ours in an older format, or not JSON at all: each refused
+    by every rank, by type and name."""
     import json
 
     from overlapkernels.runtime.fsdp import checkpoint as ck
 
     sharded = fsdp.shard(_net(), stage=1)
     fsdp.save(sharded, path)
-    if dist.get_rank() == 0:
-        with open(os.path.join(path, ck.META), "w") as f:
-            json.dump({"format": ck.FORMAT}, f)  # JSON, ours in format, missing everything else
-    dist.barrier()
-    try:
-        fsdp.load(sharded, path)
-    except ValueError as exc:
-        return str(exc).split(" (")[0]
-    return "loaded"
+    meta_file = os.path.join(path, ck.META)
+    with open(meta_file) as f:
+        saved = json.load(f)
+    said = []
+    for text in (json.dumps({"format": ck.FORMAT}),  # missing everything else
+                 json.dumps({k: v for k, v in saved.items() if k != "format"}),  # format 1 had no "format"
+                 "{not json"):
+        dist.barrier()
+        if dist.get_rank() == 0:
+            with open(meta_file, "w") as f:
+                f.write(text)
+        dist.barrier()
+        try:
+            fsdp.load(sharded, path)
+        except (ValueError, RuntimeError) as exc:
+            said.append((type(exc).__name__, str(exc).split(" (")[0]))
+    return said
 
 
 def test_malformed_metadata_is_refused_by_every_rank(rank_pool, tmp_path):
     path = str(tmp_path / "c")
-    want = f"checkpoint {path!r} has metadata this version cannot read"
+    meta_file = os.path.join(path, "overlapkernels_fsdp.json")
+    want = [("ValueError", f"checkpoint {path!r} has metadata this version cannot read"),
+            ("ValueError", f"checkpoint {path!r} has format 1; this version reads format 2"),
+            ("RuntimeError", f"fsdp.load: cannot read {meta_file!r}: JSONDecodeError: Expecting property name enclosed "
+                             "in double quotes: line 1 column 2")]
     assert rank_pool(2).run(_malformed_metadata_on_rank, path) == [want, want]

@@ -47,9 +47,15 @@ def _frozen_unused_on_rank(stage, plant=None):
     for x, y in _batches(3, 2, world):
         ref_opt.zero_grad()
         _loss(ref(x), y).backward()
+        # clipped (0.05 is below every step's norm): the unused unit has no gradient to count or scale
+        want_norm = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 0.05)
         ref_opt.step()
         mine = slice(rank * 2, (rank + 1) * 2)
         _loss(sharded(x[mine]), y[mine]).backward()
+        norm = sharded.clip_grad_norm_(0.05)
+        if plant is None:
+            assert want_norm > 0.05, want_norm
+            torch.testing.assert_close(norm, want_norm, atol=1e-12, rtol=1e-12)
         sharded.step()
     got = sharded.full_state_dict()
     try:

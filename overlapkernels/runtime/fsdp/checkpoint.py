@@ -5,7 +5,8 @@ group: the logical, unpadded vector of ``numel`` elements, sharded along dim 0 w
 semantics - exactly the units' layout (shard ``ceil(numel / W)``, padding only at the end). So no
 rank gathers anything, and DCP reads the overlapping pieces back into any other world size: a job
 saved on 8 ranks resumes on 4 or 16 (the model and unit split must be the same). Scalars (Adam's
-step) are saved once, replicated.
+step) are saved once, replicated; optimizer state that is not a tensor (a step count in a python
+int) goes into the metadata.
 
 One checkpoint per job: under TP/PP/CP x DP each dp group holds a different part of the model, so
 ``save`` and ``load`` are collectives over the whole world (every rank calls them with the same
@@ -102,18 +103,27 @@ def _plan_optim(sharded, optim_state) -> dict:
                  like the master, so it reshards to any world size;
       replicated equal on every rank (Adam's 0-d step): saved once;
       per_rank   anything else (block-quantised statistics, per-shard preconditioners): kept per
-                 rank, reloadable only on as many ranks."""
-    plan, local, units = {}, {}, _units_by_index(sharded)
+                 rank, reloadable only on as many ranks;
+      value      not a tensor (an optimizer that counts its steps in a python int): kept in the
+                 metadata as JSON, once if every rank holds the same, else per rank (``values``)."""
+    plan, local, values, units = {}, {}, {}, _units_by_index(sharded)
     for idx, entries in optim_state.items():
         unit = units[int(idx)]
         for key, value in entries.items():
-            if not torch.is_tensor(value):
-                continue
             name = f"{idx}/{key}"
-            if value.shape == unit.master.shape and value.is_floating_point():
+            if not torch.is_tensor(value):
+                values[name] = _plain(value)
+            elif value.shape == unit.master.shape and value.is_floating_point():
                 plan[name] = {"kind": "flat", "dtype": _layout(value)[1]}
             else:
                 local[name] = _digest(value)
+    everyone = [None] * dist.get_world_size(sharded.group)
+    dist.all_gather_object(everyone, values, group=sharded.group)
+    for name in dict.fromkeys(name for other in everyone for name in other):  # the same plan on every rank
+        if all(name in other and other[name] == everyone[0][name] for other in everyone):
+            plan[name] = {"kind": "value", "value": everyone[0][name]}
+        else:
+            plan[name] = {"kind": "value", "values": [other.get(name) for other in everyone]}
     return {**plan, **_agree(local, sharded.group)}
 
 
@@ -194,8 +204,8 @@ def save(sharded, path) -> None:
     try:  # the same on every rank: refused by all before any shard is written, not after
         json.dumps(meta)
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"fsdp.save: the optimizer's param_groups hold a value the checkpoint cannot keep ({exc}); "
-                        "use numbers, strings, bools, None, tensors or lists of them") from None
+        raise TypeError(f"fsdp.save: the optimizer's param_groups or state hold a value the checkpoint cannot keep "
+                        f"({exc}); use numbers, strings, bools, None, tensors or lists of them") from None
     dist.barrier()
     dcp.save(_state(sharded, optim["state"], plan, _prefix(part, parts), buffer_plan), checkpoint_id=tmp)
 
@@ -241,36 +251,43 @@ def _every_rank_sees(path: str, what: str) -> None:
                            "must reach it through one filesystem shared by all nodes")
 
 
+def _plain(value):
+    """``value`` for the JSON metadata: a tensor inside it (a tensor lr, for a compiled optimizer or a
+    schedule that updates it in place) kept as {"tensor": value, "dtype": name}, so it loads back as
+    a tensor, not a float, and json.dump, which takes no tensors, does not fail after every shard is
+    written."""
+    if torch.is_tensor(value):
+        return {"tensor": value.tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _back(value, now):
+    """``_plain`` undone: its tensors back as tensors, copied into ``now`` (what the optimizer holds
+    there) where it is a tensor of that shape (so its device stays: a capturable or compiled
+    optimizer's CUDA lr; torch's load_state_dict then deep-copies the groups, as for any
+    checkpoint), else CPU tensors."""
+    if isinstance(value, dict) and set(value) == {"tensor", "dtype"}:
+        saved = torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
+        if torch.is_tensor(now) and now.shape == saved.shape:
+            with torch.no_grad():
+                return now.copy_(saved)
+        return saved
+    if isinstance(value, list):
+        nows = now if isinstance(now, (list, tuple)) and len(now) == len(value) else [None] * len(value)
+        return [_back(v, n) for v, n in zip(value, nows)]
+    return value
+
+
 def _json_groups(groups: list) -> list:
-    """The optimizer's param_groups as JSON for the metadata. A hyperparameter may be a tensor (a
-    tensor lr, for a compiled optimizer or a schedule that updates it in place): kept as
-    {"tensor": value, "dtype": name}, so it loads back as a tensor, not a float, and json.dump,
-    which takes no tensors, does not fail after every shard is written."""
-    def plain(value):
-        if torch.is_tensor(value):
-            return {"tensor": value.tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
-        if isinstance(value, (list, tuple)):
-            return [plain(v) for v in value]
-        return value
-    return [{key: plain(value) for key, value in group.items()} for group in groups]
+    """The optimizer's param_groups as JSON for the metadata (see ``_plain``)."""
+    return [{key: _plain(value) for key, value in group.items()} for group in groups]
 
 
 def _tensor_groups(groups: list, current: list) -> list:
-    """``_json_groups`` undone: its tensors back as tensors, copied into the optimizer's own where it
-    holds one under that key (so its device stays: a capturable or compiled optimizer's CUDA lr;
-    torch's load_state_dict then deep-copies the groups, as for any checkpoint), else CPU tensors."""
-    def back(value, now):
-        if isinstance(value, dict) and set(value) == {"tensor", "dtype"}:
-            saved = torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
-            if torch.is_tensor(now) and now.shape == saved.shape:
-                with torch.no_grad():
-                    return now.copy_(saved)
-            return saved
-        if isinstance(value, list):
-            nows = now if isinstance(now, (list, tuple)) and len(now) == len(value) else [None] * len(value)
-            return [back(v, n) for v, n in zip(value, nows)]
-        return value
-    return [{key: back(value, mine.get(key)) for key, value in group.items()}
+    """``_json_groups`` undone (see ``_back``)."""
+    return [{key: _back(value, mine.get(key)) for key, value in group.items()}
             for group, mine in zip(groups, current + [{}] * (len(groups) - len(current)))]
 
 
@@ -313,7 +330,8 @@ def _check(sharded, path, meta, part, parts) -> str | None:
     if mine["units"] != _units(sharded):
         return f"checkpoint {path!r} holds units {mine['units']} ([name, numel]); this model has {_units(sharded)}"
     world = dist.get_world_size(sharded.group)
-    per_rank = sorted(name for name, entry in mine["optim"].items() if entry["kind"] == "per_rank")
+    per_rank = sorted(name for name, entry in mine["optim"].items()
+                      if entry["kind"] == "per_rank" or (entry["kind"] == "value" and "values" in entry))
     if per_rank and mine["world_size"] != world:
         return (f"checkpoint {path!r}: optimizer state {per_rank} differs between ranks and is not shaped like the "
                 f"parameter shards, so it reloads only on {mine['world_size']} ranks, not {world}")
@@ -379,6 +397,10 @@ def load(sharded, path) -> None:
     template, units = {}, _units_by_index(sharded)
     for name, entry in meta["optim"].items():  # what was saved decides the layout, not the shapes now
         idx, key = name.split("/", 1)
+        if entry["kind"] == "value":  # not a tensor: in the metadata, not in DCP's files
+            template.setdefault(int(idx), {})[key] = _back(entry["values"][rank] if "values" in entry
+                                                           else entry["value"], None)
+            continue
         if entry["kind"] == "flat":
             shape = [units[int(idx)].shard_numel]
         else:
