@@ -89,6 +89,16 @@ def test_clip_grad_norm_is_the_dense_models(rank_pool, layout_kwargs, sequence_p
     assert len(set(losses)) == 1  # every rank reports the same global loss
 
 
+@pytest.mark.usefixtures("world_of_one")
+def test_clip_grad_norm_skips_parameters_without_gradients():
+    """A frozen (or unused) parameter has no gradient: it adds nothing to the norm and keeps none."""
+    with_grad, frozen = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.ones(3))
+    with_grad.grad = torch.tensor([3.0, 4.0])
+    norm = ok.clip_grad_norm_([with_grad, frozen], 1.0, dims=None)
+    assert norm.item() == pytest.approx(5.0) and frozen.grad is None
+    torch.testing.assert_close(with_grad.grad, torch.tensor([0.6, 0.8]))
+
+
 def _planted_missing_gradient_sync_on_rank():
     with pytest.raises(AssertionError):  # CP and DP ranks' partial gradients never summed
         _gpt_on_rank(dict(cp=2), False, "baseline", planted_missing_sync=True)
@@ -129,6 +139,14 @@ def _bad_seq_on_rank():
         assert "sequence length 18 > max_seq_len=16" in str(exc)
     else:
         raise AssertionError("no ValueError for a sequence longer than max_seq_len")
+    # loss refuses what is not a [B, S] pair, naming the argument, on every rank before the forward
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"^targets shape \(8,\) must equal tokens shape \(1, 8\) \(\[B, S\]\)$"):
+        model.loss(ids, ids[0])
+    with pytest.raises(ValueError, match=r"^tokens must be \[B, S\], got shape \(8,\)$"):
+        model.loss(ids[0], ids[0])
+    with pytest.raises(ValueError, match=r"^sequence length 18 > max_seq_len=16$"):  # (nor divisible by 4)
+        model.loss(torch.zeros(1, 18, dtype=torch.long), torch.zeros(1, 18, dtype=torch.long))
     for bad in (0, True, 2.0):
         try:
             GPTConfig(**{**CONFIG, "num_heads": bad})
@@ -139,6 +157,52 @@ def _bad_seq_on_rank():
     one = torch.ones(1)
     dist.all_reduce(one)
     return True
+
+
+_STAGE_RANGE = r": expected \(stage, num_stages\) of integers with 0 <= stage < num_stages$"
+
+
+@pytest.mark.parametrize("pipeline_stage, match", [
+    ((2, 2), r"^pipeline_stage=\(2, 2\)" + _STAGE_RANGE), ((-1, 2), r"^pipeline_stage=\(-1, 2\)" + _STAGE_RANGE),
+    ((0, 0), r"^pipeline_stage=\(0, 0\)" + _STAGE_RANGE), ((0, 1.0), r"^pipeline_stage=\(0, 1.0\)" + _STAGE_RANGE),
+    ((0, 3), r"^pipeline_stage=\(0, 3\): num_layers=2 must split evenly into 3 stages$"),
+])
+def test_bad_pipeline_stage_is_refused(pipeline_stage, match):
+    """Before any layer is built (dims is not even read)."""
+    with pytest.raises(ValueError, match=match):
+        GPT(GPTConfig(**CONFIG), None, pipeline_stage=pipeline_stage)
+
+
+def _dense_state_dict_refusals_on_rank():
+    dims = ok.init_parallel(tp=2)
+    model = GPT(GPTConfig(**CONFIG, method="baseline"), dims, dtype=torch.float64)
+    good = GPT(GPTConfig(**CONFIG), ok.init_parallel(), dtype=torch.float64).state_dict()
+    messages = []
+    # a vocabulary that does not split over TP (33: chunks 17 and 16) or has fewer rows than ranks (1:
+    # no chunk for rank 1): every rank refuses alike, not only those whose chunk is off
+    for rows in (33, 1):
+        try:
+            shard_dense_state_dict(model, {**good, "embed.weight": torch.zeros(rows, 16, dtype=torch.float64)})
+        except ValueError as exc:
+            messages.append(str(exc))
+        else:
+            messages.append("accepted")
+    with pytest.raises(ValueError, match=r"^model has no \.dims \(ParallelDims\): build it as GPT\(config, dims\)$"):
+        shard_dense_state_dict(torch.nn.Linear(2, 2), good)
+    # gradients: a parameter without one (frozen here, TP-split or not) is left out on every rank
+    frozen = {"blocks.0.attn.q_weight", "norm.weight"}
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
+    assert gather_dense_state_dict(model, grads=True) == {}  # before backward: none yet
+    model.loss(torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)).backward()
+    assert set(gather_dense_state_dict(model, grads=True)) == {n for n, _ in model.named_parameters()} - frozen
+    return messages
+
+
+def test_dense_state_dict_refusals(rank_pool):
+    for messages in rank_pool(2).run(_dense_state_dict_refusals_on_rank):
+        assert messages == [f"embed.weight: dense shape ({rows}, 16) does not shard to (16, 16) (over 2 TP ranks: "
+                            "expected (32, 16))" for rows in (33, 1)]
 
 
 def _gpt_under_fsdp2_on_rank(layout_kwargs, reshard_after_backward):

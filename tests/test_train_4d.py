@@ -125,15 +125,28 @@ def test_planted_lost_weight_grad_is_caught(rank_pool):
     assert rank_pool(4).run(_lost_grad_on_rank) == ["losses"] * 4
 
 
+_BAD_BATCHES = [  # (tokens shape, targets shape, message)
+    ((6, 8), (6, 8), "batch size 6 must be divisible by dp x microbatches = 1 x 4"),
+    ((4, 8), (4, 6), "tokens (4, 8) and targets (4, 6) must both be [B, S]"),
+    ((8,), (8,), "tokens (8,) and targets (8,) must both be [B, S]"),
+    ((4, 10), (4, 10), "sequence length 10 > max_seq_len=8"),
+]
+
+
 def _bad_batch_on_rank():
     dims = ok.init_parallel(tp=2, pp=2)
     trainer = Trainer(GPTConfig(**CONFIG), dims, dtype=torch.float64)
-    try:
-        trainer.step(torch.zeros(6, 8, dtype=torch.long), torch.zeros(6, 8, dtype=torch.long))
-    except ValueError as exc:  # on every rank, middle stages included, before any P2P
-        return str(exc)
+    messages = []
+    for tokens, targets, _ in _BAD_BATCHES:  # one trainer: a refused batch leaves nothing in flight
+        try:
+            trainer.step(torch.zeros(tokens, dtype=torch.long), torch.zeros(targets, dtype=torch.long))
+        except ValueError as exc:  # on every rank, middle stages included, before any P2P
+            messages.append(str(exc))
+        else:
+            messages.append("accepted")
+    return messages
 
 
 def test_bad_batch_is_refused_on_every_rank(rank_pool):
-    for message in rank_pool(4).run(_bad_batch_on_rank):
-        assert message == "batch size 6 must be divisible by dp x microbatches = 1 x 4"
+    for messages in rank_pool(4).run(_bad_batch_on_rank):
+        assert messages == [message for _, _, message in _BAD_BATCHES]

@@ -51,7 +51,10 @@ class GPT(nn.Module):
         super().__init__()
         self.config, self.dims = config, dims
         stage, stages = pipeline_stage or (0, 1)
-        if config.num_layers % stages or not 0 <= stage < stages:
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (stage, stages)) or not 0 <= stage < stages:
+            raise ValueError(f"pipeline_stage={pipeline_stage!r}: expected (stage, num_stages) of integers with "
+                             "0 <= stage < num_stages")
+        if config.num_layers % stages:
             raise ValueError(f"pipeline_stage={pipeline_stage}: num_layers={config.num_layers} must split evenly "
                              f"into {stages} stages")
         per_stage = config.num_layers // stages
@@ -116,6 +119,9 @@ class GPT(nn.Module):
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean token loss of the whole batch (same value on every rank)."""
+        if targets.shape != tokens.shape:  # (local_tokens would name a bad targets "tokens")
+            raise ValueError(f"targets shape {tuple(targets.shape)} must equal tokens shape {tuple(tokens.shape)} "
+                             "([B, S])")
         tokens_local, targets_local = self.local_tokens(tokens), self.local_tokens(targets)
         logits = self(tokens_local)  # through __call__, so module hooks (fsdp) run
         per_token = vocab_parallel_cross_entropy(logits, targets_local.transpose(0, 1), self.dims.tp_group,
@@ -175,10 +181,16 @@ def shard_dense_state_dict(model: nn.Module, dense: dict, group=None) -> dict:
             out[name] = dense.get(name, value)
             continue
         (param, partition_dim), full = params[name], dense[name]
+        want = list(param.shape)  # (a DTensor's shape is its whole tensor's)
+        if partition_dim is not None:
+            want[partition_dim] *= world
+        # the whole dense shape, not this rank's chunk: every rank refuses alike (chunks of an
+        # uneven split differ, and may be missing)
+        if tuple(full.shape) != tuple(want):
+            raise ValueError(f"{name}: dense shape {tuple(full.shape)} does not shard to {tuple(param.shape)} "
+                             f"(over {world} TP ranks: expected {tuple(want)})")
         if partition_dim is not None:
             full = full.chunk(world, dim=partition_dim)[rank]
-        if full.shape != param.shape:  # (a DTensor's shape is its whole tensor's)
-            raise ValueError(f"{name}: dense shape {tuple(dense[name].shape)} does not shard to {tuple(param.shape)}")
         if hasattr(param, "device_mesh"):  # FSDP2: this rank's piece, in the parameter's layout
             out[name] = _compat.distribute_locally(full.detach().to(param.device, param.dtype), param.device_mesh,
                                                    param.placements)
