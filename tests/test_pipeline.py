@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from overlapkernels.comm.rank_pool import RankError, RankPool
+from overlapkernels.layers.linear import DefersWeightGrad
 from overlapkernels.runtime import pipeline as pp
 from overlapkernels.runtime.pipeline.weight_grad import deferring
 from nccl_like import replay_like_nccl
@@ -125,10 +126,66 @@ def test_stage_without_parameters(rank_pool, first_param_less):
     assert rank_pool(2).run(_odd_stages_on_rank, first_param_less) == [True, True]
 
 
-def test_bad_stage_modules_are_named():
-    sched = pp.make_schedule("interleaved-1f1b", 2, 2, num_virtual=2)
-    with pytest.raises(TypeError, match=r"stage_module_or_modules\[1\]=int: expected an nn.Module or a callable"):
-        pp.PipelineRunner([nn.Tanh(), 3], schedule=sched, loss_fn=F.mse_loss)
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("stages, schedule, loss_fn, error, match", [
+    ([nn.Tanh(), 3], ("interleaved-1f1b", 1, 2, 2), F.mse_loss, TypeError,
+     r"^stage_module_or_modules\[1\]=int: expected an nn.Module or a callable$"),
+    (nn.Tanh(), None, F.mse_loss, ValueError, r"^PipelineRunner needs schedule= .*; got None for schedule$"),
+    (nn.Tanh(), ("1f1b", 1, 2, 1), None, ValueError, r"^PipelineRunner needs schedule= .*; got None for loss_fn$"),
+    (nn.Tanh(), None, None, ValueError, r"^PipelineRunner needs schedule= .*; got None for schedule and loss_fn$"),
+    (nn.Tanh(), ("1f1b", 2, 2, 1), F.mse_loss, ValueError, r"^schedule has 2 ranks but the pipeline group has 1$"),
+    ([nn.Tanh()], ("interleaved-1f1b", 1, 2, 2), F.mse_loss, ValueError,
+     r"^1 stage modules on this rank, the schedule has 2 per rank$"),
+])
+def test_bad_runner_arguments_are_named(stages, schedule, loss_fn, error, match):
+    """Refused in the constructor, which does not communicate (a world of one: the group's size is read)."""
+    sched = None if schedule is None else pp.make_schedule(*schedule[:3], num_virtual=schedule[3])
+    with pytest.raises(error, match=match):
+        pp.PipelineRunner(stages, schedule=sched, loss_fn=loss_fn)
+
+
+_X, _Y = torch.zeros(4, 3), torch.zeros(4, 3)
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("inputs, targets, error, match", [
+    (None, _Y, ValueError, r"^the first stage's rank must pass inputs$"),
+    (_X, None, ValueError, r"^the last stage's rank must pass targets$"),
+    (_X.tolist(), _Y, TypeError, r"^inputs=list: expected a tensor \(microbatches split on dim 0\)$"),
+    (_X, _Y.numpy(), TypeError, r"^targets=ndarray: expected a tensor \(microbatches split on dim 0\)$"),
+    (_X[:3], _Y, ValueError, r"^inputs.shape=\(3, 3\): dim 0 must be divisible by 2 microbatches$"),
+    (_X, torch.tensor(1.0), ValueError, r"^targets.shape=\(\): dim 0 must be divisible by 2 microbatches$"),
+])
+def test_bad_step_batches_are_named_before_any_communication(monkeypatch, inputs, targets, error, match):
+    """As on NCCL (the flag set), whose first step opens with an all-reduce: a bad batch is refused
+    before it, and before any P2P."""
+    runner = pp.PipelineRunner(nn.Linear(3, 3), schedule=pp.make_schedule("1f1b", 1, 2), loss_fn=F.mse_loss)
+    runner._nccl, calls = True, []
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: calls.append("all_reduce"))
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: calls.append("p2p"))
+    with pytest.raises(error, match=match):
+        runner.step(inputs, targets)
+    assert calls == []
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_lost_connection_when_posting_names_the_peer(monkeypatch):
+    """gloo raises from batch_isend_irecv itself when a peer's connection is gone: the runner names
+    the stage, microbatch and peer, with the first line of gloo's reason."""
+    from overlapkernels.runtime.pipeline.p2p import Msg
+
+    runner = pp.PipelineRunner(nn.Linear(3, 3), schedule=pp.make_schedule("1f1b", 1, 2), loss_fn=F.mse_loss)
+
+    def lost(ops):
+        assert len(ops) == 1  # the batch reached the one seam
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:29500\n(gloo's traceback)")
+
+    monkeypatch.setattr(dist, "batch_isend_irecv", lost)
+    msg = Msg(send=False, peer=0, what="activation", boundary=0, microbatch=1)
+    with pytest.raises(pp.PipelineTimeout, match=r"^stage 1 microbatch 1: cannot exchange with rank 0 \(stage 0\) "
+                                                 r"\(Connection closed by peer \[127\.0\.0\.1\]:29500\)$") as info:
+        runner._post([msg], [torch.empty(2, 3)])
+    assert isinstance(info.value.__cause__, RuntimeError)
 
 
 class _PlainSubclass(nn.Linear):
@@ -138,6 +195,10 @@ class _PlainSubclass(nn.Linear):
 class _Scaled(nn.Linear):  # its own forward: not what the split computes, left alone
     def forward(self, x):
         return 2 * super().forward(x)
+
+
+class _OwnSplit(DefersWeightGrad, nn.Module):  # a parallel layer: it defers by its own flag
+    pass
 
 
 def test_zero_bubble_split_keeps_autograd_semantics():
@@ -152,10 +213,17 @@ def test_zero_bubble_split_keeps_autograd_semantics():
     for a, b in zip(model.parameters(), ref.parameters()):
         a.requires_grad_(b.requires_grad)
     parametrized = torch.nn.utils.parametrizations.orthogonal(nn.Linear(4, 4))
+    patched = nn.Linear(4, 4)
+    patched.forward = someone_elses = lambda x: 2 * F.linear(x, patched.weight, patched.bias)  # noqa: E731
+    own = _OwnSplit()
     pp.enable_zero_bubble(model)
     pp.enable_zero_bubble(parametrized)
+    pp.enable_zero_bubble(patched)
+    pp.enable_zero_bubble(own)
     assert [pp.splits_weight_grad(layer) for layer in model] == [True, True, False, True]
     assert not pp.splits_weight_grad(parametrized) and "forward" not in vars(parametrized)
+    assert not pp.splits_weight_grad(patched) and vars(patched)["forward"] is someone_elses  # left as patched
+    assert pp.splits_weight_grad(own) and own.defer_weight_grad and "forward" not in vars(own)
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     store = pp.WeightGradStore()
     with deferring(store):

@@ -118,6 +118,20 @@ def test_deadlock_and_broken_schedules_are_named():
     sched.actions[0][0] = pp.Action("F", 1, 0)
     with pytest.raises(pp.ScheduleError, match=r"rank 0: F1.0 belongs to rank 1"):
         pp.validate(sched)
+    # malformed action lists, refused before anything runs (validate and simulate check alike)
+    for broken, message in [
+        (lambda acts: acts.pop(), r"^1 action lists for 2 ranks$"),
+        (lambda acts: acts[1].insert(0, A("X", 1, 0)), r"^rank 1: X1.0 has unknown op 'X'$"),
+        (lambda acts: acts[0].append(A("F", 2, 0)), r"^rank 0: F2.0 is outside 2 stages x 2 microbatches$"),
+        (lambda acts: acts[0].append(A("F", -2, 0)), r"^rank 0: F-2.0 is outside 2 stages x 2 microbatches$"),
+        (lambda acts: acts[1].append(A("BW", 1, 2)), r"^rank 1: BW1.2 is outside 2 stages x 2 microbatches$"),
+        (lambda acts: acts[0].append(A("F", 0, 1)), r"^rank 0: F0.1 appears twice$"),
+    ]:
+        for check in (pp.validate, pp.simulate):
+            sched = pp.make_schedule("gpipe", 2, 2)
+            broken(sched.actions)
+            with pytest.raises(pp.ScheduleError, match=message):
+                check(sched)
 
 
 def test_bad_arguments_name_the_allowed_values():

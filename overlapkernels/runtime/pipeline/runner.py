@@ -79,7 +79,9 @@ class PipelineRunner:
         """``device``: where received tensors go; by default that of the stage's first parameter
         or buffer, else the current CUDA device under NCCL and the CPU otherwise."""
         if schedule is None or loss_fn is None:
-            raise ValueError("PipelineRunner needs schedule= and loss_fn=")
+            missing = " and ".join(name for name, v in (("schedule", schedule), ("loss_fn", loss_fn)) if v is None)
+            raise ValueError(f"PipelineRunner needs schedule= (from make_schedule) and loss_fn= (a callable(output, "
+                             f"target) -> loss); got None for {missing}")
         modules = _stage_list(stage_module_or_modules)
         self.group = resolve_group(group)
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
