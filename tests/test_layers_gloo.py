@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import overlapkernels as ok
 from overlapkernels.layers import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear,
                                    TransformerBlock, VocabParallelEmbedding, allreduce_sequence_parallel_grads)
+from overlapkernels.layers.norm import mark_sequence_parallel
 from overlapkernels.models import gather_dense_state_dict, shard_dense_state_dict
 
 TOL = dict(atol=1e-11, rtol=1e-11)
@@ -80,6 +81,12 @@ def _linears_on_rank(method):
                                                       dtype=F64), tp, one)
     xr, gr = _randn(s, b, n_out, seed=6), _randn(s, b, n_in, seed=7)
     _run_pair(dense, par, xr, xr, gr, gr, tp_group=tp, out_local_of=lambda y: y, x_grad_local_of=lambda gx: gx)
+    # print(model) says what each rank holds
+    assert repr(ColumnParallelLinear(n_in, n_out, tp, sequence_parallel=True, method=method, dtype=F64)) == (
+        f"ColumnParallelLinear(in_features={n_in}, out_features={n_out} ({n_out // world} per rank), "
+        f"sequence_parallel=True, method={method!r})")
+    assert repr(par) == (f"RowParallelLinear(in_features={n_out} ({n_out // world} per rank), out_features={n_in}, "
+                         f"sequence_parallel=False, method={method!r})")
     return True
 
 
@@ -211,14 +218,23 @@ def _bad_layers_on_rank():
         # a 0-dim input has no last dim: named as such, not an IndexError from x.shape[-1]
         (lambda: ColumnParallelLinear(8, 4, tp)(torch.tensor(1.0)),
          r"ColumnParallelLinear: x.shape=\(\), expected a last dim of 8 \(in_features\)"),
+        (lambda: ParallelSelfAttention(8, 4, 3, tp), r"^num_heads=4 is not a multiple of num_kv_heads=3$"),
+        (lambda: ParallelSelfAttention(8, 2, 2, tp)(torch.ones(3, 8)),
+         r"^x must be \[S, B, hidden\], got shape \(3, 8\)$"),
+        (lambda: RowParallelLinear(8, 4, tp)([[1.0] * 4]), TypeError,
+         r"^RowParallelLinear: x must be a torch.Tensor, got list$"),
+        (lambda: mark_sequence_parallel(torch.nn.Parameter(torch.ones(2)), True, tp, owner=torch.nn.Linear(2, 2)),
+         r"^mark_sequence_parallel: owner Linear does not hold this parameter directly \(register it on the module "
+         r"first\)$"),
     ]
-    for i, (make, pattern) in enumerate(cases):
+    for i, (make, *error, pattern) in enumerate(cases):
+        error = error[0] if error else ValueError
         try:
             make()
-        except ValueError as exc:
-            assert re.search(pattern, str(exc)), (i, str(exc))
+        except (ValueError, TypeError) as exc:
+            assert type(exc) is error and re.search(pattern, str(exc)), (i, repr(exc))
         else:
-            raise AssertionError(f"case {i}: no ValueError")
+            raise AssertionError(f"case {i}: no {error.__name__}")
     total = torch.ones(1)
     dist.all_reduce(total)
     return int(total)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import overlapkernels as ok
+from overlapkernels.comm import collectives
 from overlapkernels.ops.all_gather_matmul import all_gather_linear
 from overlapkernels.ops.matmul_reduce_scatter import linear_reduce_scatter
 
@@ -274,6 +275,11 @@ BAD_AG = [
      r"group=3: expected a torch.distributed ProcessGroup or None .*got int"),
     (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 3), "tp"), TypeError,
      r"group='tp': expected a torch.distributed ProcessGroup or None"),
+    # the raw collectives under the ops (comm.collectives)
+    (lambda: collectives.reduce_scatter(torch.ones(3, 2)), ValueError,
+     r"^reduce_scatter: x.shape\[0\]=3 is not divisible by the group size 2$"),
+    (lambda: collectives.all_to_all(torch.ones(5)), ValueError,
+     r"^all_to_all: x.shape\[0\]=5 is not divisible by the group size 2$"),
 ]
 
 
@@ -306,6 +312,7 @@ def _bad_inputs_on_rank():
         else:
             raise AssertionError(f"no TypeError for {pattern}")
     assert ok.overlap_stats() == {}, ok.overlap_stats()  # a call that raised never ran: not counted
+    assert collectives.all_reduce_coalesced([]) is None  # nothing to sum: a no-op, not torch.cat's error
     total = torch.ones(1)
     dist.all_reduce(total)  # no rank communicated before raising: the group is still in step
     return int(total)

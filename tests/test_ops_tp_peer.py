@@ -420,6 +420,25 @@ def test_fused_bf16_on_cpu_is_refused_inside_the_method_router():
     assert ThreadWorld(2, timeout=30).run(_fused_bf16_inside_on_rank) == [[True, True]] * 2
 
 
+def _process_group_method_on_rank(ctx, method):
+    """baseline and decomposed call torch.distributed, which a thread world is not: refused by name,
+    for each op, before any rank touches the world's buffers (the symm call after them is exact)."""
+    said = []
+    for call in (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 2), ctx, method=method),
+                 lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 2), ctx, method=method)):
+        with pytest.raises(ValueError) as info:
+            call()
+        said.append(str(info.value))
+    out = ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 2), ctx, method="symm")
+    return said, torch.equal(out, torch.full((4 * ctx.world_size, 2), 8.0))
+
+
+@pytest.mark.parametrize("method", ["baseline", "decomposed"])
+def test_process_group_methods_in_a_thread_world_are_refused_by_name(method):
+    want = f"method={method!r} needs a process group; a thread-world group runs 'symm' or 'fused'"
+    assert ThreadWorld(2, timeout=30).run(_process_group_method_on_rank, method) == [([want] * 2, True)] * 2
+
+
 def _two_dtypes_one_shape_on_rank(ctx, method):
     """A float16 call, then a float32 one of the same shape: each dtype gets its own symmetric
     slots (a float16 slot would round the float32 shards on their way, silently)."""

@@ -32,6 +32,7 @@ def expected_layout(world, sizes):
 
 def _layout_on_rank(kwargs):
     dims = ok.init_parallel(**kwargs)
+    assert dims.rank == dist.get_rank()  # the world rank, whatever the layout
     result = {"sizes": {a: getattr(dims, f"{a}_size") for a in AXES}, "world": dims.world_size}
     for axis in AXES:
         group = getattr(dims, f"{axis}_group")
@@ -99,6 +100,13 @@ def test_bad_layout_raises_on_every_rank_before_communicating(rank_pool):
     for message, total in rank_pool(4).run(_bad_init_on_rank):
         assert "tp*cp*pp = 3*1*1 = 3 does not divide world size 4" in message
         assert total == 4
+
+
+def test_an_axis_that_is_not_a_mesh_axis_is_named(world_of_one):
+    dims = ok.init_parallel()
+    for ask in (dims.group, dims.axis_rank):
+        with pytest.raises(ValueError, match=r"^axis='ep' is not a mesh axis; expected one of \('dp', 'pp', 'cp', 'tp'\)$"):
+            ask("ep")
 
 
 def _default_group_on_rank():
@@ -242,6 +250,14 @@ def test_launch_environment_problems_are_named(monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="backend='nccl' needs CUDA GPUs, and this process sees none"):
             parallel.init_default_process_group("nccl")
+    # more ranks on the node than GPUs: refused by name before the process group (or a GPU) is taken
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: pytest.fail(f"set_device({index})"))
+    monkeypatch.setattr(parallel.dist, "init_process_group", lambda *a, **k: pytest.fail("init_process_group"))
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    with pytest.raises(ValueError, match=r"^LOCAL_RANK=5: this process sees 4 GPUs \(0..3\); start at most 4 ranks"):
+        parallel.init_default_process_group("nccl")
 
 
 def test_nccl_is_recognised_in_every_spelling_of_the_backend(world_of_one, monkeypatch):
