@@ -235,6 +235,10 @@ def _bad_layers_on_rank():
             assert type(exc) is error and re.search(pattern, str(exc)), (i, repr(exc))
         else:
             raise AssertionError(f"case {i}: no {error.__name__}")
+    stray = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="does not hold this parameter"):
+        mark_sequence_parallel(stray, True, tp, owner=torch.nn.Linear(2, 2))
+    assert not hasattr(stray, "sequence_parallel") and not hasattr(stray, "sequence_parallel_group")  # left untagged
     total = torch.ones(1)
     dist.all_reduce(total)
     return int(total)

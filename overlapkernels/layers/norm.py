@@ -25,14 +25,16 @@ def mark_sequence_parallel(param: nn.Parameter, sequence_parallel: bool, group=N
                            owner: nn.Module | None = None) -> None:
     """Tag a parameter whose gradient is partial per TP rank under SP (and the group to sum it over).
     ``owner``: the module the parameter is registered on, which remembers it by name too."""
-    param.sequence_parallel = bool(sequence_parallel)
-    if sequence_parallel and group is not None:
-        param.sequence_parallel_group = group
-    if owner is not None:
+    name = None
+    if owner is not None:  # refused before the parameter is tagged
         name = next((n for n, p in owner.named_parameters(recurse=False) if p is param), None)
         if name is None:
             raise ValueError(f"mark_sequence_parallel: owner {type(owner).__name__} does not hold this parameter "
                              "directly (register it on the module first)")
+    param.sequence_parallel = bool(sequence_parallel)
+    if sequence_parallel and group is not None:
+        param.sequence_parallel_group = group
+    if name is not None:
         remembered_here = owner.__dict__.setdefault(SEQUENCE_PARALLEL, {})
         if sequence_parallel:
             remembered_here[name] = group

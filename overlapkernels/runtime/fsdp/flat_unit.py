@@ -23,16 +23,26 @@ from ...comm.collectives import all_reduce_coalesced
 from ...profiling.ranges import span
 
 
+def check_unit_params(name: str, params: list) -> None:
+    """What a unit of ``params`` needs: one device, one dtype, one context-parallel group. Checked for
+    every unit before any re-points its parameters into a flat buffer, so a refused ``shard()``
+    leaves the model as it was."""
+    devices = {p.device for p in params}
+    dtypes = {p.dtype for p in params}
+    if len(devices) > 1 or len(dtypes) > 1:
+        raise ValueError(f"unit {name!r}: parameters must share one device and dtype, got devices "
+                         f"{sorted(map(str, devices))} and dtypes {sorted(map(str, dtypes))}")
+    if len({getattr(p, "context_parallel_group", None) for p in params}) > 1:
+        raise ValueError(f"unit {name!r}: some parameters carry a context_parallel_group and some do not (or "
+                         "different ones); tag every parameter of a context-parallel model alike")
+
+
 class FlatUnit:
     def __init__(self, name: str, module: nn.Module, params: list, group, *, param_dtype, reduce_dtype):
         self.name, self.module, self.params, self.group = name, module, params, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        devices = {p.device for p in params}
-        dtypes = {p.dtype for p in params}
-        if len(devices) > 1 or len(dtypes) > 1:
-            raise ValueError(f"unit {name!r}: parameters must share one device and dtype, got devices "
-                             f"{sorted(map(str, devices))} and dtypes {sorted(map(str, dtypes))}")
-        self.device, self.model_dtype = devices.pop(), dtypes.pop()
+        check_unit_params(name, params)
+        self.device, self.model_dtype = params[0].device, params[0].dtype
         self.master_dtype = torch.float32 if self.model_dtype.itemsize < 4 else self.model_dtype
         self.param_dtype = param_dtype or self.model_dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
@@ -54,11 +64,7 @@ class FlatUnit:
         # context parallelism: each CP rank saw part of the sequence, so every gradient of a model
         # tagged ``context_parallel_group`` is partial; the unit sums its reduced shard over that
         # group (CP peers own the same shard), at any stage, before the optimizer sees it
-        cp_groups = {getattr(p, "context_parallel_group", None) for p in params}
-        if len(cp_groups) > 1:
-            raise ValueError(f"unit {name!r}: some parameters carry a context_parallel_group and some do not (or "
-                             "different ones); tag every parameter of a context-parallel model alike")
-        self.cp_group = cp_groups.pop()
+        self.cp_group = getattr(params[0], "context_parallel_group", None)
         if self.cp_group is not None:
             for p in params:  # GPT.sync_grads leaves these to fsdp
                 p._fsdp_sums_context_parallel = True

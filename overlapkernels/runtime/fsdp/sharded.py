@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ...profiling.ranges import span
 from ..grad_norm import check_clip_args, global_norm, replicas, scale_
-from .flat_unit import FlatUnit
+from .flat_unit import FlatUnit, check_unit_params
 
 
 def _unit_modules(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
@@ -91,15 +91,18 @@ class ShardedModule(nn.Module):
         # goes to the root unit, which stays gathered, as FSDP2 puts such parameters in the common
         # parent's group. At every stage, so that the units (and checkpoints) do not depend on it.
         shared = _shared_parameters(model, modules)
-        seen, self.units = set(shared), []
+        seen, plan = set(shared), []
         # frozen parameters stay as they are: not sharded, not given to the optimizer (as in torch)
         for name, mod in modules:
             params = [p for p in mod.parameters() if id(p) not in seen and p.requires_grad]
             seen.update(map(id, params))
             if params:
-                self.units.append(FlatUnit(name, mod, params, group, param_dtype=param_dtype,
-                                           reduce_dtype=reduce_dtype))
+                plan.append((name, mod, params))
         rest = [p for p in model.parameters() if (id(p) not in seen or id(p) in shared) and p.requires_grad]
+        for name, _, params in plan + [("<root>", model, rest)] * bool(rest):
+            check_unit_params(name, params)  # all before any unit re-points its parameters
+        self.units = [FlatUnit(name, mod, params, group, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+                      for name, mod, params in plan]
         self.root = FlatUnit("<root>", model, rest, group, param_dtype=param_dtype,
                              reduce_dtype=reduce_dtype) if rest else None
         self.all_units = self.units + ([self.root] if self.root else [])
