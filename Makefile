@@ -38,13 +38,15 @@ bench-collectives: setup
 	$(PY) -m overlapkernels bench collectives --nproc 4 --sizes 1K:4M --iters 10 --warmup 2
 
 # megatron-core, for the state-dict interchange tests, needs torch>=2.6: installed only over such a
-# torch and with the installed torch pinned (pip never swaps a user's torch for it); without it
-# (older torch, no network) those tests are skipped and say why.
+# torch, pinned to the torch pip sees installed (its metadata's version: a torch pip cannot see, as
+# a source build without metadata, is left alone, since pip would add one from the index), with few
+# retries (offline it gives up in seconds). Without it those tests are skipped and say why.
 MEGATRON_PIN := megatron-core==0.16.1
+TORCH_DIST_VERSION = $$($(PY) -c "import importlib.metadata as m; print(m.version('torch'))" 2>/dev/null)
 test-deps: setup
-	@if ! $(PY) -c "import megatron.core" 2>/dev/null && $(PY) -c "import sys, torch; \
-	  sys.exit(tuple(int(p) for p in torch.__version__.split('+')[0].split('.')[:2]) < (2, 6))"; then \
-	  timeout $(PIP_TIMEOUT) $(PY) -m pip install -q "$(MEGATRON_PIN)" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')" \
+	@if ! $(PY) -c "import megatron.core" 2>/dev/null && version=$(TORCH_DIST_VERSION) && [ -n "$$version" ] && \
+	  $(PY) -c "import sys; sys.exit(tuple(int(p) for p in '$$version'.split('+')[0].split('.')[:2]) < (2, 6))"; then \
+	  timeout $(PIP_TIMEOUT) $(PY) -m pip install -q --retries 1 --timeout 30 "$(MEGATRON_PIN)" "torch==$$version" \
 	  || echo "$(MEGATRON_PIN) not installed: the Megatron interchange tests will be skipped"; fi
 
 # pytest exits non-zero (5) when no test ran, so an empty suite fails here too.

@@ -7,6 +7,7 @@ paths still work, and CUDA-library features say how to build it).
 """
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 from setuptools import Distribution, find_packages, setup
@@ -25,6 +26,9 @@ def _csrc_builder():
 class BuildPyWithCuda(build_py):
     def run(self):
         super().run()
+        editable = getattr(self, "editable_mode", False)
+        if not editable:  # a library an earlier build left in build/ must not ship in this one
+            shutil.rmtree(Path(self.build_lib) / "overlapkernels" / "_lib", ignore_errors=True)
         if os.environ.get("OVERLAPKERNELS_SKIP_CUDA") == "1":
             return
         required = os.environ.get("OVERLAPKERNELS_BUILD_CUDA") == "1"
@@ -35,7 +39,7 @@ class BuildPyWithCuda(build_py):
             print("overlapkernels: nvcc not found, installing without the CUDA library")
             return
         # editable installs load the package from the source tree, so the library goes there
-        pkg_root = ROOT if getattr(self, "editable_mode", False) else Path(self.build_lib)
+        pkg_root = ROOT if editable else Path(self.build_lib)
         try:
             builder.build(pkg_root / "overlapkernels" / "_lib", force=not getattr(self, "editable_mode", False))
         except RuntimeError as exc:
@@ -57,6 +61,24 @@ class CudaLibraryDistribution(Distribution):
         return _builds_cuda_library()
 
 
+try:  # setuptools >= 70.1 has it; before, the wheel package did
+    from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
+except ImportError:
+    try:
+        from wheel.bdist_wheel import bdist_wheel as _bdist_wheel
+    except ImportError:
+        _bdist_wheel = None
+
+if _bdist_wheel is not None:
+    class BdistWheelAnyPython(_bdist_wheel):
+        """The library is loaded through ctypes, not as a Python extension: a platform wheel holds for
+        any Python 3 (py3-none-<platform>), not only the one that built it."""
+
+        def get_tag(self):
+            python, abi, plat = super().get_tag()
+            return (python, abi, plat) if self.root_is_pure else ("py3", "none", plat)
+
+
 setup(
     name="overlapkernels",
     version="0.1.0",
@@ -73,6 +95,6 @@ setup(
     extras_require={"test": ["pytest>=7", "pytest-timeout"], "bench": ["matplotlib", "rich"],
                     "megatron": ["megatron-core==0.16.1"]},
     entry_points={"console_scripts": ["overlapkernels=overlapkernels.cli:main"]},
-    cmdclass={"build_py": BuildPyWithCuda},
+    cmdclass={"build_py": BuildPyWithCuda, **({"bdist_wheel": BdistWheelAnyPython} if _bdist_wheel else {})},
     distclass=CudaLibraryDistribution,
 )

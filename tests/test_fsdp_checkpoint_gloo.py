@@ -1,5 +1,7 @@
 """fsdp.save / fsdp.load on gloo ranks: bit-identical resume, atomic saves, resharding to other
 world sizes, per-rank optimizer state, and one checkpoint for a TP x DP job."""
+import json
+import math
 import os
 
 import pytest
@@ -280,9 +282,20 @@ def _per_rank_state_on_rank(path, load_only):
         sharded.optimizer.state[first]["absmax"] = torch.full((rank + 1,), float(rank))
         # values that are no tensors (an optimizer counting its steps in an int): kept, not dropped
         sharded.optimizer.state[first]["count"] = 3
-        sharded.optimizer.state[first]["history"] = [torch.arange(2.0, dtype=torch.float64), 0.5, None]
+        sharded.optimizer.state[first]["history"] = [0.5, None, float("nan")]  # NaN == NaN here: saved once
         sharded.optimizer.state[first]["seen_by"] = [rank, 1.5]  # differs between ranks
+        if rank == 1:
+            sharded.optimizer.state[first]["only_on_1"] = 7  # absent on rank 0: it stays absent there
+        # tensors inside a value: refused on every rank before anything is written (as JSON they would
+        # bloat the metadata and come back on the CPU)
+        sharded.optimizer.state[first]["stack"] = [torch.zeros(2)] if rank == 0 else []
+        with pytest.raises(TypeError, match=r"^fsdp.save: optimizer state '0/stack' is a list with tensors inside"):
+            fsdp.save(sharded, path)
+        assert not os.path.exists(path) and not os.path.exists(path + ".tmp")
+        del sharded.optimizer.state[first]["stack"]
         fsdp.save(sharded, path)
+        with open(os.path.join(path, fsdp.checkpoint.META)) as f:
+            assert json.load(f)["format"] == 3  # older versions refuse it by format, not by a KeyError
     fresh = fsdp.shard(_net(), stage=2, optimizer=OPTIMIZERS["sgd"])
     try:
         fsdp.load(fresh, path)
@@ -293,8 +306,9 @@ def _per_rank_state_on_rank(path, load_only):
     assert torch.equal(got["momentum_buffer"], sharded.optimizer.state[first]["momentum_buffer"]) or load_only
     assert type(got["count"]) is int and got["count"] == 3, got["count"]
     history = got["history"]
-    assert torch.equal(history[0], torch.arange(2.0, dtype=torch.float64)) and history[1:] == [0.5, None], history
+    assert history[:2] == [0.5, None] and math.isnan(history[2]), history
     assert got["seen_by"] == [rank, 1.5], got["seen_by"]
+    assert ("only_on_1" in got) == (rank == 1) and got.get("only_on_1", 7) == 7, got
     return "ok"
 
 
@@ -306,7 +320,8 @@ def test_per_rank_optimizer_state_stays_per_rank(rank_pool, tmp_path):
     path = str(tmp_path / "ckpt")
     assert rank_pool(2).run(_per_rank_state_on_rank, path, False) == ["ok", "ok"]
     refused = rank_pool(4).run(_per_rank_state_on_rank, path, True)
-    assert all("optimizer state ['0/absmax', '0/seen_by'] differs between ranks" in r and "only on 2 ranks, not 4" in r
+    assert all("optimizer state ['0/absmax', '0/only_on_1', '0/seen_by'] differs between ranks" in r
+               and "only on 2 ranks, not 4" in r
                for r in refused), refused
 
 
@@ -331,6 +346,13 @@ def _tp_dp_checkpoint_on_rank(path, save):
     if save:  # on 4 ranks: save after 2 steps, and check that a load gives back exactly that state
         first = make()
         train(first, batches[:2])
+        # a value only the tp-rank-1 dp group cannot keep: the whole world refuses (the other dp group
+        # must not go on into the world-wide metadata exchange and wait there)
+        state = first.optimizer.state[first.all_units[0].master]
+        state["note"] = {1j} if dims.tp_rank == 1 else 0
+        with pytest.raises(TypeError, match=r"^fsdp.save: optimizer state '0/note' is a set the checkpoint cannot"):
+            fsdp.save(first, path)
+        del state["note"]
         fsdp.save(first, path)
         saved = first.full_state_dict()
         train(first, batches[2:])

@@ -160,9 +160,11 @@ def _embedding_and_loss_on_rank():
         (want * w).sum().backward()
         (got * w).sum().backward()
         _close(f"logits grad (smoothing {smoothing})", shard.grad, full.grad.chunk(world, -1)[rank])
-    for bad in ("0.1", None, True):
+    for bad in ("0.1", None, torch.ones(2)):
         with pytest.raises(TypeError, match=rf"label_smoothing must be a float in \[0, 1\], got {type(bad).__name__}"):
             ok.vocab_parallel_cross_entropy(shard, target, tp, label_smoothing=bad)
+    _close("0-d tensor label_smoothing", ok.vocab_parallel_cross_entropy(shard, target, tp,
+                                                                          label_smoothing=torch.tensor(0.1, dtype=F64)), got)
     # as Megatron's embedding, whose state dict has no _extra_state; ours once saved one: still loads strictly
     assert list(par.state_dict()) == ["weight"]
     par.load_state_dict({"weight": par.weight.detach() * 2, "_extra_state": None})

@@ -7,6 +7,7 @@ so ``sync_grads`` (SP grads over TP, everything over CP) gives the gradient of t
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +52,8 @@ class GPT(nn.Module):
         super().__init__()
         self.config, self.dims = config, dims
         stage, stages = pipeline_stage or (0, 1)
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (stage, stages)) or not 0 <= stage < stages:
+        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in (stage, stages)) \
+                or not 0 <= stage < stages:
             raise ValueError(f"pipeline_stage={pipeline_stage!r}: expected (stage, num_stages) of integers with "
                              "0 <= stage < num_stages")
         if config.num_layers % stages:

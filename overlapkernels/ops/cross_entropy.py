@@ -7,8 +7,6 @@ ignore_index=..., label_smoothing=...)``.
 """
 from __future__ import annotations
 
-import numbers
-
 import torch
 import torch.distributed as dist
 
@@ -76,10 +74,14 @@ def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, ignore_ind
                          f"{tuple(logits_shard.shape[:-1])}")
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must be an integer tensor, got {target.dtype}")
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
+    try:  # a number, or a 0-d tensor holding one (float() takes both); never a string
+        if isinstance(label_smoothing, (str, bytes)):
+            raise TypeError
+        label_smoothing = float(label_smoothing)
+    except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"label_smoothing must be a float in [0, 1], got {type(label_smoothing).__name__} "
-                        f"{label_smoothing!r}")
-    if not 0.0 <= float(label_smoothing) <= 1.0:
+                        f"{label_smoothing!r}") from None
+    if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing}: expected a value in [0, 1]")
     group = resolve_group(group)
     vocab = logits_shard.shape[-1] * dist.get_world_size(group)
@@ -88,4 +90,4 @@ def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, ignore_ind
     check_ids(target, bad, lambda first: ValueError(f"target holds ids outside [0, {vocab}) that are not "
                                                     f"ignore_index={ignore_index}, e.g. {first}"),
               f"vocab_parallel_cross_entropy: target ids outside [0, {vocab}), not ignore_index={ignore_index}")
-    return _VocabParallelCrossEntropy.apply(logits_shard, target.long(), group, ignore_index, float(label_smoothing))
+    return _VocabParallelCrossEntropy.apply(logits_shard, target.long(), group, ignore_index, label_smoothing)

@@ -73,9 +73,7 @@ def _split_count(layout: str, world: int) -> int:
 
 def _check(x, dim, layout, name):
     check_tensor(name, x)
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
-    if not -x.dim() <= dim < x.dim():
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim={dim!r} is not a dim of {name} with shape {tuple(x.shape)}")
     return dim % x.dim(), check_layout(layout)
 

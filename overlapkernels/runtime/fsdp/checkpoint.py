@@ -37,6 +37,8 @@ from ... import _compat
 
 META = "overlapkernels_fsdp.json"
 FORMAT = 2  # 1 (per-rank keys, same world size only) was never released: not readable
+FORMAT_WITH_VALUES = 3  # adds "value" entries: optimizer state that is not a tensor, kept in the metadata
+READABLE_FORMATS = (FORMAT, FORMAT_WITH_VALUES)
 
 
 def _units(sharded) -> list:
@@ -96,35 +98,64 @@ def _plan_buffers(sharded) -> dict:
     return _agree({name: _digest(buf) for name, buf in _buffers(sharded).items()}, sharded.group)
 
 
-def _plan_optim(sharded, optim_state) -> dict:
-    """``{"idx/key": {"kind", "dtype", "shape" | "shapes"}}`` for every optimizer tensor, the same on
-    every rank (collective):
+def _plan_optim(sharded, optim_state) -> tuple:
+    """(``{"idx/key": {"kind", "dtype", "shape" | "shapes"}}`` for every optimizer tensor, the same on
+    every rank of the group (collective), and why it cannot be saved, or None):
       flat       floating, shaped like the unit's master shard (Adam's moments, momentum): sharded
                  like the master, so it reshards to any world size;
       replicated equal on every rank (Adam's 0-d step): saved once;
       per_rank   anything else (block-quantised statistics, per-shard preconditioners): kept per
                  rank, reloadable only on as many ranks;
       value      not a tensor (an optimizer that counts its steps in a python int): kept in the
-                 metadata as JSON, once if every rank holds the same, else per rank (``values``)."""
+                 metadata as JSON, once if every rank holds the same, else per rank (``values``,
+                 and ``absent_on``: the ranks that do not hold it get no such key back).
+    A value JSON cannot keep, or one with tensors inside (a list of history tensors would bloat the
+    metadata and come back on the CPU), cannot be saved: ``save`` refuses on every rank of the world
+    (another dp group may have no such value) before anything is written."""
     plan, local, values, units = {}, {}, {}, _units_by_index(sharded)
     for idx, entries in optim_state.items():
         unit = units[int(idx)]
         for key, value in entries.items():
             name = f"{idx}/{key}"
             if not torch.is_tensor(value):
-                values[name] = _plain(value)
+                values[name] = _value_as_json(name, value)
             elif value.shape == unit.master.shape and value.is_floating_point():
                 plan[name] = {"kind": "flat", "dtype": _layout(value)[1]}
             else:
                 local[name] = _digest(value)
     everyone = [None] * dist.get_world_size(sharded.group)
     dist.all_gather_object(everyone, values, group=sharded.group)
+    problems = sorted({problem for other in everyone for _, problem in other.values() if problem})
+    if problems:
+        return {}, problems[0]
     for name in dict.fromkeys(name for other in everyone for name in other):  # the same plan on every rank
-        if all(name in other and other[name] == everyone[0][name] for other in everyone):
-            plan[name] = {"kind": "value", "value": everyone[0][name]}
+        texts = [other[name][0] if name in other else None for other in everyone]
+        if all(text == texts[0] for text in texts):  # compared as JSON text: NaN equals NaN there
+            plan[name] = {"kind": "value", "value": json.loads(texts[0])}
         else:
-            plan[name] = {"kind": "value", "values": [other.get(name) for other in everyone]}
-    return {**plan, **_agree(local, sharded.group)}
+            plan[name] = {"kind": "value", "values": [None if t is None else json.loads(t) for t in texts],
+                          "absent_on": [r for r, t in enumerate(texts) if t is None]}
+    return {**plan, **_agree(local, sharded.group)}, None
+
+
+def _holds_tensor(value) -> bool:
+    if torch.is_tensor(value):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    return isinstance(value, (list, tuple)) and any(_holds_tensor(v) for v in value)
+
+
+def _value_as_json(name: str, value) -> tuple:
+    """(JSON text, None), or (None, why the checkpoint cannot keep optimizer state ``name``)."""
+    if _holds_tensor(value):
+        return None, (f"optimizer state {name!r} is a {type(value).__name__} with tensors inside; a checkpoint keeps "
+                      "tensors as state values of their own, or values JSON can keep")
+    try:
+        return json.dumps(value, sort_keys=True), None
+    except (TypeError, ValueError) as exc:
+        return None, (f"optimizer state {name!r} is a {type(value).__name__} the checkpoint cannot keep ({exc}); use "
+                      "tensors, or numbers, strings, bools, None and lists of them")
 
 
 def _mesh(sharded):
@@ -194,18 +225,24 @@ def save(sharded, path) -> None:
     # leftovers of an interrupted save
     _on_rank0_for_all(lambda: os.path.exists(tmp) and shutil.rmtree(tmp), f"clearing {tmp!r}")
     optim = sharded.optimizer.state_dict()
-    plan, buffer_plan = _plan_optim(sharded, optim["state"]), _plan_buffers(sharded)
+    (plan, problem), buffer_plan = _plan_optim(sharded, optim["state"]), _plan_buffers(sharded)
     mine = {"world_size": dist.get_world_size(sharded.group), "stage": sharded.stage, "units": _units(sharded),
             "param_groups": _json_groups(optim["param_groups"]), "optim": plan, "buffers": buffer_plan}
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (part, mine))
-    by_part = dict(everyone)  # every rank of a part has the same entry
-    meta = {"format": FORMAT, **mine} if parts == 1 else {"format": FORMAT, "parts": [by_part[k] for k in range(parts)]}
+    dist.all_gather_object(everyone, (part, mine, problem))
+    problem = next((p for _, _, p in everyone if p is not None), None)
+    if problem is not None:  # every rank of the world refuses alike, before any shard is written
+        raise TypeError(f"fsdp.save: {problem}")
+    by_part = {k: entry for k, entry, _ in everyone}  # every rank of a part has the same entry
+    # format 3 only where it is needed: older versions still read the rest and refuse these by format
+    everyone_values = any(e["kind"] == "value" for entry in by_part.values() for e in entry["optim"].values())
+    version = FORMAT_WITH_VALUES if everyone_values else FORMAT
+    meta = {"format": version, **mine} if parts == 1 else {"format": version, "parts": [by_part[k] for k in range(parts)]}
     try:  # the same on every rank: refused by all before any shard is written, not after
         json.dumps(meta)
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"fsdp.save: the optimizer's param_groups or state hold a value the checkpoint cannot keep "
-                        f"({exc}); use numbers, strings, bools, None, tensors or lists of them") from None
+        raise TypeError(f"fsdp.save: the optimizer's param_groups hold a value the checkpoint cannot keep ({exc}); "
+                        "use numbers, strings, bools, None, tensors or lists of them") from None
     dist.barrier()
     dcp.save(_state(sharded, optim["state"], plan, _prefix(part, parts), buffer_plan), checkpoint_id=tmp)
 
@@ -320,8 +357,9 @@ def _on_rank0_for_all(fn, what: str) -> None:
 
 def _check(sharded, path, meta, part, parts) -> str | None:
     """Why this rank cannot load ``meta`` (None if it can)."""
-    if meta.get("format") != FORMAT:
-        return f"checkpoint {path!r} has format {meta.get('format', 1)}; this version reads format {FORMAT}"
+    if meta.get("format") not in READABLE_FORMATS:
+        return (f"checkpoint {path!r} has format {meta.get('format', 1)}; this version reads formats "
+                f"{list(READABLE_FORMATS)}")
     saved_parts = len(meta.get("parts", [meta]))
     if saved_parts != parts:
         return (f"checkpoint {path!r} holds {saved_parts} model parts (one per tp/pp/cp coordinate); this job has "
@@ -398,8 +436,8 @@ def load(sharded, path) -> None:
     for name, entry in meta["optim"].items():  # what was saved decides the layout, not the shapes now
         idx, key = name.split("/", 1)
         if entry["kind"] == "value":  # not a tensor: in the metadata, not in DCP's files
-            template.setdefault(int(idx), {})[key] = _back(entry["values"][rank] if "values" in entry
-                                                           else entry["value"], None)
+            if rank not in entry.get("absent_on", ()):
+                template.setdefault(int(idx), {})[key] = entry["values"][rank] if "values" in entry else entry["value"]
             continue
         if entry["kind"] == "flat":
             shape = [units[int(idx)].shard_numel]
