@@ -1,5 +1,7 @@
 """Collectives benchmark: the busbw formulas, size parsing, CSV rows, a smoke run (no timing asserts)."""
 import csv
+import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -90,11 +92,20 @@ def test_bad_config_is_rejected_before_spawning():
 
 
 def test_cli_spawns_ranks_and_appends_csv(tmp_path):
-    path = tmp_path / "rows.csv"
+    """And the same rows to --json, and a plot to --plot (where matplotlib is installed)."""
+    path, json_path, plots = tmp_path / "rows.csv", tmp_path / "rows.json", tmp_path / "plots"
     out = subprocess.run([sys.executable, "-m", "overlapkernels", "bench", "collectives", "--nproc", "2",
                           "--sizes", "1K:2K", "--iters", "1", "--warmup", "0", "--ops", "all_gather,all_reduce",
-                          "--csv", str(path)], capture_output=True, text=True, timeout=180)
+                          "--csv", str(path), "--json", str(json_path), "--plot", str(plots)],
+                         capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
+    assert f"# appended 4 rows to {json_path}" in out.stdout
+    assert [(r["op"], r["bytes"]) for r in json.loads(json_path.read_text())] == [
+        ("all_gather", 1024), ("all_gather", 2048), ("all_reduce", 1024), ("all_reduce", 2048)]
+    if importlib.util.find_spec("matplotlib"):
+        assert f"# plot: {plots / 'collectives.png'}" in out.stdout and (plots / "collectives.png").stat().st_size
+    else:
+        assert "# plot: matplotlib not installed" in out.stdout
     assert "busbw(GB/s)" in out.stdout and "2 ranks, backend gloo, cpu" in out.stdout
     with path.open() as f:
         rows = list(csv.DictReader(f))

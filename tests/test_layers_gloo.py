@@ -160,6 +160,18 @@ def _embedding_and_loss_on_rank():
         (want * w).sum().backward()
         (got * w).sum().backward()
         _close(f"logits grad (smoothing {smoothing})", shard.grad, full.grad.chunk(world, -1)[rank])
+    for call, error, match in (
+            (lambda: ok.vocab_parallel_cross_entropy(shard.tolist(), target, tp), TypeError,
+             r"^logits_shard must be a torch.Tensor, got list$"),
+            (lambda: ok.vocab_parallel_cross_entropy(shard, target.float(), tp), TypeError,
+             r"^target must be an integer tensor, got torch.float32$"),
+            (lambda: ok.vocab_parallel_cross_entropy(shard, target[:2], tp), ValueError,
+             r"^target shape \(2, 4\) must equal logits_shard.shape\[:-1\] \(3, 4\)$"),
+            (lambda: ok.vocab_parallel_cross_entropy(shard, target, tp, label_smoothing=1.5), ValueError,
+             r"^label_smoothing=1.5: expected a value in \[0, 1\]$"),
+            (lambda: par(tokens.float()), TypeError, r"^tokens must be an integer tensor, got torch.float32$")):
+        with pytest.raises(error, match=match):
+            call()
     for bad in ("0.1", None, torch.ones(2)):
         with pytest.raises(TypeError, match=rf"label_smoothing must be a float in \[0, 1\], got {type(bad).__name__}"):
             ok.vocab_parallel_cross_entropy(shard, target, tp, label_smoothing=bad)

@@ -41,7 +41,8 @@ def _case_on_rank(layout, causal, heads, kv_heads, fmt, with_lse, scale=None, ba
     d_lse = torch.randn(batch, heads, seq, generator=g, dtype=torch.float64).float().double()
     sc = float(scale) if scale is not None else dim ** -0.5
     out_ref, lse_ref = _full_reference(q, k, v, causal, sc)
-    loss = (out_ref * d_out).sum() + ((lse_ref * d_lse).sum() if with_lse else 0)
+    # with_lse="only": a loss of the lse alone (out's gradient is None in backward, not zeros)
+    loss = (0 if with_lse == "only" else (out_ref * d_out).sum()) + ((lse_ref * d_lse).sum() if with_lse else 0)
     loss.backward()
 
     def local(x, d=1):  # this rank's part, laid out like the inputs
@@ -57,7 +58,8 @@ def _case_on_rank(layout, causal, heads, kv_heads, fmt, with_lse, scale=None, ba
     out, lse = ok.ring_attention(ql, kl, vl, group, causal=causal, softmax_scale=scale, layout=layout, qkv_format=fmt,
                                  return_lse=True)
     d_out_local = local(d_out) if fmt == "bshd" else local(d_out).transpose(0, 1)
-    loss_local = (out * d_out_local).sum() + ((lse * local(d_lse, 2)).sum() if with_lse else 0)
+    loss_local = ((0 if with_lse == "only" else (out * d_out_local).sum())
+                  + ((lse * local(d_lse, 2)).sum() if with_lse else 0))
     loss_local.backward()
 
     def back(x):
@@ -65,7 +67,7 @@ def _case_on_rank(layout, causal, heads, kv_heads, fmt, with_lse, scale=None, ba
 
     checks = {"out": (back(out), local(out_ref)), "lse": (lse, local(lse_ref, 2).float()),
               "dq": (back(ql.grad), local(q.grad)), "dk": (back(kl.grad), local(k.grad)),
-              "dv": (back(vl.grad), local(v.grad))}
+              "dv": (back(vl.grad), local(torch.zeros_like(v) if v.grad is None else v.grad))}  # lse alone: none
     for name, (got, want) in checks.items():
         tol = LSE_TOL if name == "lse" else ATOL  # the API returns the lse in fp32
         torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
@@ -80,6 +82,7 @@ CASES = [
     ("zigzag", True, 4, 2, "bshd", False),  # GQA
     ("contiguous", True, 4, 1, "bshd", True),  # MQA, gradient through lse too
     ("zigzag", True, 4, 2, "sbhd", True),
+    ("zigzag", True, 4, 2, "bshd", "only"),  # the lse alone: out's gradient arrives as None
 ]
 
 
