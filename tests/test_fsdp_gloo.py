@@ -10,6 +10,7 @@ from torch import nn
 
 import overlapkernels as ok
 from overlapkernels.runtime import fsdp
+from comm_guard import no_communication
 
 D_IN, D_HID = 6, 10
 
@@ -252,6 +253,11 @@ def _bad_units_on_rank():
             super().__init__()
             self.a = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())
 
+    class MixedDevices(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+
     half_cp = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
     half_cp[0][0].weight.context_parallel_group = dist.group.WORLD  # one parameter tagged, not the others
     # unit '0' can be built, unit '1' cannot: refused before '0' re-points its parameters into a flat buffer
@@ -259,9 +265,10 @@ def _bad_units_on_rank():
     before = [(p, p.data_ptr(), p.dtype) for p in late.parameters()]
     said = []
     for make in (lambda: fsdp.shard(Mixed()), lambda: fsdp.shard(nn.Sequential(nn.Linear(2, 2)), units="Block"),
-                 lambda: fsdp.shard(half_cp), lambda: fsdp.shard(late)):
+                 lambda: fsdp.shard(half_cp), lambda: fsdp.shard(late), lambda: fsdp.shard(MixedDevices())):
         try:
-            make()
+            with no_communication():  # refused before any collective, not after one every rank ran
+                make()
         except ValueError as exc:
             said.append(str(exc))
     assert [(p, p.data_ptr(), p.dtype) for p in late.parameters()] == before, "a refused shard() changed the model"
@@ -272,13 +279,15 @@ def _bad_units_on_rank():
 
 def test_units_that_cannot_be_built_are_refused(rank_pool):
     for said, total in rank_pool(2).run(_bad_units_on_rank):
-        assert len(said) == 4 and total == 2, said
+        assert len(said) == 5 and total == 2, said
         assert said[0].startswith("unit 'a': parameters must share one device and dtype, got devices ['cpu'] and "
                                   "dtypes ['torch.float32', 'torch.float64']"), said[0]
         assert said[1] == "units='Block': no submodule of Sequential matches"
         assert said[2] == ("unit '0': some parameters carry a context_parallel_group and some do not (or different "
                            "ones); tag every parameter of a context-parallel model alike")
         assert said[3].startswith("unit '1': parameters must share one device and dtype"), said[3]
+        assert said[4] == ("unit 'a': parameters must share one device and dtype, got devices ['cpu', 'meta'] and "
+                           "dtypes ['torch.float32']"), said[4]
 
 
 def _gpt_default_units_on_rank():

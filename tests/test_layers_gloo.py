@@ -11,6 +11,7 @@ from overlapkernels.layers import (ColumnParallelLinear, ParallelMLP, ParallelSe
                                    TransformerBlock, VocabParallelEmbedding, allreduce_sequence_parallel_grads)
 from overlapkernels.layers.norm import mark_sequence_parallel
 from overlapkernels.models import gather_dense_state_dict, shard_dense_state_dict
+from comm_guard import no_communication
 
 TOL = dict(atol=1e-11, rtol=1e-11)
 F64 = torch.float64
@@ -121,7 +122,7 @@ def _blocks_on_rank(method):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("method", ["baseline", "decomposed"])
+@pytest.mark.parametrize("method", ["baseline", "decomposed", "auto"])
 def test_mlp_attention_block_match_dense(rank_pool, world, method):
     assert rank_pool(world).run(_blocks_on_rank, method) == [True] * world
 
@@ -134,7 +135,8 @@ def _embedding_and_loss_on_rank():
         dense, par = _twins(lambda grp: VocabParallelEmbedding(vocab, dim, grp, sequence_parallel=sp and grp is tp,
                                                                dtype=F64), tp, one)
         for bad_id in (vocab, -1):  # as nn.Embedding: an IndexError, on every rank before communicating
-            with pytest.raises(IndexError, match=rf"tokens hold ids outside \[0, {vocab}\), e.g. {bad_id}"):
+            with pytest.raises(IndexError, match=rf"tokens hold ids outside \[0, {vocab}\), e.g. {bad_id}"), \
+                    no_communication():
                 par(tokens.masked_fill(tokens == tokens[0, 0], bad_id))
         yd, yp = dense(tokens), par(tokens)
         want = F.embedding(tokens, dense.weight)
@@ -149,17 +151,24 @@ def _embedding_and_loss_on_rank():
     logits = _randn(3, 4, vocab, seed=5)
     target = torch.randint(0, vocab, (3, 4), generator=torch.Generator().manual_seed(6))
     target[0, 1] = target[2, 3] = -100
-    for smoothing in (0.0, 0.1):
-        full = logits.clone().requires_grad_()
-        want = F.cross_entropy(full.reshape(-1, vocab), target.reshape(-1), reduction="none",
-                               label_smoothing=smoothing).reshape(3, 4)
-        shard = logits.chunk(world, -1)[rank].clone().requires_grad_()
-        got = ok.vocab_parallel_cross_entropy(shard, target, tp, label_smoothing=smoothing)
-        _close(f"loss (smoothing {smoothing})", got, want)
-        w = _randn(3, 4, seed=7)
-        (want * w).sum().backward()
-        (got * w).sum().backward()
-        _close(f"logits grad (smoothing {smoothing})", shard.grad, full.grad.chunk(world, -1)[rank])
+    # an ignore_index that is a real class id (3 lies on rank 0's slice): those tokens, and only
+    # they, get no loss and no gradient. The default (-100) runs last: the checks below use its shard and got
+    target_3 = target.masked_fill(target == -100, 3)
+    target_3[1, 2] = 3
+    for ignore_index, tgt in ((3, target_3), (-100, target)):
+        for smoothing in (0.0, 0.1):
+            what = f"ignore_index {ignore_index}, smoothing {smoothing}"
+            full = logits.clone().requires_grad_()
+            want = F.cross_entropy(full.reshape(-1, vocab), tgt.reshape(-1), reduction="none",
+                                   ignore_index=ignore_index, label_smoothing=smoothing).reshape(3, 4)
+            shard = logits.chunk(world, -1)[rank].clone().requires_grad_()
+            kwargs = {} if ignore_index == -100 else dict(ignore_index=ignore_index)
+            got = ok.vocab_parallel_cross_entropy(shard, tgt, tp, label_smoothing=smoothing, **kwargs)
+            _close(f"loss ({what})", got, want)
+            w = _randn(3, 4, seed=7)
+            (want * w).sum().backward()
+            (got * w).sum().backward()
+            _close(f"logits grad ({what})", shard.grad, full.grad.chunk(world, -1)[rank])
     for call, error, match in (
             (lambda: ok.vocab_parallel_cross_entropy(shard.tolist(), target, tp), TypeError,
              r"^logits_shard must be a torch.Tensor, got list$"),
@@ -233,6 +242,8 @@ def _bad_layers_on_rank():
         (lambda: ColumnParallelLinear(8, 4, tp)(torch.tensor(1.0)),
          r"ColumnParallelLinear: x.shape=\(\), expected a last dim of 8 \(in_features\)"),
         (lambda: ParallelSelfAttention(8, 4, 3, tp), r"^num_heads=4 is not a multiple of num_kv_heads=3$"),
+        (lambda: ParallelSelfAttention(8, 2, 2, tp, cp_layout="ring"),
+         r"^cp_layout='ring': expected one of \['contiguous', 'zigzag'\]$"),
         (lambda: ParallelSelfAttention(8, 2, 2, tp)(torch.ones(3, 8)),
          r"^x must be \[S, B, hidden\], got shape \(3, 8\)$"),
         (lambda: RowParallelLinear(8, 4, tp)([[1.0] * 4]), TypeError,
@@ -244,13 +255,14 @@ def _bad_layers_on_rank():
     for i, (make, *error, pattern) in enumerate(cases):
         error = error[0] if error else ValueError
         try:
-            make()
+            with no_communication():  # refused before any collective, not after one every rank ran
+                make()
         except (ValueError, TypeError) as exc:
             assert type(exc) is error and re.search(pattern, str(exc)), (i, repr(exc))
         else:
             raise AssertionError(f"case {i}: no {error.__name__}")
     stray = torch.nn.Parameter(torch.ones(2))
-    with pytest.raises(ValueError, match="does not hold this parameter"):
+    with pytest.raises(ValueError, match="does not hold this parameter"), no_communication():
         mark_sequence_parallel(stray, True, tp, owner=torch.nn.Linear(2, 2))
     assert not hasattr(stray, "sequence_parallel") and not hasattr(stray, "sequence_parallel_group")  # left untagged
     total = torch.ones(1)

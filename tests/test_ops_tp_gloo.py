@@ -13,6 +13,7 @@ import overlapkernels as ok
 from overlapkernels.comm import collectives
 from overlapkernels.ops.all_gather_matmul import all_gather_linear
 from overlapkernels.ops.matmul_reduce_scatter import linear_reduce_scatter
+from comm_guard import Communicated, no_communication
 
 WORLDS = [2, 4]
 METHODS = ["baseline", "decomposed", "auto"]
@@ -289,7 +290,8 @@ def _bad_inputs_on_rank():
     ok.reset_overlap_stats()
     for i, (call, exc_type, pattern) in enumerate(BAD_AG):
         try:
-            call()
+            with no_communication():  # refused before any collective, not after one every rank ran
+                call()
         except exc_type as exc:
             assert re.search(pattern, str(exc)), (i, str(exc))
         else:
@@ -306,13 +308,15 @@ def _bad_inputs_on_rank():
                           (lambda: ok.ring_attention(dt.view(1, 4, 1, 8), torch.ones(1, 2, 1, 8), torch.ones(1, 2, 1, 8)),
                            r"q is a DTensor")):
         try:
-            call()
+            with no_communication():
+                call()
         except TypeError as exc:
             assert re.search(pattern, str(exc)), str(exc)
         else:
             raise AssertionError(f"no TypeError for {pattern}")
     assert ok.overlap_stats() == {}, ok.overlap_stats()  # a call that raised never ran: not counted
-    assert collectives.all_reduce_coalesced([]) is None  # nothing to sum: a no-op, not torch.cat's error
+    with no_communication():
+        assert collectives.all_reduce_coalesced([]) is None  # nothing to sum: a no-op, not torch.cat's error
     total = torch.ones(1)
     dist.all_reduce(total)  # no rank communicated before raising: the group is still in step
     return int(total)
@@ -320,6 +324,56 @@ def _bad_inputs_on_rank():
 
 def test_bad_input_raises_before_communicating(rank_pool):
     assert rank_pool(2).run(_bad_inputs_on_rank) == [2, 2]
+
+
+def _guard_bites_on_rank():
+    """``no_communication`` (used by every bad-input test) must catch each way the package
+    communicates: a collective through a ``_compat`` alias, a P2P ring, a plain ``dist.all_reduce``,
+    and one whose error the caller swallowed; and leave torch.distributed as it was afterwards."""
+    import re
+
+    from overlapkernels import _compat
+    from overlapkernels.runtime.fsdp import flat_unit
+
+    before = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single", "all_reduce",
+                                                     "batch_isend_irecv", "isend", "P2POp")}
+    a, b = torch.ones(4, 8), torch.ones(8, 3)
+
+    def swallowed():
+        try:
+            collectives.all_reduce(torch.ones(2))
+        except AssertionError:
+            raise ValueError("what a careless caller might turn it into") from None
+
+    caught = []
+    for call, name in ((lambda: ok.all_gather_matmul(a, b, method="baseline"), r"all_gather_(single|into_tensor)"),
+                       (lambda: ok.matmul_reduce_scatter(a, b, method="baseline"), r"reduce_scatter_(single|tensor)"),
+                       (lambda: ok.all_gather_matmul(a, b, method="decomposed"), r"P2POp|batch_isend_irecv"),
+                       (lambda: ok.ring_attention(*[torch.ones(1, 2, 1, 4)] * 3), r"P2POp|batch_isend_irecv"),
+                       (lambda: ok.vocab_parallel_cross_entropy(torch.ones(2, 3), torch.zeros(2, dtype=torch.long)),
+                        r"\ball_reduce\b"),
+                       (lambda: collectives.all_gather_objects(1), r"all_gather_object"),
+                       (swallowed, r"\ball_reduce\b")):
+        try:
+            with no_communication():
+                call()
+        except Communicated as exc:
+            assert re.search(name, str(exc)), (name, str(exc))
+            caught.append(True)
+        else:
+            caught.append(False)
+    assert all(getattr(dist, n) is f for n, f in before.items()), "no_communication left torch.distributed patched"
+    assert _compat.all_gather_single is collectives.all_gather_single is flat_unit.all_gather_single
+    assert _compat.reduce_scatter_single is collectives.reduce_scatter_single is flat_unit.reduce_scatter_single
+    assert collectives.all_gather_single in (dist.all_gather_single if hasattr(dist, "all_gather_single") else None,
+                                             dist.all_gather_into_tensor)
+    got = ok.all_gather_matmul(a, b, method="decomposed")  # the real collectives again
+    assert torch.equal(got, torch.full((4 * dist.get_world_size(), 3), 8.0))
+    return caught
+
+
+def test_communication_guard_bites(rank_pool):
+    assert rank_pool(2).run(_guard_bites_on_rank) == [[True] * 7] * 2
 
 
 # ------------------------------------------------------------------------------------ autocast

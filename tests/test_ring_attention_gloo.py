@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import overlapkernels as ok
+from comm_guard import no_communication
 ra = importlib.import_module("overlapkernels.ops.ring_attention")  # the module (the package re-exports the function)
 
 ATOL = RTOL = 1e-10  # fp64: every difference is reduction order
@@ -29,7 +30,8 @@ def _full_reference(q, k, v, causal, scale):
 
 
 def _case_on_rank(layout, causal, heads, kv_heads, fmt, with_lse, scale=None, batch=2, dim=8, per_rank=6,
-                  group=None):
+                  group=None, planted=0.0):
+    """``planted``: added to one element of the ring's output before the comparison."""
     world = dist.get_world_size(group)
     seq = per_rank * world
     g = torch.Generator().manual_seed(1000 + 7 * heads + kv_heads + int(causal))
@@ -61,6 +63,9 @@ def _case_on_rank(layout, causal, heads, kv_heads, fmt, with_lse, scale=None, ba
     loss_local = ((0 if with_lse == "only" else (out * d_out_local).sum())
                   + ((lse * local(d_lse, 2)).sum() if with_lse else 0))
     loss_local.backward()
+    if planted:
+        out = out.detach().clone()
+        out.view(-1)[out.numel() // 2] += planted
 
     def back(x):
         return x if fmt == "bshd" else x.transpose(0, 1)
@@ -120,6 +125,23 @@ def test_each_step_uses_its_own_rotated_kv(rank_pool):
     assert rank_pool(2).run(_stale_kv_on_rank, False) == ["passed", "passed"]
     failures = rank_pool(2).run(_stale_kv_on_rank, True)
     assert all(f in ("out", "lse", "dq", "dk", "dv") for f in failures), failures
+
+
+def _small_planted_error_on_rank():
+    """The same case passes, then fails with one output element off by 1e-8 (100 x the tolerance):
+    the comparison catches small errors too, not only a stale K/V's."""
+    said = []
+    for planted in (0.0, 1e-8):
+        try:
+            _case_on_rank("zigzag", True, 2, 1, "bshd", False, planted=planted)
+            said.append("passed")
+        except AssertionError as exc:
+            said.append(str(exc).split(":")[0])
+    return said
+
+
+def test_small_planted_error_is_caught(rank_pool):
+    assert rank_pool(2).run(_small_planted_error_on_rank) == [["passed", "out"]] * 2
 
 
 def _shard_roundtrip_on_rank():
@@ -185,6 +207,7 @@ BAD = [
     (lambda q, k, v: ok.ring_attention(q, k.expand(2, 6, 3, 8), v.expand(2, 6, 3, 8)), ValueError,
      r"q has 4 heads, k/v 3: the query heads must be a multiple of the key/value heads"),
     (lambda q, k, v: ok.ring_attention(q, k.float(), v), ValueError, r"k.dtype=torch.float32 does not match q.dtype"),
+    (lambda q, k, v: ok.ring_attention(q, k.to("meta"), v.to("meta")), ValueError, r"^k is on meta but q is on cpu$"),
     (lambda q, k, v: ok.ring_attention(q, k, v.expand(2, 6, 2, 8)), ValueError, r"k and v must have one shape"),
     (lambda q, k, v: ok.ring_attention(q[:, :5], k[:, :5], v[:, :5], layout="zigzag"), ValueError,
      r"local sequence length 5 \(q.shape\[1\], bshd\) is odd: layout='zigzag' needs S divisible by 2 x the group "
@@ -223,7 +246,8 @@ def _bad_inputs_on_rank():
     k = v = torch.ones(2, 6, 1, 8, dtype=torch.float64)
     for i, (call, exc_type, pattern) in enumerate(BAD):
         try:
-            call(q, k, v)
+            with no_communication():  # refused before the ring starts, not after a step every rank ran
+                call(q, k, v)
         except exc_type as exc:
             assert re.search(pattern, str(exc)), (i, str(exc))
         else:

@@ -46,7 +46,7 @@ class ParallelSelfAttention(DefersWeightGrad, _MegatronExtraState, nn.Module):
         self.heads = divide(num_heads, tp, "num_heads")
         self.kv_heads = divide(num_kv_heads, tp, "num_kv_heads")
         self.head_dim = hidden // num_heads
-        self.cp_group, self.cp_layout = cp_group, check_layout(cp_layout)
+        self.cp_group, self.cp_layout = cp_group, check_layout(cp_layout, "cp_layout")
         self.sequence_parallel, self.method, self.rope_base = sequence_parallel, check_method(method), rope_base
         d = self.head_dim
         self.q_weight = sharded_parameter((num_heads * d, hidden), 0, self.group, init_method, dtype, device)

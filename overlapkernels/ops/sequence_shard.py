@@ -46,9 +46,9 @@ def check_layout_tag(x, name: str, dim: int, group, layout: str, what: str) -> N
                          "'contiguous' for ring_attention)")
 
 
-def check_layout(layout) -> str:
+def check_layout(layout, name: str = "layout") -> str:
     if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r}: expected one of {list(LAYOUTS)}")
+        raise ValueError(f"{name}={layout!r}: expected one of {list(LAYOUTS)}")
     return layout
 
 
