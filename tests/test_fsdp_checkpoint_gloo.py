@@ -1,5 +1,6 @@
 """fsdp.save / fsdp.load on gloo ranks: bit-identical resume, atomic saves, resharding to other
 world sizes, per-rank optimizer state, and one checkpoint for a TP x DP job."""
+import copy
 import json
 import math
 import os
@@ -96,6 +97,93 @@ def _checkpoint_after_crash_on_rank(path):
 
 def test_save_after_a_crash_that_left_both_checkpoints(rank_pool, tmp_path):
     assert rank_pool(2).run(_checkpoint_after_crash_on_rank, str(tmp_path / "c")) == [True, True]
+
+
+def _fail_in_dcp_write_on_rank_1(mp, ck):
+    """Rank 1 writes its shards, then its disk fills (DCP's write step fails there only)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    write = FileSystemWriter.write_data
+
+    def full_disk(self, plan, planner):
+        written = write(self, plan, planner)
+        if dist.get_rank() == 1:
+            written.wait()
+            raise OSError(28, "No space left on device")
+        return written
+
+    mp.setattr(FileSystemWriter, "write_data", full_disk)
+
+
+def _crash_between_the_renames(mp, ck):
+    """Rank 0's switch fails when it moves the new checkpoint into place (after whatever it did to
+    the old one first)."""
+    replace = os.replace
+
+    def failing(src, dst, **kwargs):
+        if os.fspath(src).endswith(".tmp"):
+            raise OSError(5, "Input/output error")
+        return replace(src, dst, **kwargs)
+
+    mp.setattr(ck.os, "replace", failing)
+
+
+def _interrupted_save_on_rank(path, plant):
+    from overlapkernels.runtime.fsdp import checkpoint as ck
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sharded = fsdp.shard(_net(), stage=3, optimizer=OPTIMIZERS["adamw"])
+
+    def train(x, y):
+        _loss(sharded(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]).backward()
+        sharded.step()
+
+    def optim_state():  # this rank's shards of Adam's moments and its step count, and the groups
+        state = sharded.optimizer.state_dict()  # (Adam's betas stay a tuple, though JSON has only lists)
+        return ({(i, k): v.clone() for i, entry in state["state"].items() for k, v in entry.items()},
+                copy.deepcopy(state["param_groups"]))
+
+    batches = _batches(2, 4, world)
+    train(*batches[0])
+    fsdp.save(sharded, path)  # checkpoint A
+    want_model, (want_state, want_groups) = sharded.full_state_dict(), optim_state()
+    train(*batches[1])
+    assert not all(torch.equal(want_model[k], v) for k, v in sharded.full_state_dict().items())
+    with pytest.MonkeyPatch.context() as mp:
+        plant(mp, ck)
+        try:
+            fsdp.save(sharded, path)
+        except Exception as exc:  # noqa: BLE001 - DCP's own is a BaseException: fsdp.save raises a RuntimeError
+            told = f"{type(exc).__name__}: {exc}"
+        else:
+            told = "no error"
+    total = torch.ones(1)
+    dist.all_reduce(total)  # no rank is left behind in the failed save
+    after_model = sharded.full_state_dict()
+    fsdp.load(sharded, path)
+    got_model, (got_state, got_groups) = sharded.full_state_dict(), optim_state()
+    assert list(got_model) == list(want_model)
+    differ = [k for k in want_model if not torch.equal(got_model[k], want_model[k])]
+    differ += [k for k in want_state if not torch.equal(got_state[k], want_state[k])]
+    assert not differ and sorted(got_state) == sorted(want_state), f"not checkpoint A: {differ}"
+    assert got_groups == want_groups, (got_groups, want_groups)
+    fsdp.save(sharded, path + "2")  # the leftovers of the failed save do not hold up the next ones
+    fsdp.save(sharded, path)
+    return told, int(total), not all(torch.equal(after_model[k], v) for k, v in got_model.items())
+
+
+@pytest.mark.parametrize("plant, told, why", [
+    (_fail_in_dcp_write_on_rank_1, "RuntimeError: fsdp.save: writing ", "No space left on device"),
+    (_crash_between_the_renames, "RuntimeError: fsdp.save: moving ", "on rank 0: OSError: [Errno 5] Input/output"),
+])
+def test_an_interrupted_save_keeps_the_previous_checkpoint(rank_pool, tmp_path, plant, told, why):
+    """A save that fails in DCP's write (on rank 1 only) or between the two renames (rank 0's part)
+    raises on every rank, and a load gives back checkpoint A bit for bit: the parameters and the
+    optimizer's moments, step count and groups (not the step trained since, nor a mix)."""
+    got = rank_pool(2).run(_interrupted_save_on_rank, str(tmp_path / "ckpt"), plant)
+    for message, total, reverted in got:
+        assert message.startswith(told) and why in message, got
+        assert total == 2 and reverted, got
 
 
 class BufferNet(nn.Module):

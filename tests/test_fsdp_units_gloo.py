@@ -142,3 +142,43 @@ def _reduced_during_backward_on_rank(stage):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_units_are_reduced_during_backward(rank_pool, stage):
     assert rank_pool(2).run(_reduced_during_backward_on_rank, stage) == [[[(True, False), (True, False)]]] * 2
+
+
+class _Stack(nn.Module):
+    """Six equal units (8x8 linears) and a root unit (the output scale, owned by no child)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(6))
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x * self.scale
+
+
+def _peak_param_memory_on_rank(stage):
+    torch.manual_seed(0)
+    sharded = fsdp.shard(_Stack().double(), stage=stage, prefetch=1, optimizer=OPTIMIZERS["adamw"])
+    sharded(torch.randn(3, 8, dtype=torch.float64)).sum().backward()
+    sharded.step()
+    return sharded.memory_stats(), [(u.flat_bytes, u is sharded.root) for u in sharded.all_units]
+
+
+def test_stage_3_peak_parameter_memory_is_below_stage_1(rank_pool):
+    """ZeRO's point, over a forward, backward and step on 2 ranks (fp64): each rank always keeps its
+    master shards (half of every unit); stage 1 also keeps every unit's full parameters, stage 3 at
+    most the root, the unit in use and the one prefetched. A unit of 72 elements is 576 bytes full,
+    the root's 8 are 64; the masters are (6 * 36 + 4) * 8 = 1760 bytes."""
+    unit, root, master = 72 * 8, 8 * 8, (6 * 36 + 4) * 8
+    peaks = {}
+    for stage in (1, 3):
+        stats, units = rank_pool(2).run(_peak_param_memory_on_rank, stage)[0]
+        assert units == [(unit, False)] * 6 + [(root, True)], units
+        resident = 6 * unit + root if stage == 1 else root  # full parameters kept between steps
+        assert stats["param_bytes"] == master + resident, (stage, stats)
+        # the masters are always there; the full buffers at their peak on top of them
+        peaks[stage] = master + stats["peak_gathered_param_bytes"]
+    assert peaks == {1: master + 6 * unit + root, 3: master + 2 * unit + root} == {1: 5280, 3: 2976}, peaks
+    assert peaks[3] < peaks[1]

@@ -339,6 +339,49 @@ def test_a_dead_peer_is_a_timeout_naming_it():
     assert "PipelineTimeout: stage 0 microbatch " in text and "rank 1 (stage 1)" in text
 
 
+class _DiesOnMicrobatch(nn.Module):
+    """A stage that dies in its forward of microbatch ``mb``, once what it sent for the earlier ones
+    has left (its sends are posted asynchronously: dying at once could lose them in flight)."""
+
+    def __init__(self, stage, mb):
+        super().__init__()
+        self.stage, self.mb, self.calls, self.runner = stage, mb, 0, None
+
+    def forward(self, x):
+        if self.calls == self.mb:
+            for work, _ in self.runner._sends:
+                work.wait()
+            os._exit(7)
+        self.calls += 1
+        return self.stage(x)
+
+
+def _dies_on_microbatch_1():
+    sched = pp.make_schedule("1f1b", 2, 2)  # rank 1: F0, B0 (sends gradient 0), F1, B1
+    rank = dist.get_rank()
+    stage = _stage(_model(2), rank)
+    if rank == 1:
+        stage = _DiesOnMicrobatch(stage, 1)
+    runner = pp.PipelineRunner(stage, schedule=sched, loss_fn=F.mse_loss, timeout=2.0)
+    stage.runner = runner
+    x, y = torch.randn(4, WIDTH, dtype=torch.float64), torch.randn(4, WIDTH, dtype=torch.float64)
+    runner.step(x if rank == 0 else None, y if rank == 1 else None)
+
+
+def test_a_peer_dying_mid_step_is_a_timeout_naming_the_microbatch():
+    """Rank 1 dies in its forward of microbatch 1, after microbatch 0's activation crossed and its
+    gradient came back: rank 0 finishes microbatch 0's backward, then names microbatch 1 and the
+    peer, whether it was already waiting for that gradient or posts its receive once the
+    connection is gone."""
+    with RankPool(2, timeout=60) as pool:
+        with pytest.raises(RankError) as info:
+            pool.run(_dies_on_microbatch_1)
+    text = str(info.value)
+    assert "process died with exit code 7" in text
+    assert re.search(r"PipelineTimeout: stage 0 microbatch 1: (no gradient from|cannot exchange with) rank 1 "
+                     r"\(stage 1\) \(", text), text
+
+
 class _Cut(nn.Module):
     """A stage whose output shape depends on the data: one row for microbatches starting with a
     negative value. (Every microbatch of a step must cross a boundary with one shape.)"""

@@ -212,6 +212,19 @@ def _state(sharded, optim_state, plan, prefix, buffer_plan) -> dict:
     return state
 
 
+@contextlib.contextmanager
+def _dcp_errors_as_runtime_errors(op: str, what: str):
+    """DCP reports a failure on any rank to every rank as a CheckpointException, which derives from
+    BaseException: a caller's ``except Exception`` (a trainer's retry, a job's error handler) would
+    not see it. Raised again as a RuntimeError naming the op, the DCP error chained."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        raise RuntimeError(f"{op}: {what} failed: {exc}") from exc
+
+
 def _prefix(part: int, parts: int) -> str:
     return "" if parts == 1 else f"part{part}/"
 
@@ -244,7 +257,8 @@ def save(sharded, path) -> None:
         raise TypeError(f"fsdp.save: the optimizer's param_groups hold a value the checkpoint cannot keep ({exc}); "
                         "use numbers, strings, bools, None, tensors or lists of them") from None
     dist.barrier()
-    dcp.save(_state(sharded, optim["state"], plan, _prefix(part, parts), buffer_plan), checkpoint_id=tmp)
+    with _dcp_errors_as_runtime_errors("fsdp.save", f"writing {tmp!r}"):
+        dcp.save(_state(sharded, optim["state"], plan, _prefix(part, parts), buffer_plan), checkpoint_id=tmp)
 
     def write_meta():
         with open(os.path.join(tmp, META), "w") as f:
@@ -304,7 +318,8 @@ def _back(value, now):
     """``_plain`` undone: its tensors back as tensors, copied into ``now`` (what the optimizer holds
     there) where it is a tensor of that shape (so its device stays: a capturable or compiled
     optimizer's CUDA lr; torch's load_state_dict then deep-copies the groups, as for any
-    checkpoint), else CPU tensors."""
+    checkpoint), else CPU tensors. A list comes back as a tuple where the optimizer holds a tuple
+    there (Adam's betas: JSON has lists only)."""
     if isinstance(value, dict) and set(value) == {"tensor", "dtype"}:
         saved = torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
         if torch.is_tensor(now) and now.shape == saved.shape:
@@ -313,7 +328,8 @@ def _back(value, now):
         return saved
     if isinstance(value, list):
         nows = now if isinstance(now, (list, tuple)) and len(now) == len(value) else [None] * len(value)
-        return [_back(v, n) for v, n in zip(value, nows)]
+        back = [_back(v, n) for v, n in zip(value, nows)]
+        return tuple(back) if isinstance(now, tuple) else back
     return value
 
 
@@ -446,8 +462,9 @@ def load(sharded, path) -> None:
         # torch keeps Adam's step (a scalar) on the CPU
         template.setdefault(int(idx), {})[key] = torch.zeros(shape, dtype=getattr(torch, entry["dtype"]),
                                                              device=device if shape else "cpu")
-    dcp.load(_state(sharded, template, meta["optim"], _prefix(part, parts), meta.get("buffers", {})),
-             checkpoint_id=path)
+    with _dcp_errors_as_runtime_errors("fsdp.load", f"reading {path!r}"):
+        dcp.load(_state(sharded, template, meta["optim"], _prefix(part, parts), meta.get("buffers", {})),
+                 checkpoint_id=path)
     for unit in sharded.all_units:  # the padding past numel is not in the checkpoint: zeros
         unit.master.data[_valid(unit):].zero_()
     groups = _tensor_groups(meta["param_groups"], sharded.optimizer.param_groups)
