@@ -10,7 +10,8 @@ the rings build just before ``batch_isend_irecv``) is replaced by a function tha
 package calls everything else as ``dist.<name>(...)``, looked up at call time. A call that the code
 under test swallowed (an ``except`` around it) still fails the block when it ends.
 
-Not covered: DTensor's functional collectives (``full_tensor``), which no bad-input path reaches.
+Not covered: DTensor's functional collectives (``full_tensor``) and DeviceMesh creation
+(``init_device_mesh``, which makes its groups in its own module), which no bad-input path reaches.
 """
 import contextlib
 import sys
@@ -23,7 +24,7 @@ ENTRY_POINTS = (
     "reduce_scatter_single", "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "broadcast_object_list",
     "all_to_all", "all_to_all_single", "gather", "gather_object", "scatter", "scatter_object_list", "barrier",
     "monitored_barrier", "batch_isend_irecv", "isend", "irecv", "send", "recv", "send_object_list",
-    "recv_object_list", "P2POp",
+    "recv_object_list", "P2POp", "new_group", "new_subgroups", "split_group",  # group creation: a store barrier
 )
 
 

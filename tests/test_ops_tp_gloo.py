@@ -335,8 +335,8 @@ def _guard_bites_on_rank():
     from overlapkernels import _compat
     from overlapkernels.runtime.fsdp import flat_unit
 
-    before = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single", "all_reduce",
-                                                     "batch_isend_irecv", "isend", "P2POp")}
+    before = {name: getattr(dist, name, None) for name in ("all_gather_single", "reduce_scatter_single",  # torch>=2.13
+                                                           "all_reduce", "batch_isend_irecv", "isend", "P2POp")}
     a, b = torch.ones(4, 8), torch.ones(8, 3)
 
     def swallowed():
