@@ -5,6 +5,7 @@ GPUs): ``OVERLAPKERNELS_SKIP_CUDA=1`` skips it; a failed build is fatal only wit
 ``OVERLAPKERNELS_BUILD_CUDA=1``, otherwise the package installs without it (pure-torch and Triton
 paths still work, and CUDA-library features say how to build it).
 """
+import functools
 import importlib.util
 import os
 import shutil
@@ -16,6 +17,7 @@ from setuptools.command.build_py import build_py
 ROOT = Path(__file__).resolve().parent
 
 
+@functools.lru_cache(maxsize=None)  # has_ext_modules and build_py both ask: load csrc/build.py once
 def _csrc_builder():
     spec = importlib.util.spec_from_file_location("_ok_csrc_build", ROOT / "csrc" / "build.py")
     module = importlib.util.module_from_spec(spec)

@@ -12,16 +12,28 @@ from overlapkernels.layers import ColumnParallelLinear, RowParallelLinear, Vocab
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 
 
-def _megatron_linears_on_rank(planted=False):
-    from megatron.core import parallel_state, tensor_parallel
+def _megatron_tp():
+    """(world, megatron-core's TP group over the whole world, a config for its layers: fp64, CPU)."""
+    from megatron.core import parallel_state
     from megatron.core.model_parallel_config import ModelParallelConfig
 
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    tp = parallel_state.get_tensor_model_parallel_group()
     cfg = ModelParallelConfig(tensor_model_parallel_size=world, use_cpu_initialization=True, params_dtype=torch.float64,
                               perform_initialization=True)
+    return world, parallel_state.get_tensor_model_parallel_group(), cfg
+
+
+def _their_grad(p):
+    """Megatron accumulates weight gradients into main_grad where it has one."""
+    return p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+
+
+def _megatron_linears_on_rank(planted=False):
+    from megatron.core import tensor_parallel
+
+    (world, tp, cfg), rank = _megatron_tp(), dist.get_rank()
     torch.manual_seed(0)
     init = lambda w: torch.nn.init.normal_(w, std=0.5)  # noqa: E731
     m_col = tensor_parallel.ColumnParallelLinear(6, 4 * world, config=cfg, init_method=init, bias=True,
@@ -59,8 +71,7 @@ def _megatron_linears_on_rank(planted=False):
         yt.backward(g)
         torch.testing.assert_close(xo.grad, xt.grad, atol=1e-12, rtol=1e-12)
         for po, pt in zip(ours.parameters(), theirs.parameters()):
-            torch.testing.assert_close(po.grad, pt.main_grad if getattr(pt, "main_grad", None) is not None
-                                       else pt.grad, atol=1e-12, rtol=1e-12)
+            torch.testing.assert_close(po.grad, _their_grad(pt), atol=1e-12, rtol=1e-12)
     return True
 
 
@@ -71,16 +82,12 @@ def test_megatron_state_dicts_interchange(rank_pool):
 def _megatron_embedding_on_rank(planted=False):
     """Megatron's embedding has ``weight`` only (no ``_extra_state``, unlike its linears): strict
     loads both ways, the same rows per rank, the same output and weight gradient."""
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core import tensor_parallel
 
-    world = dist.get_world_size()
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    cfg = ModelParallelConfig(tensor_model_parallel_size=world, use_cpu_initialization=True, params_dtype=torch.float64)
+    world, tp, cfg = _megatron_tp()
     torch.manual_seed(0)
     theirs = tensor_parallel.VocabParallelEmbedding(5 * world, 3, init_method=torch.nn.init.normal_, config=cfg)
-    ours = VocabParallelEmbedding(5 * world, 3, parallel_state.get_tensor_model_parallel_group(), dtype=torch.float64)
+    ours = VocabParallelEmbedding(5 * world, 3, tp, dtype=torch.float64)
     assert sorted(ours.state_dict()) == sorted(theirs.state_dict()) == ["weight"]
     ours.load_state_dict(theirs.state_dict())
     theirs.load_state_dict(ours.state_dict())
@@ -94,8 +101,7 @@ def _megatron_embedding_on_rank(planted=False):
     g = torch.randn(y_ours.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     y_ours.backward(g)
     y_theirs.backward(g)
-    torch.testing.assert_close(ours.weight.grad, theirs.weight.main_grad if getattr(theirs.weight, "main_grad", None)
-                               is not None else theirs.weight.grad, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(ours.weight.grad, _their_grad(theirs.weight), atol=1e-12, rtol=1e-12)
     return True
 
 
@@ -103,21 +109,12 @@ def test_megatron_embedding_state_dict_interchanges(rank_pool):
     assert rank_pool(2).run(_megatron_embedding_on_rank) == [True, True]
 
 
-def _planted_embedding_on_rank():
+def _planted_on_rank(case):
     with pytest.raises(AssertionError, match="Tensor-likes are not"):
-        _megatron_embedding_on_rank(planted=True)
+        case(planted=True)
     return True
 
 
-def test_planted_embedding_error_is_caught(rank_pool):
-    assert rank_pool(2).run(_planted_embedding_on_rank) == [True, True]
-
-
-def _planted_on_rank():
-    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
-        _megatron_linears_on_rank(planted=True)
-    return True
-
-
-def test_planted_error_is_caught(rank_pool):
-    assert rank_pool(2).run(_planted_on_rank) == [True, True]
+@pytest.mark.parametrize("case", [_megatron_linears_on_rank, _megatron_embedding_on_rank], ids=["linears", "embedding"])
+def test_planted_error_is_caught(rank_pool, case):
+    assert rank_pool(2).run(_planted_on_rank, case) == [True, True]

@@ -32,7 +32,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # our releases before 2026-11-30 saved an ``_extra_state`` (None) here: still load them strictly
-        state_dict = {k: v for k, v in state_dict.items() if k != prefix + "_extra_state"}
+        if prefix + "_extra_state" in state_dict:  # a copy: the caller's dict stays as it was
+            state_dict = {k: v for k, v in state_dict.items() if k != prefix + "_extra_state"}
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, tokens):

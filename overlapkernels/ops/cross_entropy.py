@@ -75,12 +75,13 @@ def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, ignore_ind
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must be an integer tensor, got {target.dtype}")
     try:  # a number, or a 0-d tensor holding one (float() takes both); never a string
-        if isinstance(label_smoothing, (str, bytes)):
-            raise TypeError
-        label_smoothing = float(label_smoothing)
+        smoothing = None if isinstance(label_smoothing, (str, bytes)) else float(label_smoothing)
     except (TypeError, ValueError, RuntimeError):
+        smoothing = None
+    if smoothing is None:
         raise TypeError(f"label_smoothing must be a float in [0, 1], got {type(label_smoothing).__name__} "
-                        f"{label_smoothing!r}") from None
+                        f"{label_smoothing!r}")
+    label_smoothing = smoothing
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing}: expected a value in [0, 1]")
     group = resolve_group(group)

@@ -39,9 +39,9 @@ def check_unit_params(name: str, params: list) -> None:
 
 class FlatUnit:
     def __init__(self, name: str, module: nn.Module, params: list, group, *, param_dtype, reduce_dtype):
+        """``params`` passed ``check_unit_params`` (ShardedModule checks every unit before building any)."""
         self.name, self.module, self.params, self.group = name, module, params, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        check_unit_params(name, params)
         self.device, self.model_dtype = params[0].device, params[0].dtype
         self.master_dtype = torch.float32 if self.model_dtype.itemsize < 4 else self.model_dtype
         self.param_dtype = param_dtype or self.model_dtype
