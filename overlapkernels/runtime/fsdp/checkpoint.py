@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ... import _compat
+from .metadata_json import json_groups, tensor_groups, value_as_json
 
 META = "overlapkernels_fsdp.json"
 FORMAT = 2  # 1 (per-rank keys, same world size only) was never released: not readable
@@ -118,7 +119,7 @@ def _plan_optim(sharded, optim_state) -> tuple:
         for key, value in entries.items():
             name = f"{idx}/{key}"
             if not torch.is_tensor(value):
-                values[name] = _value_as_json(name, value)
+                values[name] = value_as_json(name, value)
             elif value.shape == unit.master.shape and value.is_floating_point():
                 plan[name] = {"kind": "flat", "dtype": _layout(value)[1]}
             else:
@@ -136,26 +137,6 @@ def _plan_optim(sharded, optim_state) -> tuple:
             plan[name] = {"kind": "value", "values": [None if t is None else json.loads(t) for t in texts],
                           "absent_on": [r for r, t in enumerate(texts) if t is None]}
     return {**plan, **_agree(local, sharded.group)}, None
-
-
-def _holds_tensor(value) -> bool:
-    if torch.is_tensor(value):
-        return True
-    if isinstance(value, dict):
-        return any(_holds_tensor(v) for v in value.values())
-    return isinstance(value, (list, tuple)) and any(_holds_tensor(v) for v in value)
-
-
-def _value_as_json(name: str, value) -> tuple:
-    """(JSON text, None), or (None, why the checkpoint cannot keep optimizer state ``name``)."""
-    if _holds_tensor(value):
-        return None, (f"optimizer state {name!r} is a {type(value).__name__} with tensors inside; a checkpoint keeps "
-                      "tensors as state values of their own, or values JSON can keep")
-    try:
-        return json.dumps(value, sort_keys=True), None
-    except (TypeError, ValueError) as exc:
-        return None, (f"optimizer state {name!r} is a {type(value).__name__} the checkpoint cannot keep ({exc}); use "
-                      "tensors, or numbers, strings, bools, None and lists of them")
 
 
 def _mesh(sharded):
@@ -240,7 +221,7 @@ def save(sharded, path) -> None:
     optim = sharded.optimizer.state_dict()
     (plan, problem), buffer_plan = _plan_optim(sharded, optim["state"]), _plan_buffers(sharded)
     mine = {"world_size": dist.get_world_size(sharded.group), "stage": sharded.stage, "units": _units(sharded),
-            "param_groups": _json_groups(optim["param_groups"]), "optim": plan, "buffers": buffer_plan}
+            "param_groups": json_groups(optim["param_groups"]), "optim": plan, "buffers": buffer_plan}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (part, mine, problem))
     problem = next((p for _, _, p in everyone if p is not None), None)
@@ -248,8 +229,8 @@ def save(sharded, path) -> None:
         raise TypeError(f"fsdp.save: {problem}")
     by_part = {k: entry for k, entry, _ in everyone}  # every rank of a part has the same entry
     # format 3 only where it is needed: older versions still read the rest and refuse these by format
-    everyone_values = any(e["kind"] == "value" for entry in by_part.values() for e in entry["optim"].values())
-    version = FORMAT_WITH_VALUES if everyone_values else FORMAT
+    holds_values = any(e["kind"] == "value" for entry in by_part.values() for e in entry["optim"].values())
+    version = FORMAT_WITH_VALUES if holds_values else FORMAT
     meta = {"format": version, **mine} if parts == 1 else {"format": version, "parts": [by_part[k] for k in range(parts)]}
     try:  # the same on every rank: refused by all before any shard is written, not after
         json.dumps(meta)
@@ -300,48 +281,6 @@ def _every_rank_sees(path: str, what: str) -> None:
     if blind := [r for r, ok in enumerate(seen) if not ok]:
         raise RuntimeError(f"{what}: ranks {blind} cannot see the checkpoint {path!r} that rank 0 sees; every rank "
                            "must reach it through one filesystem shared by all nodes")
-
-
-def _plain(value):
-    """``value`` for the JSON metadata: a tensor inside it (a tensor lr, for a compiled optimizer or a
-    schedule that updates it in place) kept as {"tensor": value, "dtype": name}, so it loads back as
-    a tensor, not a float, and json.dump, which takes no tensors, does not fail after every shard is
-    written."""
-    if torch.is_tensor(value):
-        return {"tensor": value.tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _back(value, now):
-    """``_plain`` undone: its tensors back as tensors, copied into ``now`` (what the optimizer holds
-    there) where it is a tensor of that shape (so its device stays: a capturable or compiled
-    optimizer's CUDA lr; torch's load_state_dict then deep-copies the groups, as for any
-    checkpoint), else CPU tensors. A list comes back as a tuple where the optimizer holds a tuple
-    there (Adam's betas: JSON has lists only)."""
-    if isinstance(value, dict) and set(value) == {"tensor", "dtype"}:
-        saved = torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
-        if torch.is_tensor(now) and now.shape == saved.shape:
-            with torch.no_grad():
-                return now.copy_(saved)
-        return saved
-    if isinstance(value, list):
-        nows = now if isinstance(now, (list, tuple)) and len(now) == len(value) else [None] * len(value)
-        back = [_back(v, n) for v, n in zip(value, nows)]
-        return tuple(back) if isinstance(now, tuple) else back
-    return value
-
-
-def _json_groups(groups: list) -> list:
-    """The optimizer's param_groups as JSON for the metadata (see ``_plain``)."""
-    return [{key: _plain(value) for key, value in group.items()} for group in groups]
-
-
-def _tensor_groups(groups: list, current: list) -> list:
-    """``_json_groups`` undone (see ``_back``)."""
-    return [{key: _back(value, mine.get(key)) for key, value in group.items()}
-            for group, mine in zip(groups, current + [{}] * (len(groups) - len(current)))]
 
 
 def _switch(tmp: str, path: str, old: str) -> None:
@@ -467,7 +406,7 @@ def load(sharded, path) -> None:
                  checkpoint_id=path)
     for unit in sharded.all_units:  # the padding past numel is not in the checkpoint: zeros
         unit.master.data[_valid(unit):].zero_()
-    groups = _tensor_groups(meta["param_groups"], sharded.optimizer.param_groups)
+    groups = tensor_groups(meta["param_groups"], sharded.optimizer.param_groups)
     sharded.optimizer.load_state_dict({"state": template, "param_groups": groups})
     for unit in sharded.all_units:
         if unit.gathered:

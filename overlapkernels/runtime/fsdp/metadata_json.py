@@ -1,0 +1,69 @@
+"""What an fsdp checkpoint keeps as JSON in its metadata file: the optimizer's param_groups (a
+tensor hyperparameter tagged so it loads back as a tensor) and optimizer state that is not a tensor."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+
+def holds_tensor(value) -> bool:
+    if torch.is_tensor(value):
+        return True
+    if isinstance(value, dict):
+        return any(holds_tensor(v) for v in value.values())
+    return isinstance(value, (list, tuple)) and any(holds_tensor(v) for v in value)
+
+
+def value_as_json(name: str, value) -> tuple:
+    """(JSON text, None), or (None, why the checkpoint cannot keep optimizer state ``name``)."""
+    if holds_tensor(value):
+        return None, (f"optimizer state {name!r} is a {type(value).__name__} with tensors inside; a checkpoint keeps "
+                      "tensors as state values of their own, or values JSON can keep")
+    try:
+        return json.dumps(value, sort_keys=True), None
+    except (TypeError, ValueError) as exc:
+        return None, (f"optimizer state {name!r} is a {type(value).__name__} the checkpoint cannot keep ({exc}); use "
+                      "tensors, or numbers, strings, bools, None and lists of them")
+
+
+def _plain(value):
+    """``value`` for the JSON metadata: a tensor inside it (a tensor lr, for a compiled optimizer or a
+    schedule that updates it in place) kept as {"tensor": value, "dtype": name}, so it loads back as
+    a tensor, not a float, and json.dump, which takes no tensors, does not fail after every shard is
+    written."""
+    if torch.is_tensor(value):
+        return {"tensor": value.tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _back(value, now):
+    """``_plain`` undone: its tensors back as tensors, copied into ``now`` (what the optimizer holds
+    there) where it is a tensor of that shape (so its device stays: a capturable or compiled
+    optimizer's CUDA lr; torch's load_state_dict then deep-copies the groups, as for any
+    checkpoint), else CPU tensors. A list comes back as a tuple where the optimizer holds a tuple
+    there (Adam's betas: JSON has lists only)."""
+    if isinstance(value, dict) and set(value) == {"tensor", "dtype"}:
+        saved = torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
+        if torch.is_tensor(now) and now.shape == saved.shape:
+            with torch.no_grad():
+                return now.copy_(saved)
+        return saved
+    if isinstance(value, list):
+        nows = now if isinstance(now, (list, tuple)) and len(now) == len(value) else [None] * len(value)
+        back = [_back(v, n) for v, n in zip(value, nows)]
+        return tuple(back) if isinstance(now, tuple) else back
+    return value
+
+
+def json_groups(groups: list) -> list:
+    """The optimizer's param_groups as JSON for the metadata (see ``_plain``)."""
+    return [{key: _plain(value) for key, value in group.items()} for group in groups]
+
+
+def tensor_groups(groups: list, current: list) -> list:
+    """``json_groups`` undone (see ``_back``)."""
+    return [{key: _back(value, mine.get(key)) for key, value in group.items()}
+            for group, mine in zip(groups, current + [{}] * (len(groups) - len(current)))]
