@@ -6,7 +6,8 @@ CPU addresses; the process world (torch symmetric memory / CUDA IPC) with peer-m
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,3 +33,12 @@ class SymmetricTensor:
 
     def peer(self, rank: int) -> torch.Tensor:
         return self.peers[rank]
+
+    def prefix(self, shape) -> SymmetricTensor:
+        """The first prod(shape) elements of every rank's (flat) buffer, viewed as ``shape``: the
+        same addresses, so peer_ptrs hold as they are. A smaller call reuses a larger buffer."""
+        numel = math.prod(shape)
+        if numel > self.local.numel():
+            raise ValueError(f"prefix of {numel} elements asked of a symmetric buffer of {self.local.numel()}")
+        return replace(self, local=self.local.view(-1)[:numel].view(shape),
+                       peers=tuple(p.view(-1)[:numel].view(shape) for p in self.peers))

@@ -6,9 +6,9 @@ a ``side_stream`` (the copy engine) and ``check_errors`` (at once in the thread 
 process world). The thread world provides it on CPU, where every kernel runs under the Triton
 interpreter: that is how CI proves these algorithms; with ``device="cuda"`` it runs them
 compiled on one GPU; ``comm.process_world`` serves CUDA process groups on one NVLink node.
-Workspaces persist per (op, method, shape, dtype); their flags only grow, so nothing is reset
-between calls. Every wait gives up after the world's wait_timeout and the op raises
-``SignalTimeoutError`` naming the rank, chunk and peer.
+Workspaces persist per (op, method, dtype), their slot buffers grown to the largest call so far;
+their flags only grow, so nothing is reset between calls. Every wait gives up after the world's
+wait_timeout and the op raises ``SignalTimeoutError`` naming the rank, chunk and peer.
 
 All-gather + matmul, call e on rank r (pads: ready[0:W], released[W:2W]):
   1. wait until every peer released r's slot of call e-1, copy a_shard into it, set ready[r] = e
@@ -26,10 +26,12 @@ Matmul + reduce-scatter (pads: counts[0:W], released[W:2W]):
 from __future__ import annotations
 
 import contextlib
+import math
 from functools import partial
 
 import torch
 
+from ..comm.symmetric import SymmetricTensor
 from ..kernels.triton import signals as sig
 from ..kernels.triton.ag_gemm import ag_gemm
 from ..kernels.triton.all_gather import signal_published
@@ -41,22 +43,49 @@ from ._collective_methods import accumulation_dtype
 
 
 class _Workspace:
-    def __init__(self, world, slots_shape, dtype):
+    """Symmetric slots and signal pads of one (op, method, dtype), kept across calls.
+
+    Shapes may change from call to call (variable sequence lengths): each call uses a prefix of
+    the slot buffer, which grows geometrically when a call needs more, so a run of changing shapes
+    allocates a handful of buffers instead of one per shape (symmetric memory is never freed while
+    the process runs, so per-shape buffers would grow without bound). Like every allocation here,
+    growing is collective: ranks make the same calls, so they grow at the same call. Pads and
+    epochs carry over: the release waits of the next call still refer to the previous one."""
+
+    def __init__(self, world, dtype):
+        self.world, self.dtype = world, dtype
         w = world.world_size
-        poison = float("nan") if dtype.is_floating_point else 0  # a read before a write shows up
-        self.slots = world.alloc_symmetric(slots_shape, dtype, fill=poison)
+        self._buffer = None
+        # Outgrown buffers stay referenced: a peer may still be pulling from ours (its previous
+        # call), and IPC memory cannot be freed while mapped. Geometric growth keeps their total
+        # below the current buffer's size.
+        self._outgrown = []
         self.pads = world.alloc_symmetric((2 * w,), sig.FLAG_DTYPE)
         self.arrived = torch.zeros(w, dtype=sig.FLAG_DTYPE, device=world.device)
         self.epoch = 0
         # reduce-scatter: count units every rank has added to each owner's pad so far. Summed per
         # call, not epoch * units: the tile count of a call depends on its K (gemm_config), so two
-        # calls of one (m, n) workspace may count differently.
+        # calls of one workspace may count differently.
         self.counted = 0
 
+    @property
+    def capacity(self) -> int:
+        """Elements of this rank's slot buffer (0 before the first call)."""
+        return 0 if self._buffer is None else self._buffer.local.numel()
 
-def _workspace(world, kind: str, method: str, slots_shape: tuple, dtype) -> _Workspace:
-    key = (kind, method, slots_shape, dtype)
-    return world.workspace(key, lambda w: _Workspace(w, slots_shape, dtype))
+    def slots(self, shape) -> SymmetricTensor:
+        """This call's slots: a prefix of the buffer, viewed as ``shape``."""
+        numel, capacity = math.prod(shape), self.capacity
+        if numel > capacity:
+            if self._buffer is not None:
+                self._outgrown.append(self._buffer)
+            poison = float("nan") if self.dtype.is_floating_point else 0  # a read before a write shows up
+            self._buffer = self.world.alloc_symmetric((max(numel, 2 * capacity),), self.dtype, fill=poison)
+        return self._buffer.prefix(shape)
+
+
+def _workspace(world, kind: str, method: str, dtype) -> _Workspace:
+    return world.workspace((kind, method, dtype), lambda w: _Workspace(w, dtype))
 
 
 def _join_quietly(side) -> None:
@@ -79,7 +108,8 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
                         tuple((b.shape, b.stride(), b.data_ptr() % 16) for b in bs)),
                 lambda: warmup.all_gather_matmul(world, method, shard, bs, budget))
     # one slot per rank: only our shard is published there (peers pull it; nothing is pushed)
-    ws = _workspace(world, "ag", method, (m, k), a_shard.dtype)
+    ws = _workspace(world, "ag", method, a_shard.dtype)
+    slots = ws.slots((m, k))
     ws.epoch += 1
     epoch, err = ws.epoch, torch.zeros(4, dtype=torch.int32, device=a_shard.device)
 
@@ -90,7 +120,7 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
         if reader != r:
             sig.wait_flag(ws.pads.local[w + reader:w + reader + 1], epoch - 1, err, budget,
                           code=sig.ERR_CONSUMED_TIMEOUT, rank=r, chunk=r, peer=reader)
-    ws.slots.local.copy_(shard)
+    slots.local.copy_(shard)
     signal_published(ws.pads.peer_ptrs, epoch, r, w)
     a_flat = torch.empty(w * m, k, dtype=shard.dtype, device=shard.device)  # returned as is, not a view
     a_full = a_flat.view(w, m, k)
@@ -101,7 +131,7 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
         with span(f"ok/ag_matmul/chunk{src}/comm"):
             sig.wait_flag(ws.pads.local[src:src + 1], epoch, err, budget, code=sig.ERR_READY_TIMEOUT, rank=r,
                           chunk=src, peer=src)
-            a_full[src].copy_(ws.slots.peer(src))
+            a_full[src].copy_(slots.peer(src))
             sig.add_peer_flag(ws.pads, src, w + r, 1)
             sig.set_flag_now(ws.arrived[src:src + 1], epoch)
 
@@ -135,10 +165,12 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
 
 
 def _reduce_scatter_partials(world, method: str, dtype, m: int, n: int, device, fill_slots) -> torch.Tensor:
-    """Common body of matmul + reduce-scatter and plain reduce-scatter: ``fill_slots(ws)`` puts this
-    rank's partials into the owners' slots and returns how many count units each owner waits for."""
+    """Common body of matmul + reduce-scatter and plain reduce-scatter: ``fill_slots(slots, pads,
+    err)`` puts this rank's partials into the owners' slots, counts them in the owners' pads and
+    returns how many count units each owner waits for."""
     r, w = world.rank, world.world_size
-    ws = _workspace(world, "rs", method, (w, m, n), dtype)
+    ws = _workspace(world, "rs", method, dtype)
+    slots = ws.slots((w, m, n))
     ws.epoch += 1
     epoch, err = ws.epoch, torch.zeros(4, dtype=torch.int32, device=device)
     budget = sig.wait_budget(world.wait_timeout, device)
@@ -147,7 +179,7 @@ def _reduce_scatter_partials(world, method: str, dtype, m: int, n: int, device, 
             sig.wait_flag(ws.pads.local[w + owner:w + owner + 1], epoch - 1, err, budget,
                           code=sig.ERR_CONSUMED_TIMEOUT, rank=r, chunk=owner, peer=owner)
     try:  # the copy stream reads the partials and writes err until joined: join it on an error too
-        ws.counted += fill_slots(ws, err)  # 2.
+        ws.counted += fill_slots(slots, ws.pads, err)  # 2.
         for q in range(w):  # 3. every rank's partial of our chunk is here
             sig.wait_flag(ws.pads.local[q:q + 1], ws.counted, err, budget, code=sig.ERR_PARTIAL_TIMEOUT, rank=r,
                           chunk=r, peer=q)
@@ -157,7 +189,7 @@ def _reduce_scatter_partials(world, method: str, dtype, m: int, n: int, device, 
     world.side_stream().synchronize()
     acc = torch.zeros(m, n, dtype=accumulation_dtype(dtype), device=device)
     for q in range(w):  # fixed order: bitwise reproducible whatever order partials arrived in
-        acc += ws.slots.local[q]
+        acc += slots.local[q]
     out = acc.to(dtype)
     for q in range(w):  # 4. release our slots for the next call
         if q != r:
@@ -168,15 +200,15 @@ def _reduce_scatter_partials(world, method: str, dtype, m: int, n: int, device, 
     return out
 
 
-def _push_partials(world, ws, partial_of) -> int:
+def _push_partials(world, slots, pads, partial_of) -> int:
     """symm: the copy engine pushes each partial into its owner's slot, farthest-first order."""
     r, w = world.rank, world.world_size
     side = world.side_stream()
 
     def push(owner, value):
         with span(f"ok/matmul_rs/chunk{owner}/comm"):
-            ws.slots.peer(owner)[r].copy_(value)
-            sig.add_peer_flag(ws.pads, owner, r, 1)
+            slots.peer(owner)[r].copy_(value)
+            sig.add_peer_flag(pads, owner, r, 1)
 
     for step in range(w):
         owner = (r + 1 + step) % w
@@ -196,11 +228,11 @@ def matmul_rs(a: torch.Tensor, b: torch.Tensor, world, method: str) -> torch.Ten
                 lambda: warmup.reduce_scatter(world, method, a, b, m, n, sig.wait_budget(world.wait_timeout, a.device),
                                               config))
 
-    def fill(ws, err):
+    def fill(slots, pads, err):
         if method == "fused":
-            return gemm_rs(a, b, ws.slots, ws.pads, rank=world.rank, world_size=w, config=config,
+            return gemm_rs(a, b, slots, pads, rank=world.rank, world_size=w, config=config,
                            ranks_per_device=world.ranks_per_device)
-        return _push_partials(world, ws, lambda owner: a[owner * m:(owner + 1) * m] @ b)
+        return _push_partials(world, slots, pads, lambda owner: a[owner * m:(owner + 1) * m] @ b)
 
     return _reduce_scatter_partials(world, method, a.dtype, m, n, a.device, fill)
 
@@ -213,4 +245,5 @@ def reduce_scatter(x: torch.Tensor, world) -> torch.Tensor:
                 lambda: warmup.reduce_scatter(world, "symm", x, None, m, x.shape[1],
                                               sig.wait_budget(world.wait_timeout, x.device)))
     return _reduce_scatter_partials(world, "symm", x.dtype, m, x.shape[1], x.device,
-                                    lambda ws, err: _push_partials(world, ws, lambda d: x[d * m:(d + 1) * m]))
+                                    lambda slots, pads, err: _push_partials(world, slots, pads,
+                                                                            lambda d: x[d * m:(d + 1) * m]))

@@ -1,0 +1,66 @@
+"""symm/fused workspaces when shapes change from call to call (variable sequence lengths): one
+growing symmetric buffer per (op, method, dtype), not one per shape. Symmetric memory is never
+freed while the process runs (a peer may still map it), so a buffer per shape would grow without
+bound over a training run whose batches differ in length."""
+import pytest
+import torch
+
+import overlapkernels as ok
+from overlapkernels.comm.thread_world import ThreadWorld
+
+# all_gather_matmul: (rows per rank, K) -> slot elements 32, 48, 80, 96, 128, 16
+AG_SHAPES = [(2, 16), (3, 16), (5, 16), (4, 24), (8, 16), (2, 8)]
+# matmul_reduce_scatter, world 2: (rows per chunk, N) -> slot elements 2*m*N = 24, 40, 32, 72, 12
+RS_SHAPES = [(3, 4), (5, 4), (2, 8), (6, 6), (1, 6)]
+
+
+def _ints(shape, seed):
+    return torch.randint(0, 2, shape, generator=torch.Generator().manual_seed(seed)).float()
+
+
+def _varying_shapes_on_rank(ctx, method):
+    r, w = ctx.rank, ctx.world_size
+    allocated, alloc = [], ctx.alloc_symmetric
+
+    def counting(shape, dtype, **kwargs):
+        allocated.append(tuple(shape))
+        return alloc(shape, dtype, **kwargs)
+
+    ctx.alloc_symmetric = counting
+    exact = []
+    for call, (m, k) in enumerate(AG_SHAPES):
+        shards = [_ints((m, k), 10 * call + q) for q in range(w)]
+        b = _ints((k, 3), 100 + call)
+        gathered, out = ok.all_gather_matmul(shards[r], b, ctx, return_gathered=True, method=method)
+        exact.append(torch.equal(gathered, torch.cat(shards)) and torch.equal(out, torch.cat(shards) @ b))
+    for call, (m, n) in enumerate(RS_SHAPES):
+        a_all = [_ints((w * m, 7), 200 + 10 * call + q) for q in range(w)]
+        b = _ints((7, n), 300 + call)
+        out = ok.matmul_reduce_scatter(a_all[r], b, ctx, method=method)
+        exact.append(torch.equal(out, sum(a @ b for a in a_all).chunk(w)[r]))
+    return exact, allocated
+
+
+@pytest.mark.parametrize("method", ["symm", "fused"])
+def test_changing_shapes_reuse_one_growing_buffer(method):
+    """Exact results on every call (a smaller call reads a prefix that a larger one wrote: nothing
+    stale may leak), and the slots grow geometrically: 3 all-gather buffers for 6 shapes, 3
+    reduce-scatter buffers for 5, after one signal pad each."""
+    results = ThreadWorld(2, timeout=60).run(_varying_shapes_on_rank, method)
+    for exact, allocated in results:
+        assert exact == [True] * (len(AG_SHAPES) + len(RS_SHAPES))
+        assert allocated == [(4,), (32,), (64,), (128,), (4,), (24,), (48,), (96,)], allocated
+
+
+def test_a_prefix_keeps_every_peer_address_and_refuses_more_than_the_buffer():
+    from overlapkernels.comm.symmetric import SymmetricTensor
+
+    peers = tuple(torch.arange(12.0) + 100 * q for q in range(2))
+    ptrs = torch.tensor([p.data_ptr() for p in peers])
+    whole = SymmetricTensor(1, 2, peers[1], ptrs, peers)
+    part = whole.prefix((2, 3))
+    assert torch.equal(part.peer(0), torch.arange(6.0).view(2, 3)) and torch.equal(part.local, part.peer(1))
+    assert part.local.data_ptr() == peers[1].data_ptr() and part.local.shape == (2, 3)
+    assert [p.data_ptr() for p in part.peers] == ptrs.tolist() and part.peer_ptrs is ptrs
+    with pytest.raises(ValueError, match="prefix of 13 elements asked of a symmetric buffer of 12"):
+        whole.prefix((13,))
