@@ -46,8 +46,8 @@ def _forward_cases_on_rank(ctx, method, dtype, straggler, calls=3):
         want = sum(x.float() @ y.float() for x, y in zip(a_all, b_all)).chunk(w)[r].to(dtype)
         assert torch.equal(out, want), call
     # symmetric memory held by the all-gather: peers pull our shard from one [m, K] slot (it held W)
-    ag_slots = [ws.capacity for key, ws in ctx._workspaces.items() if key[0] == "ag"]
-    assert ag_slots == [7 * 33], ag_slots
+    capacities = {key[0]: ws.capacity for key, ws in ctx._workspaces.items() if key[0] in ("ag", "rs")}
+    assert capacities == {"ag": 7 * 33, "rs": w * 7 * 6}, capacities
     return True
 
 
@@ -81,12 +81,13 @@ def _slow_inside_the_protocol_on_rank(ctx, method):
             return submit(late, keep_alive)
 
         ctx.check_errors, side.submit = slow_check, slow_submit
-    for call in range(3):  # back to back: another op in between would hold the fast rank back
-        shards = [torch.full((7, 33), float(10 * call + q)) for q in range(w)]
+    # shrinking calls: each one's slots are a prefix of the region the previous call still reads
+    for call, m in enumerate((7, 5, 3)):  # back to back: another op in between would hold the fast rank back
+        shards = [torch.full((m, 33), float(10 * call + q)) for q in range(w)]
         gathered, _ = ok.all_gather_matmul(shards[r], torch.ones(33, 2), ctx, return_gathered=True, method=method)
         assert torch.equal(gathered, torch.cat(shards)), ("all_gather_matmul", call)
-    for call in range(3):
-        a_all = [_ints((w * 7, 33), torch.float32, 10 * call + q) for q in range(w)]
+    for call, m in enumerate((7, 5, 3)):
+        a_all = [_ints((w * m, 33), torch.float32, 10 * call + q) for q in range(w)]
         b = _ints((33, 6), torch.float32, 100 + call)
         out = ok.matmul_reduce_scatter(a_all[r], b, ctx, method=method)
         assert torch.equal(out, sum(x @ b for x in a_all).chunk(w)[r]), ("matmul_reduce_scatter", call)

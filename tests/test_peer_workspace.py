@@ -38,7 +38,9 @@ def _varying_shapes_on_rank(ctx, method):
         b = _ints((7, n), 300 + call)
         out = ok.matmul_reduce_scatter(a_all[r], b, ctx, method=method)
         exact.append(torch.equal(out, sum(a @ b for a in a_all).chunk(w)[r]))
-    return exact, allocated
+    # outgrown buffers stay referenced: a peer may still be pulling from one (its previous call)
+    outgrown = {key[0]: len(ws._outgrown) for key, ws in ctx._workspaces.items() if key[0] in ("ag", "rs")}
+    return exact, allocated, outgrown
 
 
 @pytest.mark.parametrize("method", ["symm", "fused"])
@@ -47,9 +49,37 @@ def test_changing_shapes_reuse_one_growing_buffer(method):
     stale may leak), and the slots grow geometrically: 3 all-gather buffers for 6 shapes, 3
     reduce-scatter buffers for 5, after one signal pad each."""
     results = ThreadWorld(2, timeout=60).run(_varying_shapes_on_rank, method)
-    for exact, allocated in results:
+    for exact, allocated, outgrown in results:
         assert exact == [True] * (len(AG_SHAPES) + len(RS_SHAPES))
         assert allocated == [(4,), (32,), (64,), (128,), (4,), (24,), (48,), (96,)], allocated
+        assert outgrown == {"ag": 2, "rs": 2}
+
+
+def _empty_first_then_mixed_on_rank(ctx, method):
+    """An empty call first (a rank's batch with no rows) still sets the workspace up; then the
+    plain reduce-scatter (no GEMM: sequence-parallel gradients) shares the symm reduce-scatter
+    workspace with matmul_reduce_scatter, each call a different shape."""
+    from overlapkernels.ops import _methods
+
+    r, w = ctx.rank, ctx.world_size
+    b = _ints((6, 3), 1)
+    got = [tuple(ok.all_gather_matmul(torch.zeros(0, 6), b, ctx, method=method).shape),
+           tuple(ok.matmul_reduce_scatter(torch.zeros(0, 6), b, ctx, method=method).shape)]
+    for call, m in enumerate((3, 5, 2)):
+        a_all = [_ints((w * m, 6), 10 * call + q) for q in range(w)]
+        got.append(torch.equal(ok.matmul_reduce_scatter(a_all[r], b, ctx, method=method),
+                               sum(a @ b for a in a_all).chunk(w)[r]))
+        x_all = [_ints((w * (m + 1), 4), 50 + 10 * call + q) for q in range(w)]
+        got.append(torch.equal(_methods.reduce_scatter(x_all[r], ctx), sum(x_all).chunk(w)[r]))
+        shards = [_ints((m, 6), 90 + 10 * call + q) for q in range(w)]
+        got.append(torch.equal(ok.all_gather_matmul(shards[r], b, ctx, method=method), torch.cat(shards) @ b))
+    return got
+
+
+@pytest.mark.parametrize("method", ["symm", "fused"])
+def test_an_empty_first_call_and_the_plain_reduce_scatter_share_the_workspace(method):
+    want = [(0, 3), (0, 3)] + [True] * 9
+    assert ThreadWorld(2, timeout=60).run(_empty_first_then_mixed_on_rank, method) == [want, want]
 
 
 def test_a_prefix_keeps_every_peer_address_and_refuses_more_than_the_buffer():

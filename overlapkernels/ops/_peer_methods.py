@@ -76,11 +76,12 @@ class _Workspace:
     def slots(self, shape) -> SymmetricTensor:
         """This call's slots: a prefix of the buffer, viewed as ``shape``."""
         numel, capacity = math.prod(shape), self.capacity
-        if numel > capacity:
+        if self._buffer is None or numel > capacity:  # (an empty first call still gets a buffer)
+            poison = float("nan") if self.dtype.is_floating_point else 0  # a read before a write shows up
+            grown = self.world.alloc_symmetric((max(numel, 2 * capacity, 1),), self.dtype, fill=poison)
             if self._buffer is not None:
                 self._outgrown.append(self._buffer)
-            poison = float("nan") if self.dtype.is_floating_point else 0  # a read before a write shows up
-            self._buffer = self.world.alloc_symmetric((max(numel, 2 * capacity),), self.dtype, fill=poison)
+            self._buffer = grown
         return self._buffer.prefix(shape)
 
 
