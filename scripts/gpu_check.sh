@@ -93,7 +93,9 @@ if [ "$left" -ge 5 ]; then
 fi
 # The csrc library is built here only (not by `make setup` as well), within the deadline. No nvcc
 # (csrc/build.py looks where the build would) is no failure: the csrc tests then say so.
+have_nvcc=0
 if "$PY" csrc/build.py --find-nvcc >/dev/null 2>&1; then
+  have_nvcc=1
   step 150 csrc_build "$PY" csrc/build.py
 else
   echo "=== csrc_build: skipped, nvcc not found"
@@ -107,7 +109,12 @@ step 40 compile_sm90 env -u TRITON_INTERPRET "$PY" scripts/compile_kernels_sm90.
 # kernels alone, the csrc library, ring attention on two processes
 pytest_step 120 gpu_tests "${PYTEST[@]}" -m gpu --ignore=tests/test_ops_tp_gpu.py
 step 50 bench_fused_gemm "$PY" benchmarks/bench_fused_gemm.py --csv "$GPU_CSV"
-step 25 bench_reduce "$PY" benchmarks/bench_reduce.py --csv "$GPU_CSV"
+if [ "$have_nvcc" = 1 ]; then  # the csrc reduce: nothing to time without the library
+  step 25 bench_reduce "$PY" benchmarks/bench_reduce.py --csv "$GPU_CSV"
+else
+  echo "=== bench_reduce: skipped, no CUDA library (no nvcc)"
+  summary+=("bench_reduce|skipped (no nvcc)|0|")
+fi
 step 75 bench_flash_attn "$PY" benchmarks/bench_flash_attn.py --csv "$GPU_CSV"
 # several ranks spinning on flags on one GPU (symm/fused ops): the riskiest, so last
 # (no --maxfail: the process-world tests, last in the file, are the ones most worth the time; the

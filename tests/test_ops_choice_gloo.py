@@ -317,6 +317,36 @@ def test_symm_mem_peer_views_use_each_ranks_offset_into_its_block():
         symm_mem_peer_views(_PooledSymmHandle(blocks), [16, 32, 6], local, rank=1)
 
 
+def _symm_mem_without_a_handle_on_rank():
+    """torch symmetric memory stood in for on CPU: rendezvous gives rank 1 no handle (newer torch
+    warns and returns None for a tensor outside its pool). Every rank must raise, naming rank 1,
+    not rank 1 alone while rank 0 waits in the next collective."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from overlapkernels.comm.process_world import ProcessPeerWorld
+
+    world = object.__new__(ProcessPeerWorld)
+    world.group, world.device, world.peer_memory = dist.group.WORLD, torch.device("cpu"), "symm_mem"
+    world.rank, world.world_size = dist.get_rank(), dist.get_world_size()
+    saved = {name: getattr(symm_mem, name) for name in ("enable_symm_mem_for_group", "empty", "rendezvous")}
+    symm_mem.enable_symm_mem_for_group = lambda name: None
+    symm_mem.empty = lambda shape, dtype, device: torch.empty(shape, dtype=dtype, device=device)
+    symm_mem.rendezvous = lambda t, name: None if dist.get_rank() == 1 else _PooledSymmHandle([t])
+    try:
+        with pytest.raises(RuntimeError) as info:
+            world.alloc_symmetric((4,), torch.float32)
+        return str(info.value)
+    finally:
+        for name, fn in saved.items():
+            setattr(symm_mem, name, fn)
+
+
+def test_symm_mem_without_a_handle_raises_on_every_rank(rank_pool):
+    want = ("torch symmetric memory gave no handle on ranks [1] of the group; OVERLAPKERNELS_PEER_MEMORY=ipc on "
+            "every rank uses CUDA IPC instead")
+    assert rank_pool(2).run(_symm_mem_without_a_handle_on_rank) == [want, want]
+
+
 def test_pending_device_errors_are_raised_on_demand_and_reported_at_exit(monkeypatch, capsys):
     """symm/fused on GPUs raise a wait's timeout one call late (no host sync per call): the last
     call's must still surface - check_pending_errors() raises it, the exit hook prints it."""

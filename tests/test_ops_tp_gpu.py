@@ -9,6 +9,7 @@ import torch
 
 import overlapkernels as ok
 from overlapkernels.comm.thread_world import ThreadWorld
+from test_cuda_lib import needs_cuda_library
 from test_ops_tp_peer import _autograd_checks, _forward_cases_on_rank
 
 pytestmark = pytest.mark.gpu
@@ -121,7 +122,7 @@ def _process_world_calls(method, peer_memory):
     return True
 
 
-@pytest.mark.parametrize("peer_memory", ["symm_mem", "ipc"])
+@pytest.mark.parametrize("peer_memory", ["symm_mem", pytest.param("ipc", marks=needs_cuda_library)])
 @pytest.mark.parametrize("method", METHODS)
 def test_process_world_two_processes_one_gpu(rank_pool, method, peer_memory):
     assert rank_pool(2).run(_process_world_on_rank, method, peer_memory) == [True, True]

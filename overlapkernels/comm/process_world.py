@@ -215,8 +215,15 @@ class ProcessPeerWorld:
                                f"{PEER_MEMORY_ENV}=ipc on every rank uses CUDA IPC instead") from exc
         # Where the tensor sits in its symmetric block: torch >= 2.11 carves symm_mem.empty()
         # tensors out of a memory pool, so buffer_ptrs (and get_buffer's offset 0) are block bases,
-        # not tensor addresses. Ranks exchange their offsets rather than assume them equal.
-        offsets = all_gather_objects(local.data_ptr() - handle.buffer_ptrs[self.rank], self.group, self.device)
+        # not tensor addresses. Ranks exchange their offsets rather than assume them equal; None
+        # where rendezvous gave no handle (newer torch warns and returns None for a tensor outside
+        # its pool), so that every rank raises, not only that one while the others wait.
+        offset = None if handle is None else local.data_ptr() - handle.buffer_ptrs[self.rank]
+        offsets = all_gather_objects(offset, self.group, self.device)
+        if None in offsets:
+            missing = [r for r, o in enumerate(offsets) if o is None]
+            raise RuntimeError(f"torch symmetric memory gave no handle on ranks {missing} of the group; "
+                               f"{PEER_MEMORY_ENV}=ipc on every rank uses CUDA IPC instead")
         # nobody may write into a peer's buffer before that peer's fill has landed
         torch.cuda.current_stream(self.device).synchronize()
         self.barrier()

@@ -242,7 +242,9 @@ def reduce_scatter(x: torch.Tensor, world) -> torch.Tensor:
     """Sum over ranks of ``x``, chunk ``rank`` of dim 0, through the symm protocol (no GEMM)."""
     w = world.world_size
     m = x.shape[0] // w
-    warmup.warm(world, ("rs", "symm", x.shape, x.dtype),
+    # strides and alignment too, as matmul_rs keys them: a strided x pushes through a copy kernel,
+    # not a memcpy, and that kernel must be loaded before any rank spins
+    warmup.warm(world, ("rs", "symm", x.shape, x.stride(), x.data_ptr() % 16, x.dtype),
                 lambda: warmup.reduce_scatter(world, "symm", x, None, m, x.shape[1],
                                               sig.wait_budget(world.wait_timeout, x.device)))
     return _reduce_scatter_partials(world, "symm", x.dtype, m, x.shape[1], x.device,
