@@ -56,10 +56,11 @@ class AllGatherMatmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, a_shard, group, method_requested, method, save_gathered, transposed, *ws):
+    def forward(ctx, a_shard, group, method_requested, method, save_gathered, transposed, gathered_returned, *ws):
         bs = [w.t() for w in ws] if transposed else list(ws)
         a_full, outs = _methods.ag_matmul(a_shard, bs, group, method)
         ctx.group, ctx.method_requested, ctx.method = group, method_requested, method
+        ctx.gathered_returned = gathered_returned
         ctx.save_gathered, ctx.strict, ctx.device = save_gathered, strict_active(), a_shard.device
         ctx.transposed, ctx.grad_targets = transposed, ws  # the weights themselves: see weight_grad_store.defer
         ctx.save_for_backward(a_full if save_gathered else a_shard, *ws)
@@ -80,36 +81,44 @@ class AllGatherMatmul(torch.autograd.Function):
         bs = [w.t() for w in ws] if ctx.transposed else ws
         group, world = ctx.group, group_size(ctx.group)
         used = [i for i, g in enumerate(grad_outs) if g is not None]
+        rows = saved.shape[0] * (1 if ctx.save_gathered else world)
+        # Every rank runs the same traffic whichever outputs its own loss used (one rank's loss may
+        # use only some of the outputs, or the gathered input besides): a missing gradient is zeros
+        # here, as in ring_attention. Skipping by local use, or choosing 'auto' from the used
+        # widths, would leave a peer alone in a collective, or pair its collective with our P2P.
         grad_a = None
-        if ctx.needs_input_grad[0] and used:
+        if ctx.needs_input_grad[0]:
             from .matmul_reduce_scatter import resolve as rs_resolve
 
-            g = torch.cat([grad_outs[i] for i in used], dim=1) if len(used) > 1 else grad_outs[used[0]]
-            bt = torch.cat([bs[i].T for i in used], dim=0) if len(used) > 1 else bs[used[0]].T
+            full = [grad_outs[i] if i in used else saved.new_zeros(rows, bs[i].shape[1]) for i in range(len(bs))]
+            g = torch.cat(full, dim=1) if len(full) > 1 else full[0]
+            bt = torch.cat([b.T for b in bs], dim=0) if len(bs) > 1 else bs[0].T
             with strict_in_backward(ctx.strict):
                 # recorded in overlap_stats too; measured (OVERLAPKERNELS_AUTO=measure) like a forward call
                 method = rs_resolve(ctx.method_requested, group, g, bt, world, measurable=True)
             grad_a = _methods.matmul_rs(g, bt, group, method)
-        if ctx.needs_input_grad[0] and grad_a_full is not None:  # the caller used the gathered input
-            rs = _methods.reduce_scatter(grad_a_full, group)
-            grad_a = rs if grad_a is None else grad_a + rs
-        wanted = [i for i in used if ctx.needs_input_grad[6 + i]]
+            if ctx.gathered_returned:  # the caller had the gathered input: its gradient is reduce-scattered
+                grad_a = grad_a + _methods.reduce_scatter(
+                    grad_a_full if grad_a_full is not None else saved.new_zeros(rows, saved.shape[1]), group)
+        wanted = [i for i in used if ctx.needs_input_grad[7 + i]]
         grad_ws = [None] * len(ws)
 
         def local_wgrads():  # needs only the kept a_full and grad_out: no communication, may run at W
             grads = [saved.T @ grad_outs[i] for i in wanted]
             return [g.t() for g in grads] if ctx.transposed else grads
 
-        # the ring wgrad communicates: only the local one (a_full kept) may wait for W
-        if wanted and not (ctx.save_gathered and defer([ctx.grad_targets[i] for i in wanted], local_wgrads)):
-            if ctx.save_gathered:
-                results = local_wgrads()
-            else:
-                results = _methods.ag_wgrad(saved, [grad_outs[i] for i in wanted], group, ctx.method)
-                results = [r.t() for r in results] if ctx.transposed else results
-            for i, grad in zip(wanted, results):
+        # The ring wgrad communicates: it runs on every rank where a weight needs a gradient, even
+        # with no used output here (it then gathers and multiplies nothing), and never waits for W.
+        # A weight whose output this rank's loss did not use keeps grad None, as in torch.
+        if ctx.save_gathered:
+            if wanted and not defer([ctx.grad_targets[i] for i in wanted], local_wgrads):
+                for i, grad in zip(wanted, local_wgrads()):
+                    grad_ws[i] = grad
+        elif any(ctx.needs_input_grad[7:]):
+            results = _methods.ag_wgrad(saved, [grad_outs[i] for i in wanted], group, ctx.method)
+            for i, grad in zip(wanted, [r.t() for r in results] if ctx.transposed else results):
                 grad_ws[i] = grad
-        return (grad_a, None, None, None, None, None, *grad_ws)
+        return (grad_a, None, None, None, None, None, None, *grad_ws)
 
 
 @eager_under_compile  # takes a ProcessGroup: see _compat
@@ -163,7 +172,7 @@ def _all_gather_matmul(a_shard, b, group, gather_dim, return_gathered, method, s
         chosen = resolve(method, group, x2d, sum(w.shape[1] for w in bs), world, bs=bs)
     with span(f"ok/all_gather_matmul[{chosen}]"), autocast_off(x2d.device):
         a_full, *outs = AllGatherMatmul.apply(x2d, group, method, chosen, bool(save_gathered), transposed,
-                                              *(b if transposed else bs))
+                                              return_gathered, *(b if transposed else bs))
 
     def restore(t2d):  # [W*m, n] -> the layout of a_shard, gathered along gather_dim (contiguous, like torch.cat)
         return t2d.view(world * lead[0], *lead[1:], t2d.shape[-1]).movedim(0, gather_dim).contiguous()
