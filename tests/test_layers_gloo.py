@@ -265,6 +265,7 @@ def _bad_layers_on_rank():
         (lambda: ColumnParallelLinear(8, 4, tp)(torch.tensor(1.0)),
          r"ColumnParallelLinear: x.shape=\(\), expected a last dim of 8 \(in_features\)"),
         (lambda: ParallelSelfAttention(8, 4, 3, tp), r"^num_heads=4 is not a multiple of num_kv_heads=3$"),
+        (lambda: ParallelSelfAttention(6, 2, 2, tp), r"^hidden=6 / num_heads=2 gives an odd head dim 3: rotary "),
         (lambda: ParallelSelfAttention(8, 2, 2, tp, cp_layout="ring"),
          r"^cp_layout='ring': expected one of \['contiguous', 'zigzag'\]$"),
         (lambda: ParallelSelfAttention(8, 2, 2, tp)(torch.ones(3, 8)),

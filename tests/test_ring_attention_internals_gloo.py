@@ -63,6 +63,49 @@ def test_merge_with_an_empty_side_keeps_the_other():
     assert (out == 0).all() and lse.item() == -inf
 
 
+def test_merge_propagates_a_nan_side():
+    """NaN (from a NaN or inf in q or k) is not "nothing visible": it must reach the output, as in
+    SDPA, or a diverged run hides behind a finite loss. Only -inf means empty."""
+    nan, inf = float("nan"), float("inf")
+    o1, o2 = torch.full((1, 1, 3, 2), 5.0), torch.full((1, 1, 3, 2), nan)
+    out, lse = attention_ref.merge(o1, torch.tensor([[[1.0, -inf, 2.0]]]), o2, torch.tensor([[[nan, nan, -inf]]]))
+    assert out[0, 0, :2].isnan().all() and lse[0, 0, :2].isnan().all()
+    assert torch.equal(out[0, 0, 2], o1[0, 0, 2]) and lse[0, 0, 2] == 2.0
+
+
+def _nonfinite_key_on_rank(bad, backend):
+    """One NaN or inf key element, held by the last rank: on every rank exactly the rows SDPA makes
+    non-finite are non-finite, in out and dq (inf: the rows whose score with it is +inf; NaN: all),
+    and the others match SDPA - not a finite result that silently left out the block holding it."""
+    import torch.nn.functional as F
+
+    ra = importlib.import_module("overlapkernels.ops.ring_attention")  # the module, not the function
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    q, k, v = (torch.randn(1, 2, 4 * world, 16, generator=g, dtype=dtype).requires_grad_() for _ in range(3))
+    with torch.no_grad():
+        k[0, 1, -1, 3] = bad  # head 1 only
+    want = F.scaled_dot_product_attention(q, k, v)
+    want.sum().backward()
+    local = lambda x: ok.shard_sequence(x.detach(), dim=2, layout="contiguous")
+    ql, kl, vl = (local(x).requires_grad_() for x in (q, k, v))
+    out, lse = ra.RingAttention.apply(ql, kl, vl, dist.group.WORLD, False, 16 ** -0.5, "contiguous", backend)
+    out.sum().backward()
+    same = []
+    for got, ref in ((out, local(want)), (ql.grad, local(q.grad))):
+        bad_rows = ~torch.isfinite(ref).all(-1)
+        same.append(torch.equal(~torch.isfinite(got).all(-1), bad_rows) and bool(bad_rows[:, 1].any()))
+        torch.testing.assert_close(got[~bad_rows], ref[~bad_rows], atol=1e-5, rtol=1e-5)
+    return same
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nonfinite_key_propagates_like_sdpa(rank_pool, bad, backend):
+    assert rank_pool(2).run(_nonfinite_key_on_rank, bad, backend) == [[True, True]] * 2
+
+
 # ------------------------------------------------------------------------ what travels the ring
 def _traffic_on_rank(dtype):
     """Record every ring exchange of a causal zigzag GQA call (H=4, H_kv=2) and its backward."""
@@ -145,3 +188,15 @@ def _allgather_baseline_on_rank():
 @pytest.mark.parametrize("world", [2, 4])
 def test_allgather_kv_baseline_equals_the_ring(rank_pool, world):
     assert rank_pool(world).run(_allgather_baseline_on_rank) == [True] * world
+
+
+def _head_dim_zero_on_rank():
+    q = torch.zeros(1, 4, 2, 0, requires_grad=True)
+    out, lse = ok.ring_attention(q, q, q, causal=True, layout="zigzag", return_lse=True)
+    out.sum().backward()
+    return tuple(out.shape), tuple(lse.shape), tuple(q.grad.shape)
+
+
+def test_head_dim_zero_gives_an_empty_result_not_a_division_by_zero(rank_pool):
+    """SDPA returns an empty result for D = 0; the default scale 1/sqrt(D) must not raise first."""
+    assert rank_pool(2).run(_head_dim_zero_on_rank) == [((1, 4, 2, 0), (1, 2, 4), (1, 4, 2, 0))] * 2

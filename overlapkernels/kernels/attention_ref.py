@@ -4,8 +4,8 @@ The reference backend of ring attention (the default on CPU) and the yardstick o
 kernels. Blocks are contiguous position ranges: queries at q_start.., keys at k_start..; with
 ``causal`` a query sees keys at positions <= its own. GQA: q [B, H, Lq, D], k/v [B, H_kv, Lk, D],
 query head h reads kv head h // (H / H_kv) (grouped by reshaping, never by copying heads).
-Rows that see no key get out = 0 and lse = -inf, never NaN. Math runs in fp32, or fp64 for fp64
-inputs (so CPU tests can compare tightly).
+Rows that see no key get out = 0 and lse = -inf, never NaN (a NaN in q, k or v still propagates,
+as in SDPA). Math runs in fp32, or fp64 for fp64 inputs (so CPU tests can compare tightly).
 """
 from __future__ import annotations
 
@@ -37,9 +37,11 @@ def _scores(q, k, scale, q_start, k_start, causal):
 
 
 def _probs(s, lse):
-    """exp(s - lse) with fully masked rows (lse = -inf) as 0 instead of NaN."""
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    return torch.exp(s - safe[..., None]).masked_fill(torch.isinf(lse)[..., None], 0.0)
+    """exp(s - lse) with fully masked rows (lse = -inf) as 0 instead of NaN. Only -inf means
+    "saw nothing": a NaN (or +inf) lse from NaN/inf inputs gives NaN, as SDPA does."""
+    empty = lse == float("-inf")
+    safe = torch.where(empty, torch.zeros_like(lse), lse)
+    return torch.exp(s - safe[..., None]).masked_fill(empty[..., None], 0.0)
 
 
 def block_forward(q, k, v, scale: float, *, q_start: int = 0, k_start: int = 0, causal: bool = False):
@@ -71,13 +73,14 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, *, q_start: int = 0,
 def merge(out, lse, block_out, block_lse):
     """Fold one block's (out, lse) into the running ones (fp32 or fp64), overflow-safe:
     out = o1 - sigmoid(l2 - l1) (o1 - o2), lse = l1 - logsigmoid(l1 - l2). A side whose lse is
-    -inf (nothing seen yet / nothing visible) contributes nothing."""
-    both = torch.isfinite(lse) & torch.isfinite(block_lse)
+    -inf (nothing seen yet / nothing visible) contributes nothing; a NaN on either side (a NaN or
+    inf in q or k) propagates, as in SDPA, so a diverged run is not hidden behind finite output."""
+    empty, block_empty = lse == float("-inf"), block_lse == float("-inf")
+    both = ~empty & ~block_empty
     l1 = torch.where(both, lse, torch.zeros_like(lse))
     l2 = torch.where(both, block_lse, torch.zeros_like(block_lse))
     merged_out = out - torch.sigmoid(l2 - l1)[..., None] * (out - block_out)
     merged_lse = l1 - torch.nn.functional.logsigmoid(l1 - l2)
-    only_block = torch.isinf(lse) & torch.isfinite(block_lse)
-    out = torch.where(both[..., None], merged_out, torch.where(only_block[..., None], block_out, out))
-    lse = torch.where(both, merged_lse, torch.where(only_block, block_lse, lse))
+    out = torch.where(both[..., None], merged_out, torch.where(empty[..., None], block_out, out))
+    lse = torch.where(both, merged_lse, torch.where(empty, block_lse, lse))
     return out, lse

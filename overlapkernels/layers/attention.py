@@ -43,6 +43,9 @@ class ParallelSelfAttention(DefersWeightGrad, _MegatronExtraState, nn.Module):
             raise ValueError(f"hidden={hidden} is not divisible by num_heads={num_heads}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        if (hidden // num_heads) % 2:
+            raise ValueError(f"hidden={hidden} / num_heads={num_heads} gives an odd head dim {hidden // num_heads}: "
+                             "rotary embeddings (RoPE) rotate pairs of dims, so the head dim must be even")
         self.heads = divide(num_heads, tp, "num_heads")
         self.kv_heads = divide(num_kv_heads, tp, "num_kv_heads")
         self.head_dim = hidden // num_heads

@@ -292,7 +292,8 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, lay
         for name, flag in (("causal", causal), ("return_lse", return_lse)):
             if not isinstance(flag, bool):  # causal="no" is truthy: it would silently mean causal
                 raise TypeError(f"{name}={flag!r}: expected a bool")
-        scale = _check_scale(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        # D = 0 (an empty result, as SDPA gives) must not divide by zero
+        scale = _check_scale(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(max(q.shape[-1], 1))
         call.args = dict(q=q, k=k, v=v, causal=causal, softmax_scale=scale, layout=layout,
                          qkv_format=qkv_format)
     backend = default_backend(q)

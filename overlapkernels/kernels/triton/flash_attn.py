@@ -3,7 +3,8 @@
 Same contract as ``kernels.attention_ref``: q [B, H, Lq, D], k/v [B, H_kv, Lk, D] (last dim
 contiguous), queries at positions q_start.., keys at k_start..; ``causal`` masks keys after the
 query. Query head h reads kv head h // (H / H_kv). Outputs are fp32 (the ring merges in fp32);
-rows that see no key give out = 0 and lse = -inf, never NaN. Backward takes the *final* lse and
+rows that see no key give out = 0 and lse = -inf, never NaN (NaN inputs still give NaN, as in
+SDPA). Backward takes the *final* lse and
 delta = rowsum(dO * O), as ring attention recomputes every block against the merged result.
 Softmax runs in base 2 (exp2 with log2(e) folded into the scale), the usual flash trick.
 The grid is (tiles, heads, batch): heads and batch on axes of their own, each under CUDA's 65535,
@@ -108,7 +109,9 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     for n0 in range(mid, _key_end(pid_m, Lk, q_start, k_start, CAUSAL, BLOCK_M), BLOCK_N):
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start,
                                   k_start, sk_s, scale_log2, CAUSAL, True, BLOCK_N, DOT_PRECISION)
-    seen = l_i > 0
+    # a row that saw no key sums exactly 0; a NaN sum (NaN or inf inputs) is not "nothing seen": it
+    # propagates to out and lse, as in SDPA
+    seen = l_i != 0
     out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     tl.store(out_ptr + b * so_b + h * so_h + offs_m[:, None] * so_s + offs_d[None, :], out,
