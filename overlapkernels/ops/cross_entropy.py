@@ -38,14 +38,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ignored = target == ignore_index
         local_t = target - start
         mine = (local_t >= 0) & (local_t < per_rank) & ~ignored
-        z_target = torch.gather(z, -1, local_t.clamp(0, per_rank - 1).unsqueeze(-1)).squeeze(-1) * mine
+        # where(), not "* mine": a masked (-inf) logit at the clamped index would give -inf * 0 = NaN
+        picked = torch.gather(z, -1, local_t.clamp(0, per_rank - 1).unsqueeze(-1)).squeeze(-1)
+        z_target = torch.where(mine, picked, torch.zeros_like(picked))
         exp = torch.exp(z)
         sums = torch.stack([exp.sum(-1), z_target, z.sum(-1)])
         if world > 1:
             C.all_reduce(sums, group)
         sum_exp, z_t, sum_z = sums
         lse = torch.log(sum_exp)
-        loss = (1 - label_smoothing) * (lse - z_t) + label_smoothing * (lse - sum_z / vocab)
+        # without smoothing the smoothing term is left out, as F.cross_entropy does: with masked
+        # (-inf) logits it is infinite, and 0 * inf would make the loss NaN
+        loss = (1 - label_smoothing) * (lse - z_t)
+        if label_smoothing > 0:
+            loss = loss + label_smoothing * (lse - sum_z / vocab)
         loss = loss.masked_fill(ignored, 0.0)
         ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_t, mine, ignored)
         ctx.label_smoothing, ctx.vocab, ctx.dtype = label_smoothing, vocab, logits_shard.dtype
