@@ -126,6 +126,40 @@ def test_stage_without_parameters(rank_pool, first_param_less):
     assert rank_pool(2).run(_odd_stages_on_rank, first_param_less) == [True, True]
 
 
+class _SummedEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, WIDTH, dtype=torch.float64)
+
+    def forward(self, ids):
+        return self.embed(ids).sum(1)
+
+
+def _integer_activation_on_rank():
+    """Token ids cross from a first stage without parameters to an embedding stage: an integer
+    activation takes no gradient (zeros go back), and the embedding's gradient is the reference's."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Identity(), _SummedEmbedding())
+    runner = pp.PipelineRunner(model[rank], schedule=pp.make_schedule("1f1b", 2, 2), loss_fn=F.mse_loss, timeout=20)
+    g = torch.Generator().manual_seed(1)
+    ids, y = torch.randint(0, 10, (4, 3), generator=g), torch.randn(4, WIDTH, generator=g, dtype=torch.float64)
+    loss = runner.step(ids if rank == 0 else None, y if rank == 1 else None)
+    if rank == 0:
+        return True
+    got = model[1].embed.weight.grad.clone()
+    model.zero_grad()
+    want = F.mse_loss(model(ids), y)
+    want.backward()
+    torch.testing.assert_close(loss, want, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(got, model[1].embed.weight.grad, atol=1e-12, rtol=1e-12)
+    return True
+
+
+def test_integer_activations_cross_stages(rank_pool):
+    assert rank_pool(2).run(_integer_activation_on_rank) == [True, True]
+
+
 @pytest.mark.usefixtures("world_of_one")
 @pytest.mark.parametrize("stages, schedule, loss_fn, error, match", [
     ([nn.Tanh(), 3], ("interleaved-1f1b", 1, 2, 2), F.mse_loss, TypeError,

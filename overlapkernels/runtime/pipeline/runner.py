@@ -36,6 +36,12 @@ _META_LEN = 10
 _KINDS = ("shape", "activation", "gradient")
 
 
+def _stage_input(x: torch.Tensor) -> torch.Tensor:
+    """An activation from the previous stage as a leaf whose gradient backward sends back; integer
+    activations (token ids on their way to an embedding stage) take no gradient: zeros go back."""
+    return x.requires_grad_() if x.is_floating_point() or x.is_complex() else x
+
+
 class PipelineTimeout(RuntimeError):
     """A peer did not send in time; names the stage, microbatch and peer rank."""
 
@@ -256,9 +262,9 @@ class PipelineRunner:
             if s == 0:
                 x = inputs_mb[mb]
             elif self.schedule.rank_of(s - 1) == self.rank:
-                x = state[(s - 1, mb)]["out"].detach().requires_grad_()
+                x = _stage_input(state[(s - 1, mb)]["out"].detach())
             else:
-                x = self._take("activation", s - 1, mb).requires_grad_()
+                x = _stage_input(self._take("activation", s - 1, mb))
             with self._timed("F"):
                 out = self.modules[s](x)
                 if s == self.last_stage:
