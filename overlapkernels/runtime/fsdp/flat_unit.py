@@ -72,7 +72,9 @@ class FlatUnit:
         self.pending_gather = None   # (work, staged shard) of an async gather in flight
         self.pending_reduce = []     # (work, output) of async reduce-scatters in flight
         self.grads_ready = 0
-        self.reduced_this_step = False  # the optimizer skips a unit no rank produced a gradient for
+        self.backward_done = False  # this backward finished the unit here (ShardedModule's reduce order)
+        self.grad_seen = False      # this rank reduced a gradient of its own for the unit this step
+        self.grad_anywhere = False  # some rank did (agreed): else the optimizer skips the unit
         self.bytes_gathered = self.bytes_reduced = 0  # full-buffer bytes each collective covered
 
     # -- parameters ---------------------------------------------------------------------------
@@ -125,6 +127,7 @@ class FlatUnit:
         """Reduce-scatter the unit's full gradients (averaged over the group) into pending shards,
         then drop the full gradients."""
         flat_grad = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
+        self.grad_seen = self.grad_seen or self.has_full_grads()
         sp_groups = {}  # sequence-parallel partial gradients: first summed over their TP group
         for p in self.params:
             group = getattr(p, "sequence_parallel_group", None)
@@ -145,7 +148,6 @@ class FlatUnit:
         self.bytes_reduced += flat_grad.numel() * flat_grad.element_size()
         self.pending_reduce.append((work, out, flat_grad))
         self.grads_ready = 0
-        self.reduced_this_step = True
 
     def finish_reduce(self) -> None:
         """Wait for in-flight reduce-scatters and add them to the master gradient shard."""

@@ -106,6 +106,10 @@ class ShardedModule(nn.Module):
         self.root = FlatUnit("<root>", model, rest, group, param_dtype=param_dtype,
                              reduce_dtype=reduce_dtype) if rest else None
         self.all_units = self.units + ([self.root] if self.root else [])
+        # the one order every rank reduce-scatters gradients in during backward (see _reduce_in_order):
+        # the units' reverse (the order a transformer's backward finishes them in), the root last
+        self._reduce_order = self.units[::-1] + ([self.root] if self.root else [])
+        self._next_reduce = 0
         self.optimizer = optimizer([u.master for u in self.all_units])
         self._param_unit = {id(p): u for u in self.all_units for p in u.params}
         model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
@@ -191,8 +195,7 @@ class ShardedModule(nn.Module):
                 # the last backward raised before its end-of-backward callback ran (a forward
                 # during backward, as checkpointing's recompute, has a current node): re-arm it
                 self._backward_armed = False
-                for u in self.all_units:
-                    u.grads_ready = 0
+                self._reset_backward()
             if self.stage == 3:
                 unit.gather()
                 for nxt in self._neighbours(unit, +1):
@@ -233,37 +236,68 @@ class ShardedModule(nn.Module):
             self._unit_backward_done(unit)
 
     def _unit_backward_done(self, unit) -> None:
-        if self.stage >= 2 and self._sync:
-            unit.reduce_grads(async_op=True)  # overlaps the backward of the units before it
         unit.grads_ready = 0
+        if self.stage >= 2 and self._sync:
+            unit.backward_done = True
+            self._reduce_in_order()  # overlaps the backward of the units before it
         if self.stage == 3 and unit is not self.root and not self._keep_gathered:
             unit.free(keep_shapes=True)
 
-    def _reduce_leftovers(self, *, async_op: bool) -> None:
-        """Reduce-scatter every unit that still holds full gradients on any rank (some of whose
-        parameters got no gradient). Decided collectively - one all-reduce of flags - so every
-        rank reduces the same units in the same order. A rank with no gradient for a unit that has
-        one elsewhere reduces zeros: its DP/CP peers' collectives need a partner, and every replica
-        must agree on whether the optimizer steps the unit."""
-        has_grad = [u.has_full_grads() or u.reduced_this_step for u in self.all_units]
-        flags = torch.tensor(has_grad, dtype=torch.int32, device=self.all_units[0].device)
+    def _reduce_in_order(self, *, to_the_end: bool = False) -> None:
+        """Reduce-scatter gradients in one order on every rank (``_reduce_order``): a unit as soon as
+        its backward and that of every unit before it in the order are done here; at the end of
+        backward (``to_the_end``) all the rest, with zeros where this rank has no gradient. Ranks
+        whose losses used different units (a data-dependent branch, an expert that got no tokens)
+        thus still post the same reduce-scatters in the same order; reducing each unit when it
+        happens to finish here paired one rank's reduce-scatter with another's of another unit
+        (a crash or a hang, or mixed-up gradients where the sizes matched)."""
+        order = self._reduce_order
+        while self._next_reduce < len(order) and (to_the_end or order[self._next_reduce].backward_done):
+            order[self._next_reduce].reduce_grads(async_op=True)
+            self._next_reduce += 1
+
+    def _reset_backward(self) -> None:
+        self._next_reduce = 0
+        for unit in self.all_units:
+            unit.grads_ready, unit.backward_done = 0, False
+
+    def _agree_on_gradients(self, local_flags: list) -> list:
+        """Per unit, whether any rank of the group (and of its CP group) has the flag set."""
+        flags = torch.tensor(local_flags, dtype=torch.int32, device=self.all_units[0].device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         # under CP a reduced shard is then summed over the CP group: its ranks must agree too, or
         # one side would wait in that sum for a peer that decided it had nothing to reduce
         for cp_group in dict.fromkeys(u.cp_group for u in self.all_units if u.cp_group is not None):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cp_group)
-        for unit, flag in zip(self.all_units, flags.tolist()):
-            if flag and (unit.has_full_grads() or not unit.reduced_this_step):
+        return [bool(f) for f in flags.tolist()]
+
+    def _reduce_leftovers(self, *, async_op: bool) -> None:
+        """Reduce-scatter every unit that still holds full gradients on any rank (stage 1, or
+        gradients accumulated under no_sync). Decided collectively - one all-reduce of flags - so
+        every rank reduces the same units in the same order; a rank with no gradient for such a
+        unit reduces zeros: its DP/CP peers' collectives need a partner."""
+        flags = self._agree_on_gradients([u.has_full_grads() for u in self.all_units])
+        for unit, flag in zip(self.all_units, flags):
+            if flag:
                 unit.reduce_grads(async_op=async_op)
+                unit.grad_anywhere = True
 
     def _end_of_backward(self) -> None:
         self._backward_armed = False
         if self.stage >= 2 and self._sync:
-            self._reduce_leftovers(async_op=True)
+            self._reduce_in_order(to_the_end=True)
+            # every replica must agree on whether the optimizer steps a unit: not if no rank had a
+            # gradient for it this step (all reduced zeros), as torch skips a parameter whose grad is None
+            seen = self._agree_on_gradients([u.grad_seen for u in self.all_units])
+            for unit, anywhere in zip(self.all_units, seen):
+                unit.grad_anywhere = anywhere
+        self._reset_backward()
         for unit in self.all_units:
-            unit.grads_ready = 0
-            if self.stage == 3 and not self._keep_gathered:
-                unit.free(keep_shapes=True)  # zero-bubble W may still assign gradients
+            # zero-bubble W may still assign gradients. Not the root: nothing gathers it again
+            # before a second backward through a graph built before this one (retain_graph, two
+            # losses), which would read freed memory; step() frees it
+            if self.stage == 3 and not self._keep_gathered and unit is not self.root:
+                unit.free(keep_shapes=True)
         for unit in self.all_units:
             unit.finish_reduce()
 
@@ -298,20 +332,21 @@ class ShardedModule(nn.Module):
                     work.wait()
             unit.pending_reduce = []
             unit.master.grad = torch.zeros_like(unit.master)
-            unit.reduced_this_step, unit.grads_ready = False, 0
+            unit.grad_seen = unit.grad_anywhere = False
             # stage 3: units kept gathered (no_sync(reshard_after_backward=False), a backward that
             # raised) go back to their shards; the next forward or backward gathers them again. Not
             # the root: a backward still to come reads it without gathering it
             if self.stage == 3 and unit is not self.root:
                 unit.free(keep_shapes=True)
         self._backward_armed = False
+        self._reset_backward()
 
     def _finish_gradients(self) -> None:
         """Every unit's reduced gradient in its master shard (idempotent within a step)."""
         self._reduce_leftovers(async_op=False)  # stage 1, or gradients accumulated under no_sync
         for unit in self.all_units:
             unit.finish_reduce()
-            if not unit.reduced_this_step:  # no rank produced a gradient: the optimizer skips it, as torch does
+            if not unit.grad_anywhere:  # no rank produced a gradient: the optimizer skips it, as torch does
                 unit.master.grad = None
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, *, dims=None) -> torch.Tensor:
@@ -345,7 +380,7 @@ class ShardedModule(nn.Module):
         self.optimizer.step()
         for unit in self.all_units:
             unit.master.grad = torch.zeros_like(unit.master)
-            unit.reduced_this_step = False
+            unit.grad_seen = unit.grad_anywhere = False
             if self.stage < 3:
                 unit.publish()
         self._step_open = False
