@@ -14,6 +14,8 @@ import torch.distributed as dist  # noqa: E402
 
 from overlapkernels.comm.rank_pool import RankPool  # noqa: E402
 
+POOL_MAX_GROUPS = 96  # ~4-6 respawns of the 4-rank pool a session (a few seconds each), none mid-test
+
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
@@ -45,7 +47,8 @@ def rank_pool():
 
     def get(world_size: int) -> RankPool:
         if world_size not in pools:
-            pools[world_size] = RankPool(world_size, timeout=120.0)
+            # respawned when its ranks hold many process groups (see RankPool's max_groups)
+            pools[world_size] = RankPool(world_size, timeout=120.0, max_groups=POOL_MAX_GROUPS)
         return pools[world_size]
 
     yield get

@@ -87,3 +87,24 @@ def test_a_failure_gives_the_others_a_grace_then_names_who_did_not_finish(monkey
 def test_bad_world_size():
     with pytest.raises(ValueError, match="world_size=0"):
         RankPool(0)
+
+
+def _make_mesh_groups():
+    import overlapkernels as ok
+
+    ok.init_parallel(tp=2)  # a device mesh: a group per dimension, kept for the process's life
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def _group_count():
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def test_a_pool_holding_many_groups_respawns():
+    """Idle gloo groups keep threads that wake up (hundreds slowed a whole session): past
+    max_groups the pool closes after the call and the next call starts fresh ranks."""
+    with RankPool(2, timeout=60.0, max_groups=3) as pool:
+        assert pool.run(_group_count) == [1, 1] and pool.respawns == 0
+        made = pool.run(_make_mesh_groups)
+        assert min(made) > 3 and pool.respawns == 1
+        assert pool.run(_group_count) == [1, 1] and pool.respawns == 1
