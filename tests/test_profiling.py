@@ -126,6 +126,9 @@ def test_cli_report_without_op_ranges_says_so(tmp_path, capsys):
     ('{"traceEvents": {"a": 1}}', "dict where a list of trace events was expected"),
     ('{"traceEvents": [{"ph": "X", "name": "aten::mm", "dur": 3}]}', "numeric 'ts' and 'dur'"),
     ('[{"ph": "X", "name": "aten::mm", "ts": "0", "dur": 3}]', "numeric 'ts' and 'dur'"),
+    ('[{"ph": "X", "name": "aten::mm", "ts": 0, "dur": -30}]', "a finite 'dur' >= 0, got ts=0, dur=-30"),
+    ('[{"ph": "X", "name": "aten::mm", "ts": NaN, "dur": 3}]', "got ts=nan, dur=3"),
+    ('[{"ph": "X", "name": "aten::mm", "ts": 0, "dur": Infinity}]', "got ts=0, dur=inf"),
 ])
 def test_bad_traces_name_the_file_and_what_was_expected(tmp_path, capsys, content, expected):
     from overlapkernels.cli import main

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from comm_guard import no_communication
 from overlapkernels.ops import tp_regions as R
 
 TOL = dict(atol=1e-12, rtol=1e-12)
@@ -94,3 +95,19 @@ def _fan_out_on_rank():
 
 def test_copy_to_region_leaves_other_branches_gradients_alone(rank_pool):
     assert rank_pool(2).run(_fan_out_on_rank) == [([6.0] * 3, [4.0] * 3)] * 2
+
+
+def _uneven_split_on_rank():
+    """A last dim the group size does not divide: chunk() would give ranks different widths (or
+    none), and the gather in backward would hang or abort a rank. Refused before communicating."""
+    said = []
+    for width in (1, 3):
+        with no_communication(), pytest.raises(ValueError) as info:
+            R.split_last_dim(torch.ones(2, width, requires_grad=True), dist.group.WORLD)
+        said.append(str(info.value))
+    return said
+
+
+def test_split_last_dim_refuses_a_width_the_group_does_not_divide(rank_pool):
+    want = [f"split_last_dim: x.shape=(2, {w}), whose last dim is not divisible by the group size 2" for w in (1, 3)]
+    assert rank_pool(2).run(_uneven_split_on_rank) == [want, want]

@@ -126,7 +126,11 @@ def gather_last_dim(x, group):
 
 @eager_under_compile  # takes a ProcessGroup: see _compat
 def split_last_dim(x, group):
-    return _SplitLastDim.apply(x, group) if _size(group) > 1 else x
+    size = _size(group)
+    if size > 1 and (x.dim() == 0 or x.shape[-1] % size):  # same on every rank: refused before gathering
+        raise ValueError(f"split_last_dim: x.shape={tuple(x.shape)}, whose last dim is not divisible by the group "
+                         f"size {size}")
+    return _SplitLastDim.apply(x, group) if size > 1 else x
 
 
 @eager_under_compile  # takes a ProcessGroup: see _compat

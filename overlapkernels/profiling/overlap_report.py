@@ -11,6 +11,7 @@ GPU (NCCL, CUDA kernels) runs alike.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
@@ -85,6 +86,9 @@ def load_events(trace) -> list[dict]:
                 isinstance(e.get(k), bool) or not isinstance(e.get(k), (int, float)) for k in ("ts", "dur")):
             raise ValueError(f"{where}: complete event {i} ({e.get('name')!r}) needs a string 'name' and numeric "
                              f"'ts' and 'dur', got ts={e.get('ts')!r}, dur={e.get('dur')!r}")
+        if not (math.isfinite(e["ts"]) and math.isfinite(e["dur"]) and e["dur"] >= 0):
+            raise ValueError(f"{where}: complete event {i} ({e['name']!r}) needs a finite 'ts' and a finite 'dur' >= 0, "
+                             f"got ts={e['ts']!r}, dur={e['dur']!r}")
         events.append(e)
     return events
 
