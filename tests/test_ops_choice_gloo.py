@@ -347,6 +347,44 @@ def test_symm_mem_without_a_handle_raises_on_every_rank(rank_pool):
     assert rank_pool(2).run(_symm_mem_without_a_handle_on_rank) == [want, want]
 
 
+def _ipc_peer_not_mappable_on_rank():
+    """The CUDA IPC path with CPU stand-ins: rank 1 cannot map rank 0's buffer (what a process
+    that sees only its own GPU gets). Every rank raises naming it, not rank 1 alone while rank 0
+    waits at the barrier."""
+    from overlapkernels.comm.process_world import ProcessPeerWorld
+    from overlapkernels.kernels import cuda as cuda_lib
+
+    world = object.__new__(ProcessPeerWorld)
+    world.group, world.device, world.peer_memory = dist.group.WORLD, torch.device("cpu"), "ipc"
+    world.rank, world.world_size = dist.get_rank(), dist.get_world_size()
+    kept = []
+
+    def alloc(nbytes, device):
+        kept.append(torch.empty(nbytes, dtype=torch.uint8))
+        return kept[-1].data_ptr(), bytes(cuda_lib.IPC_HANDLE_BYTES)
+
+    def open_(handle, device):
+        if dist.get_rank() == 1:
+            raise cuda_lib.CudaLibraryError("ipc_open: CUDA error 101: invalid device ordinal")
+        kept.append(torch.empty(64, dtype=torch.uint8))
+        return kept[-1].data_ptr()
+
+    saved = cuda_lib.ipc_alloc, cuda_lib.ipc_open
+    cuda_lib.ipc_alloc, cuda_lib.ipc_open = alloc, open_
+    try:
+        with pytest.raises(RuntimeError) as info:
+            world.alloc_symmetric((4,), torch.float32)
+        return str(info.value)
+    finally:
+        cuda_lib.ipc_alloc, cuda_lib.ipc_open = saved
+
+
+def test_a_peer_buffer_ipc_cannot_map_raises_on_every_rank(rank_pool):
+    for said in rank_pool(2).run(_ipc_peer_not_mappable_on_rank):
+        assert said.startswith("CUDA IPC: rank 1 cannot map rank 0's buffer (ipc_open: CUDA error 101: invalid "
+                               "device ordinal). A common cause: each rank sees only its own GPU"), said
+
+
 def test_pending_device_errors_are_raised_on_demand_and_reported_at_exit(monkeypatch, capsys):
     """symm/fused on GPUs raise a wait's timeout one call late (no host sync per call): the last
     call's must still surface - check_pending_errors() raises it, the exit hook prints it."""

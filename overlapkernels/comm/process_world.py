@@ -238,9 +238,20 @@ class ProcessPeerWorld:
         local = cuda_lib.tensor_at(ptr, shape, dtype, self.device)
         local.fill_(fill)
         handles = all_gather_objects(handle, self.group, self.device)
-        peers = tuple(local if r == self.rank else
-                      cuda_lib.tensor_at(cuda_lib.ipc_open(h, self.device), shape, dtype, self.device)
-                      for r, h in enumerate(handles))
+        peers, problem = [], None
+        for r, h in enumerate(handles):
+            try:
+                peers.append(local if r == self.rank else
+                             cuda_lib.tensor_at(cuda_lib.ipc_open(h, self.device), shape, dtype, self.device))
+            except cuda_lib.CudaLibraryError as exc:
+                problem = f"rank {self.rank} cannot map rank {r}'s buffer ({exc})"
+                break
+        # every rank learns of a rank that could not map a peer, rather than wait for it at the barrier
+        if problems := [p for p in all_gather_objects(problem, self.group, self.device) if p]:
+            raise RuntimeError(f"CUDA IPC: {'; '.join(problems)}. A common cause: each rank sees only its own GPU "
+                               "(CUDA_VISIBLE_DEVICES per rank); let every process see the node's GPUs and pick its "
+                               f"own, or set {PEER_MEMORY_ENV}=symm_mem")
+        peers = tuple(peers)
         torch.cuda.current_stream(self.device).synchronize()  # our fill lands before any peer writes
         self.barrier()
         ptrs = torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=self.device)
