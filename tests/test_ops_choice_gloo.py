@@ -5,6 +5,7 @@ TORCH_DISTRIBUTED_DEBUG=DETAIL. Measured auto: test_ops_measured_auto_gloo.py; t
 test_ops_tp_gloo.py.
 """
 import math
+import os
 
 import pytest
 import torch
@@ -450,6 +451,38 @@ def _mismatched_calls_on_rank():
     finally:
         dist.set_debug_level(level)
     return errors
+
+
+def _auto_modes_differ_on_rank():
+    """OVERLAPKERNELS_AUTO set on one rank only: that rank would measure (timed collectives of every
+    candidate) while the other ran its rules' method. Named under the debug check, before any."""
+    r = dist.get_rank()
+    level, saved = dist.get_debug_level(), os.environ.pop("OVERLAPKERNELS_AUTO", None)
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    if r == 0:
+        os.environ["OVERLAPKERNELS_AUTO"] = "measure"
+    said = []
+    try:
+        for call in (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3)),
+                     lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 3))):
+            with pytest.raises(ValueError) as info:
+                call()
+            said.append(str(info.value))
+        out = ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3), method="baseline")  # not auto: runs
+    finally:
+        dist.set_debug_level(level)
+        os.environ.pop("OVERLAPKERNELS_AUTO", None)
+        if saved is not None:
+            os.environ["OVERLAPKERNELS_AUTO"] = saved
+    return said, torch.equal(out, torch.full((8, 3), 8.0))
+
+
+def test_auto_modes_that_differ_between_ranks_are_named_under_distributed_debug(rank_pool):
+    for said, ran in rank_pool(2).run(_auto_modes_differ_on_rank):
+        assert ran
+        for op, message in zip(("all_gather_matmul", "matmul_reduce_scatter"), said):
+            assert message.startswith(f"{op}: the ranks of the group disagree on OVERLAPKERNELS_AUTO (rank 0: "
+                                      "OVERLAPKERNELS_AUTO='measure'; rank 1: OVERLAPKERNELS_AUTO='rules')"), message
 
 
 def test_ranks_that_disagree_are_named_under_distributed_debug(rank_pool):

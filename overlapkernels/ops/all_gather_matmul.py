@@ -15,7 +15,7 @@ from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, 
 from ._autograd import first_order_only, not_a_view
 from ._validate import check_dim, check_float_dtype, check_tensor, check_weights, group_size, is_peer_world, same_call_on_every_rank
 from .dispatch import check_method, choose, strict_active, strict_in_backward
-from .measure import auto_mode, measured
+from .measure import auto_mode, auto_setting, measured
 from .weight_grad_store import defer
 
 OP = "all_gather_matmul"
@@ -162,7 +162,8 @@ def _all_gather_matmul(a_shard, b, group, gather_dim, return_gathered, method, s
         _methods.check_fused_sizes(method, math.prod(a_shard.shape[:-1]), a_shard.shape[-1],
                                    sum(w.shape[1] for w in bs))
         # save_gathered decides whether backward gathers again; gradients decide whether it runs at all
-        call.args = dict(a_shard=a_shard, b=bs, gather_dim=gather_dim, method=method, save_gathered=bool(save_gathered))
+        call.args = dict(a_shard=a_shard, b=bs, gather_dim=gather_dim, method=method, save_gathered=bool(save_gathered),
+                         **auto_setting(method))
     world = group_size(group)
 
     x = a_shard.movedim(gather_dim, 0)

@@ -16,7 +16,7 @@ from ._autograd import first_order_only, not_a_view
 from ._collective_methods import accumulation_dtype
 from ._validate import check_dim, check_float_dtype, check_tensor, check_weights, group_size, is_peer_world, same_call_on_every_rank
 from .dispatch import check_method, choose, strict_active, strict_in_backward
-from .measure import auto_mode, measured
+from .measure import auto_mode, auto_setting, measured
 from .weight_grad_store import defer
 
 OP = "matmul_reduce_scatter"
@@ -129,7 +129,7 @@ def _matmul_reduce_scatter(a, b, group, scatter_dim, method, transposed):
                              f"size {world}")
         _methods.check_available(method, group, a.device, a.dtype)
         _methods.check_fused_sizes(method, math.prod(a.shape[:-1]) // world, a.shape[-1], b_kn.shape[1])
-        call.args = dict(a=a, b=b_kn, scatter_dim=dim, method=method)
+        call.args = dict(a=a, b=b_kn, scatter_dim=dim, method=method, **auto_setting(method))
     x = a.movedim(dim, 0)
     lead = x.shape[:-1]
     x2d = x.flatten(0, -2)  # [rows, K]; unlike reshape(-1, K) also for empty shards or K = 0

@@ -38,6 +38,14 @@ def auto_mode() -> str:
     return mode
 
 
+def auto_setting(method: str) -> dict:
+    """For the TORCH_DISTRIBUTED_DEBUG=DETAIL comparison of calls (``same_call_on_every_rank``):
+    ranks whose ``OVERLAPKERNELS_AUTO`` differ would have one measuring (timed collectives of every
+    candidate) while another runs its rules' method - a hang. Rules mode makes no collective of its
+    own to find out otherwise."""
+    return {AUTO_ENV: auto_mode()} if method == "auto" else {}
+
+
 def candidates(group, device: torch.device, fused_fits: bool = True) -> list:
     """``fused_fits``: the call's chunks are within the fused GEMMs' 32-bit offsets (the same on
     every rank: the ranks make the same call)."""
