@@ -90,7 +90,7 @@ class AllGatherMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             from .matmul_reduce_scatter import resolve as rs_resolve
 
-            full = [grad_outs[i] if i in used else saved.new_zeros(rows, bs[i].shape[1]) for i in range(len(bs))]
+            full = [g if g is not None else saved.new_zeros(rows, b.shape[1]) for g, b in zip(grad_outs, bs)]
             g = torch.cat(full, dim=1) if len(full) > 1 else full[0]
             bt = torch.cat([b.T for b in bs], dim=0) if len(bs) > 1 else bs[0].T
             with strict_in_backward(ctx.strict):

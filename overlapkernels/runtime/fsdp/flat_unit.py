@@ -72,7 +72,6 @@ class FlatUnit:
         self.pending_gather = None   # (work, staged shard) of an async gather in flight
         self.pending_reduce = []     # (work, output) of async reduce-scatters in flight
         self.grads_ready = 0
-        self.backward_done = False  # this backward finished the unit here (ShardedModule's reduce order)
         self.grad_seen = False      # this rank reduced a gradient of its own for the unit this step
         self.grad_anywhere = False  # some rank did (agreed): else the optimizer skips the unit
         self.bytes_gathered = self.bytes_reduced = 0  # full-buffer bytes each collective covered

@@ -110,6 +110,7 @@ class ShardedModule(nn.Module):
         # the units' reverse (the order a transformer's backward finishes them in), the root last
         self._reduce_order = self.units[::-1] + ([self.root] if self.root else [])
         self._next_reduce = 0
+        self._backward_done: set = set()  # units this backward finished here (their gradients are all in)
         self.optimizer = optimizer([u.master for u in self.all_units])
         self._param_unit = {id(p): u for u in self.all_units for p in u.params}
         model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
@@ -238,7 +239,7 @@ class ShardedModule(nn.Module):
     def _unit_backward_done(self, unit) -> None:
         unit.grads_ready = 0
         if self.stage >= 2 and self._sync:
-            unit.backward_done = True
+            self._backward_done.add(unit)
             self._reduce_in_order()  # overlaps the backward of the units before it
         if self.stage == 3 and unit is not self.root and not self._keep_gathered:
             unit.free(keep_shapes=True)
@@ -252,14 +253,15 @@ class ShardedModule(nn.Module):
         happens to finish here paired one rank's reduce-scatter with another's of another unit
         (a crash or a hang, or mixed-up gradients where the sizes matched)."""
         order = self._reduce_order
-        while self._next_reduce < len(order) and (to_the_end or order[self._next_reduce].backward_done):
+        while self._next_reduce < len(order) and (to_the_end or order[self._next_reduce] in self._backward_done):
             order[self._next_reduce].reduce_grads(async_op=True)
             self._next_reduce += 1
 
     def _reset_backward(self) -> None:
         self._next_reduce = 0
+        self._backward_done.clear()
         for unit in self.all_units:
-            unit.grads_ready, unit.backward_done = 0, False
+            unit.grads_ready = 0
 
     def _agree_on_gradients(self, local_flags: list) -> list:
         """Per unit, whether any rank of the group (and of its CP group) has the flag set."""
