@@ -1,0 +1,341 @@
+"""The process world's peer-memory rules on gloo ranks and in-process: which peer memory a group
+gets (torch symmetric memory or CUDA IPC) and why not, its settings (wait timeout, reserved SMs),
+one node and peer access between the GPUs, torch 2.11's pooled symmetric memory, set-up failures
+raised on every rank, and the device error records raised a call late. The GPU side runs in
+test_ops_tp_gpu.py (make gpu-check)."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import overlapkernels as ok
+
+@pytest.mark.parametrize("requested, has_symm, ipc_built, kind", [
+    ("auto", True, True, "symm_mem"), ("auto", True, False, "symm_mem"), ("auto", False, True, "ipc"),
+    ("symm_mem", True, True, "symm_mem"), ("ipc", True, True, "ipc"), ("ipc", False, True, "ipc")])
+def test_peer_memory_choice(requested, has_symm, ipc_built, kind):
+    """Process groups on CUDA get symmetric buffers from torch's symmetric memory, or from CUDA IPC
+    where this torch lacks it (or OVERLAPKERNELS_PEER_MEMORY=ipc asks for it)."""
+    from overlapkernels.comm.process_world import resolve_peer_memory
+
+    assert resolve_peer_memory(requested, has_symm_mem=has_symm, ipc_built=ipc_built) == (kind, None)
+
+
+@pytest.mark.parametrize("requested, has_symm, ipc_built, why", [
+    ("auto", False, False, r"has no symmetric memory and CUDA IPC needs the overlapkernels CUDA library.*make cuda"),
+    ("symm_mem", False, True, r"OVERLAPKERNELS_PEER_MEMORY=symm_mem but this torch .* has no symmetric memory"),
+    ("ipc", True, False, r"^CUDA IPC needs the overlapkernels CUDA library, which is not built")])
+def test_peer_memory_unavailable_says_why(requested, has_symm, ipc_built, why):
+    import re
+
+    from overlapkernels.comm.process_world import resolve_peer_memory
+
+    kind, message = resolve_peer_memory(requested, has_symm_mem=has_symm, ipc_built=ipc_built)
+    assert kind is None and re.search(why, message), message
+
+
+def test_cuda_graph_capture_keeps_peer_memory_methods_out(monkeypatch):
+    """symm/fused count calls on the host: captured, every replay would reuse stale flags. Under
+    capture they are refused by name, and auto neither picks them nor times candidates (a host sync)."""
+    from overlapkernels.ops import _methods, dispatch
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    process_group = object()  # not a thread world: a CUDA process group's peer memory
+    for method in ("symm", "fused"):
+        assert "cannot be captured in a CUDA graph" in _methods.unavailable_reason(method, process_group, cuda)
+    assert _methods.unavailable_reason("decomposed", process_group, cuda) is None
+    from overlapkernels.comm.thread_world import ThreadRank, ThreadWorld
+
+    thread_rank = ThreadRank(ThreadWorld(2, timeout=5), 0)  # the one-GPU test world: refused alike
+    assert "cannot be captured in a CUDA graph" in _methods.unavailable_reason("fused", thread_rank, cuda)
+    common = dict(world_size=8, rows_per_rank=4096, step_bytes=1 << 24, step_flops=1 << 36, peer_memory=False)
+    choice = dispatch.choose("all_gather_matmul", "auto", device=cuda, **common,
+                             measure=lambda: dispatch.Choice("fused", "measured"))
+    assert choice.method == "decomposed"  # the rule, not the (cached) measurement
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert dispatch.choose("all_gather_matmul", "auto", device=cuda, **common,
+                           measure=lambda: dispatch.Choice("fused", "measured")).method == "fused"
+    ok.reset_overlap_stats()
+
+
+@pytest.mark.parametrize("raw", ["0", "-3", "soon", "inf", "nan"])
+def test_bad_peer_timeout_is_rejected_by_name(monkeypatch, raw):
+    from overlapkernels.comm.process_world import peer_memory_unavailable_reason, peer_wait_timeout
+
+    monkeypatch.setenv("OVERLAPKERNELS_PEER_TIMEOUT", raw)
+    with pytest.raises(ValueError, match=f"OVERLAPKERNELS_PEER_TIMEOUT='{raw}': expected a positive number"):
+        peer_memory_unavailable_reason(torch.device("cuda", 0))
+    monkeypatch.setenv("OVERLAPKERNELS_PEER_TIMEOUT", "2.5")
+    assert peer_wait_timeout() == 2.5
+    monkeypatch.delenv("OVERLAPKERNELS_PEER_TIMEOUT")
+    assert peer_wait_timeout() == 60.0
+
+
+@pytest.mark.parametrize("raw", ["0", "-2", "many", "1.5", ""])
+def test_reserved_sms_setting(monkeypatch, raw):
+    """The SMs fused GEMMs leave free (for the flag kernels, and NCCL's beside them): checked by name
+    before anything communicates, and it sizes the persistent grid."""
+    from types import SimpleNamespace
+
+    from overlapkernels.comm.process_world import peer_memory_unavailable_reason
+    from overlapkernels.kernels.triton import tile_gemm
+
+    monkeypatch.setenv("OVERLAPKERNELS_RESERVED_SMS", raw)
+    with pytest.raises(ValueError, match=f"OVERLAPKERNELS_RESERVED_SMS='{raw}': expected a whole number of SMs >= 1"):
+        peer_memory_unavailable_reason(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setenv("OVERLAPKERNELS_RESERVED_SMS", "20")
+    assert tile_gemm.num_programs(cuda, 1000) == 112 and tile_gemm.num_programs(cuda, 1000, ranks_per_device=2) == 56
+    monkeypatch.delenv("OVERLAPKERNELS_RESERVED_SMS")
+    assert tile_gemm.num_programs(cuda, 1000) == 128 and tile_gemm.num_programs(cuda, 7) == 7
+
+
+def _peer_memory_across_hosts_on_rank():
+    """4 ranks as 2 hosts of 2, rank 3 without peer memory: the ranks ask each other (no launcher
+    numbering) and every rank of a group gets the same answer, yes only for TP group {0, 1} (one
+    host, all able); measured auto then offers symm/fused to that group alone. Peer memory is faked:
+    only the agreement is under test (the host check in the peer world itself needs CUDA)."""
+    import socket
+
+    from overlapkernels.comm import process_world as pw
+    from overlapkernels.ops import measure
+
+    dims = ok.init_parallel(tp=2)
+    r = dist.get_rank()
+    unavailable, hostname, agreed = pw.peer_memory_unavailable_reason, socket.gethostname, pw.group_has_peer_memory
+    pw.peer_memory_unavailable_reason = lambda device: "no peer memory here" if r == 3 else None
+    socket.gethostname = lambda: f"node{r // 2}"
+    pw._group_peer_memory.clear()
+    try:
+        cpu = torch.device("cpu")  # stands in for the GPU: all_gather_object over gloo
+        tp_ok, world_ok = pw.group_has_peer_memory(dims.tp_group, cpu), pw.group_has_peer_memory(dist.group.WORLD, cpu)
+        pw.group_has_peer_memory = lambda group, device: tp_ok if group is dims.tp_group else world_ok
+        cuda = torch.device("cuda", 0)
+        return (tp_ok, world_ok, measure.candidates(dims.tp_group, cuda), measure.candidates(dist.group.WORLD, cuda),
+                measure.candidates(dims.tp_group, cuda, fused_fits=False))  # a call past fused's 32-bit offsets
+    finally:
+        pw.peer_memory_unavailable_reason, socket.gethostname, pw.group_has_peer_memory = unavailable, hostname, agreed
+        pw._group_peer_memory.clear()
+
+
+def _bad_setting_on_one_rank():
+    """Rank 1 alone has a bad OVERLAPKERNELS_RESERVED_SMS: every rank raises naming it, instead of
+    rank 1 raising and the others waiting in the agreement's collective."""
+    import os
+
+    from overlapkernels.comm import process_world as pw
+    from overlapkernels.kernels.triton.tile_gemm import reserved_sms
+
+    r = dist.get_rank()
+    unavailable = pw.peer_memory_unavailable_reason
+    pw.peer_memory_unavailable_reason = lambda device: reserved_sms() and None  # the settings check, on "CUDA"
+    if r == 1:
+        os.environ["OVERLAPKERNELS_RESERVED_SMS"] = "lots"
+    pw._group_peer_memory.clear()
+    try:
+        pw.group_has_peer_memory(dist.group.WORLD, torch.device("cpu"))
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        os.environ.pop("OVERLAPKERNELS_RESERVED_SMS", None)
+        pw.peer_memory_unavailable_reason = unavailable
+        pw._group_peer_memory.clear()
+
+
+def _peer_access_decides_on_rank():
+    """Every rank able, one host: the GPUs' pairwise peer access (NVML, faked) still decides, alike on
+    every rank, even when only one rank's NVML could answer (the ranks exchange what they found)."""
+    from overlapkernels.comm import process_world as pw
+
+    r = dist.get_rank()
+    unavailable, uuid, pairs = pw.peer_memory_unavailable_reason, pw._device_uuid, pw.failing_pairs
+    pw.peer_memory_unavailable_reason = lambda device: None
+    pw._device_uuid = lambda device: f"gpu{r}"
+    answers = []
+    try:
+        for found in ({}, {("gpu0", "gpu1"): "no peer-to-peer atomics (NVML: NOT_SUPPORTED)"}):
+            pw.failing_pairs = lambda found=found: found if r == 1 else {}  # rank 0's NVML: no answer
+            pw._group_peer_memory.clear()
+            answers.append(pw.group_has_peer_memory(dist.group.WORLD, torch.device("cpu")))
+    finally:
+        pw.peer_memory_unavailable_reason, pw._device_uuid, pw.failing_pairs = unavailable, uuid, pairs
+        pw._group_peer_memory.clear()
+    return answers
+
+
+def test_peer_memory_needs_peer_access_between_the_gpus(rank_pool):
+    assert rank_pool(2).run(_peer_access_decides_on_rank) == [[True, False]] * 2
+
+
+def test_a_bad_setting_on_one_rank_is_reported_by_every_rank(rank_pool):
+    assert rank_pool(2).run(_bad_setting_on_one_rank) == [
+        "rank 1: OVERLAPKERNELS_RESERVED_SMS='lots': expected a whole number of SMs >= 1"] * 2
+
+
+def test_peer_memory_needs_every_rank_able_and_one_host(rank_pool):
+    results = rank_pool(4).run(_peer_memory_across_hosts_on_rank)
+    both, two = ["baseline", "decomposed", "symm", "fused"], ["baseline", "decomposed"]
+    assert results == [(True, False, both, two, both[:3])] * 2 + [(False, False, two, two, two)] * 2
+
+
+def test_bad_peer_memory_setting_is_rejected_by_name(monkeypatch):
+    from overlapkernels.comm.process_world import peer_memory_unavailable_reason
+
+    monkeypatch.setenv("OVERLAPKERNELS_PEER_MEMORY", "nvshmem")
+    with pytest.raises(ValueError, match=r"OVERLAPKERNELS_PEER_MEMORY='nvshmem': expected one of \['auto', "
+                                         r"'symm_mem', 'ipc'\]"):
+        peer_memory_unavailable_reason(torch.device("cuda", 0))
+    assert peer_memory_unavailable_reason(torch.device("cpu")) == "tensors are on cpu, peer memory needs CUDA"
+
+
+class _PooledSymmHandle:
+    """Mimics torch >= 2.11 symmetric memory: tensors are carved out of pooled blocks, so
+    buffer_ptrs and get_buffer(r, ..., storage_offset) count from each rank's block base."""
+
+    def __init__(self, blocks):
+        self.blocks = blocks  # rank -> flat block (a CPU tensor standing in for the peer mapping)
+        self.buffer_ptrs = [b.data_ptr() for b in blocks]
+
+    def get_buffer(self, rank, sizes, dtype, storage_offset=0):
+        flat = self.blocks[rank].view(dtype)
+        return flat[storage_offset:storage_offset + math.prod(sizes)].view(sizes)
+
+
+def test_symm_mem_peer_views_use_each_ranks_offset_into_its_block():
+    from overlapkernels.comm.process_world import symm_mem_peer_views
+
+    blocks = [torch.arange(64, dtype=torch.float32) + 100 * r for r in range(3)]
+    offsets = [16, 32, 16]  # bytes: rank 1 sits elsewhere in its block than ranks 0 and 2
+    local = blocks[1][8:12].view(2, 2)
+    peers = symm_mem_peer_views(_PooledSymmHandle(blocks), offsets, local, rank=1)
+    assert peers[1].data_ptr() == local.data_ptr()
+    assert [p[0, 0].item() for p in peers] == [4.0, 108.0, 204.0]
+    # block bases as addresses (what torch 2.11's buffer_ptrs give) would miss the tensor: caught
+    with pytest.raises(RuntimeError, match=r"rank 1's view of its own buffer is at 0x.*OVERLAPKERNELS_PEER_MEMORY=ipc"):
+        symm_mem_peer_views(_PooledSymmHandle(blocks), [0, 0, 0], local, rank=1)
+    with pytest.raises(RuntimeError, match=r"rank 2's buffer starts 6 bytes into its block, expected a "
+                                           r"non-negative multiple of 4"):
+        symm_mem_peer_views(_PooledSymmHandle(blocks), [16, 32, 6], local, rank=1)
+
+
+def _bare_cpu_world(peer_memory):
+    """A process world over the gloo world, on the CPU, without its CUDA set-up: enough to run
+    alloc_symmetric's exchanges with the CUDA pieces stood in for."""
+    from overlapkernels.comm.process_world import ProcessPeerWorld
+
+    world = object.__new__(ProcessPeerWorld)
+    world.group, world.device, world.peer_memory = dist.group.WORLD, torch.device("cpu"), peer_memory
+    world.rank, world.world_size = dist.get_rank(), dist.get_world_size()
+    return world
+
+
+def _symm_mem_without_a_handle_on_rank():
+    """torch symmetric memory stood in for on CPU: rendezvous gives rank 1 no handle (newer torch
+    warns and returns None for a tensor outside its pool). Every rank must raise, naming rank 1,
+    not rank 1 alone while rank 0 waits in the next collective."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    world = _bare_cpu_world("symm_mem")
+    saved = {name: getattr(symm_mem, name) for name in ("enable_symm_mem_for_group", "empty", "rendezvous")}
+    symm_mem.enable_symm_mem_for_group = lambda name: None
+    symm_mem.empty = lambda shape, dtype, device: torch.empty(shape, dtype=dtype, device=device)
+    symm_mem.rendezvous = lambda t, name: None if dist.get_rank() == 1 else _PooledSymmHandle([t])
+    try:
+        with pytest.raises(RuntimeError) as info:
+            world.alloc_symmetric((4,), torch.float32)
+        return str(info.value)
+    finally:
+        for name, fn in saved.items():
+            setattr(symm_mem, name, fn)
+
+
+def test_symm_mem_without_a_handle_raises_on_every_rank(rank_pool):
+    want = ("torch symmetric memory gave no handle on ranks [1] of the group; OVERLAPKERNELS_PEER_MEMORY=ipc on "
+            "every rank uses CUDA IPC instead")
+    assert rank_pool(2).run(_symm_mem_without_a_handle_on_rank) == [want, want]
+
+
+def _ipc_peer_not_mappable_on_rank():
+    """The CUDA IPC path with CPU stand-ins: rank 1 cannot map rank 0's buffer (what a process
+    that sees only its own GPU gets). Every rank raises naming it, not rank 1 alone while rank 0
+    waits at the barrier."""
+    from overlapkernels.kernels import cuda as cuda_lib
+
+    world = _bare_cpu_world("ipc")
+    kept = []
+
+    def alloc(nbytes, device):
+        kept.append(torch.empty(nbytes, dtype=torch.uint8))
+        return kept[-1].data_ptr(), bytes(cuda_lib.IPC_HANDLE_BYTES)
+
+    def open_(handle, device):
+        if dist.get_rank() == 1:
+            raise cuda_lib.CudaLibraryError("ipc_open: CUDA error 101: invalid device ordinal")
+        kept.append(torch.empty(64, dtype=torch.uint8))
+        return kept[-1].data_ptr()
+
+    saved = cuda_lib.ipc_alloc, cuda_lib.ipc_open
+    cuda_lib.ipc_alloc, cuda_lib.ipc_open = alloc, open_
+    try:
+        with pytest.raises(RuntimeError) as info:
+            world.alloc_symmetric((4,), torch.float32)
+        return str(info.value)
+    finally:
+        cuda_lib.ipc_alloc, cuda_lib.ipc_open = saved
+
+
+def test_a_peer_buffer_ipc_cannot_map_raises_on_every_rank(rank_pool):
+    for said in rank_pool(2).run(_ipc_peer_not_mappable_on_rank):
+        assert said.startswith("CUDA IPC: rank 1 cannot map rank 0's buffer (ipc_open: CUDA error 101: invalid "
+                               "device ordinal). A common cause: each rank sees only its own GPU"), said
+
+
+def test_pending_device_errors_are_raised_on_demand_and_reported_at_exit(monkeypatch, capsys):
+    """symm/fused on GPUs raise a wait's timeout one call late (no host sync per call): the last
+    call's must still surface - check_pending_errors() raises it, the exit hook prints it."""
+    from types import SimpleNamespace
+
+    from overlapkernels.comm import process_world as pw
+    from overlapkernels.kernels.errors import SignalTimeoutError
+
+    def flush():
+        raise SignalTimeoutError("ok/all_gather_matmul[fused]: rank 1 timed out waiting for chunk 0 from rank 0")
+
+    monkeypatch.setattr(pw, "_worlds", {"k": SimpleNamespace(_errors=SimpleNamespace(flush=flush))})
+    with pytest.raises(SignalTimeoutError, match="rank 1 timed out waiting for chunk 0"):
+        pw.check_pending_errors()
+    pw.report_pending_errors()
+    assert "overlapkernels: SignalTimeoutError: ok/all_gather_matmul[fused]: rank 1" in capsys.readouterr().err
+
+
+def test_deferred_error_records_raise_in_call_order():
+    """The queue behind a call-late timeout (CUDA events faked): poll raises only records whose
+    copy has landed, oldest first, and stops at the first pending one; flush waits for the rest."""
+    from overlapkernels.kernels.errors import SignalTimeoutError
+    from overlapkernels.kernels.triton import signals
+
+    class Event:
+        def __init__(self, done):
+            self.done, self.waited = done, False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited = True
+
+    fine = torch.zeros(4, dtype=torch.int32)
+    timed_out = torch.tensor([signals.ERR_READY_TIMEOUT.value, 1, 2, 0], dtype=torch.int32)
+    check = signals.DeferredErrorCheck()
+    events = [Event(True), Event(False), Event(True)]
+    check._pending = [(events[0], fine, "op0", 1), (events[1], timed_out, "op1", 2), (events[2], fine, "op2", 3)]
+    check.poll()  # the first record is clean; the second has not landed: nothing raised, it stays
+    assert [p[2] for p in check._pending] == ["op1", "op2"]
+    with pytest.raises(SignalTimeoutError, match=r"op1: rank 1 timed out waiting for chunk 2 from rank 0 \(call 2\)"):
+        check.flush()
+    assert events[1].waited and [p[2] for p in check._pending] == ["op2"]
+    check.flush()
+    assert check._pending == [] and events[2].waited
