@@ -182,3 +182,56 @@ def test_stage_3_peak_parameter_memory_is_below_stage_1(rank_pool):
         peaks[stage] = master + stats["peak_gathered_param_bytes"]
     assert peaks == {1: master + 6 * unit + root, 3: master + 2 * unit + root} == {1: 5280, 3: 2976}, peaks
     assert peaks[3] < peaks[1]
+
+
+def _failed_optimizer_factory_on_rank():
+    """The optimizer factory is the user's code and runs after the units are planned: one that
+    raises, or returns no optimizer, must leave the model as it was (the same parameter storage, no
+    fsdp tags that make the layers skip their sequence-parallel sums), and a second shard() of it
+    must train like a model never refused."""
+    from comm_guard import no_communication
+
+    def fresh():
+        torch.manual_seed(0)
+        model = nn.Sequential(Block(D_IN), nn.Linear(D_IN, 3)).double()
+        model[0].norm.weight.sequence_parallel = True  # as ColumnParallelLinear tags an SP norm
+        model[0].norm.weight.sequence_parallel_group = dist.group.WORLD
+        return model
+
+    def raising(params):
+        raise RuntimeError("no optimizer today")
+
+    model = fresh()
+    before = [(p, p.data_ptr()) for p in model.parameters()]
+    said = []
+    for factory in (raising, lambda params: None, lambda params: [torch.optim.SGD(params, lr=0.1)]):
+        try:
+            with no_communication():
+                fsdp.shard(model, stage=1, optimizer=factory)
+        except (RuntimeError, TypeError) as exc:
+            said.append(f"{type(exc).__name__}: {exc}")
+    assert [(p, p.data_ptr()) for p in model.parameters()] == before, "a refused shard() re-pointed parameters"
+    tags = [n for n, p in model.named_parameters() if hasattr(p, "_fsdp_sums_sequence_parallel")]
+    results = []
+    for candidate in (model, fresh()):
+        sharded = fsdp.shard(candidate, stage=1, optimizer=OPTIMIZERS["sgd"])
+        for x, y in _batches(2, 2, dist.get_world_size()):
+            rank = dist.get_rank()
+            _loss(sharded(x[rank * 2:(rank + 1) * 2]), y[rank * 2:(rank + 1) * 2]).backward()
+            sharded.step()
+        results.append([p.detach().clone() for p in candidate.parameters()])
+    return said, tags, results
+
+
+def test_an_optimizer_factory_that_fails_leaves_the_model_as_it_was(rank_pool):
+    for said, tags, (retried, fresh) in rank_pool(2).run(_failed_optimizer_factory_on_rank):
+        assert said == ["RuntimeError: no optimizer today",
+                        "TypeError: optimizer returned a NoneType, which lacks step, zero_grad, state_dict, "
+                        "load_state_dict, param_groups, state; expected a torch.optim.Optimizer over the list of "
+                        "shard parameters it was given",
+                        "TypeError: optimizer returned a list, which lacks step, zero_grad, state_dict, "
+                        "load_state_dict, param_groups, state; expected a torch.optim.Optimizer over the list of "
+                        "shard parameters it was given"], said
+        assert tags == [], f"a refused shard() tagged {tags}"
+        for got, want in zip(retried, fresh):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)

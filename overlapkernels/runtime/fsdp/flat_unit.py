@@ -56,18 +56,11 @@ class FlatUnit:
         start = self.rank * self.shard_numel
         self.master = nn.Parameter(full[start:start + self.shard_numel].clone())  # what the optimizer updates
         self.master.grad = torch.zeros_like(self.master)
-        self.flat = full.to(self.param_dtype)  # the gathered buffer the parameters view
-        self._view_params()
-        for p in params:  # fsdp sums these over TP itself; the layers' helper leaves them alone
-            if getattr(p, "sequence_parallel", False) and getattr(p, "sequence_parallel_group", None) is not None:
-                p._fsdp_sums_sequence_parallel = True
+        self.flat = full.to(self.param_dtype)  # the gathered buffer the parameters view, from attach()
         # context parallelism: each CP rank saw part of the sequence, so every gradient of a model
         # tagged ``context_parallel_group`` is partial; the unit sums its reduced shard over that
         # group (CP peers own the same shard), at any stage, before the optimizer sees it
         self.cp_group = getattr(params[0], "context_parallel_group", None)
-        if self.cp_group is not None:
-            for p in params:  # GPT.sync_grads leaves these to fsdp
-                p._fsdp_sums_context_parallel = True
         self.gathered = True
         self.pending_gather = None   # (work, staged shard) of an async gather in flight
         self.pending_reduce = []     # (work, output) of async reduce-scatters in flight
@@ -77,6 +70,18 @@ class FlatUnit:
         self.bytes_gathered = self.bytes_reduced = 0  # full-buffer bytes each collective covered
 
     # -- parameters ---------------------------------------------------------------------------
+    def attach(self) -> None:
+        """Take the module's parameters over: they view the flat buffer from now on, and fsdp sums
+        their sequence- and context-parallel gradients. Apart from __init__ so that the unit
+        builder does it only once nothing can fail any more (the optimizer factory is the user's
+        code): a refused ``shard()`` leaves the model as it was."""
+        self._view_params()
+        for p in self.params:  # fsdp sums these over TP itself; the layers' helper leaves them alone
+            if getattr(p, "sequence_parallel", False) and getattr(p, "sequence_parallel_group", None) is not None:
+                p._fsdp_sums_sequence_parallel = True
+            if self.cp_group is not None:  # GPT.sync_grads leaves these to fsdp
+                p._fsdp_sums_context_parallel = True
+
     def _view_params(self) -> None:
         offset = 0
         for p, shape, n in zip(self.params, self.shapes, self.numels):

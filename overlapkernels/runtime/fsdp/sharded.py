@@ -111,7 +111,16 @@ class ShardedModule(nn.Module):
         self._reduce_order = self.units[::-1] + ([self.root] if self.root else [])
         self._next_reduce = 0
         self._backward_done: set = set()  # units this backward finished here (their gradients are all in)
+        # the user's factory runs before any unit takes its parameters over: if it raises, or returns
+        # something that is no optimizer, the model is left as it was
         self.optimizer = optimizer([u.master for u in self.all_units])
+        missing = [a for a in ("step", "zero_grad", "state_dict", "load_state_dict", "param_groups", "state")
+                   if not hasattr(self.optimizer, a)]
+        if missing:
+            raise TypeError(f"optimizer returned a {type(self.optimizer).__name__}, which lacks {', '.join(missing)}; "
+                            "expected a torch.optim.Optimizer over the list of shard parameters it was given")
+        for unit in self.all_units:
+            unit.attach()
         self._param_unit = {id(p): u for u in self.all_units for p in u.params}
         model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         for unit in self.all_units:  # stage 3 frees parameters: a state dict of them would be empty
