@@ -1,6 +1,7 @@
 """symm and fused in the thread world (Triton interpreter): the peer-memory algorithms of
 all_gather_matmul / matmul_reduce_scatter vs a dense reference, with stragglers, poisoned
-buffers, repeated calls, autograd, and the timeout path."""
+buffers, repeated calls, autograd, and the timeout path. The fused GEMMs' tile configs and
+warm-up: test_ops_tp_peer_tiles.py."""
 import time
 
 import pytest
@@ -11,8 +12,6 @@ from overlapkernels.comm.rank_pool import RankError
 from overlapkernels.comm.thread_world import ThreadWorld
 from overlapkernels.kernels.triton.ag_gemm import ag_gemm
 from overlapkernels.kernels.triton.signals import polls
-from overlapkernels.kernels.triton import tile_gemm as TG
-from overlapkernels.kernels.triton.tile_gemm import INTERPRETER_GEMM, GemmConfig, forced_gemm_config, gemm_config
 from test_ops_tp_gloo import fp32_partial_sums_case
 
 METHODS = ["symm", "fused"]
@@ -251,146 +250,6 @@ def test_planted_missing_wait_is_caught():
     assert torch.equal(out[:m], a_full[:m] @ b) and out[m:].isnan().all()
     ag_gemm(a_full, b, out, torch.zeros(w, dtype=torch.int64), err, rank=0, world_size=w, epoch=1, budget=polls(10))
     assert err.tolist() == [1, 0, 1, 1]  # ready timeout, rank 0, chunk 1, peer 1
-
-
-def _tile_shapes_on_rank(ctx, k, method="fused", m=40, n=48):
-    r, w = ctx.rank, ctx.world_size
-    shards = [_ints((m, k), torch.float32, q) for q in range(w)]
-    b = _ints((k, n), torch.float32, 50)
-    out = ok.all_gather_matmul(shards[r], b, ctx, method=method)
-    assert torch.equal(out, torch.cat(shards) @ b)
-    a_all = [_ints((w * m, k), torch.float32, 60 + q) for q in range(w)]
-    out = ok.matmul_reduce_scatter(a_all[r], b, ctx, method=method)
-    assert torch.equal(out, sum(x @ b for x in a_all).chunk(w)[r])
-    return True
-
-
-@pytest.mark.parametrize("k", [32, 40])  # K a multiple of BLOCK_K (unmasked loads) or not
-def test_fused_rectangular_tiles_with_remainders(k):
-    """The CUDA configs use BLOCK_M != BLOCK_N and drop the K mask when K divides: run those code
-    paths in the interpreter with small tiles, 40 rows x 48 columns per chunk -> 3 x 2 tiles, each
-    with a ragged edge, so a wrong tile index or mask shows up as a wrong value."""
-    with forced_gemm_config(GemmConfig(16, 32, 16)):
-        assert ThreadWorld(2, timeout=60).run(_tile_shapes_on_rank, k) == [True, True]
-
-
-GPU_GEMM_CONFIGS = {name: getattr(TG, name) for name in ("CUDA_GEMM_16BIT", "CUDA_GEMM_16BIT_SMALL", "CUDA_GEMM_FP32",
-                                                             "SMALL_SMEM_GEMM", "SMALL_SMEM_GEMM_SMALL")}
-
-
-@pytest.mark.parametrize("name", list(GPU_GEMM_CONFIGS))
-def test_fused_ops_with_every_gpu_tile_config(name):
-    """The exact tiles gemm_config hands out on GPUs (128x256x64, ...), which the interpreter's
-    default never uses: chunks of BLOCK_M + 7 rows x BLOCK_N + 9 columns (2 x 2 ragged tiles each),
-    K a multiple of BLOCK_K (the unmasked loop the 16-bit GPU configs require) and not."""
-    cfg = GPU_GEMM_CONFIGS[name]
-    with forced_gemm_config(cfg):
-        for k in (cfg.block_k, cfg.block_k + 8):
-            assert ThreadWorld(2, timeout=60).run(_tile_shapes_on_rank, k, "fused", cfg.block_m + 7,
-                                                  cfg.block_n + 9) == [True, True], k
-
-
-def test_gemm_config_is_a_pure_function_of_the_call():
-    """gemm_rs owners wait for a tile count every rank derives on its own: same inputs, same config."""
-    cfg = gemm_config(torch.device("cpu"), torch.float16, 7, 5, 33)
-    assert cfg == INTERPRETER_GEMM and cfg.tiles(7, 5) == 1 and cfg.tiles(65, 129) == 2 * 3
-    assert cfg.meta(64)["EVEN_K"] and not cfg.meta(33)["EVEN_K"]
-    with forced_gemm_config(GemmConfig(16, 32, 16)) as forced:
-        assert gemm_config(torch.device("cpu"), torch.float16, 7, 5, 33) is forced
-    assert gemm_config(torch.device("cpu"), torch.float16, 7, 5, 33) == INTERPRETER_GEMM
-
-
-def _rs_tile_counts_change_on_rank(ctx):
-    r, w = ctx.rank, ctx.world_size
-    b = _ints((32, 48), torch.float32, 70)
-    for call, cfg in enumerate([GemmConfig(64, 64, 32), GemmConfig(16, 16, 16), GemmConfig(32, 16, 16)]):
-        with_cfg = [_ints((w * 40, 32), torch.float32, 80 + 10 * call + q) for q in range(w)]
-        ctx.barrier()  # every rank is past its previous call before the config changes under it
-        if r == 0:
-            _FORCED.append(cfg)
-        ctx.barrier()
-        out = ok.matmul_reduce_scatter(with_cfg[r], b, ctx, method="fused")
-        assert torch.equal(out, sum(x @ b for x in with_cfg).chunk(w)[r]), call
-    return True
-
-
-_FORCED: list = []
-
-
-def test_fused_reduce_scatter_when_the_tile_count_changes_between_calls(monkeypatch):
-    """Same (m, n) workspace, three tile configs (1, 9 and 6 tiles per chunk): the owner must wait
-    for the counts actually sent so far. Waiting for epoch * tiles (the old target) times out on
-    the second call or reads partial sums on the third."""
-    import overlapkernels.ops._peer_methods as pm
-
-    monkeypatch.setattr(pm, "gemm_config", lambda *args: _FORCED[-1])
-    _FORCED.clear()
-    assert ThreadWorld(2, timeout=20).run(_rs_tile_counts_change_on_rank) == [True, True]
-
-
-def _warmup_launches_on_rank(ctx, method):
-    from overlapkernels.kernels.triton.signals import wait_budget
-    from overlapkernels.ops import _kernel_warmup as warmup
-
-    budget = wait_budget(5.0, ctx.device)
-    a, bs = _ints((7, 32), torch.float32, ctx.rank), [_ints((32, 48), torch.float32, 1), _ints((32, 5), torch.float32, 2)]
-    warmup.all_gather_matmul(ctx, method, a, bs, budget)
-    a2 = _ints((2 * 7, 32), torch.float32, 3)
-    warmup.reduce_scatter(ctx, method, a2, bs[0], 7, 48, budget, GemmConfig(16, 16, 16))
-    warmup.reduce_scatter(ctx, "symm", a2, None, 7, 32, budget)
-    # warm-up writes only scratch buffers: the real ops still give exact results afterwards
-    return _tile_shapes_on_rank(ctx, 32, method)
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_gpu_warmup_launches_touch_only_scratch(method):
-    """On GPUs the first call of each op signature launches every kernel on scratch buffers before
-    any rank spins (kernel loading may need a context-wide sync). Those launches run here, in the
-    interpreter, so a broken warm-up is caught without a GPU."""
-    assert ThreadWorld(2, timeout=60).run(_warmup_launches_on_rank, method) == [True, True]
-
-
-class _FakeCudaWorld:
-    device = torch.device("cuda", 0)
-
-    def __init__(self, shares_context):
-        self.shares_context, self.barriers, self._spaces = shares_context, 0, {}
-
-    def workspace(self, key, make):
-        return self._spaces.setdefault(key, make(self))
-
-    def barrier(self):
-        self.barriers += 1
-
-
-@pytest.mark.parametrize("shares_context, barriers", [(True, 2), (False, 0)])
-def test_warmup_meets_at_barriers_only_in_a_shared_context(monkeypatch, shares_context, barriers):
-    """Processes of their own warm up alone: a rank-local signature part (TF32, alignment) that
-    differed between ranks would otherwise pair barriers wrongly. One context (threads) must meet."""
-    from overlapkernels.ops import _kernel_warmup as warmup
-
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    world, launches = _FakeCudaWorld(shares_context), []
-    for key in ("a", "a", "b"):
-        warmup.warm(world, key, lambda k=key: launches.append(k))
-    assert launches == ["a", "b"] and world.barriers == 2 * barriers
-
-
-@pytest.mark.parametrize("smem_kb, dtype, rows, n, k, want", [
-    (227, torch.bfloat16, 4096, 8192, 1024, "CUDA_GEMM_16BIT"),        # H100/H200, a large chunk
-    (227, torch.bfloat16, 4096, 8192, 1376, "CUDA_GEMM_16BIT_SMALL"),  # ragged K: the big tile spills
-    (227, torch.bfloat16, 32, 8192, 1024, "CUDA_GEMM_16BIT_SMALL"),    # few rows per chunk
-    (227, torch.bfloat16, 64, 8192, 1024, "CUDA_GEMM_16BIT_SMALL"),    # the edge: 64 rows is still few
-    (227, torch.bfloat16, 65, 8192, 1024, "CUDA_GEMM_16BIT"),
-    (227, torch.float32, 4096, 8192, 1024, "CUDA_GEMM_FP32"),
-    (163, torch.float16, 4096, 8192, 1024, "CUDA_GEMM_16BIT"),         # A100
-    (99, torch.bfloat16, 4096, 8192, 1024, "SMALL_SMEM_GEMM"),         # ~100 KB parts
-    (99, torch.float32, 4096, 8192, 1024, "SMALL_SMEM_GEMM_SMALL")])
-def test_gemm_config_rules_per_gpu(monkeypatch, smem_kb, dtype, rows, n, k, want):
-    from overlapkernels.kernels.triton import tile_gemm
-
-    monkeypatch.setattr(tile_gemm, "shared_memory_per_block", lambda device: smem_kb << 10)
-    assert tile_gemm.gemm_config(torch.device("cuda", 0), dtype, rows, n, k) is getattr(tile_gemm, want)
 
 
 def _rs_partials_in_fp32_on_rank(ctx, dtype):

@@ -1,0 +1,148 @@
+"""fsdp.save's atomic switch on gloo ranks when a save fails partway: a crash that left both the old
+and the new checkpoint, a save that fails in DCP's write (on one rank) or between the two renames,
+and a failure on rank 0 alone. The failure is raised on every rank (none waits alone), and the
+previous checkpoint still loads bit for bit. Resume, resharding and what a checkpoint holds:
+test_fsdp_checkpoint_gloo.py."""
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from overlapkernels.runtime import fsdp
+from test_fsdp_gloo import OPTIMIZERS, _batches, _loss, _net
+
+
+def _checkpoint_after_crash_on_rank(path):
+    sharded = fsdp.shard(_net(), stage=2)
+    fsdp.save(sharded, path)
+    if dist.get_rank() == 0:  # a crash after the switch but before the old one was deleted
+        os.makedirs(path + ".old", exist_ok=True)
+    dist.barrier()
+    fsdp.save(sharded, path)  # must not trip over the leftover
+    fsdp.load(sharded, path)
+    return not os.path.exists(path + ".old")
+
+
+def test_save_after_a_crash_that_left_both_checkpoints(rank_pool, tmp_path):
+    assert rank_pool(2).run(_checkpoint_after_crash_on_rank, str(tmp_path / "c")) == [True, True]
+
+
+def _fail_in_dcp_write_on_rank_1(mp, ck):
+    """Rank 1 writes its shards, then its disk fills (DCP's write step fails there only)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    write = FileSystemWriter.write_data
+
+    def full_disk(self, plan, planner):
+        written = write(self, plan, planner)
+        if dist.get_rank() == 1:
+            written.wait()
+            raise OSError(28, "No space left on device")
+        return written
+
+    mp.setattr(FileSystemWriter, "write_data", full_disk)
+
+
+def _crash_between_the_renames(mp, ck):
+    """Rank 0's switch fails when it moves the new checkpoint into place (after whatever it did to
+    the old one first)."""
+    replace = os.replace
+
+    def failing(src, dst, **kwargs):
+        if os.fspath(src).endswith(".tmp"):
+            raise OSError(5, "Input/output error")
+        return replace(src, dst, **kwargs)
+
+    mp.setattr(ck.os, "replace", failing)
+
+
+def _interrupted_save_on_rank(path, plant):
+    from overlapkernels.runtime.fsdp import checkpoint as ck
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sharded = fsdp.shard(_net(), stage=3, optimizer=OPTIMIZERS["adamw"])
+
+    def train(x, y):
+        _loss(sharded(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]).backward()
+        sharded.step()
+
+    def optim_state():  # this rank's shards of Adam's moments and its step count, and the groups
+        state = sharded.optimizer.state_dict()  # (Adam's betas stay a tuple, though JSON has only lists)
+        return ({(i, k): v.clone() for i, entry in state["state"].items() for k, v in entry.items()},
+                copy.deepcopy(state["param_groups"]))
+
+    batches = _batches(2, 4, world)
+    train(*batches[0])
+    fsdp.save(sharded, path)  # checkpoint A
+    want_model, (want_state, want_groups) = sharded.full_state_dict(), optim_state()
+    train(*batches[1])
+    assert not all(torch.equal(want_model[k], v) for k, v in sharded.full_state_dict().items())
+    with pytest.MonkeyPatch.context() as mp:
+        plant(mp, ck)
+        try:
+            fsdp.save(sharded, path)
+        except Exception as exc:  # noqa: BLE001 - DCP's own is a BaseException: fsdp.save raises a RuntimeError
+            told = f"{type(exc).__name__}: {exc}"
+        else:
+            told = "no error"
+    total = torch.ones(1)
+    dist.all_reduce(total)  # no rank is left behind in the failed save
+    after_model = sharded.full_state_dict()
+    fsdp.load(sharded, path)
+    got_model, (got_state, got_groups) = sharded.full_state_dict(), optim_state()
+    assert list(got_model) == list(want_model)
+    differ = [k for k in want_model if not torch.equal(got_model[k], want_model[k])]
+    differ += [k for k in want_state if not torch.equal(got_state[k], want_state[k])]
+    assert not differ and sorted(got_state) == sorted(want_state), f"not checkpoint A: {differ}"
+    assert got_groups == want_groups, (got_groups, want_groups)
+    fsdp.save(sharded, path + "2")  # the leftovers of the failed save do not hold up the next ones
+    fsdp.save(sharded, path)
+    return told, int(total), not all(torch.equal(after_model[k], v) for k, v in got_model.items())
+
+
+@pytest.mark.parametrize("plant, told, why", [
+    (_fail_in_dcp_write_on_rank_1, "RuntimeError: fsdp.save: writing ", "No space left on device"),
+    (_crash_between_the_renames, "RuntimeError: fsdp.save: moving ", "on rank 0: OSError: [Errno 5] Input/output"),
+])
+def test_an_interrupted_save_keeps_the_previous_checkpoint(rank_pool, tmp_path, plant, told, why):
+    """A save that fails in DCP's write (on rank 1 only) or between the two renames (rank 0's part)
+    raises on every rank, and a load gives back checkpoint A bit for bit: the parameters and the
+    optimizer's moments, step count and groups (not the step trained since, nor a mix)."""
+    got = rank_pool(2).run(_interrupted_save_on_rank, str(tmp_path / "ckpt"), plant)
+    for message, total, reverted in got:
+        assert message.startswith(told) and why in message, got
+        assert total == 2 and reverted, got
+
+
+def _rank0_failure_on_rank(path):
+    from overlapkernels.runtime.fsdp import checkpoint as ck
+
+    sharded = fsdp.shard(_net(), stage=2)
+    original = ck._switch
+
+    def fail_on_rank0(*args):
+        if dist.get_rank() == 0:
+            raise OSError(28, "No space left on device")
+        return original(*args)
+
+    ck._switch = fail_on_rank0
+    try:
+        fsdp.save(sharded, path)
+    except RuntimeError as exc:
+        message = str(exc)
+    else:
+        message = "no error"
+    finally:
+        ck._switch = original
+    total = torch.ones(1)
+    dist.all_reduce(total)  # nobody is left behind in the save
+    return message, int(total)
+
+
+def test_a_failure_on_rank0_during_save_reaches_every_rank(rank_pool, tmp_path):
+    path = str(tmp_path / "ckpt")
+    want = (f"fsdp.save: moving {path + '.tmp'!r} to {path!r} failed on rank 0: OSError: [Errno 28] No space left "
+            "on device", 2)
+    assert rank_pool(2).run(_rank0_failure_on_rank, path) == [want, want]
