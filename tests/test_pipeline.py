@@ -168,12 +168,32 @@ def test_integer_activations_cross_stages(rank_pool):
     (nn.Tanh(), ("1f1b", 2, 2, 1), F.mse_loss, ValueError, r"^schedule has 2 ranks but the pipeline group has 1$"),
     ([nn.Tanh()], ("interleaved-1f1b", 1, 2, 2), F.mse_loss, ValueError,
      r"^1 stage modules on this rank, the schedule has 2 per rank$"),
+    (nn.Tanh(), "1f1b", F.mse_loss, TypeError, r"^schedule='1f1b': expected a Schedule \(make_schedule\(kind, "),
+    (nn.Tanh(), ("1f1b", 1, 2, 1), "mse", TypeError, r"^loss_fn=str: expected a callable\(output, target\) -> loss$"),
 ])
 def test_bad_runner_arguments_are_named(stages, schedule, loss_fn, error, match):
     """Refused in the constructor, which does not communicate (a world of one: the group's size is read)."""
-    sched = None if schedule is None else pp.make_schedule(*schedule[:3], num_virtual=schedule[3])
+    sched = schedule if schedule is None or isinstance(schedule, str) else \
+        pp.make_schedule(*schedule[:3], num_virtual=schedule[3])
     with pytest.raises(error, match=match):
         pp.PipelineRunner(stages, schedule=sched, loss_fn=loss_fn)
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("timeout, error, match", [
+    (None, TypeError, r"^timeout=None: expected seconds \(int or float\) or a datetime.timedelta$"),
+    ("30", TypeError, r"^timeout='30': expected seconds"),
+    (True, TypeError, r"^timeout=True: expected seconds"),
+    (-1, ValueError, r"^timeout=-1: expected a finite duration of at least 1 ms$"),
+    (float("nan"), ValueError, r"^timeout=nan: expected a finite duration"),
+])
+def test_bad_runner_timeouts_are_named(timeout, error, match):
+    """Stored unchecked, these failed inside step() after P2P was posted (None, a string), or made
+    every receive time out at once (-1)."""
+    sched = pp.make_schedule("1f1b", 1, 2)
+    with pytest.raises(error, match=match):
+        pp.PipelineRunner(nn.Tanh(), schedule=sched, loss_fn=F.mse_loss, timeout=timeout)
+    assert pp.PipelineRunner(nn.Tanh(), schedule=sched, loss_fn=F.mse_loss, timeout=timedelta(minutes=1)).timeout == 60
 
 
 _X, _Y = torch.zeros(4, 3), torch.zeros(4, 3)

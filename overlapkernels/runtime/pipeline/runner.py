@@ -25,14 +25,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...parallel import comm_device, resolve_group, uses_nccl
+from ...parallel import comm_device, resolve_group, resolve_timeout, uses_nccl
 from ...profiling.ranges import span
 from .p2p import check_comm_plan, comm_plan
+from .schedule import Schedule
 from .simulate import validate
 from .weight_grad import WeightGradStore, deferring, enable_zero_bubble
 
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
-_META_LEN = 10
+# A shape message names the activation's dtype by its index here: every dtype this torch has, in
+# one order on every rank (ranks of a job run one torch). Tensors travel as their bytes (``_bytes``),
+# so no backend's dtype table matters (NCCL has no complex type of its own, older ones no float8).
+_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+_META_LEN = 10  # [dims, dtype index, size 0, ..., size 7]
+_MAX_DIMS = _META_LEN - 2
 _KINDS = ("shape", "activation", "gradient")
 
 
@@ -40,6 +45,11 @@ def _stage_input(x: torch.Tensor) -> torch.Tensor:
     """An activation from the previous stage as a leaf whose gradient backward sends back; integer
     activations (token ids on their way to an embedding stage) take no gradient: zeros go back."""
     return x.requires_grad_() if x.is_floating_point() or x.is_complex() else x
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as uint8 (a view: a receive fills the typed tensor)."""
+    return t.reshape(-1).view(torch.uint8)
 
 
 class PipelineTimeout(RuntimeError):
@@ -70,14 +80,15 @@ class PipelineRunner:
 
     ``stage_module_or_modules``: this rank's stage, or with ``num_virtual`` > 1 a list (or
     ``nn.ModuleList``) of its virtual stages in order: chunk c is stage ``c * num_ranks + rank``.
-    A stage maps one tensor to one tensor (the activation that crosses to the next stage).
+    A stage maps one tensor to one tensor (the activation that crosses to the next stage: dense,
+    any dtype, at most 8 dims; integer and bool ones send zeros back as their gradient).
     ``loss_fn(output, target)``: on the last stage, per microbatch; ``step`` divides it by the
     number of microbatches, so the gradients equal those of the whole batch's mean loss.
     ``step(inputs, targets)``: the first stage's rank passes ``inputs``, the last stage's
     ``targets`` (others None); both are split into microbatches along dim 0. Returns the mean
     microbatch loss on the last stage's rank, None elsewhere; gradients accumulate in the stage
     modules (zero them, and step the optimizer, yourself). ``timeout`` (s): a peer that does not
-    answer raises ``PipelineTimeout`` naming the stage, microbatch and peer.
+    answer raises ``PipelineTimeout`` naming the stage, microbatch and peer; seconds or a timedelta.
     """
 
     def __init__(self, stage_module_or_modules, group=None, schedule=None, loss_fn=None, *, timeout: float = 300.0,
@@ -88,6 +99,14 @@ class PipelineRunner:
             missing = " and ".join(name for name, v in (("schedule", schedule), ("loss_fn", loss_fn)) if v is None)
             raise ValueError(f"PipelineRunner needs schedule= (from make_schedule) and loss_fn= (a callable(output, "
                              f"target) -> loss); got None for {missing}")
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"schedule={schedule!r}: expected a Schedule (make_schedule(kind, num_ranks, "
+                            "num_microbatches))")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn={type(loss_fn).__name__}: expected a callable(output, target) -> loss")
+        if timeout is None:  # unlike torch's None (its default), a pipeline step must be able to give up
+            raise TypeError("timeout=None: expected seconds (int or float) or a datetime.timedelta")
+        timeout = resolve_timeout(timeout).total_seconds()
         modules = _stage_list(stage_module_or_modules)
         self.group = resolve_group(group)
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
@@ -151,7 +170,7 @@ class PipelineRunner:
 
     def _post(self, batch, tensors) -> list:
         """The one place P2P leaves this rank: one ``batch_isend_irecv`` per batch of the plan."""
-        ops = [dist.P2POp(dist.isend if msg.send else dist.irecv, t, dist.get_global_rank(self.group, msg.peer),
+        ops = [dist.P2POp(dist.isend if msg.send else dist.irecv, _bytes(t), dist.get_global_rank(self.group, msg.peer),
                           self.group, self._tag(msg)) for msg, t in zip(batch, tensors)]
         try:
             with span("ok/pipeline/post/comm"):
@@ -205,6 +224,9 @@ class PipelineRunner:
 
     def _send_later(self, what, boundary, mb, tensor) -> None:
         if what == "activation":  # every microbatch of a step must match the shape announced once
+            if tensor.dim() > _MAX_DIMS or tensor.layout != torch.strided:
+                raise ValueError(f"stage {boundary} microbatch {mb}: output {tuple(tensor.shape)} {tensor.dtype} "
+                                 f"{tensor.layout}: a stage passes a dense tensor of at most {_MAX_DIMS} dims")
             seen = self._shapes.setdefault(boundary, (tuple(tensor.shape), tensor.dtype))
             if seen != (tuple(tensor.shape), tensor.dtype):
                 raise ValueError(f"stage {boundary} microbatch {mb}: output {tuple(tensor.shape)} {tensor.dtype} "
