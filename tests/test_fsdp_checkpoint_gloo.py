@@ -1,5 +1,5 @@
 """fsdp.save / fsdp.load on gloo ranks: bit-identical resume (a leftover of an interrupted save
-included), buffers (per-rank shapes too), resharding to other world sizes, per-rank optimizer state,
+included), buffers (per-rank shapes too) and frozen parameters, resharding to other world sizes, per-rank optimizer state,
 and one checkpoint for a TP x DP job. Saves that fail partway: test_fsdp_checkpoint_atomic_gloo.py;
 storage and metadata that misbehave: test_fsdp_checkpoint_storage_gloo.py."""
 import json
@@ -134,6 +134,39 @@ def test_checkpoint_keeps_buffers(rank_pool, tmp_path, stage):
     assert rank_pool(2).run(_buffers_on_rank, str(tmp_path / "ckpt"), stage) == [True, True]
 
 
+def _frozen_save_on_rank(path, stage):
+    """A frozen first layer (a backbone trained before: values no fresh model has) is saved and
+    loaded like a buffer: fsdp leaves it out of every unit, and it came back as the new model's."""
+    model = _net()
+    model.inp.requires_grad_(False)
+    with torch.no_grad():
+        model.inp.weight.copy_(torch.arange(model.inp.weight.numel(), dtype=torch.float64).view_as(model.inp.weight))
+    sharded = fsdp.shard(model, stage=stage, optimizer=OPTIMIZERS["sgd"])
+    fsdp.save(sharded, path)
+    return [p.clone() for p in model.inp.parameters()]
+
+
+def _frozen_load_on_rank(path, stage):
+    model = _net()
+    model.inp.requires_grad_(False)
+    with torch.no_grad():
+        model.inp.bias.add_(1)  # fresh values unlike the saved ones, in both tensors
+    fsdp.load(fsdp.shard(model, stage=stage, optimizer=OPTIMIZERS["sgd"]), path)
+    return [p.clone() for p in model.inp.parameters()]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoint_keeps_frozen_parameters(rank_pool, tmp_path, stage):
+    """Saved on 2 ranks, loaded on 2 and on 1 (the same on every rank, so saved once and
+    reshardable). Before, a resumed job silently kept its fresh frozen weights."""
+    path = str(tmp_path / "ckpt")
+    saved = rank_pool(2).run(_frozen_save_on_rank, path, stage)
+    for loaded in rank_pool(2).run(_frozen_load_on_rank, path, stage) + rank_pool(1).run(_frozen_load_on_rank, path,
+                                                                                          stage):
+        for got, want in zip(loaded, saved[0]):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 class _HistNet(nn.Module):
     """A per-rank buffer whose shape differs between ranks (each rank's own histogram)."""
 
@@ -183,7 +216,7 @@ def _per_rank_buffers_on_one_rank(path):
 def test_per_rank_buffer_shapes_reload_and_a_mismatch_on_one_rank_fails_on_all(rank_pool, tmp_path):
     path = str(tmp_path / "ckpt")
     want = [f"checkpoint {path!r}: buffer hist was saved as float64 [2]; this model's is float64 [5]",
-            f"checkpoint {path!r} holds buffers ['hist']; this model has ['extra', 'hist']"]
+            f"checkpoint {path!r} holds buffers and frozen parameters ['hist']; this model has ['extra', 'hist']"]
     assert rank_pool(2).run(_per_rank_buffer_shapes_on_rank, path) == [want, want]
     # buffers that differ between the ranks that saved them cannot be resharded
     assert rank_pool(1).run(_per_rank_buffers_on_one_rank, path) == [

@@ -18,7 +18,8 @@ A save goes to ``<path>.tmp`` and is renamed into place by world rank 0 only aft
 finished; the previous checkpoint is moved aside first and deleted last, so a crash at any moment
 leaves a loadable checkpoint (``load`` falls back to ``<path>.old``). A failure in rank 0's part of
 that (a full disk) raises on every rank. The model's persistent buffers (BatchNorm statistics,
-counters) are saved too: once when the ranks agree, else per rank (then same world size only).
+counters) and frozen parameters (not in any unit) are saved too: once when the ranks agree, else
+per rank (then same world size only).
 """
 from __future__ import annotations
 
@@ -85,13 +86,18 @@ def _digest(value: torch.Tensor) -> tuple:
 
 
 def _buffers(sharded) -> dict:
-    """The wrapped model's persistent buffers (BatchNorm statistics, step counters): what its
-    state_dict holds besides parameters, by state-dict name."""
+    """What the wrapped model's state_dict holds outside the units, by state-dict name, to be saved
+    and loaded in place: its persistent buffers (BatchNorm statistics, step counters) and its frozen
+    parameters (a backbone or embedding trained before, which fsdp leaves unsharded; once per
+    tensor, however many modules share it). The metadata calls them all "buffers"."""
     found = {}
     for prefix, mod in sharded.module.named_modules():
         for name, buf in mod.named_buffers(recurse=False):
             if buf is not None and name not in mod._non_persistent_buffers_set:
                 found[f"{prefix}.{name}" if prefix else name] = buf
+    for name, p in sharded.module.named_parameters():
+        if not p.requires_grad:
+            found[name] = p.detach()  # shares the storage: dcp.load fills the parameter
     return found
 
 
@@ -330,7 +336,8 @@ def _check(sharded, path, meta, part, parts) -> str | None:
                 f"parameter shards, so it reloads only on {mine['world_size']} ranks, not {world}")
     saved, have = mine.get("buffers", {}), {name: _layout(buf) for name, buf in _buffers(sharded).items()}
     if "buffers" in mine and sorted(saved) != sorted(have):
-        return f"checkpoint {path!r} holds buffers {sorted(saved)}; this model has {sorted(have)}"
+        return (f"checkpoint {path!r} holds buffers and frozen parameters {sorted(saved)}; this model has "
+                f"{sorted(have)}")
     per_rank = sorted(name for name, entry in saved.items() if entry["kind"] == "per_rank")
     if per_rank and mine["world_size"] != world:
         return (f"checkpoint {path!r}: buffers {per_rank} differ between the ranks that saved it (e.g. BatchNorm "
