@@ -285,6 +285,34 @@ def test_clip_grad_norm_inside_no_sync_is_refused(rank_pool):
                                                           "last backward of the step"] * 2
 
 
+def _clip_bad_modules_on_rank():
+    """fsdp.clip_grad_norm_'s modules are ShardedModules; without dims they share one group."""
+    from comm_guard import no_communication
+
+    whole = fsdp.shard(nn.Sequential(nn.Linear(D_IN, 3)).double(), stage=1)
+    alone = fsdp.shard(nn.Sequential(nn.Linear(D_IN, 3)).double(), dist.new_group([dist.get_rank()]), stage=1)
+    said = []
+    for modules in ([], [whole, nn.Linear(2, 2)], whole.module, [whole, alone]):
+        try:
+            with no_communication():
+                fsdp.clip_grad_norm_(modules, 1.0)
+        except (TypeError, ValueError) as exc:
+            said.append(f"{type(exc).__name__}: {exc}")
+    return said
+
+
+def test_fsdp_clip_grad_norm_refuses_bad_modules_before_communicating(rank_pool):
+    said = rank_pool(2).run(_clip_bad_modules_on_rank)
+    assert said[0][:3] == ["TypeError: modules=[]: expected a ShardedModule (fsdp.shard) or a non-empty list of them",
+                           "TypeError: modules[1]=Linear: expected a ShardedModule (fsdp.shard)",
+                           "TypeError: modules=Sequential: expected a ShardedModule (fsdp.shard) or a non-empty list "
+                           "of them"], said[0]
+    assert said[0][3] == ("ValueError: clip_grad_norm_: the modules are sharded over different groups [(0,), (0, 1)]; "
+                          "pass dims= (a ParallelDims) so the norm spans the world"), said[0][3]
+    assert said[1][3].startswith("ValueError: clip_grad_norm_: the modules are sharded over different groups [(0, 1), "
+                                 "(1,)]"), said[1][3]
+
+
 class _Mesh:
     def __init__(self, *sizes):
         self.sizes = sizes

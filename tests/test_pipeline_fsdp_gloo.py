@@ -16,17 +16,21 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def _interleaved_zero_on_rank(kind, v, zero_stage):
+def _interleaved_zero_on_rank(kind, v, zero_stage, clip=None):
+    """``clip``: clip every step's gradients to this norm, the whole model's (all chunks of every
+    rank), as torch clips the unsharded model's."""
     dims = ok.init_parallel(pp=2, dp=2)
     p, m = dims.pp_size, 4
     g = torch.Generator().manual_seed(7)
     batches = [(torch.randn(8, WIDTH, generator=g, dtype=torch.float64),
                 torch.randn(8, WIDTH, generator=g, dtype=torch.float64)) for _ in range(2)]
     ref = _model(p * v)
-    ref_opt = _sgd(ref.parameters())
+    ref_opt, ref_norms, norms = _sgd(ref.parameters()), [], []
     for x, y in batches:
         ref_opt.zero_grad()
         F.mse_loss(ref(x), y).backward()
+        if clip is not None:
+            ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip))
         ref_opt.step()
 
     model = _model(p * v)
@@ -40,6 +44,8 @@ def _interleaved_zero_on_rank(kind, v, zero_stage):
         for chunk in chunks:
             chunk.zero_grad()
         runner.step(x[rows] if first else None, y[rows] if last else None)
+        if clip is not None:
+            norms.append(fsdp.clip_grad_norm_(chunks, clip, dims=dims))
         for chunk in chunks:
             chunk.step()
     for s, chunk in zip(stages, chunks):
@@ -47,6 +53,8 @@ def _interleaved_zero_on_rank(kind, v, zero_stage):
         for name, want in _stage(ref, s).state_dict().items():
             torch.testing.assert_close(full[name], want, atol=1e-12, rtol=1e-12,
                                        msg=lambda msg, n=name: f"stage {s} {n}: {msg}")
+    for got, want in zip(norms, ref_norms):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
     return True
 
 
@@ -54,3 +62,11 @@ def _interleaved_zero_on_rank(kind, v, zero_stage):
 @pytest.mark.parametrize("zero_stage", [1, 3])
 def test_pipeline_chunks_sharded_over_dp_match_the_whole_model(rank_pool, kind, v, zero_stage):
     assert rank_pool(4).run(_interleaved_zero_on_rank, kind, v, zero_stage) == [True] * 4
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_clipping_spans_every_chunk_of_every_rank(rank_pool, zero_stage):
+    """One call over this rank's chunks (fsdp.clip_grad_norm_): the norm of the whole model, and
+    gradients clipped by it. Per chunk (ShardedModule.clip_grad_norm_) each chunk was clipped by
+    its own chunk index's norm over the world: the first chunks went unclipped."""
+    assert rank_pool(4).run(_interleaved_zero_on_rank, "interleaved-1f1b", 2, zero_stage, 0.05) == [True] * 4

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ...parallel import resolve_group
 from .checkpoint import load, save
-from .sharded import ShardedModule
+from .sharded import ShardedModule, clip_grad_norm_
 
 
 def _adamw(params):
@@ -36,4 +36,4 @@ def shard(model, group=None, *, stage=3, optimizer=_adamw, prefetch=1, param_dty
                          reduce_dtype=reduce_dtype, units=units)
 
 
-__all__ = ["shard", "save", "load", "ShardedModule"]
+__all__ = ["shard", "save", "load", "clip_grad_norm_", "ShardedModule"]
