@@ -153,6 +153,26 @@ def test_render_text():
     assert "W0.0" in text
 
 
+def test_render_keeps_long_labels_whole_and_skips_actions_that_take_no_time():
+    """Cells were 5 characters: BW0.10 and BW0.11 both printed as BW0.1, microbatch 1's label; and
+    W actions of zero length (simulate's default t_w=0) were drawn over their neighbours."""
+    rows = pp.render(pp.make_schedule("1f1b", 2, 12)).splitlines()[1:]
+    labels = [label.strip(".") for row in rows for label in row.split(": ")[1].split()]
+    assert sorted(filter(None, labels)) == sorted(f"{op}{s}.{m}" for op in ("F", "BW") for s in (0, 1)
+                                                  for m in range(12))
+    zero_w = pp.render(pp.simulate(pp.make_schedule("zb-h1", 2, 3)))
+    assert "W" not in zero_w.replace("BW", "").split("\n", 1)[1]
+    assert [row.count("B") for row in zero_w.splitlines()[1:]] == [3, 3]
+
+
+@pytest.mark.parametrize("cost", ["t_f", "t_b", "t_w", "t_comm"])
+@pytest.mark.parametrize("value", [-1, float("nan"), float("inf"), True, "1"])
+def test_simulate_refuses_costs_that_are_not_finite_times(cost, value):
+    """t_f=-1 gave a bubble of 100% with no busy time, a NaN cost a NaN makespan."""
+    with pytest.raises(ValueError, match=rf"^{cost}={value!r}: expected a finite time >= 0$".replace("(", r"\(")):
+        pp.simulate(pp.make_schedule("1f1b", 2, 2), **{cost: value})
+
+
 def test_render_png(tmp_path):
     pytest.importorskip("matplotlib")  # the [bench] extra; without it render draws no PNG
     pp.render(pp.make_schedule("zb-h1", 3, 4), str(tmp_path / "zb.png"))

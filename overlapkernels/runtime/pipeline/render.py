@@ -6,7 +6,7 @@ import warnings
 from .schedule import Schedule
 from .simulate import SimResult, simulate
 
-_WIDTH = 6  # characters per unit of time
+_WIDTH = 6  # characters per unit of time, at least
 
 
 def render(sched_or_res, path: str | None = None) -> str:
@@ -19,12 +19,16 @@ def render(sched_or_res, path: str | None = None) -> str:
     lines = [f"{res.schedule.kind}: {res.schedule.num_ranks} ranks, {res.schedule.num_microbatches} microbatches"
              f"{f', {res.schedule.num_virtual} virtual' if res.schedule.num_virtual > 1 else ''}; makespan "
              f"{res.makespan:g}, bubble {res.bubble_fraction:.1%}, peak activations {res.peak_activations}"]
+    # a cell fits the longest label ("BW12.10"), so labels are never cut into each other's
+    width = max([_WIDTH] + [len(str(a)) + 1 for tl in res.timeline for _, _, a in tl])
     for r, tl in enumerate(res.timeline):
-        row = ["." * _WIDTH] * cols
+        row = ["." * width] * cols
         for start, end, a in tl:
+            if end <= start:  # takes no time (W at t_w=0): drawn it would cover its neighbour
+                continue
             first, n = int(round(start / unit)), max(1, int(round((end - start) / unit)))
             for i in range(first, min(first + n, cols)):
-                row[i] = str(a)[:_WIDTH - 1].ljust(_WIDTH)
+                row[i] = str(a).ljust(width)
         lines.append(f"rank {r}: " + "".join(row))
     if path:
         _png(res, path)

@@ -7,6 +7,8 @@ reported by name. Both ``simulate`` and ``validate`` check completeness first.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 from .schedule import OPS, Schedule
@@ -101,6 +103,9 @@ def _check_actions(schedule: Schedule) -> None:
 
 def simulate(schedule: Schedule, *, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 0.0,
              t_comm: float = 0.0) -> SimResult:
+    for name, value in (("t_f", t_f), ("t_b", t_b), ("t_w", t_w), ("t_comm", t_comm)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+            raise ValueError(f"{name}={value!r}: expected a finite time >= 0")
     _check_actions(schedule)  # figures for an incomplete schedule would look valid and mean nothing
     cost = {"F": t_f, "B": t_b, "W": t_w, "BW": t_b + t_w}
     p, last = schedule.num_ranks, schedule.num_stages - 1
