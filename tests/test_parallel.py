@@ -175,19 +175,28 @@ def test_timeout_reaches_every_mesh_group(rank_pool):
         assert axes == {"dp": 7.5, "pp": 7.5, "cp": 7.5, "tp": 7.5}
 
 
-def _absent_peer_on_rank(timeout):
+def _absent_peer_on_rank(timeout, call="collective"):
     dims = ok.init_parallel(tp=2, timeout=timeout)  # TP groups {0, 1} and {2, 3}, not the pool's world
     if dist.get_rank() == 1:
         return None  # never joins: rank 0's collective must time out, not hang
     try:
-        dist.all_reduce(torch.ones(1), group=dims.tp_group)
+        if call == "collective":
+            dist.all_reduce(torch.ones(1), group=dims.tp_group)
+        elif call == "decomposed":  # the ring of P2P steps
+            ok.all_gather_matmul(torch.ones(2, 4), torch.ones(4, 3), dims.tp_group, method="decomposed")
+        else:
+            q = torch.ones(1, 2, 1, 4)
+            ok.ring_attention(q, q, q, dims.tp_group)
     except RuntimeError as exc:
         return str(exc)
     return "completed"
 
 
-def test_a_collective_without_its_peer_times_out(rank_pool):
-    message, absent, *_ = rank_pool(4).run(_absent_peer_on_rank, 0.5, timeout=60)
+@pytest.mark.parametrize("call", ["collective", "decomposed", "ring_attention"])
+def test_a_collective_without_its_peer_times_out(rank_pool, call):
+    """The ring's P2P steps too: gloo bounded their waits only by the timeout the group was created
+    with (30 minutes for a mesh group), not init_parallel's."""
+    message, absent, *_ = rank_pool(4).run(_absent_peer_on_rank, 0.5, call, timeout=60)
     assert "completed" not in message and "timed out" in message.lower(), message
     assert absent is None  # ranks 2 and 3 (the other TP group) may finish or time out: 0.5 s is short
 

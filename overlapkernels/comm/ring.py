@@ -8,11 +8,26 @@ current stream wait for them, so compute and communication overlap without host 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from .._compat import group_timeout
 from ..parallel import uses_nccl
+
+
+class _TimedWork:
+    """A gloo send or receive waited for with the group's timeout. gloo bounds a P2P wait only by
+    the timeout its group was created with (30 min for DeviceMesh's groups), not by one set later,
+    which is how ``init_parallel(timeout=)`` bounds the mesh's collectives: without this a ring
+    step whose peer died waited half an hour where a collective failed in seconds."""
+
+    def __init__(self, work, timeout: timedelta):
+        self.work, self.timeout = work, timeout
+
+    def wait(self):
+        return self.work.wait(self.timeout)
 
 
 class _StagedWork:
@@ -36,10 +51,13 @@ class Ring:
     rank: int          # rank within the group
     world_size: int
     host_only: bool = False  # the backend can move only CPU tensors (gloo)
+    timeout: timedelta | None = None  # gloo: each wait's bound (see _TimedWork); NCCL: its watchdog's
 
     @classmethod
     def of(cls, group: dist.ProcessGroup) -> "Ring":
-        return cls(group, dist.get_rank(group), dist.get_world_size(group), not uses_nccl(group))
+        host_only = not uses_nccl(group)
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), host_only,
+                   group_timeout(group) if host_only else None)
 
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank % self.world_size)
@@ -58,6 +76,8 @@ class Ring:
         ops = [dist.P2POp(dist.isend, t, self.global_rank(to), self.group, tag) for t in sends]
         ops += [dist.P2POp(dist.irecv, t, self.global_rank(frm), self.group, tag) for t in recvs]
         works = dist.batch_isend_irecv(ops)
+        if self.timeout is not None:
+            works = [_TimedWork(work, self.timeout) for work in works]
         return [_StagedWork(works, copies)] if copies else works
 
 
