@@ -159,6 +159,27 @@ def _bad_seq_on_rank():
     return True
 
 
+def _bad_ids_under_cp_on_rank():
+    """Under CP each rank holds part of the sequence: a bad id in rank 1's part only failed rank 1
+    (its embedding or loss) while rank 0 waited for it in the ring or the loss's all-reduce."""
+    model = GPT(GPTConfig(**CONFIG), ok.init_parallel(cp=2), dtype=torch.float64)
+    said = []
+    for which, value in (("tokens", 32), ("targets", 40)):
+        batch = {"tokens": torch.zeros(1, 8, dtype=torch.long), "targets": torch.zeros(1, 8, dtype=torch.long)}
+        batch[which][0, 2] = value  # zigzag over 2 ranks: positions 2-3 and 4-5 are rank 1's
+        try:
+            model.loss(batch["tokens"], batch["targets"])
+        except (ValueError, IndexError) as exc:
+            said.append(f"{type(exc).__name__}: {exc}")
+    return said
+
+
+def test_bad_ids_in_one_cp_ranks_part_are_refused_on_every_rank(rank_pool):
+    assert rank_pool(2).run(_bad_ids_under_cp_on_rank) == [[
+        "IndexError: tokens hold ids outside [0, 32), e.g. 32",
+        "ValueError: target holds ids outside [0, 32) that are not ignore_index=-100, e.g. 40"]] * 2
+
+
 _STAGE_RANGE = r": expected \(stage, num_stages\) of integers with 0 <= stage < num_stages$"
 
 

@@ -275,6 +275,17 @@ def _bad_layers_on_rank():
         (lambda: mark_sequence_parallel(torch.nn.Parameter(torch.ones(2)), True, tp, owner=torch.nn.Linear(2, 2)),
          r"^mark_sequence_parallel: owner Linear does not hold this parameter directly \(register it on the module "
          r"first\)$"),
+        # sizes are integers >= 1: 0 heads divided by zero, 0 kv heads silently meant num_heads, negative
+        # head counts built a module with negative head_dim, and torch's own error named no argument
+        (lambda: ParallelSelfAttention(16, 0, 2, tp), r"^num_heads=0: expected an integer >= 1$"),
+        (lambda: ParallelSelfAttention(16, 4, 0, tp), r"^num_kv_heads=0: expected an integer >= 1$"),
+        (lambda: ParallelSelfAttention(16, -4, -2, tp), r"^num_heads=-4: expected an integer >= 1$"),
+        (lambda: ParallelSelfAttention(16.0, 4, 2, tp), r"^hidden=16.0: expected an integer >= 1$"),
+        (lambda: ColumnParallelLinear(-4, 4, tp), r"^in_features=-4: expected an integer >= 1$"),
+        (lambda: ColumnParallelLinear(4, -4, tp), r"^out_features=-4: expected an integer >= 1$"),
+        (lambda: RowParallelLinear(4, 0, tp), r"^out_features=0: expected an integer >= 1$"),
+        (lambda: ParallelMLP(8, True, tp), r"^ffn_hidden=True: expected an integer >= 1$"),
+        (lambda: VocabParallelEmbedding(16, 0, tp), r"^embedding_dim=0: expected an integer >= 1$"),
     ]
     for i, (make, *error, pattern) in enumerate(cases):
         error = error[0] if error else ValueError

@@ -150,3 +150,33 @@ def _bad_batch_on_rank():
 def test_bad_batch_is_refused_on_every_rank(rank_pool):
     for messages in rank_pool(4).run(_bad_batch_on_rank):
         assert messages == [message for _, _, message in _BAD_BATCHES]
+
+
+def _bad_ids_on_rank():
+    """Each rank sees a part of the batch (dp=2 x pp=2: rows by DP, ids on stage 0, targets on stage
+    1): a bad id in the last row reaches one rank's embedding or loss only. That rank raised and the
+    others waited for it in the pipeline's P2P."""
+    dims = ok.init_parallel(dp=2, pp=2)
+    trainer = Trainer(GPTConfig(**CONFIG), dims, dtype=torch.float64)
+    said = []
+    for which, value in (("tokens", 16), ("tokens", -1), ("targets", 16), ("targets", -7)):
+        batch = {"tokens": torch.zeros(8, 8, dtype=torch.long), "targets": torch.zeros(8, 8, dtype=torch.long)}
+        batch[which][7, 5] = value
+        try:
+            trainer.step(batch["tokens"], batch["targets"])
+        except (ValueError, IndexError) as exc:  # on every rank, before any P2P
+            said.append(f"{type(exc).__name__}: {exc}")
+    try:
+        trainer.step(torch.zeros(8, 8, dtype=torch.long), torch.zeros(8, 8))
+    except TypeError as exc:
+        said.append(f"TypeError: {exc}")
+    return said
+
+
+def test_bad_ids_are_refused_on_every_rank(rank_pool):
+    for said in rank_pool(4).run(_bad_ids_on_rank):
+        assert said == ["IndexError: tokens hold ids outside [0, 16), e.g. 16",
+                        "IndexError: tokens hold ids outside [0, 16), e.g. -1",
+                        "ValueError: target holds ids outside [0, 16) that are not ignore_index=-100, e.g. 16",
+                        "ValueError: target holds ids outside [0, 16) that are not ignore_index=-100, e.g. -7",
+                        "TypeError: targets must be an integer tensor of token ids, got torch.float32"], said

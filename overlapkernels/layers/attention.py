@@ -10,8 +10,8 @@ from ..ops.dispatch import check_method
 from ..ops.ring_attention import ring_attention
 from ..ops.sequence_shard import check_layout, segments
 from ..parallel import resolve_group
-from .linear import (DefersWeightGrad, RowParallelLinear, _MegatronExtraState, check_input, column_parallel, divide,
-                     sharded_parameter)
+from .linear import (DefersWeightGrad, RowParallelLinear, _MegatronExtraState, check_input, check_size, column_parallel,
+                     divide, sharded_parameter)
 from .tags import remember_tensor_parallel
 
 
@@ -38,7 +38,8 @@ class ParallelSelfAttention(DefersWeightGrad, _MegatronExtraState, nn.Module):
         super().__init__()
         self.group = resolve_group(group)
         tp = dist.get_world_size(self.group)
-        num_kv_heads = num_kv_heads or num_heads
+        hidden, num_heads = check_size(hidden, "hidden"), check_size(num_heads, "num_heads")
+        num_kv_heads = num_heads if num_kv_heads is None else check_size(num_kv_heads, "num_kv_heads")
         if hidden % num_heads:
             raise ValueError(f"hidden={hidden} is not divisible by num_heads={num_heads}")
         if num_heads % num_kv_heads:

@@ -8,8 +8,19 @@ from torch import nn
 from ..ops._validate import check_ids
 from ..ops.tp_regions import reduce_from_tp_region, reduce_scatter_first_dim
 from ..parallel import resolve_group
-from .linear import divide, sharded_parameter
+from .linear import check_size, divide, sharded_parameter
 from .tags import remember_tensor_parallel
+
+
+def check_token_ids(tokens, num_embeddings: int) -> None:
+    """What VocabParallelEmbedding takes: an integer tensor of ids in [0, num_embeddings)."""
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"tokens must be a torch.Tensor of token ids, got {type(tokens).__name__}")
+    if tokens.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"tokens must be an integer tensor, got {tokens.dtype}")
+    bad = (tokens < 0) | (tokens >= num_embeddings)  # nn.Embedding raises IndexError for these
+    check_ids(tokens, bad, lambda first: IndexError(f"tokens hold ids outside [0, {num_embeddings}), e.g. {first}"),
+              f"VocabParallelEmbedding: token ids outside [0, {num_embeddings})")
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -23,7 +34,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.group = resolve_group(group)
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.num_embeddings, self.embedding_dim = num_embeddings, check_size(embedding_dim, "embedding_dim")
         per_rank = divide(num_embeddings, world, "num_embeddings")
         self.vocab_start_index, self.vocab_end_index = rank * per_rank, (rank + 1) * per_rank
         self.sequence_parallel = sequence_parallel
@@ -37,14 +48,7 @@ class VocabParallelEmbedding(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, tokens):
-        if not isinstance(tokens, torch.Tensor):
-            raise TypeError(f"tokens must be a torch.Tensor of token ids, got {type(tokens).__name__}")
-        if tokens.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"tokens must be an integer tensor, got {tokens.dtype}")
-        bad = (tokens < 0) | (tokens >= self.num_embeddings)  # nn.Embedding raises IndexError for these
-        check_ids(tokens, bad, lambda first: IndexError(f"tokens hold ids outside [0, {self.num_embeddings}), e.g. "
-                                                        f"{first}"),
-                  f"VocabParallelEmbedding: token ids outside [0, {self.num_embeddings})")
+        check_token_ids(tokens, self.num_embeddings)
         outside = (tokens < self.vocab_start_index) | (tokens >= self.vocab_end_index)
         local_ids = (tokens - self.vocab_start_index).masked_fill(outside, 0)
         out = self.weight[local_ids].masked_fill(outside.unsqueeze(-1), 0.0)  # other ranks own these rows

@@ -8,6 +8,8 @@ included), so per-rank state dicts interchange. Initialisation builds the full w
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -26,7 +28,16 @@ def default_init(weight: torch.Tensor) -> None:
     nn.init.normal_(weight, mean=0.0, std=0.02)  # Megatron's init_method_normal(0.02)
 
 
+def check_size(value, what: str) -> int:
+    """A layer size (features, heads): an integer >= 1 (torch's own layers fail later, or build an
+    empty or negative-sized layer, for 0, -4 or 2.0)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{what}={value!r}: expected an integer >= 1")
+    return int(value)
+
+
 def divide(total: int, parts: int, what: str) -> int:
+    total = check_size(total, what)
     if total % parts:
         raise ValueError(f"{what}={total} is not divisible by the tensor-parallel size {parts}")
     return total // parts
@@ -107,7 +118,7 @@ class ColumnParallelLinear(DefersWeightGrad, _MegatronExtraState, nn.Module):
         super().__init__()
         self.group = resolve_group(group)
         world = dist.get_world_size(self.group)
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features = check_size(in_features, "in_features"), out_features
         self.output_size_per_partition = divide(out_features, world, "out_features")
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.method = check_method(method)
@@ -142,7 +153,7 @@ class RowParallelLinear(DefersWeightGrad, _MegatronExtraState, nn.Module):
         super().__init__()
         self.group = resolve_group(group)
         world = dist.get_world_size(self.group)
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features = in_features, check_size(out_features, "out_features")
         self.input_size_per_partition = divide(in_features, world, "in_features")
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.method = check_method(method)

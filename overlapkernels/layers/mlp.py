@@ -7,8 +7,8 @@ from torch.nn import functional as F
 
 from ..ops.dispatch import check_method
 from ..parallel import resolve_group
-from .linear import (DefersWeightGrad, RowParallelLinear, _MegatronExtraState, check_input, column_parallel, divide,
-                     sharded_parameter)
+from .linear import (DefersWeightGrad, RowParallelLinear, _MegatronExtraState, check_input, check_size, column_parallel,
+                     divide, sharded_parameter)
 from .tags import remember_tensor_parallel
 
 
@@ -20,6 +20,7 @@ class ParallelMLP(DefersWeightGrad, _MegatronExtraState, nn.Module):
                  device=None, init_method=None):
         super().__init__()
         self.group = resolve_group(group)
+        hidden, ffn_hidden = check_size(hidden, "hidden"), check_size(ffn_hidden, "ffn_hidden")
         divide(ffn_hidden, dist.get_world_size(self.group), "ffn_hidden")
         self.sequence_parallel, self.method = sequence_parallel, check_method(method)
         self.gate_weight = sharded_parameter((ffn_hidden, hidden), 0, self.group, init_method, dtype, device)

@@ -17,8 +17,9 @@ from torch import nn
 from .. import _compat
 from ..comm.collectives import all_reduce_coalesced
 from ..layers import ColumnParallelLinear, RMSNorm, TransformerBlock, VocabParallelEmbedding
+from ..layers.embedding import check_token_ids
 from ..layers.norm import allreduce_sequence_parallel_grads
-from ..ops.cross_entropy import vocab_parallel_cross_entropy
+from ..ops.cross_entropy import check_target_ids, vocab_parallel_cross_entropy
 from ..ops.sequence_shard import shard_sequence
 
 
@@ -88,6 +89,17 @@ class GPT(nn.Module):
             for p in self.parameters():
                 p.context_parallel_group = self.cp_group
 
+    def check_ids(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        """The whole batch's token and target ids, checked on every rank before any rank takes its
+        part: where ranks see different parts (CP, pipeline stages, DP replicas) a bad id in one
+        part failed that rank alone, while its peers waited for it in the ring or an all-reduce.
+        On CUDA tensors a device-side assert, as torch's embedding and cross-entropy give."""
+        check_token_ids(tokens, self.config.vocab_size)
+        if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"targets must be an integer tensor of token ids, got "
+                            f"{getattr(targets, 'dtype', type(targets).__name__)}")
+        check_target_ids(targets, self.config.vocab_size, self.config.ignore_index)
+
     def local_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's part of a [B, S] batch along the sequence (all of it without CP)."""
         if tokens.dim() != 2:
@@ -125,6 +137,7 @@ class GPT(nn.Module):
             raise ValueError(f"targets shape {tuple(targets.shape)} must equal tokens shape {tuple(tokens.shape)} "
                              "([B, S])")
         tokens_local, targets_local = self.local_tokens(tokens), self.local_tokens(targets)
+        self.check_ids(tokens, targets)  # the whole batch: under CP a rank's part would hide its peers' ids
         logits = self(tokens_local)  # through __call__, so module hooks (fsdp) run
         per_token = vocab_parallel_cross_entropy(logits, targets_local.transpose(0, 1), self.dims.tp_group,
                                                  ignore_index=self.config.ignore_index)

@@ -79,6 +79,7 @@ class Trainer:
             raise ValueError(f"batch size {tokens.shape[0]} must be divisible by dp x microbatches = "
                              f"{self.dims.dp_size} x {self.schedule.num_microbatches}")
         self.stage.local_tokens(tokens)  # sequence split over CP (and TP under SP), max_seq_len
+        self.stage.check_ids(tokens, targets)  # each stage's ranks see only part: checked whole here
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimizer step on the global batch; returns its mean token loss on every rank."""

@@ -69,6 +69,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None, None, None
 
 
+def check_target_ids(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Target ids in [0, vocab), or ``ignore_index``."""
+    bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
+    check_ids(target, bad, lambda first: ValueError(f"target holds ids outside [0, {vocab}) that are not "
+                                                    f"ignore_index={ignore_index}, e.g. {first}"),
+              f"vocab_parallel_cross_entropy: target ids outside [0, {vocab}), not ignore_index={ignore_index}")
+
+
 @eager_under_compile  # takes a ProcessGroup: see _compat
 def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, ignore_index=-100, label_smoothing=0.0):
     """Per-token loss [...] from vocabulary-parallel logits [..., V/P] and global target ids [...]."""
@@ -91,10 +99,6 @@ def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, ignore_ind
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing}: expected a value in [0, 1]")
     group = resolve_group(group)
-    vocab = logits_shard.shape[-1] * dist.get_world_size(group)
-    bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
     # F.cross_entropy raises here too; identical on every rank, before communicating
-    check_ids(target, bad, lambda first: ValueError(f"target holds ids outside [0, {vocab}) that are not "
-                                                    f"ignore_index={ignore_index}, e.g. {first}"),
-              f"vocab_parallel_cross_entropy: target ids outside [0, {vocab}), not ignore_index={ignore_index}")
+    check_target_ids(target, logits_shard.shape[-1] * dist.get_world_size(group), ignore_index)
     return _VocabParallelCrossEntropy.apply(logits_shard, target.long(), group, ignore_index, label_smoothing)
