@@ -269,6 +269,49 @@ def test_a_nan_or_inf_gradient_on_any_rank_reaches_every_rank(rank_pool, norm_ty
     assert rank_pool(2).run(_nonfinite_norm_on_rank, bad_rank, math.inf, norm_type) == [math.inf] * 2
 
 
+def _torch_options_on_rank():
+    """torch's error_if_nonfinite and foreach: with a NaN on one rank every rank raises (the norm is
+    the same everywhere) before scaling anything; foreach True, False or None clips exactly as
+    torch does (replicated gradients, dims=None: the norm is each rank's own)."""
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(5, generator=g, dtype=torch.float64), torch.randn(3, 2, generator=g)]
+    want = [nn.Parameter(t.clone()) for t in grads]
+    for w, t in zip(want, grads):
+        w.grad = t.clone() * 4
+    torch.nn.utils.clip_grad_norm_(want, 0.5)
+    got = []
+    for foreach in (True, False, None):
+        params = [nn.Parameter(t.clone()) for t in grads]
+        for q, t in zip(params, grads):
+            q.grad = t.clone() * 4
+        ok.clip_grad_norm_(params, 0.5, dims=None, foreach=foreach)
+        for q, w in zip(params, want):  # our norm sums in fp64, torch's in each tensor's dtype
+            torch.testing.assert_close(q.grad, w.grad, atol=0, rtol=1e-6)
+        got.append([q.grad for q in params])
+    assert all(torch.equal(a, b) for other in got[1:] for a, b in zip(got[0], other)), "foreach changed the result"
+    said = []
+    p = nn.Parameter(torch.ones(4, dtype=torch.float64))
+    p.grad = torch.ones(4, dtype=torch.float64)
+    p.grad[2] = math.nan if dist.get_rank() == 1 else 1.0
+    before = p.grad.clone()
+    sharded = fsdp.shard(nn.Sequential(nn.Linear(D_IN, 3)).double(), stage=2)
+    sharded(torch.full((2, D_IN), math.inf if dist.get_rank() == 0 else 1.0, dtype=torch.float64)).sum().backward()
+    for clip in (lambda: ok.clip_grad_norm_([p], 1.0, dims=None, error_if_nonfinite=True),
+                 lambda: sharded.clip_grad_norm_(1.0, error_if_nonfinite=True)):
+        try:
+            clip()
+        except RuntimeError as exc:
+            said.append(str(exc))
+    return said, torch.equal(p.grad, before) if dist.get_rank() == 0 else bool(p.grad[2].isnan())
+
+
+def test_clip_grad_norm_takes_torchs_error_if_nonfinite_and_foreach(rank_pool):
+    for said, untouched in rank_pool(2).run(_torch_options_on_rank):
+        assert said == [f"the total norm of the gradients is {value}, so they cannot be clipped; set "
+                        "error_if_nonfinite=False to scale them by it anyway" for value in ("nan", "inf")], said
+        assert untouched
+
+
 def _clip_in_no_sync_on_rank():
     sharded = fsdp.shard(nn.Sequential(nn.Linear(D_IN, 3)).double(), stage=2)
     with sharded.no_sync():

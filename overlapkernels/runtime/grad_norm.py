@@ -73,10 +73,25 @@ def global_norm(pieces, norm_type: float, group, device: torch.device, *, refuse
     return norm.to(widest if torch.finfo(widest).bits >= 32 else torch.float32)
 
 
-def scale_(tensors, max_norm: float, total: torch.Tensor) -> None:
+def scale_(tensors, max_norm: float, total: torch.Tensor, *, error_if_nonfinite: bool = False,
+           foreach: bool | None = None) -> None:
+    """Clip ``tensors`` by ``total`` as torch's ``clip_grad_norm_`` does, with its two options:
+    ``error_if_nonfinite`` (a host read of the norm, the same on every rank, so every rank raises
+    alike, before any gradient is scaled) and ``foreach`` (one multi-tensor kernel per device and
+    dtype; None: where the tensors are on CUDA)."""
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(f"the total norm of the gradients is {float(total)}, so they cannot be clipped; set "
+                           "error_if_nonfinite=False to scale them by it anyway")
     coef = torch.clamp(max_norm / (total.double() + 1e-6), max=1.0)  # no host read, as torch does
+    groups: dict = {}
     for t in tensors:
-        t.mul_(coef.to(t.device, t.dtype))
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    for (device, dtype), ts in groups.items():
+        if foreach or (foreach is None and device.type == "cuda"):
+            torch._foreach_mul_(ts, coef.to(device, dtype))
+        else:
+            for t in ts:
+                t.mul_(coef.to(device, dtype))
 
 
 def dtensor_replicas(grad, partitioned_over_tp: bool, dims) -> int:
@@ -132,7 +147,8 @@ def _tagged_parameters(parameters, dims) -> list:
     return [(q, getattr(q, "tensor_model_parallel", False)) for q in params]
 
 
-def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *, dims) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *, dims, error_if_nonfinite=False,
+                    foreach=None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for parameters of a model split as ``dims`` describes
     (a ``ParallelDims`` from ``ok.init_parallel``): the norm of the whole model's gradient, the
     same on every rank, and every rank clips by the same factor. Call it on every rank, once the
@@ -148,7 +164,8 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *, dims) -> torch.Tenso
 
     A rank that refuses its gradients (a TypeError or ValueError naming why) still joins the
     all-reduce before raising, and the other ranks' norm is NaN: their gradients become NaN, never
-    silently mis-clipped, while the refusing rank's error stops the job."""
+    silently mis-clipped, while the refusing rank's error stops the job. ``error_if_nonfinite`` and
+    ``foreach`` as in torch (see ``scale_``)."""
     p = check_clip_args(max_norm, norm_type)
     params, grads, refusal = [], [], None
     shard_copies = {}  # FSDP2's parameters share a few meshes and layouts: check and count each once
@@ -172,5 +189,5 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *, dims) -> torch.Tenso
     total = global_norm(grads, p, dist.group.WORLD, device, refused=refusal is not None)
     if refusal is not None:  # after the all-reduce, so no rank is left waiting in it
         raise refusal
-    scale_([g for g, _ in grads], float(max_norm), total)
+    scale_([g for g, _ in grads], float(max_norm), total, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
     return total

@@ -361,15 +361,18 @@ class ShardedModule(nn.Module):
             if not unit.grad_anywhere:  # no rank produced a gradient: the optimizer skips it, as torch does
                 unit.master.grad = None
 
-    def clip_grad_norm_(self, max_norm, norm_type=2.0, *, dims=None) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, *, dims=None, error_if_nonfinite=False,
+                        foreach=None) -> torch.Tensor:
         """Clip the gradients by the norm of the whole model's gradient, as torch's
         ``clip_grad_norm_`` does for an unsharded model; returns that norm (the same on every
         rank). Call it on every rank between backward and ``step``. ``dims`` (a ParallelDims):
         the model is also split over TP/PP/CP (the norm then spans the world, each element counted
         once); None: pure data parallelism over this module's group. A rank holding several
         ShardedModules (an interleaved pipeline's chunks) clips them together with
-        ``fsdp.clip_grad_norm_(chunks, ...)``: one call per module would clip each by its own norm."""
-        return clip_grad_norm_([self], max_norm, norm_type, dims=dims)
+        ``fsdp.clip_grad_norm_(chunks, ...)``: one call per module would clip each by its own norm.
+        ``error_if_nonfinite`` and ``foreach`` as in torch."""
+        return clip_grad_norm_([self], max_norm, norm_type, dims=dims, error_if_nonfinite=error_if_nonfinite,
+                               foreach=foreach)
 
     def _norm_pieces(self, dims) -> list:
         """(this rank's slice of a parameter's reduced gradient, how many ranks hold that slice)."""
@@ -432,7 +435,8 @@ def _check_sequence_parallel_tags(model: nn.Module, stage: int) -> None:
                 "RMSNorm(hidden, sequence_parallel=True, group=tp_group)) or set p.sequence_parallel_group")
 
 
-def clip_grad_norm_(modules, max_norm, norm_type=2.0, *, dims=None) -> torch.Tensor:
+def clip_grad_norm_(modules, max_norm, norm_type=2.0, *, dims=None, error_if_nonfinite=False,
+                    foreach=None) -> torch.Tensor:
     """``ShardedModule.clip_grad_norm_`` over every ShardedModule this rank holds (``modules``: one,
     or a list: an interleaved pipeline's chunks), by the norm of all of them together; every rank
     calls it alike, with its own modules. ``dims=None`` (pure data parallelism) needs the modules
@@ -461,5 +465,6 @@ def clip_grad_norm_(modules, max_norm, norm_type=2.0, *, dims=None) -> torch.Ten
     group = mods[0].group if dims is None else dist.group.WORLD
     device = next((u.device for m in mods for u in m.all_units), None) or comm_device(group)
     total = global_norm(pieces, p, group, device)
-    scale_([u.master.grad for m in mods for u in m.all_units if u.master.grad is not None], float(max_norm), total)
+    scale_([u.master.grad for m in mods for u in m.all_units if u.master.grad is not None], float(max_norm), total,
+           error_if_nonfinite=error_if_nonfinite, foreach=foreach)
     return total
