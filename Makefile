@@ -68,7 +68,7 @@ gpu-check: deps
 	PY=$(PY) GPU_CHECK_DEADLINE=$(GPU_CHECK_DEADLINE) bash scripts/gpu_check.sh
 
 # On a multi-GPU NVLink node: every bench kind under torchrun, rows to benchmarks/results/node.csv.
-# Defaults fit any NPROC (sizes derived from the world size) and cover every method; without the
+# Defaults fit NPROC 1, 2, 4 or 8 (the TP sizes of the Llama-3 shapes) and cover every method; without the
 # csrc library ('-': its build, done here only, may fail) the CUDA-IPC paths are skipped with the
 # reason. A kind that fails on every rank before it communicates does not stop the others (`bench
 # all` names it and exits non-zero at the end); one that fails mid-run stops the job (ranks would

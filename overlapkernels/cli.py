@@ -340,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--batch", type=int, default=1)
     lay.add_argument("--hidden", type=int, help="default: 512 (rounded up to a multiple of --heads)")
     lay.add_argument("--heads", type=int, help="default: 8 (rounded up to a multiple of --kv-heads)")
-    lay.add_argument("--kv-heads", type=int, help="default: 4, or the number of ranks when larger (a multiple of it)")
+    lay.add_argument("--kv-heads", type=int, help="default: 4 rounded up to a multiple of the number of ranks")
     lay.add_argument("--ffn-hidden", type=int, help="default: 1792 (rounded up to a multiple of the ranks)")
     lay.add_argument("--dtype", default="float32")
     lay.add_argument("--methods", help="default: baseline,decomposed,auto on CPU ranks; + symm,fused on GPUs")

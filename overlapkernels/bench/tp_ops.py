@@ -87,7 +87,7 @@ class TpOpsConfig:
             split = (m, n) if self.op == "ag-matmul" else (m, k)
             if world and any(d % world for d in split):
                 raise ValueError(f"shape {name} = {m}x{k}x{n}: {'M and N' if self.op == 'ag-matmul' else 'M and K'} "
-                                 f"must be divisible by the world size {world}")
+                                 f"must be divisible by the world size {world} (pass --shapes MxKxN)")
 
 
 def _operands(op, m, k, n, world, dtype, device):
