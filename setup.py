@@ -91,7 +91,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["overlapkernels", "overlapkernels.*"]),
-    install_requires=["torch>=2.4", "triton", "nvidia-ml-py"],
+    install_requires=["torch>=2.7", "triton", "nvidia-ml-py"],
     # megatron-core (interchange tests only) is an extra of its own: it needs torch>=2.6, and pip would
     # replace an older torch to satisfy it; `make test` installs it only over a torch that satisfies it
     extras_require={"test": ["pytest>=7", "pytest-timeout"], "bench": ["matplotlib", "rich"],

@@ -1,10 +1,14 @@
 """torch / triton version differences, in one place.
 
-The CI machine runs torch 2.13 + triton 3.9; the GPU machine torch 2.11 + triton 3.6. Everything
-that moved between those versions is looked up here, never ``hasattr``-probed at call sites.
+The CI machine runs torch 2.13 + triton 3.9; the GPU machine torch 2.11 + triton 3.6; the floor,
+torch 2.7 + triton 3.3 (setup.py), was checked with the whole CPU suite and the sm_90 compile check
+(lower: triton <= 3.2 cannot compile the fp32 flash backward nor fit the bf16 GEMM's registers for
+sm_90). Everything that moved between those versions is looked up here, never ``hasattr``-probed at
+call sites.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import types
@@ -56,10 +60,15 @@ def fix_triton_interpreter() -> None:
         if _interp_state["fixed"] or orig_patch is None:  # None: another triton, whose interpreter we leave alone
             return
 
+        def index(self):
+            return int(self.handle.data.squeeze())
+
         def patch_lang(fn):
             scope = orig_patch(fn)
             if hasattr(scope, "set_attr"):  # triton >= 3.6: undone with the rest of the patch
-                scope.set_attr(tl.core.tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+                scope.set_attr(tl.core.tensor, "__index__", index)
+            elif scope is None:  # triton 3.3 (torch 2.7's pin) patches the language for good, as we do
+                tl.core.tensor.__index__ = index
             return scope
 
         interp._patch_lang = patch_lang
@@ -93,7 +102,7 @@ def make_triton_interpreter_threadsafe() -> None:
         # patch serves every kernel whatever it imported.
         any_kernel = types.SimpleNamespace(__globals__={"tl": tl, "core": tl.core})
 
-        class _SharedScope:
+        class _SharedScope:  # also what triton 3.3's _patch_lang (returning None, undoing nothing) gets
             def restore(self):
                 pass
 
@@ -105,8 +114,8 @@ def make_triton_interpreter_threadsafe() -> None:
 
         def grid_call(self, *args, **kwargs):
             with _interp_lock:
-                if _interp_state["active"] == 0:
-                    _interp_state["scope"] = orig_patch(any_kernel)
+                if _interp_state["active"] == 0:  # triton 3.3's patch returns None: nothing to undo
+                    _interp_state["scope"] = orig_patch(any_kernel) or _SharedScope()
                 _interp_state["active"] += 1
             try:
                 return orig_call(self, *args, **kwargs)
@@ -171,6 +180,35 @@ def group_timeout(group: dist.ProcessGroup):
     return None
 
 
+_group_timeout_tls, _group_timeout_lock = threading.local(), threading.Lock()
+
+
+@contextlib.contextmanager
+def new_groups_timeout(timeout):
+    """Groups this thread creates inside (DeviceMesh's, which ``new_group`` gets no timeout for) take
+    ``timeout`` instead of the backend's default. Why: gloo in torch 2.4-2.7 (at least; 2.11 is fixed,
+    pytorch#165422) fixes a group's timeout when it is created: ``_set_default_timeout`` on a live group
+    changes nothing its collectives wait on, so ``set_group_timeout`` afterwards is too late there.
+    Thread-local (the thread world runs ranks as threads): torch's default lookup is wrapped once."""
+    from torch.distributed import distributed_c10d as c10d
+
+    with _group_timeout_lock:
+        if not getattr(c10d._get_default_timeout, "_overlapkernels", False):
+            orig = c10d._get_default_timeout
+
+            def default_timeout(backend):
+                override = getattr(_group_timeout_tls, "timeout", None)
+                return orig(backend) if override is None else override
+
+            default_timeout._overlapkernels = True
+            c10d._get_default_timeout = default_timeout
+    outer, _group_timeout_tls.timeout = getattr(_group_timeout_tls, "timeout", None), timeout
+    try:
+        yield
+    finally:
+        _group_timeout_tls.timeout = outer
+
+
 def set_group_timeout(group: dist.ProcessGroup, timeout) -> None:
     """Give ``group``'s collectives ``timeout`` (a timedelta); warns where torch offers no way.
 
@@ -202,12 +240,9 @@ def matmul_allows_tf32() -> bool:
 
 @functools.cache  # every op call checks every operand: look the class up once
 def dtensor_type() -> type:
-    """torch's DTensor class: public as ``torch.distributed.tensor`` from torch 2.5, private
-    (``torch.distributed._tensor``) in 2.4, which setup.py still admits."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch 2.4
-        from torch.distributed._tensor import DTensor
+    """torch's DTensor class, imported on first use (torch.distributed.tensor is a heavy import)."""
+    from torch.distributed.tensor import DTensor
+
     return DTensor
 
 
@@ -243,11 +278,6 @@ def distribute_locally(tensor, mesh, placements):
     """A DTensor of ``tensor`` (the same on every rank of ``mesh``) laid out as ``placements``, each
     rank cutting its own piece: no communication. Why not plain ``distribute_tensor``: by default it
     scatters from rank 0; ``src_data_rank=None`` (torch >= 2.7) is the local cut."""
-    import inspect
-
     from torch.distributed.tensor import distribute_tensor
 
-    if "src_data_rank" not in inspect.signature(distribute_tensor).parameters:
-        raise RuntimeError(f"torch {torch.__version__}: distribute_tensor cannot cut locally (src_data_rank, "
-                           "torch >= 2.7); load the dense state dict before wrapping the model with FSDP2")
     return distribute_tensor(tensor, mesh, placements, src_data_rank=None)

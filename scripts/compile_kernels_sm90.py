@@ -4,7 +4,7 @@ The interpreter that runs the kernels in CPU tests accepts code the compiler rej
 that. Arguments go through triton's own JIT binder (what kernel[grid](...) runs), so the signature,
 the int specialisations (==1 -> constexpr, %16 -> divisibility) and pointer alignment are what a
 real launch produces; then triton.compile(ASTSource, target=sm_90) down to a cubin. Nothing runs.
-It uses triton internals (checked with triton 3.6 and 3.9); exit code 3 means they moved.
+It uses triton internals (checked with triton 3.3, 3.6 and 3.9); exit code 3 means they moved.
 The PTX of every kernel that touches flags or peer data must also show the memory order the flag
 protocol needs (system-scope acquire/release) and no TMA: the interpreter cannot show either.
 
@@ -48,7 +48,19 @@ results = []
 def compile_like_launch(kernel, *args, **kwargs):
     binder = create_function_from_signature(kernel.signature, kernel.params, BACKEND)
     bound_args, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(BACKEND, kwargs, bound_args, specialization, options)
+    if hasattr(kernel, "_pack_args"):  # triton >= 3.4
+        options, signature, constexprs, attrs = kernel._pack_args(BACKEND, kwargs, bound_args, specialization, options)
+    else:  # triton 3.3 (torch 2.7's pin): what its JITFunction.run does inline before compiling
+        from triton.runtime.jit import find_paths_if, get_iterable_path
+        options = BACKEND.parse_options(dict(kwargs, debug=kwargs.get("debug", kernel.debug)))
+        sigvals = [s[0] for s in specialization]
+        signature = {p.name: v for p, v in zip(kernel.params, sigvals)}
+        values = list(bound_args.values())
+        constexprs = {path: get_iterable_path(values, path)
+                      for path in find_paths_if(sigvals, lambda _, v: v == "constexpr")}
+        attrvals = [s[1] for s in specialization]
+        attrs = {path: BACKEND.parse_attr(get_iterable_path(attrvals, path))
+                 for path in find_paths_if(attrvals, lambda _, v: isinstance(v, str))}
     src = ASTSource(kernel, signature, constexprs, attrs)
     return triton.compile(src, target=TARGET, options=options.__dict__), signature
 
@@ -60,7 +72,9 @@ def ptxas_usage(ptx):
     from triton.backends.nvidia.compiler import get_ptxas
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
-    log = subprocess.run([get_ptxas(90).path, "-lineinfo", "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"],
+    ptxas = get_ptxas(90)  # triton 3.3: a (path, version) tuple; later a NVIDIATool with .path
+    ptxas = ptxas[0] if isinstance(ptxas, tuple) else ptxas.path
+    log = subprocess.run([ptxas, "-lineinfo", "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"],
                          capture_output=True, text=True).stderr
     os.remove(f.name)
     regs = re.search(r"Used (\d+) registers", log)

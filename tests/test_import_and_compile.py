@@ -11,7 +11,8 @@ _SCRIPT = textwrap.dedent("""
     import overlapkernels as ok
 
     assert "torch._dynamo" not in sys.modules, "import overlapkernels pulled in torch._dynamo"
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
+    # a store, not tcp://...:0: torch 2.7 took port 0 for "port number missing" (2.11 does not)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     group = dist.group.WORLD
     torch.manual_seed(0)
     x, w1, w2 = torch.randn(6, 5), torch.randn(5, 4), torch.randn(4, 3)

@@ -231,13 +231,3 @@ def _one_stage_refuses_on_rank():
 def test_a_rank_refusing_its_gradients_leaves_no_rank_waiting(rank_pool):
     outcomes = sorted(rank_pool(4).run(_one_stage_refuses_on_rank))
     assert outcomes == [(0, "nan"), (0, "nan"), (1, "refused"), (1, "refused")]
-
-
-def test_dense_import_under_fsdp2_on_an_old_torch_says_what_to_do(monkeypatch):
-    import torch.distributed.tensor as dtensor
-
-    from overlapkernels import _compat
-
-    monkeypatch.setattr(dtensor, "distribute_tensor", lambda tensor, device_mesh=None, placements=None: tensor)
-    with pytest.raises(RuntimeError, match=r"cannot cut locally \(src_data_rank, torch >= 2.7\); load the dense"):
-        _compat.distribute_locally(torch.zeros(2), None, None)

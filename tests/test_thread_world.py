@@ -220,8 +220,9 @@ def test_interpreter_indexes_one_element_program_ids():
         pid.handle = types.SimpleNamespace(data=np.array([3], dtype=np.int32))
         assert operator.index(pid) == 3 and list(range(pid, 6)) == [3, 4, 5]
     finally:
-        scope.restore()
-    assert tl.core.tensor.__dict__.get("__index__") is before
+        if scope is not None:  # triton 3.3 (torch 2.7) patches the language for good: nothing to undo
+            scope.restore()
+    assert scope is None or tl.core.tensor.__dict__.get("__index__") is before
 
 
 def test_the_first_timeout_is_the_one_reported():
