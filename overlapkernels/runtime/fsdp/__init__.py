@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from ...parallel import resolve_group
 from .checkpoint import load, save
-from .sharded import ShardedModule, clip_grad_norm_
+from .clip import clip_grad_norm_
+from .sharded import ShardedModule
 
 
 def _adamw(params):

@@ -28,9 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ...parallel import comm_device
 from ...profiling.ranges import span
-from ..grad_norm import check_clip_args, global_norm, replicas, scale_
 from .flat_unit import FlatUnit, check_unit_params
 
 
@@ -371,22 +369,10 @@ class ShardedModule(nn.Module):
         ShardedModules (an interleaved pipeline's chunks) clips them together with
         ``fsdp.clip_grad_norm_(chunks, ...)``: one call per module would clip each by its own norm.
         ``error_if_nonfinite`` and ``foreach`` as in torch."""
+        from .clip import clip_grad_norm_  # clip.py checks its modules are ShardedModules: imports this file
+
         return clip_grad_norm_([self], max_norm, norm_type, dims=dims, error_if_nonfinite=error_if_nonfinite,
                                foreach=foreach)
-
-    def _norm_pieces(self, dims) -> list:
-        """(this rank's slice of a parameter's reduced gradient, how many ranks hold that slice)."""
-        pieces = []
-        for unit in self.all_units:
-            if unit.master.grad is None:
-                continue
-            start, offset = unit.rank * unit.shard_numel, 0  # this shard's slice of each parameter
-            for param, n in zip(unit.params, unit.numels):
-                lo, hi = max(offset, start), min(offset + n, start + unit.shard_numel)
-                if lo < hi:
-                    pieces.append((unit.master.grad[lo - start:hi - start], replicas(param, dims, sharded_over_dp=True)))
-                offset += n
-        return pieces
 
     def step(self) -> None:
         """Optimizer step on the local shards, zero the gradients, re-publish the parameters."""
@@ -433,38 +419,3 @@ def _check_sequence_parallel_tags(model: nn.Module, stage: int) -> None:
                 "its gradient (partial per tensor-parallel rank) is reduced during backward and must first be "
                 "summed over its TP group, which fsdp cannot guess. Build the layer with its group (e.g. "
                 "RMSNorm(hidden, sequence_parallel=True, group=tp_group)) or set p.sequence_parallel_group")
-
-
-def clip_grad_norm_(modules, max_norm, norm_type=2.0, *, dims=None, error_if_nonfinite=False,
-                    foreach=None) -> torch.Tensor:
-    """``ShardedModule.clip_grad_norm_`` over every ShardedModule this rank holds (``modules``: one,
-    or a list: an interleaved pipeline's chunks), by the norm of all of them together; every rank
-    calls it alike, with its own modules. ``dims=None`` (pure data parallelism) needs the modules
-    to share one group."""
-    if isinstance(modules, ShardedModule):
-        mods = [modules]
-    elif isinstance(modules, (list, tuple, nn.ModuleList)) and len(modules):
-        mods = list(modules)
-        for i, m in enumerate(mods):
-            if not isinstance(m, ShardedModule):
-                raise TypeError(f"modules[{i}]={type(m).__name__}: expected a ShardedModule (fsdp.shard)")
-    else:
-        shown = repr(modules) if isinstance(modules, (list, tuple)) else type(modules).__name__
-        raise TypeError(f"modules={shown}: expected a ShardedModule (fsdp.shard) or a non-empty list of them")
-    p = check_clip_args(max_norm, norm_type)
-    if any(not m._sync for m in mods):  # what later micro-steps add would be reduced unclipped
-        raise RuntimeError("clip_grad_norm_ inside no_sync(): clip once, after the last backward of the step")
-    groups = {tuple(dist.get_process_group_ranks(m.group)) for m in mods}
-    if dims is None and len(groups) > 1:
-        raise ValueError(f"clip_grad_norm_: the modules are sharded over different groups {sorted(groups)}; pass "
-                         "dims= (a ParallelDims) so the norm spans the world")
-    pieces = []
-    for m in mods:
-        m._finish_gradients()
-        pieces += m._norm_pieces(dims)
-    group = mods[0].group if dims is None else dist.group.WORLD
-    device = next((u.device for m in mods for u in m.all_units), None) or comm_device(group)
-    total = global_norm(pieces, p, group, device)
-    scale_([u.master.grad for m in mods for u in m.all_units if u.master.grad is not None], float(max_norm), total,
-           error_if_nonfinite=error_if_nonfinite, foreach=foreach)
-    return total

@@ -1,0 +1,62 @@
+"""Gradient clipping of ShardedModules by the norm of the whole model: one module, or every one
+this rank holds (an interleaved pipeline's chunks), each element of the reduced gradients counted
+once over the world (TP/PP/CP/DP with ``dims``) or over the modules' group."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...parallel import comm_device
+from ..grad_norm import check_clip_args, global_norm, replicas, scale_
+from .sharded import ShardedModule
+
+
+def _norm_pieces(sharded, dims) -> list:
+    """(this rank's slice of a parameter's reduced gradient, how many ranks hold that slice)."""
+    pieces = []
+    for unit in sharded.all_units:
+        if unit.master.grad is None:
+            continue
+        start, offset = unit.rank * unit.shard_numel, 0  # this shard's slice of each parameter
+        for param, n in zip(unit.params, unit.numels):
+            lo, hi = max(offset, start), min(offset + n, start + unit.shard_numel)
+            if lo < hi:
+                pieces.append((unit.master.grad[lo - start:hi - start], replicas(param, dims, sharded_over_dp=True)))
+            offset += n
+    return pieces
+
+
+def clip_grad_norm_(modules, max_norm, norm_type=2.0, *, dims=None, error_if_nonfinite=False,
+                    foreach=None) -> torch.Tensor:
+    """``ShardedModule.clip_grad_norm_`` over every ShardedModule this rank holds (``modules``: one,
+    or a list: an interleaved pipeline's chunks), by the norm of all of them together; every rank
+    calls it alike, with its own modules. ``dims=None`` (pure data parallelism) needs the modules
+    to share one group."""
+    if isinstance(modules, ShardedModule):
+        mods = [modules]
+    elif isinstance(modules, (list, tuple, nn.ModuleList)) and len(modules):
+        mods = list(modules)
+        for i, m in enumerate(mods):
+            if not isinstance(m, ShardedModule):
+                raise TypeError(f"modules[{i}]={type(m).__name__}: expected a ShardedModule (fsdp.shard)")
+    else:
+        shown = repr(modules) if isinstance(modules, (list, tuple)) else type(modules).__name__
+        raise TypeError(f"modules={shown}: expected a ShardedModule (fsdp.shard) or a non-empty list of them")
+    p = check_clip_args(max_norm, norm_type)
+    if any(not m._sync for m in mods):  # what later micro-steps add would be reduced unclipped
+        raise RuntimeError("clip_grad_norm_ inside no_sync(): clip once, after the last backward of the step")
+    groups = {tuple(dist.get_process_group_ranks(m.group)) for m in mods}
+    if dims is None and len(groups) > 1:
+        raise ValueError(f"clip_grad_norm_: the modules are sharded over different groups {sorted(groups)}; pass "
+                         "dims= (a ParallelDims) so the norm spans the world")
+    pieces = []
+    for m in mods:
+        m._finish_gradients()
+        pieces += _norm_pieces(m, dims)
+    group = mods[0].group if dims is None else dist.group.WORLD
+    device = next((u.device for m in mods for u in m.all_units), None) or comm_device(group)
+    total = global_norm(pieces, p, group, device)
+    scale_([u.master.grad for m in mods for u in m.all_units if u.master.grad is not None], float(max_norm), total,
+           error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+    return total
