@@ -20,7 +20,8 @@ from overlapkernels.kernels.triton.flash_attn import FlashConfig
 # whether the defaults pick well. All compile for sm_90 at D=128 within shared memory (the 4-warp
 # ones spill a little: scripts/compile_kernels_sm90.py).
 FWD_ALTERNATIVES = [FlashConfig(128, 128, 8, 2), FlashConfig(64, 64, 4, 3), FlashConfig(128, 32, 4, 3)]
-DKDV_ALTERNATIVES = [FlashConfig(16, 128, 8, 3), FlashConfig(64, 64, 8, 2)]
+DKDV_ALTERNATIVES = [FlashConfig(16, 128, 8, 3), FlashConfig(64, 64, 8, 2), FlashConfig(32, 128, 8, 2),
+                     FlashConfig(64, 128, 8, 2), FlashConfig(32, 128, 4, 3), FlashConfig(64, 128, 8, 3)]
 
 
 def main(argv=None) -> int:
@@ -54,8 +55,15 @@ def main(argv=None) -> int:
                 o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
                 t_sdpa_bwd = gpu_median_s(
                     lambda: torch.autograd.grad(o, (qr, kr, vr), do, retain_graph=True))
+                want_grads = torch.autograd.grad(o, (qr, kr, vr), do)
 
             grads = fa.block_backward(q, k, v, do, lse, delta, scale, causal=causal)
+            for name, got, ref in zip(("dq", "dk", "dv"), grads, want_grads):  # never time a wrong kernel:
+                # relative to the norm (bf16 rounding in 8192-term sums rules out an elementwise bound)
+                err = ((got - ref.float()).norm() / ref.float().norm()).item()
+                if not err < 1e-2:
+                    raise AssertionError(f"backward (default tiles, causal={causal}): {name} is off SDPA's by "
+                                         f"{err:.3g} of its norm (> 1e-2)")
 
             def time_with(cfgs, pass_):
                 with fa.forced_flash_configs(cfgs):

@@ -115,6 +115,8 @@ else
   echo "=== bench_reduce: skipped, no CUDA library (no nvcc)"
   summary+=("bench_reduce|skipped (no nvcc)|0|")
 fi
+# what chunking a GEMM into per-rank pieces costs: the compute side of the CUDA auto threshold
+step 40 bench_chunked_gemm "$PY" benchmarks/bench_chunked_gemm.py --csv "$GPU_CSV"
 step 75 bench_flash_attn "$PY" benchmarks/bench_flash_attn.py --csv "$GPU_CSV"
 # several ranks spinning on flags on one GPU (symm/fused ops): the riskiest, so last
 # (no --maxfail: the process-world tests, last in the file, are the ones most worth the time; the

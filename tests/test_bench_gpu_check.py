@@ -67,7 +67,7 @@ def _summary(stdout):
 def test_steps_are_cut_to_the_time_left(tmp_path):
     out = _run(tmp_path, int(time.time()) + 40)
     limits = [int(v) for v in re.findall(r"^=== .* \(limit (\d+) s\)$", out.stdout, re.M)]
-    assert len(limits) == 9 and all(limit <= 28 for limit in limits), out.stdout  # 40 s - 12 s of margin
+    assert len(limits) == 10 and all(limit <= 28 for limit in limits), out.stdout  # 40 s - 12 s of margin
     assert out.returncode == 0 and "all steps passed" in out.stdout
 
 
@@ -76,7 +76,7 @@ def test_no_time_left_skips_every_step_and_fails(tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     assert [line for line in out.stdout.splitlines() if line.startswith("ran: ")] == []  # not even the probe
     skipped = re.findall(r"^=== FAILED: (.*) \(skipped: no time left\)$", out.stdout, re.M)
-    assert skipped[:3] == ["csrc_build", "info", "compile_sm90"] and len(skipped) == 9, out.stdout
+    assert skipped[:3] == ["csrc_build", "info", "compile_sm90"] and len(skipped) == 10, out.stdout
     assert all(row.startswith("SKIPPED (no time)") for row in _summary(out.stdout).values())
 
 
@@ -103,7 +103,7 @@ def test_each_step_logs_in_full_and_a_summary_table_ends_the_output(tmp_path):
     assert (tmp_path / "gpu_tests_one_gpu.xml").exists()
     summary = _summary(out.stdout)
     assert list(summary) == ["csrc_build", "info", "compile_sm90", "gpu_tests", "bench_fused_gemm", "bench_reduce",
-                             "bench_flash_attn", "gpu_tests_one_gpu", "bench_one_gpu_ag_matmul"]
+                             "bench_chunked_gemm", "bench_flash_attn", "gpu_tests_one_gpu", "bench_one_gpu_ag_matmul"]
     # this triton's sm_90 compile, outside the interpreter
     assert "ran: scripts/compile_kernels_sm90.py --quick" in _step_log(tmp_path, "compile_sm90")
     assert re.fullmatch(r"ok +\d+  4 passed, 2 failed, 1 errors, 3 skipped", summary["gpu_tests"])
@@ -195,7 +195,7 @@ def test_every_gpu_bench_script_writes_rows_as_measured():
     """Each script that writes its own CSV (not a `overlapkernels bench` wrapper) goes through RowLog,
     never a single append of all rows at the end."""
     scripts = [p for p in sorted((ROOT / "benchmarks").glob("bench_*.py")) if 'add_argument("--csv"' in p.read_text()]
-    assert len(scripts) == 4, scripts
+    assert len(scripts) == 5, scripts
     for path in scripts:
         text = path.read_text()
         assert "RowLog(args.csv" in text and "exit_on_sigterm()" in text and "append_csv" not in text, path.name

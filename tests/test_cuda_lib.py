@@ -230,7 +230,27 @@ def test_side_stream_is_its_own_where_the_library_is_built(monkeypatch, loadable
     monkeypatch.setattr(side_stream, "_own_streams", {})
     cuda1 = torch.device("cuda", 1)
     streams = [side_stream.CudaSideStream(cuda1, slot=s).stream for s in (0, 1, 0)]
-    if loadable:  # one per slot, made once: a thread-world rank's runs reuse it (none is ever destroyed)
+    # one per slot, made once: a thread-world rank's runs reuse it (none is ever destroyed)
+    if loadable:
         assert streams == ["own"] * 3 and made == [("own", cuda1)] * 2
     else:
-        assert streams == ["pool"] * 3 and made == [("pool", cuda1, -1)] * 3
+        assert streams == ["pool"] * 3 and made == [("pool", cuda1, -1)] * 2
+
+
+def test_a_cuda_thread_world_makes_every_rank_stream_and_side_stream_together(monkeypatch):
+    """Back to back at construction (hardware queues of their own, see side_stream.own_streams),
+    ranks' streams first; each run and each side_stream() reuses them; a second world of the same
+    size makes none."""
+    from overlapkernels.comm import side_stream
+    from overlapkernels.comm.thread_world import ThreadRank, ThreadWorld
+
+    made = []
+    monkeypatch.setattr(cuda_lib, "is_loadable", lambda: True)
+    monkeypatch.setattr(cuda_lib, "own_stream", lambda device: made.append(device) or f"stream{len(made) - 1}")
+    monkeypatch.setattr(side_stream, "_own_streams", {})
+    world = ThreadWorld(3, device="cuda:1")
+    assert made == [torch.device("cuda", 1)] * 6
+    assert world._rank_streams == ["stream0", "stream1", "stream2"]
+    assert [ThreadRank(world, r).side_stream().stream for r in range(3)] == ["stream3", "stream4", "stream5"]
+    ThreadWorld(3, device="cuda:1")
+    assert len(made) == 6

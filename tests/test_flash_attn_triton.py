@@ -354,8 +354,10 @@ def _ring_bf16_one_gpu_on_rank(layout):
     ql, kl, vl = (local(x).requires_grad_() for x in (q, k, v))
     out = ok.ring_attention(ql, kl, vl, causal=True, layout=layout)
     out.backward(local(do))
-    for got, ref_t in ((out, want), (ql.grad, q.grad), (kl.grad, k.grad), (vl.grad, v.grad)):
-        torch.testing.assert_close(got.float(), local(ref_t).float(), atol=5e-2, rtol=5e-2)
+    for name, got, ref_t in (("out", out, want), ("dq", ql.grad, q.grad), ("dk", kl.grad, k.grad),
+                             ("dv", vl.grad, v.grad)):
+        torch.testing.assert_close(got.float(), local(ref_t).float(), atol=5e-2, rtol=5e-2,
+                                   msg=lambda m, n=name: f"{layout} {n}: {m}")
     return True
 
 

@@ -56,27 +56,39 @@ class ThreadSideStream:
 # Streams of our own, one per (device, slot), made once: never destroyed, since the caching allocator
 # may still record events on a stream that tensors were record_stream'ed to after their last use.
 _own_streams: dict = {}
+_own_streams_lock = threading.Lock()
+
+
+def own_streams(device, slots) -> list:
+    """The streams of ``slots`` on ``device``, those not made yet made now, one after another.
+
+    High priority, as Flux's copy stream: copies get ahead of queued compute. Streams of our own
+    (csrc/stream.cu) where the CUDA library is built: torch's pooled streams are handed out
+    round-robin and ProcessGroupNCCL draws from the same pools (the high-priority one under
+    TORCH_NCCL_HIGH_PRIORITY=1), and a collective sharing a side stream would queue behind a
+    spin-wait that may wait, through a peer, on that collective. Made back to back because the
+    driver hands streams its CUDA_DEVICE_MAX_CONNECTIONS hardware queues in creation order, round
+    robin: streams made together (up to that many) get queues of their own, where two streams
+    sharing one queue run in its order, and a spin-wait there holds up the other stream's work,
+    which may be what it waits for (the one-GPU thread world: one rank's wait, a peer's signal).
+    Without the library, torch's high-priority pool (made all at once on its first use)."""
+    from ..kernels import cuda as cuda_lib
+
+    device = torch.device(device)
+    with _own_streams_lock:  # (thread-world ranks ask concurrently)
+        for slot in slots:
+            key = (device, slot)
+            if key not in _own_streams:
+                _own_streams[key] = (cuda_lib.own_stream(device) if cuda_lib.is_loadable()
+                                     else torch.cuda.Stream(device, priority=-1))
+        return [_own_streams[(device, slot)] for slot in slots]
 
 
 class CudaSideStream:
     def __init__(self, device: torch.device, slot=0):
         """``slot``: which of this device's own streams (a thread-world rank's, reused by each run; a
-        process world's, by its group's name, which a re-created group reuses)."""
-        # High priority, as Flux's copy stream: copies get ahead of queued compute. A stream of its
-        # own (csrc/stream.cu) where the CUDA library is built: torch's pooled streams are handed out
-        # round-robin and ProcessGroupNCCL draws from the same pools (the high-priority one under
-        # TORCH_NCCL_HIGH_PRIORITY=1), and a collective sharing this stream would queue behind a
-        # spin-wait that may wait, through a peer, on that collective. Without the library, torch's
-        # high-priority pool: apart from NCCL's streams unless NCCL is asked for high priority.
-        from ..kernels import cuda as cuda_lib
-
-        if cuda_lib.is_loadable():
-            key = (torch.device(device), slot)
-            if key not in _own_streams:
-                _own_streams[key] = cuda_lib.own_stream(device)
-            self.stream = _own_streams[key]
-        else:
-            self.stream = torch.cuda.Stream(device, priority=-1)
+        process world's, by its group's name, which a re-created group reuses). See own_streams."""
+        self.stream = own_streams(device, [slot])[0]
 
     def submit(self, fn, keep_alive=()) -> None:
         """Run ``fn`` on the side stream after everything the rank enqueued so far. Tensors in

@@ -22,7 +22,7 @@ import torch
 from .._compat import make_triton_interpreter_threadsafe
 from ..parallel import resolve_timeout
 from .rank_pool import RankError, RankTimeout
-from .side_stream import CudaSideStream, ThreadSideStream
+from .side_stream import CudaSideStream, ThreadSideStream, own_streams
 from .symmetric import SymmetricTensor
 
 
@@ -63,7 +63,8 @@ class ThreadRank:
     def side_stream(self):
         """This rank's copy engine: work submitted here runs in order, concurrently with the rank."""
         if self._side is None:
-            self._side = (CudaSideStream(self.device, slot=self.rank) if self.device.type == "cuda"
+            self._side = (CudaSideStream(self.device, slot=_stream_slot(self.world_size, self.rank, "side"))
+                          if self.device.type == "cuda"
                           else ThreadSideStream(f"ok-thread-rank{self.rank}-copy"))
         return self._side
 
@@ -97,6 +98,10 @@ class ThreadRank:
         return SymmetricTensor(self.rank, self.world_size, buffers[self.rank], ptrs, tuple(buffers))
 
 
+def _stream_slot(world_size: int, rank: int, use: str) -> tuple:
+    return ("thread-world", world_size, rank, use)
+
+
 def _check_triton_interprets() -> None:
     """On CPU the peer kernels only run in Triton's interpreter, which triton picks when a kernel is
     defined: without it the first launch fails deep inside triton ("0 active drivers")."""
@@ -127,6 +132,9 @@ class ThreadWorld:
         if self.device.type == "cpu":
             _check_triton_interprets()
             make_triton_interpreter_threadsafe()
+        else:  # every rank's stream and side stream, made together: hardware queues of their own
+            self._rank_streams = own_streams(self.device, [_stream_slot(world_size, r, use) for use in ("rank", "side")
+                                                           for r in range(world_size)])[:world_size]
 
     def _shared_allocation(self, seq: int, shape: tuple, dtype: torch.dtype, fill) -> tuple:
         with self._lock:
@@ -157,7 +165,7 @@ class ThreadWorld:
             try:
                 if self.device.type == "cuda":  # one stream per rank: ranks run concurrently on the GPU
                     torch.cuda.set_device(self.device)
-                    stream = torch.cuda.Stream(self.device)
+                    stream = self._rank_streams[rank]
                     try:
                         with torch.cuda.stream(stream):
                             results[rank] = fn(ctx, *args, **kwargs)

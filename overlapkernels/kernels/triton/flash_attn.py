@@ -136,11 +136,31 @@ def _probs(q, k, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, CAUS
 
 
 @triton.jit
+def _probs_t(k, q_t, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, CAUSAL: tl.constexpr,
+             DOT_PRECISION: tl.constexpr):
+    """P^T [BLOCK_N, BLOCK_M] of one tile, computed as k @ q^T: ``_probs`` transposed, with the same
+    zeros (masked, rows that saw nothing, rows past Lq: their lse loads as -inf)."""
+    s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * scale_log2
+    lse2 = lse * 1.4426950408889634
+    keep = (offs_n[:, None] < Lk) & (offs_m[None, :] < Lq) & (lse2 != float("-inf"))[None, :]
+    if CAUSAL:
+        keep = keep & ((q_start + offs_m)[None, :] >= (k_start + offs_n)[:, None])
+    return tl.where(keep, tl.exp2(s_t - tl.where(keep, lse2[None, :], 0.0)), 0.0)
+
+
+@triton.jit
 def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
                            sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sl_b, sl_h, sdk_b, sdk_h, sdk_s,
                            GROUP, Lq, Lk, D, q_start, k_start, scale, scale_log2,
                            CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """A program owns BLOCK_N keys and walks the queries. It works on transposed tiles (S^T = K Q^T,
+    Q loaded as [D, BLOCK_M]), so every operand of a dot is a loaded tile or an accumulator in its
+    natural layout, never the transpose of another dot's result (the form of Triton's own
+    fused-attention tutorial). The earlier form, S = Q K^T then dots on tl.trans(P) and tl.trans(dS),
+    passed the interpreter but computed dK/dV wrongly on an H200 (triton 3.6) with 16x64 tiles at
+    D=256, 16x128 at D=128 and (likely) 32x128 at D=64, while 32x64 and 64x64 were right
+    (benchmarks/results/gpu-check-2026-11-30.md)."""
     pid_n, hk, b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)  # (docstring)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -154,20 +174,20 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_p
         lo = tl.maximum(k_start + pid_n * BLOCK_N - q_start, 0) // BLOCK_M * BLOCK_M
     for g in range(0, GROUP):  # every query head that reads this kv head (GQA)
         h = hk * GROUP + g
+        q_base = b * sq_b + h * sq_h
         for m0 in range(lo, Lq, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
-            q_mask = (offs_m[:, None] < Lq) & d_mask[None, :]
-            q_base = b * sq_b + h * sq_h
-            q_off = offs_m[:, None] * sq_s + offs_d[None, :]
-            q = tl.load(q_ptr + q_base + q_off, mask=q_mask, other=0.0)
-            do = tl.load(do_ptr + q_base + q_off, mask=q_mask, other=0.0)
+            q_t = tl.load(q_ptr + q_base + offs_m[None, :] * sq_s + offs_d[:, None],
+                          mask=(offs_m[None, :] < Lq) & d_mask[:, None], other=0.0)
+            do = tl.load(do_ptr + q_base + offs_m[:, None] * sq_s + offs_d[None, :],
+                         mask=(offs_m[:, None] < Lq) & d_mask[None, :], other=0.0)
             lse = tl.load(lse_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=float("-inf"))
             delta = tl.load(delta_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=0.0)
-            p = _probs(q, k, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, CAUSAL, DOT_PRECISION)
-            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
+            p_t = _probs_t(k, q_t, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, CAUSAL, DOT_PRECISION)
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
     out_base = b * sdk_b + hk * sdk_h
     out_off = offs_n[:, None] * sdk_s + offs_d[None, :]
     tl.store(dk_ptr + out_base + out_off, dk * scale, mask=kv_mask)
