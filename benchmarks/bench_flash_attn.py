@@ -20,8 +20,8 @@ from overlapkernels.kernels.triton.flash_attn import FlashConfig
 # whether the defaults pick well. All compile for sm_90 at D=128 within shared memory (the 4-warp
 # ones spill a little: scripts/compile_kernels_sm90.py).
 FWD_ALTERNATIVES = [FlashConfig(128, 128, 8, 2), FlashConfig(64, 64, 4, 3), FlashConfig(128, 32, 4, 3)]
-DKDV_ALTERNATIVES = [FlashConfig(16, 128, 8, 3), FlashConfig(64, 64, 8, 2), FlashConfig(32, 128, 8, 2),
-                     FlashConfig(64, 128, 8, 2), FlashConfig(32, 128, 4, 3), FlashConfig(64, 128, 8, 3)]
+DKDV_ALTERNATIVES = [FlashConfig(32, 64, 8, 3), FlashConfig(16, 128, 8, 3), FlashConfig(64, 64, 8, 2),
+                     FlashConfig(32, 128, 8, 2), FlashConfig(64, 128, 8, 2), FlashConfig(64, 128, 8, 3)]
 
 
 def main(argv=None) -> int:

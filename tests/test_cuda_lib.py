@@ -241,9 +241,10 @@ def test_a_cuda_thread_world_makes_every_rank_stream_and_side_stream_together(mo
     """Back to back at construction (hardware queues of their own, see side_stream.own_streams),
     ranks' streams first; each run and each side_stream() reuses them; a second world of the same
     size makes none."""
-    from overlapkernels.comm import side_stream
+    from overlapkernels.comm import side_stream, thread_world
     from overlapkernels.comm.thread_world import ThreadRank, ThreadWorld
 
+    monkeypatch.setattr(thread_world, "_pinned_error_records", lambda n: [None] * n)  # (pinning needs CUDA)
     made = []
     monkeypatch.setattr(cuda_lib, "is_loadable", lambda: True)
     monkeypatch.setattr(cuda_lib, "own_stream", lambda device: made.append(device) or f"stream{len(made) - 1}")

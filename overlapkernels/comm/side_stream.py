@@ -66,12 +66,13 @@ def own_streams(device, slots) -> list:
     (csrc/stream.cu) where the CUDA library is built: torch's pooled streams are handed out
     round-robin and ProcessGroupNCCL draws from the same pools (the high-priority one under
     TORCH_NCCL_HIGH_PRIORITY=1), and a collective sharing a side stream would queue behind a
-    spin-wait that may wait, through a peer, on that collective. Made back to back because the
-    driver hands streams its CUDA_DEVICE_MAX_CONNECTIONS hardware queues in creation order, round
-    robin: streams made together (up to that many) get queues of their own, where two streams
-    sharing one queue run in its order, and a spin-wait there holds up the other stream's work,
-    which may be what it waits for (the one-GPU thread world: one rank's wait, a peer's signal).
-    Without the library, torch's high-priority pool (made all at once on its first use)."""
+    spin-wait that may wait, through a peer, on that collective. Made back to back as a
+    precaution: streams sharing one of the CUDA_DEVICE_MAX_CONNECTIONS hardware queues run in that
+    queue's order, so a spin-wait there could hold up the other stream's work, which may be what it
+    waits for (the one-GPU thread world: one rank's wait, a peer's signal); streams made together
+    are more likely to get queues of their own (the driver's assignment is not documented). The
+    thread world's hangs on an H200 outlived this change: their likely cause is in
+    ThreadRank.check_errors. Without the library, torch's high-priority pool."""
     from ..kernels import cuda as cuda_lib
 
     device = torch.device(device)

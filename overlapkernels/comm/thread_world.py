@@ -69,9 +69,24 @@ class ThreadRank:
         return self._side
 
     def check_errors(self, err: torch.Tensor, op: str, epoch: int) -> None:
-        """Raise at once if a device-side wait of this call timed out (a test world: sync is fine)."""
+        """Raise at once if a device-side wait of this call timed out (a test world: sync is fine).
+
+        On a GPU the record comes back through pinned memory and an event, never ``err.tolist()``:
+        a copy to pageable memory waits inside the driver until the stream reaches it, and while it
+        waits, other threads' pageable copies (a straggling peer's ``tensor.to("cuda")``) wait too.
+        Here the stream waits on that very peer's signals, so the ranks would hang until the device
+        waits time out: the likely cause of the straggler tests' and the one-GPU benchmark's hangs
+        on an H200 (2026-11-30; found by reading the logs, not yet re-run on a GPU). The process
+        world already checks through pinned memory (signals.DeferredErrorCheck), and passed there."""
         from ..kernels.triton.signals import raise_if_timed_out
 
+        if err.device.type == "cuda":
+            host = self.world._err_host[self.rank]
+            host.copy_(err, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(err.device))
+            done.synchronize()
+            err = host
         raise_if_timed_out(err, op, epoch)
 
     def barrier(self) -> None:
@@ -100,6 +115,10 @@ class ThreadRank:
 
 def _stream_slot(world_size: int, rank: int, use: str) -> tuple:
     return ("thread-world", world_size, rank, use)
+
+
+def _pinned_error_records(world_size: int) -> list:
+    return [torch.empty(4, dtype=torch.int32, pin_memory=True) for _ in range(world_size)]
 
 
 def _check_triton_interprets() -> None:
@@ -132,9 +151,11 @@ class ThreadWorld:
         if self.device.type == "cpu":
             _check_triton_interprets()
             make_triton_interpreter_threadsafe()
-        else:  # every rank's stream and side stream, made together: hardware queues of their own
+        else:  # every rank's stream and side stream: ours, made together (side_stream.own_streams)
             self._rank_streams = own_streams(self.device, [_stream_slot(world_size, r, use) for use in ("rank", "side")
                                                            for r in range(world_size)])[:world_size]
+            # error records come back here (check_errors); pinned now, before any rank spins
+            self._err_host = _pinned_error_records(world_size)
 
     def _shared_allocation(self, seq: int, shape: tuple, dtype: torch.dtype, fill) -> tuple:
         with self._lock:

@@ -33,7 +33,10 @@ GLOO_MIN_STEP_BYTES = 512 << 10
 # every intensity measured, up to 448 flop/B, since gloo's reduce-scatter is slow).
 GLOO_MAX_FLOPS_PER_BYTE = {"all_gather_matmul": 128, "matmul_reduce_scatter": 512}
 # CUDA: a per-rank M below this leaves each chunk's GEMM too small to hide a transfer behind
-# (wave quantisation); peers report the same regime (flux, torch async-TP need M >= 1-2K).
+# (wave quantisation); peers report the same regime (flux, torch async-TP need M >= 1-2K). On an
+# H200 (benchmarks/results/h200_2026-11-30.md) P chunk GEMMs of Llama-3 TP-8 shapes cost 1.0-1.7x
+# the one GEMM from 1024 rows per rank on, up to 3.3x (5.5x on two streams) below; the transfer
+# side needs an NVLink node, so the threshold itself is not yet measured.
 CUDA_MIN_ROWS_PER_RANK = 1024
 
 

@@ -160,7 +160,7 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_p
     fused-attention tutorial). The earlier form, S = Q K^T then dots on tl.trans(P) and tl.trans(dS),
     passed the interpreter but computed dK/dV wrongly on an H200 (triton 3.6) with 16x64 tiles at
     D=256, 16x128 at D=128 and (likely) 32x128 at D=64, while 32x64 and 64x64 were right
-    (benchmarks/results/gpu-check-2026-11-30.md)."""
+    (benchmarks/results/h200_2026-11-30.md)."""
     pid_n, hk, b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)  # (docstring)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -274,10 +274,16 @@ def _same(cfg: FlashConfig) -> FlashConfigs:
 
 
 # The interpreter is slow: small tiles. GPU configs come from compiling candidates for sm_90 with
-# triton 3.6 and 3.9 (scripts/compile_kernels_sm90.py: shared memory, wgmma, ptxas spills), not
-# yet from timings - benchmarks/bench_flash_attn.py sweeps alternatives on a GPU. The dK/dV kernel
-# keeps two fp32 [BLOCK_N, D] accumulators, so it spills first: at D=128 a 64x64 tile with 4 warps
-# spills ~300 B per thread, 32x64 with 8 warps none; at D=256 64x32 with 4 warps (the small-memory
+# triton 3.6 and 3.9 (scripts/compile_kernels_sm90.py: shared memory, wgmma, ptxas spills); the
+# 16-bit D=128 ones (the benchmark's shape) are also timed: on an H200 (triton 3.6, B1 S8192 H32,
+# benchmarks/results/h200_2026-11-30.md) the forward's 128x64 w8 s3 beat the other three
+# tiles swept, and dK/dV's 64x128 w8 s2 took 7.5 ms (s3: 7.3 ms, 161 KB of shared memory) where
+# 32x64 w8 s3 took 17.2 ms. D=64 and D=256 are not timed yet. The dK/dV kernel keeps two fp32
+# [BLOCK_N, D] accumulators, so it spills first. Its transposed form (2026-11-30): 64x128 w8 at
+# D=128 uses all 255 registers and spills 40-52 B per thread under triton 3.6 (12-28 B under 3.9),
+# and was still the fastest; 32x128 at D=64 spills none; 16x64 at D=256 none (3.6) or 4 B (3.9,
+# causal). The figures that follow were taken on the earlier form: at D=128 a 64x64 tile with 4 warps
+# spilled ~300 B per thread, 32x64 with 8 warps none; at D=256 64x32 with 4 warps (the small-memory
 # tile) spills ~100 B and 16x64 with 8 warps none (the only wgmma tile found without spills; 32x64
 # with 8 warps needs 1 stage), and dQ's 64x32 spills up to 12 B with 4 warps under triton 3.6, none
 # with 8. fp32 (IEEE: FMA, no tensor cores; tests and fp32 users) spilled 13-45 KB per thread in dK/dV
@@ -287,7 +293,7 @@ def _same(cfg: FlashConfig) -> FlashConfigs:
 INTERPRETER_FLASH = _same(FlashConfig(16, 16))
 CUDA_FLASH_16BIT = {64: FlashConfigs(fwd=FlashConfig(128, 64, 8, 3), dkdv=FlashConfig(32, 128, 8, 2),
                                      dq=FlashConfig(128, 64, 8, 3)),
-                    128: FlashConfigs(fwd=FlashConfig(128, 64, 8, 3), dkdv=FlashConfig(32, 64, 8, 3),
+                    128: FlashConfigs(fwd=FlashConfig(128, 64, 8, 3), dkdv=FlashConfig(64, 128, 8, 2),
                                       dq=FlashConfig(128, 64, 8, 3)),
                     256: FlashConfigs(fwd=FlashConfig(64, 32, 4, 2), dkdv=FlashConfig(16, 64, 8, 2),
                                       dq=FlashConfig(64, 32, 8, 2))}
