@@ -311,7 +311,8 @@ def test_ring_on_triton_kernels(rank_pool, layout, causal):
 # --------------------------------------------------------------------------- GPU (make gpu-check)
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, dim, causal, tol", [
-    (torch.bfloat16, 128, False, 5e-2), (torch.bfloat16, 128, True, 5e-2), (torch.bfloat16, 256, True, 5e-2),
+    (torch.bfloat16, 64, True, 5e-2), (torch.bfloat16, 128, False, 5e-2), (torch.bfloat16, 128, True, 5e-2),
+    (torch.bfloat16, 256, True, 5e-2),
     (torch.bfloat16, 512, True, 5e-2), (torch.float32, 128, True, 1e-4)])
 def test_kernels_vs_sdpa(dtype, dim, causal, tol):
     """The GPU tile tables against SDPA: 16-bit D=128 (the benchmark's), 256 and 512 (wide tiles), fp32
@@ -330,6 +331,27 @@ def test_kernels_vs_sdpa(dtype, dim, causal, tol):
     torch.testing.assert_close(dq, qr.grad.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(dk, kr.grad.float().reshape(2, 2, 4, 300, dim).sum(2), atol=tol, rtol=tol)
     torch.testing.assert_close(dv, vr.grad.float().reshape(2, 2, 4, 300, dim).sum(2), atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dkdv", [fa.FlashConfig(16, 128, 8, 3), fa.FlashConfig(32, 128, 8, 2),
+                                  fa.FlashConfig(64, 128, 8, 2)], ids=str)
+def test_dkdv_tiles_four_times_wider_than_tall_vs_sdpa(dkdv, causal):
+    """Regression (an H200, triton 3.6, 2026-11-30): dK/dV computed as dots on tl.trans(P) and
+    tl.trans(dS) went wrong in tiles with BLOCK_N >= 4 * BLOCK_M, which the interpreter computed
+    right; the transposed kernel must get them right. D=128, ragged 300 rows, GQA."""
+    q, k, v, do = _inputs(torch.bfloat16, heads=8, kv_heads=2, lq=300, lk=300, dim=128, device="cuda")
+    scale, default = 128 ** -0.5, fa.flash_configs(q.device, q.dtype, 128)
+    out, lse = fa.block_forward(q, k, v, scale, causal=causal)
+    delta = (do.float() * out).sum(-1)
+    qr, kr, vr = (t.detach().requires_grad_() for t in (q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)))
+    F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal).backward(do)
+    with fa.forced_flash_configs(fa.FlashConfigs(default.fwd, dkdv, default.dq)):
+        _, dk, dv = fa.block_backward(q, k, v, do, lse, delta, scale, causal=causal)
+    for name, got, want in (("dk", dk, kr.grad), ("dv", dv, vr.grad)):
+        torch.testing.assert_close(got, want.float().reshape(2, 2, 4, 300, 128).sum(2), atol=5e-2, rtol=5e-2,
+                                   msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _ring_bf16_one_gpu_on_rank(layout):

@@ -232,6 +232,17 @@ def test_the_first_timeout_is_the_one_reported():
     assert err.tolist() == [1, 0, 1, 1]  # code, rank, chunk, peer of the first wait that gave up
 
 
+@pytest.mark.timeout(60)
+def test_after_a_timeout_the_calls_other_waits_give_up_at_once():
+    """A dead peer costs a call one wait budget, not one per wait: the second wait's budget (10^9
+    polls, hours in the interpreter) is never spent, since the record already holds a timeout.
+    Without that, a fused GEMM waited once per tile - 16 times its 60 s budget at 8192 rows."""
+    err, flag = torch.zeros(4, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
+    sig.wait_flag(flag, 1, err, sig.polls(2), code=sig.ERR_READY_TIMEOUT, rank=0, chunk=1, peer=1)
+    sig.wait_flag(flag, 1, err, sig.polls(10**9), code=sig.ERR_PARTIAL_TIMEOUT, rank=0, chunk=2, peer=3)
+    assert err.tolist() == [1, 0, 1, 1]
+
+
 def test_a_release_timeout_names_the_previous_call():
     with pytest.raises(SignalTimeoutError, match=r"waiting for rank 3 to release chunk 1 of call 4 \(call 5\)"):
         sig.raise_if_timed_out(torch.tensor([2, 0, 1, 3], dtype=torch.int32), "op", 5)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .signals import ERR_READY_TIMEOUT, GEMM_CLOCK_LANES, WaitBudget, record_error, wait_geq
+from .signals import ERR_READY_TIMEOUT, GEMM_CLOCK_LANES, WaitBudget, wait_or_record
 from .tile_gemm import GemmConfig, check_gemm_operands, dot_precision, gemm_config, num_programs, tile_dot
 
 
@@ -26,8 +26,8 @@ def _ag_gemm_kernel(a_ptr, b_ptr, c_ptr, arrived_ptr, err_ptr, rows_per_chunk, N
         chunk = (rank + tile // per_chunk) % WORLD
         t = tile % per_chunk
         if chunk != rank:
-            if wait_geq(arrived_ptr + chunk, epoch, budget, TIMED, GEMM_CLOCK_LANES) < epoch:
-                record_error(err_ptr, ERR_READY_TIMEOUT, rank, chunk, chunk)
+            wait_or_record(arrived_ptr + chunk, epoch, err_ptr, budget, ERR_READY_TIMEOUT, rank, chunk, chunk, TIMED,
+                           GEMM_CLOCK_LANES)
         tl.debug_barrier()  # every thread's A loads come after the acquire
         rows_in = (t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows_in < rows_per_chunk
