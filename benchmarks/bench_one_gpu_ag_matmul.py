@@ -2,7 +2,7 @@
 rank, copy-engine pulls between their buffers): time per method vs max(GEMM alone, copy alone),
 the best overlap can reach. GPU only; every rank's output is checked against torch before timing.
 
-    python benchmarks/bench_one_gpu_ag_matmul.py [--world 4 --m 2048 --k 4096 --n 4096] [--csv F]
+    CUDA_DEVICE_MAX_CONNECTIONS=32 python benchmarks/bench_one_gpu_ag_matmul.py [--world 4 --m 2048 --k 4096 --n 4096] [--csv F]
 """
 import argparse
 import sys

@@ -1,6 +1,7 @@
 """The C-ABI CUDA library: it builds, loads and exports its symbols here; numerics on a GPU."""
 import importlib.util
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
@@ -241,10 +242,10 @@ def test_a_cuda_thread_world_makes_every_rank_stream_and_side_stream_together(mo
     """Back to back at construction (hardware queues of their own, see side_stream.own_streams),
     ranks' streams first; each run and each side_stream() reuses them; a second world of the same
     size makes none."""
-    from overlapkernels.comm import side_stream, thread_world
+    from overlapkernels.comm import side_stream
     from overlapkernels.comm.thread_world import ThreadRank, ThreadWorld
 
-    monkeypatch.setattr(thread_world, "_pinned_error_records", lambda n: [None] * n)  # (pinning needs CUDA)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     made = []
     monkeypatch.setattr(cuda_lib, "is_loadable", lambda: True)
     monkeypatch.setattr(cuda_lib, "own_stream", lambda device: made.append(device) or f"stream{len(made) - 1}")
@@ -255,3 +256,45 @@ def test_a_cuda_thread_world_makes_every_rank_stream_and_side_stream_together(mo
     assert [ThreadRank(world, r).side_stream().stream for r in range(3)] == ["stream3", "stream4", "stream5"]
     ThreadWorld(3, device="cuda:1")
     assert len(made) == 6
+
+
+def test_a_gpu_thread_world_refuses_to_run_beside_an_earlier_runs_stragglers(monkeypatch):
+    """Threads of a timed-out one-GPU run keep queueing kernels (on the streams a later world of the
+    same size reuses): any later run on that GPU, from any world, says so instead of hanging or
+    failing for their sake. Threads that have ended no longer count."""
+    import threading
+
+    from overlapkernels.comm import side_stream, thread_world
+
+    monkeypatch.setattr(cuda_lib, "is_loadable", lambda: True)
+    monkeypatch.setattr(cuda_lib, "own_stream", lambda device: object())
+    monkeypatch.setattr(side_stream, "_own_streams", {})
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    release = threading.Event()
+    straggler = threading.Thread(target=release.wait, name="ok-thread-rank1", daemon=True)
+    straggler.start()
+    monkeypatch.setattr(thread_world, "_gpu_stragglers", {torch.device("cuda", 1): [straggler]})
+    world = thread_world.ThreadWorld(2, device="cuda:1")
+    try:
+        with pytest.raises(RuntimeError, match=r"ThreadWorld on cuda:1: ok-thread-rank1 of an earlier run"):
+            world.run(lambda ctx: None)
+    finally:
+        release.set()
+        straggler.join()
+    assert thread_world._gpu_stragglers[torch.device("cuda", 1)] == [straggler]  # (pruned at the next run)
+
+
+def test_a_gpu_thread_world_warns_when_hardware_queues_are_too_few(monkeypatch):
+    from overlapkernels.comm import side_stream
+    from overlapkernels.comm.thread_world import ThreadWorld
+
+    monkeypatch.setattr(cuda_lib, "is_loadable", lambda: True)
+    monkeypatch.setattr(cuda_lib, "own_stream", lambda device: object())
+    monkeypatch.setattr(side_stream, "_own_streams", {})
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)  # CUDA's default, 8: < 2 * 4 + 1
+    with pytest.warns(UserWarning, match=r"CUDA_DEVICE_MAX_CONNECTIONS='8' gives fewer than 9 hardware queues"):
+        ThreadWorld(4, device="cuda:1")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "9")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ThreadWorld(4, device="cuda:1")

@@ -71,8 +71,9 @@ def own_streams(device, slots) -> list:
     queue's order, so a spin-wait there could hold up the other stream's work, which may be what it
     waits for (the one-GPU thread world: one rank's wait, a peer's signal); streams made together
     are more likely to get queues of their own (the driver's assignment is not documented). The
-    thread world's hangs on an H200 outlived this change: their likely cause is in
-    ThreadRank.check_errors. Without the library, torch's high-priority pool."""
+    thread world's hangs on an H200 outlived this change: their likely cause was reading error
+    records behind spin-waits (signals.raise_if_timed_out). Without the library, torch's
+    high-priority pool."""
     from ..kernels import cuda as cuda_lib
 
     device = torch.device(device)

@@ -13,9 +13,11 @@ the ranks' backward passes would run one after another and deadlock at their fir
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import traceback
+import warnings
 
 import torch
 
@@ -69,24 +71,10 @@ class ThreadRank:
         return self._side
 
     def check_errors(self, err: torch.Tensor, op: str, epoch: int) -> None:
-        """Raise at once if a device-side wait of this call timed out (a test world: sync is fine).
-
-        On a GPU the record comes back through pinned memory and an event, never ``err.tolist()``:
-        a copy to pageable memory waits inside the driver until the stream reaches it, and while it
-        waits, other threads' pageable copies (a straggling peer's ``tensor.to("cuda")``) wait too.
-        Here the stream waits on that very peer's signals, so the ranks would hang until the device
-        waits time out: the likely cause of the straggler tests' and the one-GPU benchmark's hangs
-        on an H200 (2026-11-30; found by reading the logs, not yet re-run on a GPU). The process
-        world already checks through pinned memory (signals.DeferredErrorCheck), and passed there."""
+        """Raise at once if a device-side wait of this call timed out (a test world: sync is fine;
+        on a GPU only once the stream is idle: see raise_if_timed_out)."""
         from ..kernels.triton.signals import raise_if_timed_out
 
-        if err.device.type == "cuda":
-            host = self.world._err_host[self.rank]
-            host.copy_(err, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(err.device))
-            done.synchronize()
-            err = host
         raise_if_timed_out(err, op, epoch)
 
     def barrier(self) -> None:
@@ -113,12 +101,25 @@ class ThreadRank:
         return SymmetricTensor(self.rank, self.world_size, buffers[self.rank], ptrs, tuple(buffers))
 
 
+# Threads of timed-out runs on each GPU, whatever world ran them: they go on spinning and queueing
+# kernels on their streams (a later world of the same size reuses those streams), so every later
+# one-GPU run would wait behind them and fail for their sake, or pass by their timing.
+_gpu_stragglers: dict = {}
+
+
 def _stream_slot(world_size: int, rank: int, use: str) -> tuple:
     return ("thread-world", world_size, rank, use)
 
 
-def _pinned_error_records(world_size: int) -> list:
-    return [torch.empty(4, dtype=torch.int32, pin_memory=True) for _ in range(world_size)]
+def _check_connections(world_size: int) -> None:
+    """Warn when the GPU's hardware queues are too few for every rank's two streams: streams sharing
+    a queue run in its order, so a rank's spin-wait could hold up the peer work it waits for."""
+    raw = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")  # (CUDA's default: 8)
+    need = 2 * world_size + 1  # each rank's stream and side stream, and the default stream
+    if not raw.strip().isdigit() or int(raw) < need:
+        warnings.warn(f"ThreadWorld({world_size}) on a GPU: CUDA_DEVICE_MAX_CONNECTIONS={raw!r} gives fewer than {need} "
+                      "hardware queues, so ranks' streams may share one and a spin-wait may block the signal it "
+                      "waits for; set it (up to 32) before CUDA starts, as make gpu-check does", stacklevel=3)
 
 
 def _check_triton_interprets() -> None:
@@ -154,8 +155,7 @@ class ThreadWorld:
         else:  # every rank's stream and side stream: ours, made together (side_stream.own_streams)
             self._rank_streams = own_streams(self.device, [_stream_slot(world_size, r, use) for use in ("rank", "side")
                                                            for r in range(world_size)])[:world_size]
-            # error records come back here (check_errors); pinned now, before any rank spins
-            self._err_host = _pinned_error_records(world_size)
+            _check_connections(world_size)
 
     def _shared_allocation(self, seq: int, shape: tuple, dtype: torch.dtype, fill) -> tuple:
         with self._lock:
@@ -171,6 +171,13 @@ class ThreadWorld:
         if timeout is not None:
             timeout = _seconds(timeout)
         self._stragglers = [t for t in self._stragglers if t.is_alive()]
+        if self.device.type == "cuda":  # any world's, on this GPU: see _gpu_stragglers
+            _gpu_stragglers[self.device] = [t for t in _gpu_stragglers.get(self.device, []) if t.is_alive()]
+            if _gpu_stragglers[self.device]:
+                raise RuntimeError(f"ThreadWorld on {self.device}: {', '.join(t.name for t in _gpu_stragglers[self.device])} "
+                                   "of an earlier run that timed out are still running; the kernels they queue "
+                                   "would hold up this run's (and its device syncs wait for them), so its result "
+                                   "would say nothing: run it in a new process")
         if self._stragglers:  # it would meet this run's ranks in the shared barrier and buffers
             raise RuntimeError(f"ThreadWorld: {', '.join(t.name for t in self._stragglers)} of a run that timed "
                                "out are still running (threads cannot be killed); use a new ThreadWorld")
@@ -226,6 +233,8 @@ class ThreadWorld:
             for r in waiting:  # released by the abort: they end at once (only truly stuck ones stay)
                 threads[r].join(1.0)
             self._stragglers = [threads[r] for r in stuck if threads[r].is_alive()]
+            if self.device.type == "cuda":
+                _gpu_stragglers.setdefault(self.device, []).extend(self._stragglers)
             blocking = [r for r in stuck if r not in waiting]
             if blocking:
                 what = (f"thread ranks {blocking} of {self.world_size} still running after {limit:g} s"

@@ -182,7 +182,16 @@ def add_peer_flag(pads, peer: int, index: int, value: int) -> None:
 
 
 def raise_if_timed_out(err: torch.Tensor, op: str, epoch: int) -> None:
-    """Raise ``SignalTimeoutError`` from an error record (a host sync: reporting, not the hot path)."""
+    """Raise ``SignalTimeoutError`` from an error record (a host sync: reporting, not the hot path).
+
+    A record on a GPU is read only once its stream is idle (an event, then the copy): a copy to
+    the host queued behind spin-waits held up other threads' copies to the host, among them those
+    of the peers the waits were waiting for, which made them before signalling - the one-GPU thread
+    world's hangs on an H200 (2026-11-30; read from the logs, not yet re-run on a GPU)."""
+    if err.device.type == "cuda":
+        idle = torch.cuda.Event()
+        idle.record(torch.cuda.current_stream(err.device))
+        idle.synchronize()
     code, rank, chunk, peer = (int(v) for v in err.tolist())
     where = f"(call {epoch}); is rank {peer} alive and in the same call?"
     if code == ERR_READY_TIMEOUT.value:
