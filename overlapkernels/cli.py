@@ -376,8 +376,8 @@ def _profile_report(args) -> int:
         rows = [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()} for r in rows]
         print(json.dumps(rows, indent=2, allow_nan=False))
     elif not rows:
-        print(f"no op ranges (ok/<op>[<method>]) in {args.trace}: only the fused ops, ring attention, fsdp "
-              "and the pipeline runner open them, so the trace holds none of their calls")
+        print(f"no op ranges (ok/<op>[<method>]) in {args.trace}: only the fused ops, ring attention, fsdp, "
+              "the pipeline runner and the collectives benchmark open them, so the trace holds none of their calls")
     else:
         print(format_table(rows, [("op", "op", ""), ("calls", "calls", "d"), ("dur_us", "time(us)", ".0f"),
                                   ("comm_us", "comm busy(us)", ".0f"), ("compute_us", "compute busy(us)", ".0f"),

@@ -99,7 +99,7 @@ def test_gpu_inventory_with_fake_nvml():
     assert inv["gpus"][2]["nvlink"]["active_links"] == 0
     assert inv["topology"] == [["X", "NV18", "SYS"], ["NV18", "X", "SYS"], ["SYS", "SYS", "X"]]
     text = format_inventory({**inventory(FakeNVML())})
-    assert "GPU 0         NVIDIA H200, 141 GiB, SM max 1980 MHz, NVLink 18 links v4 @ 53.1 Gb/s" in text
+    assert "GPU 0         NVIDIA H200, 141 GiB, SM max 1980 MHz, NVLink 18 links v4 @ 53.1 GB/s per link" in text
     assert "GPU 2         NVIDIA L4, 141 GiB, SM max 1980 MHz, no active NVLink" in text
     assert "\n  GPU1         NV18      X    SYS\n" in text
 
@@ -153,6 +153,57 @@ def test_telemetry_nvlink_rate_is_bytes_over_the_sampled_span(monkeypatch):
         tel._sample()  # 1, 2, 3 GiB cumulative
     s = tel.summary()
     assert s["nvlink_tx_gbps"] == s["nvlink_rx_gbps"] == round(2 * 2 ** 30 / 4.0 / 1e9, 3)  # 2 GiB in 4 s
+
+
+def test_telemetry_sums_nvlink_over_every_link_and_finds_its_gpu_by_uuid():
+    """NVLink fields read link 0 alone unless their scope asks for all links (UINT_MAX); the GPU is
+    NVML's by UUID, since NVML ignores CUDA_VISIBLE_DEVICES (cuda:0 may be NVML's GPU 3); a UUID
+    NVML does not know gives empty columns, not another GPU's, and releases NVML's init."""
+    from overlapkernels.profiling.telemetry import ALL_LINKS, Telemetry
+
+    class Fake(FakeTelemetryNVML):
+        def __init__(self):
+            super().__init__()
+            self.fields, self.looked_up, self.shutdowns = [], [], 0
+
+        def nvmlDeviceGetHandleByUUID(self, uuid):
+            self.looked_up.append(uuid)
+            if uuid != b"GPU-4f1e0c2a-0000-0000-0000-000000000003":
+                raise RuntimeError("NVML_ERROR_NOT_FOUND")
+            return 3
+
+        def nvmlDeviceGetFieldValues(self, h, fields):
+            self.fields.append((h, list(fields)))
+            return super().nvmlDeviceGetFieldValues(h, fields)
+
+        def nvmlShutdown(self):
+            self.shutdowns += 1
+
+    nvml = Fake()
+    with Telemetry(0, uuid="4F1E0C2A-0000-0000-0000-000000000003", nvml=nvml) as tel:
+        tel._sample()
+    assert nvml.looked_up == [b"GPU-4f1e0c2a-0000-0000-0000-000000000003"] and nvml.shutdowns == 1
+    assert nvml.fields[0] == (3, [(138, ALL_LINKS), (139, ALL_LINKS)]) and ALL_LINKS == 2**32 - 1
+    nvml = Fake()
+    with Telemetry(0, uuid="00000000-0000-0000-0000-000000000000", nvml=nvml) as tel:
+        pass
+    assert tel.summary() == {c: "" for c in tel.summary()} and nvml.fields == [] and nvml.shutdowns == 1
+
+
+def test_telemetry_gives_no_nvlink_rate_across_a_counter_reset(monkeypatch):
+    from overlapkernels.profiling import telemetry
+
+    clock = iter([10.0, 12.0, 14.0])
+    monkeypatch.setattr(telemetry.time, "perf_counter", lambda: next(clock))
+    nvml = FakeTelemetryNVML()
+    tel = telemetry.Telemetry(0, nvml=nvml)
+    tel._handle = "gpu0"
+    tel._sample()
+    tel._sample()
+    nvml.kib = 0  # the driver reset its counters
+    tel._sample()
+    s = tel.summary()
+    assert s["nvlink_tx_gbps"] == s["nvlink_rx_gbps"] == "" and s["power_w"] == 650.0
 
 
 def test_telemetry_summary_averages_clock_and_power_and_takes_the_hottest_reading():

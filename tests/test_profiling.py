@@ -198,6 +198,38 @@ def test_gpu_copies_of_one_call_are_one_window_by_external_id():
     assert len(overlap_report(no_ids)) == 3
 
 
+def test_gpu_op_windows_span_the_work_their_host_range_launched():
+    """Kineto ties a kernel to the innermost range open at its launch only: the op's own GPU range
+    holds just what was launched directly in it (here one small kernel), not the NCCL and GEMM
+    kernels launched inside its /comm and /compute ranges. The window comes from the host range:
+    every launch on its thread within it, through the correlation id its kernel carries; a range
+    on another thread (autograd's, backward) owns only its own thread's launches."""
+    def ev(cat, name, ts, dur, tid, corr=None, pid=100):
+        e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": pid, "tid": tid}
+        return {**e, "args": {"correlation": corr}} if corr is not None else e
+
+    fwd, bwd = "ok/all_gather_matmul[decomposed]", "ok/all_gather_matmul[decomposed]/backward"
+    events = [
+        ev("user_annotation", fwd, 0, 30, 1), ev("user_annotation", "ok/ag_matmul/chunk1/comm", 1, 3, 1),
+        ev("cuda_runtime", "cudaLaunchKernel", 2, 1, 1, corr=11),                    # inside /comm
+        ev("user_annotation", "ok/ag_matmul/chunk1/compute", 4, 3, 1),
+        ev("cuda_driver", "cuLaunchKernel", 5, 1, 1, corr=12),                       # inside /compute
+        ev("cuda_runtime", "cudaLaunchKernel", 8, 1, 1, corr=14),                    # directly in the op
+        ev("user_annotation", bwd, 5, 35, 2), ev("cuda_runtime", "cudaLaunchKernel", 6, 1, 2, corr=13),
+        ev("kernel", "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 10, 40, 20, corr=11, pid=0),
+        ev("kernel", "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", 12, 48, 7, corr=12, pid=0),
+        ev("kernel", "void at::native::fill_kernel(float*)", 60, 1, 7, corr=14, pid=0),
+        ev("gpu_user_annotation", fwd, 60, 1, 7, pid=0),                             # kineto: only corr 14
+        ev("gpu_user_annotation", "ok/ag_matmul/chunk1/comm", 10, 40, 20, pid=0),
+        ev("kernel", "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 70, 20, 20, corr=13,
+           pid=0),
+    ]
+    rows = overlap_report(events)
+    assert [(r["op"], r["start_us"], r["dur_us"], r["comm_us"], r["compute_us"], r["both_us"]) for r in rows] == [
+        (fwd, 10, 51, 40, 48, 38), (bwd, 70, 20, 20, 0, 0)]
+    assert rows[0]["hidden"] == 38 / 40 and rows[1]["hidden"] == 0.0
+
+
 def _fwd_bwd_ranges(trace_dir):
     """Every op forward and backward on 2 gloo ranks under the profiler -> the range names seen."""
     from overlapkernels.ops.ring_attention import ring_attention
@@ -245,6 +277,36 @@ def test_an_event_is_comm_or_compute_never_both():
         _x("ok/all_gather_matmul[fused]", 0, 100),
         _x("_wait_kernel", 0, 40, tid=2), _x("_ag_gemm_kernel", 50, 30, tid=3), _x("reduce_sum_kernel<float>", 90, 5)]})
     assert (row["comm_us"], row["compute_us"], row["both_us"]) == (45, 30, 0)
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "compute"),  # cuBLAS's Hopper GEMMs (CUDA >= 12.4)
+    ("void splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>(cublasSplitKParams<float>)", "compute"),
+    ("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0", "compute"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "compute"),
+    ("_flash_fwd_kernel", "compute"),
+    ("signal_set_kernel(unsigned long long*, unsigned long long)", "comm"),  # csrc's, named with a signature
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "comm"),
+    ("_update_peer_flag_kernel", "comm"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>(int, float)", None),
+])
+def test_kernel_names_of_real_gpu_traces_are_classified(name, kind):
+    (row,) = overlap_report([_x("ok/all_gather_matmul[fused]", 0, 100), _x(name, 10, 20, tid=2)])
+    assert (row["comm_us"], row["compute_us"]) == {"comm": (20, 0), "compute": (0, 20), None: (0, 0)}[kind]
+
+
+def test_a_gzipped_trace_reads_like_a_plain_one(tmp_path):
+    """torch.profiler writes .json.gz when asked (export_chrome_trace("x.json.gz"))."""
+    import gzip
+
+    trace = {"traceEvents": [_x("ok/all_gather[gloo]", 0, 10), _x("gloo:all_gather", 2, 5, tid=2)]}
+    (tmp_path / "t.json").write_text(json.dumps(trace))
+    with gzip.open(tmp_path / "t.json.gz", "wt") as f:
+        json.dump(trace, f)
+    assert overlap_report(str(tmp_path / "t.json.gz")) == overlap_report(str(tmp_path / "t.json"))
+    (tmp_path / "bad.json.gz").write_bytes(b"\x1f\x8b" + b"not gzip")
+    with pytest.raises(ValueError, match="not JSON"):
+        load_events(str(tmp_path / "bad.json.gz"))
 
 
 def test_an_op_range_is_a_window_never_busy_time():

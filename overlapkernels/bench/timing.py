@@ -143,7 +143,9 @@ def telemetry(device: torch.device):
 
     if device.type != "cuda":
         return Telemetry(nvml=_NoNVML())
-    return Telemetry(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)  # NVML's numbering is not CUDA's
+    return Telemetry(index, uuid=str(uuid) if uuid is not None else None)
 
 
 class _NoNVML:

@@ -163,7 +163,7 @@ def format_inventory(info: dict) -> str:
         mem = f"{g['memory_bytes'] / 2**30:.0f} GiB" if g["memory_bytes"] else "?"
         nv = g["nvlink"]
         link = (f"NVLink {nv['active_links']} links v{'/'.join(map(str, nv['versions'])) or '?'}"
-                + (f" @ {nv['link_speed_mbps'] / 1000:.1f} Gb/s" if nv["link_speed_mbps"] else "")
+                + (f" @ {nv['link_speed_mbps'] / 1000:.1f} GB/s per link" if nv["link_speed_mbps"] else "")
                 if nv["active_links"] else "no active NVLink")
         lines.append(f"GPU {g['index']}         {g['name']}, {mem}, SM max {g['sm_clock_max_mhz']} MHz, {link}")
     if len(gpu["gpus"]) > 1:

@@ -10,17 +10,24 @@ GPU (NCCL, CUDA kernels) runs alike.
 """
 from __future__ import annotations
 
+import bisect
+import gzip
 import json
 import math
 import os
 import re
+from collections import defaultdict
 
 OP_RANGE = re.compile(r"^ok/([a-z_]+)(\[[^\]/]+\])?(/backward)?$")
 # our own signalling / copy kernels are communication too, though their names end in _kernel
+# (csrc's C++ kernels, signal_set_kernel(...), are named with their signature, so no "$" anchors).
+# Memcpy DtoD is comm for the one-GPU thread world's pulls, and so also counts a rank's local copies.
 COMM = re.compile(r"(^gloo:|nccl|/comm$|^c10d::|Memcpy PtoP|Memcpy DtoD|_wait_kernel|_signal_kernel|_pull_kernel|"
-                  r"_publish_kernel|_flag_kernel|reduce_sum_kernel)", re.IGNORECASE)
+                  r"_publish_kernel|_flag_kernel|reduce_sum_kernel|signal_\w+_kernel)", re.IGNORECASE)
+# cuBLAS names its Hopper GEMMs nvjet_* (CUDA >= 12.4), cuDNN its attention cudnn_*sdpa*; our Triton
+# kernels end in _kernel (kineto names C++ kernels with their signature, ending in ")")
 COMPUTE = re.compile(r"(/compute$|^aten::(mm|addmm|bmm|matmul|linear|_scaled_dot_product|scaled_dot_product)|"
-                     r"gemm|sm\d+_xmma|cutlass|_kernel$|flash)", re.IGNORECASE)
+                     r"gemm|gemv|sm\d+_xmma|cutlass|nvjet|splitKreduce|cudnn|fmha|sdpa|_kernel$|flash)", re.IGNORECASE)
 
 
 def _union(intervals):
@@ -52,6 +59,8 @@ def _intersection(a, b) -> float:
 
 # torch.profiler's GPU timeline; every other category (cpu_op, user_annotation, ...) is the host's
 GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"})
+GPU_WORK_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})  # cudaLaunchKernel, cuLaunchKernel (Triton), ...
 
 
 def load_events(trace) -> list[dict]:
@@ -61,14 +70,17 @@ def load_events(trace) -> list[dict]:
     if isinstance(trace, (str, bytes)) or hasattr(trace, "__fspath__"):
         where = f"trace {os.fsdecode(trace)!r}"
         try:
-            with open(trace, encoding="utf-8") as f:
+            with open(trace, "rb") as f:  # torch writes .json.gz when asked: gzip's magic bytes tell
+                gzipped = f.read(2) == b"\x1f\x8b"
+            with (gzip.open(trace, "rt", encoding="utf-8") if gzipped else open(trace, encoding="utf-8")) as f:
                 trace = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError, EOFError, gzip.BadGzipFile) as exc:  # (first: a
+            # BadGzipFile is an OSError)
+            raise ValueError(f"{where}: not JSON ({exc}); expected a chrome trace (torch.profiler "
+                             "export_chrome_trace)") from None
         except OSError as exc:
             raise ValueError(f"{where}: cannot read it ({exc.strerror or exc}); expected a chrome trace JSON "
                              "file") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{where}: not JSON ({exc}); expected a chrome trace (torch.profiler "
-                             "export_chrome_trace)") from None
     if isinstance(trace, dict):
         if "traceEvents" not in trace:
             raise ValueError(f"{where}: a JSON object without 'traceEvents' (keys: {sorted(trace)[:5]}); expected "
@@ -97,8 +109,9 @@ def _timeline(events: list[dict]) -> list[dict]:
     """On CUDA, torch.profiler exports every range twice: on the host timeline (user_annotation,
     from enqueue to return) and on the GPU one (gpu_user_annotation, per stream, spanning the
     kernels launched inside it). Using both would count each op twice and mix host-side waits with
-    kernels, so the GPU timeline, where the overlap actually happens, is used alone when present."""
-    if any(e.get("cat") == "gpu_user_annotation" for e in events):
+    kernels, so the GPU timeline, where the overlap actually happens, is used alone when present.
+    (Op windows on GPU traces come from the host ranges instead: ``_launched_windows``.)"""
+    if any(e.get("cat") in GPU_CATS for e in events):
         return [e for e in events if e.get("cat") in GPU_CATS]
     return [e for e in events if e.get("cat") not in GPU_CATS]
 
@@ -128,9 +141,50 @@ def _op_windows(events: list[dict]) -> list[tuple[str, float, float]]:
     return [tuple(w) for w in windows]
 
 
+def _correlation(e: dict):
+    return (e.get("args") or {}).get("correlation")
+
+
+def _launched_windows(events: list[dict]) -> list[tuple[str, float, float]] | None:
+    """GPU traces: (name, start, end) per op call, from the GPU work its host range launched.
+
+    Kineto ties each kernel or copy to the innermost ``record_function`` range open at its launch
+    only, so an op's GPU range misses the work launched inside its nested ``/comm`` and
+    ``/compute`` ranges (and inside c10d's ``nccl:*`` ones): the op's window would shrink to the
+    few kernels launched directly in it. Here every launch (``cuda_runtime`` / ``cuda_driver``
+    events) made on the op range's thread between its start and end counts, through the
+    correlation id it shares with its kernel or copy; the window spans that GPU work. A range that
+    launched nothing keeps its host interval. None where the trace links no launch to GPU work (no
+    correlation ids): then the GPU ranges are all there is (``_op_windows``)."""
+    work: dict = {}
+    for e in events:
+        if e.get("cat") in GPU_WORK_CATS and (c := _correlation(e)) is not None:
+            lo, hi = work.get(c, (math.inf, -math.inf))
+            work[c] = (min(lo, e["ts"]), max(hi, e["ts"] + e["dur"]))
+    launches = defaultdict(list)  # (pid, tid) -> [(launch time, correlation)], sorted
+    for e in events:
+        if e.get("cat") in LAUNCH_CATS and (c := _correlation(e)) in work:
+            launches[(e.get("pid"), e.get("tid"))].append((e["ts"], c))
+    if not launches:
+        return None
+    for calls in launches.values():
+        calls.sort()
+    windows = []
+    for e in sorted((e for e in events if e.get("cat") not in GPU_CATS | LAUNCH_CATS and OP_RANGE.match(e["name"])),
+                    key=lambda e: e["ts"]):
+        lo, hi = e["ts"], e["ts"] + e["dur"]
+        calls = launches.get((e.get("pid"), e.get("tid")), [])
+        first, last = bisect.bisect_left(calls, (lo,)), bisect.bisect_right(calls, (hi, math.inf))
+        spans = [work[c] for _, c in calls[first:last]]
+        windows.append((e["name"], min(s[0] for s in spans), max(s[1] for s in spans)) if spans else (e["name"], lo, hi))
+    return windows
+
+
 def overlap_report(trace) -> list[dict]:
     """One row per op call: name, start (us), duration, comm / compute busy, both, hidden fraction."""
-    events = _timeline(load_events(trace))
+    loaded = load_events(trace)
+    windows = _launched_windows(loaded)
+    events = _timeline(loaded)
     # op ranges are windows, never busy time themselves (ok/all_gather[nccl] names a backend), and
     # every other event is one or the other, never both (else it would overlap with itself)
     inner = [e for e in events if not OP_RANGE.match(e["name"])]
@@ -138,7 +192,7 @@ def overlap_report(trace) -> list[dict]:
     compute = [(e["ts"], e["ts"] + e["dur"]) for e in inner
                if COMPUTE.search(e["name"]) and not COMM.search(e["name"])]
     rows = []
-    for name, lo, hi in _op_windows(events):
+    for name, lo, hi in windows if windows is not None else _op_windows(events):
         clip = lambda ivs: _union([(max(s, lo), min(e, hi)) for s, e in ivs if e > lo and s < hi])  # noqa: E731
         c, k = clip(comm), clip(compute)
         busy_comm, busy_compute, both = _length(c), _length(k), _intersection(c, k)

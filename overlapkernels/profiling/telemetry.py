@@ -12,9 +12,16 @@ import time
 COLUMNS = ("sm_clock_mhz", "power_w", "temp_c", "nvlink_tx_gbps", "nvlink_rx_gbps")
 
 
+# nvml.h: a field's scopeId of UINT_MAX sums it over every NVLink (the default, 0, reads link 0 only)
+ALL_LINKS = 0xFFFFFFFF
+
+
 class Telemetry:
-    def __init__(self, device_index: int = 0, *, interval_s: float = 0.05, nvml=None):
-        self.device_index, self.interval_s, self._nvml = device_index, interval_s, nvml
+    def __init__(self, device_index: int = 0, *, uuid: str | None = None, interval_s: float = 0.05, nvml=None):
+        """``uuid`` (torch's ``get_device_properties(i).uuid``): the GPU to sample, found by UUID,
+        since NVML numbers GPUs its own way, whatever CUDA_VISIBLE_DEVICES says (a rank on cuda:0
+        with CUDA_VISIBLE_DEVICES=3 is NVML's GPU 3); ``device_index``, NVML's index, without it."""
+        self.device_index, self.uuid, self.interval_s, self._nvml = device_index, uuid, interval_s, nvml
         self.samples: list[dict] = []
         self._stop = threading.Event()
         self._thread = None
@@ -26,10 +33,18 @@ class Telemetry:
             if nvml is None:
                 import pynvml as nvml
             nvml.nvmlInit()
-            self._handle = nvml.nvmlDeviceGetHandleByIndex(self.device_index)
+        except Exception:  # no NVML or driver: empty columns
+            return self
+        try:
+            self._handle = (nvml.nvmlDeviceGetHandleByUUID(("GPU-" + _uuid_text(self.uuid)).encode())
+                            if self.uuid is not None else nvml.nvmlDeviceGetHandleByIndex(self.device_index))
             self._nvml = nvml
-        except Exception:  # no NVML, driver or GPU: empty columns
+        except Exception:  # a GPU NVML does not list (MIG, a stale UUID): empty columns, not another GPU's
             self._handle = None
+            try:
+                nvml.nvmlShutdown()  # (nvmlInit counts: each init needs its shutdown)
+            except Exception:
+                pass
             return self
         self._thread = threading.Thread(target=self._run, name="ok-telemetry", daemon=True)
         self._thread.start()
@@ -57,7 +72,7 @@ class Telemetry:
                                                          "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX"))
         if tx is None or rx is None:
             return None
-        values = self._query(nvml.nvmlDeviceGetFieldValues, self._handle, [tx, rx])
+        values = self._query(nvml.nvmlDeviceGetFieldValues, self._handle, [(tx, ALL_LINKS), (rx, ALL_LINKS)])
         if not values or any(getattr(v, "nvmlReturn", 1) != 0 for v in values):
             return None
         return tuple(int(v.value.ullVal) for v in values)  # cumulative KiB
@@ -91,5 +106,12 @@ class Telemetry:
         if len(links) >= 2 and links[-1][0] > links[0][0]:
             span_s = links[-1][0] - links[0][0]
             for i, key in enumerate(("nvlink_tx_gbps", "nvlink_rx_gbps")):
-                out[key] = round((links[-1][1][i] - links[0][1][i]) * 1024 / span_s / 1e9, 3)
+                counts = [kib[i] for _, kib in links]
+                if all(b >= a for a, b in zip(counts, counts[1:])):  # a counter reset: no rate, not a negative one
+                    out[key] = round((counts[-1] - counts[0]) * 1024 / span_s / 1e9, 3)
         return out
+
+
+def _uuid_text(uuid) -> str:
+    """torch gives 'xxxxxxxx-...' (a str or UUID), NVML wants 'GPU-xxxxxxxx-...'."""
+    return str(uuid).lower().removeprefix("gpu-")
