@@ -91,6 +91,53 @@ def test_measured_auto_picks_the_fastest_by_the_slowest_rank(rank_pool, costs, e
                           f"baseline {slowest['baseline'] * 1e3:.3g} ms, decomposed {slowest['decomposed'] * 1e3:.3g} ms")
 
 
+def _measured_with_failing_candidates_on_rank(failing):
+    """``failing[rank]``: the methods whose warm-up raises on that rank (a peer-memory setup that
+    failed, an out-of-memory). -> (method or the error's text, whether the group still works)."""
+    from types import SimpleNamespace
+
+    from overlapkernels.ops import measure
+
+    clock = [0.0]
+
+    def run(method):
+        if method in failing[dist.get_rank()]:
+            raise RuntimeError(f"{method} cannot set up here")
+        clock[0] += {"baseline": 0.010, "decomposed": 0.004}[method]
+
+    real_time = measure.time
+    measure.time = SimpleNamespace(perf_counter=lambda: clock[0])
+    measure._cache.clear()
+    try:
+        outcome = measure.measured("all_gather_matmul", ("fake",), dist.group.WORLD, torch.device("cpu"), run).reason
+    except RuntimeError as exc:
+        outcome = f"raised: {exc}"
+    finally:
+        measure.time = real_time
+        measure._cache.clear()
+    total = torch.ones(1)
+    dist.all_reduce(total)  # the ranks are still in step: nobody was left waiting in a collective
+    return outcome, int(total)
+
+
+def test_a_candidate_that_fails_on_one_rank_is_dropped_by_every_rank(rank_pool):
+    (r0, n0), (r1, n1) = rank_pool(2).run(_measured_with_failing_candidates_on_rank, [set(), {"decomposed"}])
+    assert n0 == n1 == 2
+    assert r0 == ("measured on the first call of this shape (slowest rank): baseline 10 ms, "
+                  "decomposed failed on another rank")
+    assert r1 == ("measured on the first call of this shape (slowest rank): baseline 10 ms, "
+                  "decomposed failed here (RuntimeError: decomposed cannot set up here)")
+
+
+def test_when_every_candidate_fails_every_rank_raises_naming_them(rank_pool):
+    (r0, n0), (r1, n1) = rank_pool(2).run(_measured_with_failing_candidates_on_rank,
+                                          [{"baseline"}, {"decomposed"}])
+    assert n0 == n1 == 2
+    for outcome in (r0, r1):
+        assert outcome.startswith("raised: all_gather_matmul: OVERLAPKERNELS_AUTO=measure: every candidate failed (")
+    assert "baseline failed here" in r0 and "decomposed failed on another rank" in r0
+
+
 def _bad_auto_mode_on_rank():
     import os
     import re
@@ -154,3 +201,28 @@ def _measured_backward_on_rank():
 def test_measured_auto_covers_backward_dual_ops(rank_pool):
     chosen = rank_pool(2).run(_measured_backward_on_rank)
     assert chosen[0] == chosen[1]
+
+
+def _measured_backward_with_frozen_input_on_rank():
+    """matmul_reduce_scatter's backward with `a` frozen runs a plain gather of the gradient (no
+    dgrad GEMM): measured on that call, not on a GEMM it never runs."""
+    import os
+
+    from overlapkernels.ops import measure
+
+    w = dist.get_world_size()
+    os.environ["OVERLAPKERNELS_AUTO"] = "measure"
+    try:
+        measure._cache.clear()
+        rows = _make((16 * w, 24), torch.float64, 90, True)  # no grad: frozen
+        b = _make((24, 8), torch.float64, 91, True).requires_grad_()
+        ok.matmul_reduce_scatter(rows, b).sum().backward()
+    finally:
+        del os.environ["OVERLAPKERNELS_AUTO"]
+    _compare("grad b", b.grad, rows.T @ torch.ones(16 * w, 8, dtype=torch.float64), True, torch.float64)
+    return sorted((op, shapes[1]) for op, _, *shapes in measure._cache)
+
+
+def test_measured_backward_of_a_frozen_input_times_the_plain_gather(rank_pool):
+    for keys in rank_pool(2).run(_measured_backward_with_frozen_input_on_rank):
+        assert keys == [("all_gather_matmul", ()), ("matmul_reduce_scatter", (24, 8))], keys

@@ -82,8 +82,9 @@ class MatmulReduceScatter(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         with strict_in_backward(ctx.strict):
             # recorded too; measured (OVERLAPKERNELS_AUTO=measure) like a forward call
-            method = ag_resolve(ctx.method_requested, group, grad_out, b.shape[0], group_size(group), bs=[b.T])
-        weights = [b.T] if ctx.needs_input_grad[0] else []
+            # measured on the call that runs: with `a` frozen, a plain gather (no GEMM to overlap)
+            weights = [b.T] if ctx.needs_input_grad[0] else []
+            method = ag_resolve(ctx.method_requested, group, grad_out, b.shape[0], group_size(group), bs=weights)
         grad_full, outs = _methods.ag_matmul(grad_out, weights, group, method)
         grad_a = outs[0] if weights else None
 

@@ -10,7 +10,12 @@ method), and the fastest is cached for the life of the process. Candidates: ``ba
 choice and its timings are the reason ``overlap_stats()`` shows. Backward's dual ops are measured
 the same way, under their own shapes: every rank runs backward in the same order, so the timed
 collectives pair up as the dual op's own would (not inside CUDA-graph capture: that mode is for
-eager training). Groups of one rank and the thread world keep the rules.
+eager training). Groups of one rank and the thread world keep the rules. A candidate that fails
+on any rank (its warm-up raised: peer memory that would not set up, an out-of-memory) is dropped
+on every rank and named in the reason; if all fail, every rank raises.
+
+Costs to know: each new shape is measured (with variable sequence lengths, pad to a few), and the
+peer methods measured keep their symmetric workspaces for the process, even when they lose.
 """
 from __future__ import annotations
 
@@ -70,22 +75,42 @@ def measured(op: str, key: tuple, group, device: torch.device, run, fused_fits: 
     key = (op, group_key(group), *key)
     if key in _cache:
         return _cache[key]
-    methods = candidates(group, device, fused_fits)
-    seconds = []
+    methods, seconds, failed, first_error = [], [], [], None
+    on = device if uses_nccl(group) else "cpu"
     with torch.no_grad():
-        for method in methods:
-            run(method)  # warm-up: compiles, workspaces, first-call barriers
-            _sync(device)
-            dist.barrier(group=group)
+        for method in candidates(group, device, fused_fits):
+            # warm-up (compiles, workspaces, first-call barriers), then the ranks agree whether it ran
+            # everywhere: a candidate that failed on any rank (peer memory that would not set up, an
+            # out-of-memory) is dropped by all, where one rank raising would leave the others waiting
+            # in the next collective. (A failure inside a collective cannot be recovered this way.)
+            error = None
+            try:
+                run(method)
+                _sync(device)
+            except Exception as exc:  # noqa: BLE001 - reported below, on every rank alike
+                error = exc
+            flag = torch.tensor([error is not None], dtype=torch.int32, device=on)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)  # (also lines the ranks up, as a barrier)
+            if flag.item():
+                failed.append(f"{method} failed" + (f" here ({type(error).__name__}: {error})"[:200] if error else
+                                                    " on another rank"))
+                first_error = first_error or error
+                continue
             start = time.perf_counter()
             for _ in range(REPEATS):
                 run(method)
             _sync(device)
+            methods.append(method)
             seconds.append((time.perf_counter() - start) / REPEATS)
-    times = torch.tensor(seconds, dtype=torch.float64, device=device if uses_nccl(group) else "cpu")
+    if not methods:
+        message = f"{op}: OVERLAPKERNELS_AUTO=measure: every candidate failed ({'; '.join(failed)})"
+        if first_error is not None:
+            raise RuntimeError(message) from first_error
+        raise RuntimeError(message)
+    times = torch.tensor(seconds, dtype=torch.float64, device=on)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     times = times.tolist()
     best = min(range(len(methods)), key=times.__getitem__)
-    report = ", ".join(f"{m} {t * 1e3:.3g} ms" for m, t in zip(methods, times))
+    report = ", ".join([f"{m} {t * 1e3:.3g} ms" for m, t in zip(methods, times)] + failed)
     _cache[key] = Choice(methods[best], f"measured on the first call of this shape (slowest rank): {report}")
     return _cache[key]
