@@ -60,7 +60,8 @@ def _measured_choice_on_fake_clock(costs_by_rank):
 
     def run(method):
         calls.append(method)
-        clock[0] += costs_by_rank[dist.get_rank()][method]
+        cost = costs_by_rank[dist.get_rank()][method]  # seconds per call, or one per call in turn
+        clock[0] += cost if isinstance(cost, float) else cost[calls.count(method) - 1]
 
     real_time = measure.time
     measure.time = SimpleNamespace(perf_counter=lambda: clock[0])
@@ -82,6 +83,8 @@ def _measured_choice_on_fake_clock(costs_by_rank):
     # decomposed slower on every rank: never chosen over baseline
     ([{"baseline": 0.010, "decomposed": 0.011}, {"baseline": 0.010, "decomposed": 0.012}], "baseline"),
     ([{"baseline": 0.010, "decomposed": 0.004}, {"baseline": 0.012, "decomposed": 0.006}], "decomposed"),
+    # faster by less than the margin (2% < 3%): a tie, and baseline is the safe side
+    ([{"baseline": 0.010, "decomposed": 0.0098}, {"baseline": 0.010, "decomposed": 0.0098}], "baseline"),
 ])
 def test_measured_auto_picks_the_fastest_by_the_slowest_rank(rank_pool, costs, expected):
     for method, reason in rank_pool(2).run(_measured_choice_on_fake_clock, costs):
@@ -136,6 +139,15 @@ def test_when_every_candidate_fails_every_rank_raises_naming_them(rank_pool):
     for outcome in (r0, r1):
         assert outcome.startswith("raised: all_gather_matmul: OVERLAPKERNELS_AUTO=measure: every candidate failed (")
     assert "baseline failed here" in r0 and "decomposed failed on another rank" in r0
+
+
+def test_one_slow_timed_call_does_not_decide(rank_pool):
+    """Each candidate's time is the median of its timed calls: one 100 ms hiccup among 4 ms calls
+    (a context switch, a clock ramp) leaves decomposed the winner; a mean would have made it 23 ms."""
+    decomposed = [0.004, 0.004, 0.004, 0.100, 0.004, 0.004]  # warm-up, then the timed calls
+    costs = [{"baseline": 0.010, "decomposed": decomposed}] * 2
+    for method, reason in rank_pool(2).run(_measured_choice_on_fake_clock, costs):
+        assert method == "decomposed" and reason.endswith("baseline 10 ms, decomposed 4 ms"), reason
 
 
 def _bad_auto_mode_on_rank():
