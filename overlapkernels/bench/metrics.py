@@ -48,10 +48,18 @@ def busbw_gbps(op: str, nbytes: int, seconds: float, world_size: int) -> float:
     return algbw_gbps(nbytes, seconds) * BUS_FACTORS[op](world_size)
 
 
+# E is undefined (NaN) when the baseline exposes less communication than this fraction of the GEMM
+# time: below it the denominator is timing noise (E(1.020, 1.001, 1.0) would read -19)
+E_MIN_EXPOSED = 0.02
+
+
 def overlap_efficiency(t_method: float, t_baseline: float, t_gemm: float) -> float:
-    """Flux's E = 1 - (T_method - T_gemm) / (T_baseline - T_gemm): 1 = comm hidden, < 0 = slower."""
+    """Flux's E = 1 - (T_method - T_gemm) / (T_baseline - T_gemm): 1 = comm hidden, < 0 = slower.
+    NaN where the baseline's exposed communication is within noise (E_MIN_EXPOSED of T_gemm)."""
     exposed_baseline = t_baseline - t_gemm
-    return 1.0 - (t_method - t_gemm) / exposed_baseline if exposed_baseline > 0 else float("nan")
+    if not exposed_baseline > E_MIN_EXPOSED * max(t_gemm, 0.0):  # (also: no exposed time at all, or NaN)
+        return float("nan")
+    return 1.0 - (t_method - t_gemm) / exposed_baseline
 
 
 def summarize(times_s: list[float]) -> dict[str, float]:

@@ -85,13 +85,13 @@ def append_csv(path: str | os.PathLike, rows: list[dict]) -> None:
     temporary file and an atomic rename, so an interrupted run never loses earlier rows."""
     if not rows:
         return
-    path = Path(path)
+    path = Path(os.path.realpath(path))  # a symlinked --csv: the rename below must replace its target
     path.parent.mkdir(parents=True, exist_ok=True)
     columns = list(dict.fromkeys(key for row in rows for key in row))
     old_rows: list[dict] = []
     rewrite = True
     if path.exists() and path.stat().st_size > 0:
-        with path.open(newline="") as f:
+        with path.open(newline="", encoding="utf-8-sig") as f:  # (-sig: a header saved with a BOM, as Excel does)
             reader = csv.DictReader(f, restkey="_extra")  # cells past the header (a malformed file)
             old_columns = list(reader.fieldnames or [])
             if set(columns) <= set(old_columns):
@@ -100,7 +100,12 @@ def append_csv(path: str | os.PathLike, rows: list[dict]) -> None:
                 old_rows = [{k: v for k, v in row.items() if k != "_extra"} for row in reader]
                 columns = list(dict.fromkeys(old_columns + columns))
     if not rewrite:
+        with path.open("rb") as f:  # a file whose last line has no newline: the first row must not join it
+            f.seek(-1, os.SEEK_END)
+            ends_in_newline = f.read(1) in (b"\n", b"\r")
         with path.open("a", newline="") as f:
+            if not ends_in_newline:
+                f.write("\r\n")  # csv's own line ending
             csv.DictWriter(f, fieldnames=columns, restval="").writerows(rows)
         return
     tmp = path.with_name(path.name + ".tmp")
@@ -187,10 +192,12 @@ def append_json(path: str | os.PathLike, rows: list[dict]) -> None:
     or JSON Lines appended when the name ends in ``.jsonl``. NaN is written as null."""
     import json
 
-    path = Path(path)
+    path = Path(os.path.realpath(path))  # a symlinked --json: the rename below must replace its target
     if path.suffix == ".jsonl":
         return append_jsonl(path, rows)
-    every = existing_json_rows(path) + [_json_safe(row) for row in rows]
+    # earlier rows too: a file that Python's json wrote holds NaN, which json.loads reads back
+    every = [_json_safe(r) if isinstance(r, dict) else r for r in existing_json_rows(path)] + [
+        _json_safe(row) for row in rows]
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     partial.write_text(json.dumps(every, indent=1, allow_nan=False) + "\n")

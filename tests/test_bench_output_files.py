@@ -1,0 +1,70 @@
+"""The harness's output files as real users leave them: symlinked paths, a CSV without its last
+newline or with Excel's byte-order mark, a --json file Python's json wrote with NaN; and E's noise
+floor and the progress bar's stream."""
+import csv
+import json
+import math
+import sys
+
+from overlapkernels.bench import metrics, progress
+from overlapkernels.bench.report import append_csv, append_json
+
+
+def _rows(path):
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        return reader.fieldnames, list(reader)
+
+
+def test_a_symlinked_csv_and_json_keep_feeding_their_target(tmp_path):
+    for name, append in (("rows.csv", append_csv), ("rows.json", append_json)):
+        real, link = tmp_path / name, tmp_path / f"link-{name}"
+        append(real, [{"a": 1}])
+        link.symlink_to(real)
+        append(link, [{"a": 2, "b": 3}])  # a new column: the CSV is rewritten through a temporary file
+        assert link.is_symlink(), name
+    assert _rows(tmp_path / "rows.csv") == (["a", "b"], [{"a": "1", "b": ""}, {"a": "2", "b": "3"}])
+    assert json.loads((tmp_path / "rows.json").read_text()) == [{"a": 1}, {"a": 2, "b": 3}]
+
+
+def test_a_csv_without_its_last_newline_or_with_a_bom_is_extended_row_by_row(tmp_path):
+    plain, bom = tmp_path / "plain.csv", tmp_path / "bom.csv"
+    plain.write_text("a,b\n1,2")  # saved by an editor that drops the final newline
+    bom.write_text("\ufeffa,b\r\n1,2\r\n", encoding="utf-8")  # Excel's UTF-8 CSV
+    for path in (plain, bom):
+        append_csv(path, [{"a": 3, "b": 4}])
+        fields, rows = _rows(path)
+        assert [name.lstrip("\ufeff") for name in fields] == ["a", "b"], path.name
+        assert rows == [{fields[0]: "1", "b": "2"}, {fields[0]: "3", "b": "4"}], path.name
+
+
+def test_a_json_file_holding_nan_is_extended_with_nulls(tmp_path):
+    """Python's json writes NaN (and reads it back): the earlier rows are made valid JSON too, where
+    the append failed after the whole run and lost every row."""
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{"e": float("nan"), "t": 1.0}]))
+    append_json(path, [{"e": float("inf"), "t": 2.0}])
+    assert json.loads(path.read_text(), parse_constant=lambda c: 1 / 0) == [{"e": None, "t": 1.0},
+                                                                          {"e": None, "t": 2.0}]
+
+
+def test_overlap_efficiency_is_undefined_within_the_noise_floor():
+    assert math.isnan(metrics.overlap_efficiency(t_method=1.020, t_baseline=1.001, t_gemm=1.0))  # was -19
+    assert math.isnan(metrics.overlap_efficiency(t_method=1.0, t_baseline=1.015, t_gemm=1.0))  # 1.5% < 2%
+    assert metrics.overlap_efficiency(t_method=1.0625, t_baseline=1.125, t_gemm=1.0) == 0.5  # 12.5% exposed
+
+
+def test_the_progress_bar_draws_on_stderr_the_terminal_it_checked(monkeypatch):
+    import pytest
+
+    rich_progress = pytest.importorskip("rich.progress")
+    seen = {}
+
+    def fake_track(items, **kwargs):
+        seen.update(kwargs)
+        return items
+
+    monkeypatch.setattr(rich_progress, "track", fake_track)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert list(progress.track([1, 2, 3], "sweep")) == [1, 2, 3]
+    assert seen["console"].stderr is True
