@@ -41,6 +41,19 @@ def test_bench_all_runs_the_rest_after_a_failing_kind(monkeypatch, capsys):
     assert "RuntimeError: rank 1 crashed" in err and "2 of 7 kinds failed: layers (exit 1), fsdp (exit 2)" in err
 
 
+@pytest.mark.parametrize("nproc", [3, 5, 6, 8])
+def test_bench_all_sizes_fit_any_number_of_cpu_ranks(monkeypatch, capsys, nproc):
+    """Every kind's small sizes divide the ranks (ring's zigzag: 2 chunks a rank), so each kind gets
+    past its validation with 3, 5 or 6 ranks too, where 4 of the 7 failed (validation only: no rank
+    is started)."""
+    from overlapkernels import cli
+
+    started = []
+    monkeypatch.setattr(cli, "_run_ranks", lambda fn, cfg, args: started.append(args.kind) or (None, "cpu"))
+    assert cli.main(["bench", "all", "--nproc", str(nproc)]) == 0, capsys.readouterr().err
+    assert started == list(cli.ALL_KINDS)
+
+
 @pytest.mark.parametrize("stage, stop", [(None, False), ("before", False), ("skipped", False), ("done", False),
                                          ("voting", True), ("running", True)])
 def test_bench_all_stops_only_where_ranks_may_wait_in_collectives(stage, stop):

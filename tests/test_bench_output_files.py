@@ -68,3 +68,43 @@ def test_the_progress_bar_draws_on_stderr_the_terminal_it_checked(monkeypatch):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     assert list(progress.track([1, 2, 3], "sweep")) == [1, 2, 3]
     assert seen["console"].stderr is True
+
+
+def test_rows_describe_the_gpu_this_process_runs_on_not_nvml_gpu_0(monkeypatch):
+    """NVML numbers GPUs its own way (CUDA_VISIBLE_DEVICES=4,5,6,7: cuda:0 is NVML's GPU 4): the
+    row's GPU is found by PCI address; no match gives empty fields, not another GPU's."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from overlapkernels.bench import report
+    from overlapkernels.profiling import inventory
+
+    gpus = [{"name": "NVIDIA H200", "pci_bus_id": "00000000:18:00.0", "nvlink": {"active_links": 18, "versions": [4]}},
+            {"name": "NVIDIA H100 80GB HBM3", "pci_bus_id": "00000000:2a:00.0", "nvlink": {"active_links": 0}}]
+    monkeypatch.setattr(inventory, "gpu_inventory", lambda: {"driver": "580.65", "gpus": gpus})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for bus, want in ((0x2A, ("NVIDIA H100 80GB HBM3", "none")), (0x18, ("NVIDIA H200", "18 links v4")),
+                      (0x3B, ("", ""))):
+        props = SimpleNamespace(pci_domain_id=0, pci_bus_id=bus, pci_device_id=0)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i, p=props: p)
+        env = report.environment("cuda")
+        assert (env["gpu_name"], env["nvlink"]) == want and env["driver"] == "580.65"
+
+
+def test_rows_measured_under_the_profiler_say_so_in_their_settings(tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from overlapkernels import cli
+    from overlapkernels.bench import report
+
+    monkeypatch.setattr(report, "environment", lambda device: {"device": "cpu (x86_64)", "gpu_name": "", "torch": "t",
+                                                               "settings": "OVERLAPKERNELS_AUTO=measure"})
+    for profile, want in ((None, "OVERLAPKERNELS_AUTO=measure"), (str(tmp_path / "traces"),
+                                                                   "OVERLAPKERNELS_AUTO=measure profiled")):
+        path = tmp_path / f"{bool(profile)}.csv"
+        args = SimpleNamespace(kind="collectives", iters=1, warmup=0, csv=str(path), json_out=None, plot=None,
+                               profile=profile)
+        assert cli._report([{"world_size": 2, "backend": "gloo", "time_us": 1.0}], "cpu", [("time_us", "t", ".1f")],
+                           "collectives", args) == 0
+        assert [row["settings"] for row in _rows(path)[1]] == [want]

@@ -53,12 +53,12 @@ def environment(device: str) -> dict[str, str]:
         from ..profiling.inventory import gpu_inventory
 
         inv = gpu_inventory()
-        gpus = inv.get("gpus") or [{}]
-        gpu_name, driver = gpus[0].get("name", ""), inv.get("driver", "")
-        links = gpus[0].get("nvlink") or {}
+        gpu = _this_gpu(inv.get("gpus") or [])
+        gpu_name, driver = gpu.get("name", ""), inv.get("driver", "")
+        links = gpu.get("nvlink") or {}
         if links.get("active_links"):
             nvlink = f"{links['active_links']} links v{'/'.join(map(str, links.get('versions') or [])) or '?'}"
-        elif gpus[0]:
+        elif gpu:
             nvlink = "none"
     return {
         "device": device if device == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
@@ -66,6 +66,27 @@ def environment(device: str) -> dict[str, str]:
         "version": __version__, "commit": git_commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "settings": " ".join(f"{k}={v}" for k, v in settings().items()),  # OVERLAPKERNELS_* etc. in effect
     }
+
+
+def _this_gpu(gpus: list[dict]) -> dict:
+    """The inventory entry of the GPU this process runs on, by PCI address: NVML numbers GPUs its own
+    way, whatever CUDA_VISIBLE_DEVICES says (with CUDA_VISIBLE_DEVICES=4,5,6,7, NVML's GPU 0 is not
+    ours). NVML's first GPU where torch gives no PCI address; {} where none matches."""
+    import torch
+
+    def address(bus_id: str):  # "00000000:18:00.0" or "0000:18:00.0" -> (domain, bus, device)
+        try:
+            domain, bus, rest = bus_id.split(":")
+            return int(domain, 16), int(bus, 16), int(rest.split(".")[0], 16)
+        except (AttributeError, ValueError):
+            return None
+
+    try:
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        ours = (props.pci_domain_id, props.pci_bus_id, props.pci_device_id)
+    except (AttributeError, RuntimeError, AssertionError):
+        return gpus[0] if gpus else {}
+    return next((g for g in gpus if address(g.get("pci_bus_id")) == ours), {})
 
 
 def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
