@@ -53,6 +53,9 @@ class VocabParallelEmbedding(nn.Module):
         local_ids = (tokens - self.vocab_start_index).masked_fill(outside, 0)
         out = self.weight[local_ids].masked_fill(outside.unsqueeze(-1), 0.0)  # other ranks own these rows
         if self.sequence_parallel:
+            if tokens.dim() != 2:  # (alike on every rank: the ranks take the same tokens)
+                raise ValueError(f"tokens of shape {tuple(tokens.shape)}: expected [batch, sequence] with "
+                                 "sequence_parallel=True (the output is scattered along the sequence)")
             seq_first = out.transpose(0, 1).contiguous()
             if seq_first.shape[0] % dist.get_world_size(self.group):
                 raise ValueError(f"sequence length {seq_first.shape[0]} is not divisible by the tensor-parallel size "

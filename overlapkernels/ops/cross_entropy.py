@@ -65,7 +65,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         onehot = torch.zeros_like(grad).scatter_(-1, local_t.clamp(0, grad.shape[-1] - 1).unsqueeze(-1),
                                                  mine.unsqueeze(-1).to(grad.dtype))
         grad = grad - (1 - ctx.label_smoothing) * onehot
-        grad = grad * (grad_loss * ~ignored).unsqueeze(-1)
+        # where, not a product: an ignored row's incoming gradient may be inf or NaN (torch gives 0 there)
+        grad = grad * torch.where(ignored, 0, grad_loss).unsqueeze(-1)
         return grad.to(ctx.dtype), None, None, None, None
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from .._compat import eager_under_compile
 from ..comm.collectives import all_gather, reduce_scatter
 from ..parallel import resolve_group
-from ._autograd import first_order_only
+from ._autograd import first_order_only, not_a_view
 from ._validate import check_tensor
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -108,7 +108,9 @@ class _Unshard(torch.autograd.Function):
         for pos, c in enumerate(_chunk_order(layout, world)):
             full[c] = chunks[pos]
         # contiguous, as a tensor built whole would be: callers .view() the full sequence
-        return torch.cat(full, dim=0).movedim(0, dim).contiguous()
+        # and not marked a view (when it already is contiguous, e.g. batch 1 or dim 0): an in-place op
+        # on a Function's view output raises (see ops/_autograd.not_a_view)
+        return not_a_view(torch.cat(full, dim=0).movedim(0, dim).contiguous())
 
     @staticmethod
     @first_order_only("unshard_sequence")

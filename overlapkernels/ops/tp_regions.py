@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from .._compat import eager_under_compile
 from ..comm import collectives as C
+from ._autograd import not_a_view
 
 
 def _size(group) -> int:
@@ -58,14 +59,17 @@ def _gather_last(x, group):
 
 
 def _split_last(x, group):
-    return x.chunk(_size(group), dim=-1)[dist.get_rank(group)].contiguous()
+    part = x.chunk(_size(group), dim=-1)[dist.get_rank(group)]
+    # a copy even where the part is contiguous already (leading dims of 1): .contiguous() would hand
+    # back the caller's memory, and an in-place op on the result would change the caller's input
+    return part.clone(memory_format=torch.contiguous_format)
 
 
 class _GatherLastDim(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _gather_last(x, group)
+        return not_a_view(_gather_last(x, group))  # (an in-place op on a Function's view output raises)
 
     @staticmethod
     def backward(ctx, grad):
@@ -76,7 +80,7 @@ class _SplitLastDim(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _split_last(x, group)
+        return not_a_view(_split_last(x, group))
 
     @staticmethod
     def backward(ctx, grad):
@@ -98,7 +102,7 @@ class _GatherFirstDim(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return C.all_gather(x.contiguous(), group)[0]
+        return not_a_view(C.all_gather(x.contiguous(), group)[0])
 
     @staticmethod
     def backward(ctx, grad):

@@ -35,9 +35,8 @@ class WeightGradStore:
         self.closures: list = []
 
     def run(self) -> None:
-        for fn in self.closures:
-            fn()
-        self.closures = []
+        while self.closures:  # each taken off before it runs: after one raises, a second run() applies
+            self.closures.pop(0)()  # only those left, never one twice
 
 
 @contextlib.contextmanager
@@ -63,6 +62,17 @@ def accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad += grad
 
 
+def _accumulated_by_this_backward(param: torch.Tensor) -> bool:
+    """Will the running backward add into ``param.grad``? Not when its caller asked for other
+    tensors only (``autograd.grad(loss, x)``, ``backward(inputs=[x])``): a deferred closure would
+    then set a gradient the caller excluded. torch's private check, as torch.utils.checkpoint uses
+    it; where a torch lacks it, True (deferred as before)."""
+    try:
+        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(param).node)
+    except (AttributeError, RuntimeError):
+        return True
+
+
 def defer(params: list, compute) -> bool:
     """Inside ``deferring``, push a closure adding ``compute()`` (one gradient per tensor of
     ``params``, in order) to their ``.grad`` and return True; the caller's backward then returns
@@ -76,7 +86,7 @@ def defer(params: list, compute) -> bool:
     ``saved_tensors``: under activation checkpointing those unpack as recomputed, detached aliases
     of the parameters, and a gradient accumulated into an alias is lost."""
     store = _store.get()
-    if store is None or not params or not all(p.is_leaf for p in params):
+    if store is None or not params or not all(p.is_leaf and _accumulated_by_this_backward(p) for p in params):
         return False
 
     def closure():
