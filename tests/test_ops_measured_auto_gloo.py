@@ -238,3 +238,34 @@ def _measured_backward_with_frozen_input_on_rank():
 def test_measured_backward_of_a_frozen_input_times_the_plain_gather(rank_pool):
     for keys in rank_pool(2).run(_measured_backward_with_frozen_input_on_rank):
         assert keys == [("all_gather_matmul", ()), ("matmul_reduce_scatter", (24, 8))], keys
+
+
+def _measured_shapes_capped_on_rank():
+    """Past MAX_SHAPES measured shapes of an op, new shapes take the rules; measured ones keep their
+    choice. (Variable sequence lengths would otherwise measure call after call.)"""
+    import os
+
+    from overlapkernels.ops import measure
+
+    os.environ["OVERLAPKERNELS_AUTO"] = "measure"
+    saved = measure.MAX_SHAPES
+    measure.MAX_SHAPES = 2
+    try:
+        measure._cache.clear()
+        reasons = []
+        for rows in (4, 6, 8, 4):  # two measured, a third shape past the cap, the first again
+            ok.reset_overlap_stats()
+            ok.all_gather_matmul(torch.ones(rows, 8, dtype=torch.float64), torch.ones(8, 3, dtype=torch.float64))
+            (by_reason,) = ok.overlap_stats().reasons.values()
+            reasons.append(next(iter(by_reason)))
+        measured_keys = len(measure._cache)
+    finally:
+        measure.MAX_SHAPES = saved
+        measure._cache.clear()
+        del os.environ["OVERLAPKERNELS_AUTO"]
+    return [r.startswith("measured on the first call") for r in reasons], measured_keys
+
+
+def test_measured_auto_stops_measuring_new_shapes_past_its_cap(rank_pool):
+    for measured_flags, keys in rank_pool(2).run(_measured_shapes_capped_on_rank):
+        assert measured_flags == [True, True, False, True] and keys == 2

@@ -15,7 +15,7 @@ from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, 
 from ._autograd import first_order_only, not_a_view
 from ._validate import check_dim, check_float_dtype, check_tensor, check_weights, group_size, is_peer_world, same_call_on_every_rank
 from .dispatch import check_method, choose, strict_active, strict_in_backward
-from .measure import auto_mode, auto_setting, measured
+from .measure import auto_mode, auto_setting, measured, wanted
 from .weight_grad_store import defer
 
 OP = "all_gather_matmul"
@@ -28,8 +28,9 @@ def resolve(method: str, group, x2d: torch.Tensor, n_total: int, world: int, bs=
     m, k = x2d.shape
     fused_fits = method != "auto" or fused_sizes_error(m, k, n_total) is None
     measure = None
-    if bs is not None and method == "auto" and auto_mode() == "measure" and not is_peer_world(group):
-        key = (tuple(x2d.shape), tuple(tuple(b.shape) for b in bs), x2d.dtype, x2d.device)
+    key = (tuple(x2d.shape), tuple(tuple(b.shape) for b in bs or ()), x2d.dtype, x2d.device)
+    if (bs is not None and method == "auto" and auto_mode() == "measure" and not is_peer_world(group)
+            and wanted(OP, key, group)):
         measure = partial(measured, OP, key, group, x2d.device,
                           lambda m_: _methods.ag_matmul(x2d.detach(), [b.detach() for b in bs], group, m_),
                           fused_fits=fused_fits)

@@ -16,7 +16,7 @@ from ._autograd import first_order_only, not_a_view
 from ._collective_methods import accumulation_dtype
 from ._validate import check_dim, check_float_dtype, check_tensor, check_weights, group_size, is_peer_world, same_call_on_every_rank
 from .dispatch import check_method, choose, strict_active, strict_in_backward
-from .measure import auto_mode, auto_setting, measured
+from .measure import auto_mode, auto_setting, measured, wanted
 from .weight_grad_store import defer
 
 OP = "matmul_reduce_scatter"
@@ -30,8 +30,9 @@ def resolve(method: str, group, a2d: torch.Tensor, b: torch.Tensor, world: int, 
     elem = torch.empty((), dtype=accumulation_dtype(a2d.dtype)).element_size()
     fused_fits = method != "auto" or fused_sizes_error(m, k, n) is None
     measure = None
-    if measurable and method == "auto" and auto_mode() == "measure" and not is_peer_world(group):
-        key = (tuple(a2d.shape), tuple(b.shape), a2d.dtype, a2d.device)
+    key = (tuple(a2d.shape), tuple(b.shape), a2d.dtype, a2d.device)
+    if (measurable and method == "auto" and auto_mode() == "measure" and not is_peer_world(group)
+            and wanted(OP, key, group)):
         measure = partial(measured, OP, key, group, a2d.device,
                           lambda m_: _methods.matmul_rs(a2d.detach(), b.detach(), group, m_), fused_fits=fused_fits)
     return choose(OP, method, world_size=world, rows_per_rank=m, step_bytes=m * n * elem, step_flops=2 * m * k * n,

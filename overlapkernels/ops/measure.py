@@ -15,8 +15,9 @@ eager training). Groups of one rank and the thread world keep the rules. A candi
 on any rank (its warm-up raised: peer memory that would not set up, an out-of-memory) is dropped
 on every rank and named in the reason; if all fail, every rank raises.
 
-Costs to know: each new shape is measured (with variable sequence lengths, pad to a few), and the
-peer methods measured keep their symmetric workspaces for the process, even when they lose.
+Costs to know: each new shape is measured, up to MAX_SHAPES per op and group, then new shapes take
+the rules (with variable sequence lengths, pad to a few); and the peer methods measured keep their
+symmetric workspaces for the process, even when they lose.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ REPEATS = 5  # timed calls per candidate; their median is its time (one slow cal
 # another method replaces baseline only when faster by this fraction: near a tie timing noise would
 # otherwise pick at random from one process start to the next (and strict_overlap() with it)
 MARGIN = 0.03
+MAX_SHAPES = 64  # shapes measured per (op, group); later new ones take the rules (see wanted)
 
 _cache: dict = per_group_cache()
 
@@ -73,6 +75,16 @@ def candidates(group, device: torch.device, fused_fits: bool = True) -> list:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def wanted(op: str, key: tuple, group) -> bool:
+    """Measure (or reuse the measurement of) this call? While the op has measured fewer than
+    MAX_SHAPES shapes on this group, or this shape is one of them: past that (variable sequence
+    lengths would measure call after call) new shapes take the rules. Alike on every rank, which
+    make the same calls."""
+    gk = group_key(group)
+    return ((op, gk, *key) in _cache
+            or sum(1 for cached in _cache if cached[0] == op and cached[1] == gk) < MAX_SHAPES)
 
 
 def measured(op: str, key: tuple, group, device: torch.device, run, fused_fits: bool = True) -> Choice:
