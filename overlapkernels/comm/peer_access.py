@@ -16,7 +16,7 @@ import contextlib
 _CAPABILITIES = (("READ", "read"), ("WRITE", "write"), ("ATOMICS", "atomics"))
 
 
-def _uuid_key(uuid) -> str:
+def uuid_key(uuid) -> str:
     """torch prints 'xxxxxxxx-...', NVML 'GPU-xxxxxxxx-...'."""
     text = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
     return text.lower().removeprefix("gpu-")
@@ -29,7 +29,7 @@ def _status_name(nvml, status: int) -> str:
 
 def failing_pairs(nvml=None) -> dict:
     """``{(uuid_a, uuid_b): what is missing}`` over every pair of GPUs NVML lists on this host
-    (UUIDs as ``_uuid_key`` writes them, a < b), empty when every pair has peer read, write and
+    (UUIDs as ``uuid_key`` writes them, a < b), empty when every pair has peer read, write and
     native atomics, or when NVML cannot tell. Local: ranks exchange it, so that every rank decides
     from the same answers (NVML may answer on one rank and not on another)."""
     if nvml is None:
@@ -45,7 +45,7 @@ def failing_pairs(nvml=None) -> dict:
         handles = {}
         for index in range(nvml.nvmlDeviceGetCount()):
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            handles[_uuid_key(nvml.nvmlDeviceGetUUID(handle))] = handle
+            handles[uuid_key(nvml.nvmlDeviceGetUUID(handle))] = handle
         ok, failing = nvml.NVML_P2P_STATUS_OK, {}
         uuids = sorted(handles)
         for i, a in enumerate(uuids):
@@ -68,7 +68,7 @@ def peer_access_problem(uuids, failing_by_rank) -> str | None:
     """Why the GPUs ``uuids`` (one per rank, repeats allowed: ranks sharing a GPU) cannot serve
     peer memory, from every rank's ``failing_pairs()``; None when no rank knows of a failing pair
     among them. The same inputs on every rank give every rank the same answer."""
-    distinct = sorted({_uuid_key(u) for u in uuids})
+    distinct = sorted({uuid_key(u) for u in uuids})
     failing = {}
     for pairs in failing_by_rank:
         failing.update(pairs)

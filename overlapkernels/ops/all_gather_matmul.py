@@ -28,12 +28,12 @@ def resolve(method: str, group, x2d: torch.Tensor, n_total: int, world: int, bs=
     m, k = x2d.shape
     fused_fits = method != "auto" or fused_sizes_error(m, k, n_total) is None
     measure = None
-    key = (tuple(x2d.shape), tuple(tuple(b.shape) for b in bs or ()), x2d.dtype, x2d.device)
-    if (bs is not None and method == "auto" and auto_mode() == "measure" and not is_peer_world(group)
-            and wanted(OP, key, group)):
-        measure = partial(measured, OP, key, group, x2d.device,
-                          lambda m_: _methods.ag_matmul(x2d.detach(), [b.detach() for b in bs], group, m_),
-                          fused_fits=fused_fits)
+    if bs is not None and method == "auto" and auto_mode() == "measure" and not is_peer_world(group):
+        key = (tuple(x2d.shape), tuple(tuple(b.shape) for b in bs), x2d.dtype, x2d.device)
+        if wanted(OP, key, group):
+            measure = partial(measured, OP, key, group, x2d.device,
+                              lambda m_: _methods.ag_matmul(x2d.detach(), [b.detach() for b in bs], group, m_),
+                              fused_fits=fused_fits)
     return choose(OP, method, world_size=world, rows_per_rank=m, step_bytes=m * k * x2d.element_size(),
                   step_flops=2 * m * k * n_total, device=x2d.device, peer_memory=is_peer_world(group),
                   measure=measure, dtype=x2d.dtype, fused_fits=fused_fits).method

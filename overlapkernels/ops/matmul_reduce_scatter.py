@@ -30,11 +30,12 @@ def resolve(method: str, group, a2d: torch.Tensor, b: torch.Tensor, world: int, 
     elem = torch.empty((), dtype=accumulation_dtype(a2d.dtype)).element_size()
     fused_fits = method != "auto" or fused_sizes_error(m, k, n) is None
     measure = None
-    key = (tuple(a2d.shape), tuple(b.shape), a2d.dtype, a2d.device)
-    if (measurable and method == "auto" and auto_mode() == "measure" and not is_peer_world(group)
-            and wanted(OP, key, group)):
-        measure = partial(measured, OP, key, group, a2d.device,
-                          lambda m_: _methods.matmul_rs(a2d.detach(), b.detach(), group, m_), fused_fits=fused_fits)
+    if measurable and method == "auto" and auto_mode() == "measure" and not is_peer_world(group):
+        key = (tuple(a2d.shape), tuple(b.shape), a2d.dtype, a2d.device)
+        if wanted(OP, key, group):
+            measure = partial(measured, OP, key, group, a2d.device,
+                              lambda m_: _methods.matmul_rs(a2d.detach(), b.detach(), group, m_),
+                              fused_fits=fused_fits)
     return choose(OP, method, world_size=world, rows_per_rank=m, step_bytes=m * n * elem, step_flops=2 * m * k * n,
                   device=a2d.device, peer_memory=is_peer_world(group), measure=measure, dtype=a2d.dtype,
                   fused_fits=fused_fits).method

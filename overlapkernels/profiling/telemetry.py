@@ -36,7 +36,9 @@ class Telemetry:
         except Exception:  # no NVML or driver: empty columns
             return self
         try:
-            self._handle = (nvml.nvmlDeviceGetHandleByUUID(("GPU-" + _uuid_text(self.uuid)).encode())
+            from ..comm.peer_access import uuid_key  # torch's 'xxxxxxxx-...', NVML's 'GPU-xxxxxxxx-...'
+
+            self._handle = (nvml.nvmlDeviceGetHandleByUUID(("GPU-" + uuid_key(self.uuid)).encode())
                             if self.uuid is not None else nvml.nvmlDeviceGetHandleByIndex(self.device_index))
             self._nvml = nvml
         except Exception:  # a GPU NVML does not list (MIG, a stale UUID): empty columns, not another GPU's
@@ -110,8 +112,3 @@ class Telemetry:
                 if all(b >= a for a, b in zip(counts, counts[1:])):  # a counter reset: no rate, not a negative one
                     out[key] = round((counts[-1] - counts[0]) * 1024 / span_s / 1e9, 3)
         return out
-
-
-def _uuid_text(uuid) -> str:
-    """torch gives 'xxxxxxxx-...' (a str or UUID), NVML wants 'GPU-xxxxxxxx-...'."""
-    return str(uuid).lower().removeprefix("gpu-")
