@@ -1,7 +1,7 @@
 """symm/fused workspaces when shapes change from call to call (variable sequence lengths): one
-growing symmetric buffer per (op, method, dtype), not one per shape. Symmetric memory is never
-freed while the process runs (a peer may still map it), so a buffer per shape would grow without
-bound over a training run whose batches differ in length."""
+growing symmetric buffer per (op, dtype), shared by symm and fused, not one per shape. Symmetric
+memory is never freed while the process runs (a peer may still map it), so a buffer per shape
+would grow without bound over a training run whose batches differ in length."""
 import pytest
 import torch
 
@@ -94,3 +94,29 @@ def test_a_prefix_keeps_every_peer_address_and_refuses_more_than_the_buffer():
     assert [p.data_ptr() for p in part.peers] == ptrs.tolist() and part.peer_ptrs is ptrs
     with pytest.raises(ValueError, match="prefix of 13 elements asked of a symmetric buffer of 12"):
         whole.prefix((13,))
+
+
+def _methods_alternating_on_rank(ctx):
+    """symm and fused calls interleaved, as auto=measure times them (and as rules may pick one for
+    one shape, the other for the next): one workspace per op, whose epochs, release flags and
+    partial counts carry from a call of one method to a call of the other."""
+    r, w = ctx.rank, ctx.world_size
+    exact = []
+    for call, method in enumerate(["symm", "fused", "fused", "symm", "fused"]):
+        shards = [_ints((3, 8), 10 * call + q) for q in range(w)]
+        b = _ints((8, 5), 100 + call)
+        exact.append(torch.equal(ok.all_gather_matmul(shards[r], b, ctx, method=method), torch.cat(shards) @ b))
+        a_all = [_ints((w * 3, 8), 200 + 10 * call + q) for q in range(w)]
+        exact.append(torch.equal(ok.matmul_reduce_scatter(a_all[r], b, ctx, method=method),
+                                 sum(a @ b for a in a_all).chunk(w)[r]))
+    kinds = sorted(key[0] for key in ctx._workspaces if key[0] in ("ag", "rs"))
+    return exact, kinds
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_symm_and_fused_calls_share_one_workspace_per_op(world):
+    """Symmetric memory is never freed: a workspace per method kept the losing method's buffers
+    for the life of the process wherever both ran (auto=measure runs both on every new shape)."""
+    for exact, kinds in ThreadWorld(world, timeout=60).run(_methods_alternating_on_rank):
+        assert exact == [True] * 10
+        assert kinds == ["ag", "rs"], kinds

@@ -6,7 +6,7 @@ a ``side_stream`` (the copy engine) and ``check_errors`` (at once in the thread 
 process world). The thread world provides it on CPU, where every kernel runs under the Triton
 interpreter: that is how CI proves these algorithms; with ``device="cuda"`` it runs them
 compiled on one GPU; ``comm.process_world`` serves CUDA process groups on one NVLink node.
-Workspaces persist per (op, method, dtype), their slot buffers grown to the largest call so far;
+Workspaces persist per (op, dtype), shared by both methods, their slot buffers grown to the largest call so far;
 their flags only grow, so nothing is reset between calls. Every wait gives up after the world's
 wait_timeout and the op raises ``SignalTimeoutError`` naming the rank, chunk and peer.
 
@@ -43,7 +43,7 @@ from ._collective_methods import accumulation_dtype
 
 
 class _Workspace:
-    """Symmetric slots and signal pads of one (op, method, dtype), kept across calls.
+    """Symmetric slots and signal pads of one (op, dtype), kept across calls.
 
     Shapes may change from call to call (variable sequence lengths): each call uses a prefix of
     the slot buffer, which grows geometrically when a call needs more, so a run of changing shapes
@@ -85,8 +85,14 @@ class _Workspace:
         return self._buffer.prefix(shape)
 
 
-def _workspace(world, kind: str, method: str, dtype) -> _Workspace:
-    return world.workspace((kind, method, dtype), lambda w: _Workspace(w, dtype))
+def _workspace(world, kind: str, dtype) -> _Workspace:
+    """One per (op kind, dtype), shared by ``symm`` and ``fused`` (and the plain reduce-scatter):
+    their protocols use the slots and pads alike - the same publish/pull and release flags, counts
+    summed per call whatever unit a method counts in - so a call of one may follow a call of the
+    other. Symmetric memory is never freed, so a workspace per method would keep the loser's
+    buffers for the life of the process wherever both run (auto=measure times both; ~256 MiB a
+    rank at TP 8, 1024 rows, N 8192, bf16)."""
+    return world.workspace((kind, dtype), lambda w: _Workspace(w, dtype))
 
 
 def _join_quietly(side) -> None:
@@ -109,7 +115,7 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
                         tuple((b.shape, b.stride(), b.data_ptr() % 16) for b in bs)),
                 lambda: warmup.all_gather_matmul(world, method, shard, bs, budget))
     # one slot per rank: only our shard is published there (peers pull it; nothing is pushed)
-    ws = _workspace(world, "ag", method, a_shard.dtype)
+    ws = _workspace(world, "ag", a_shard.dtype)
     slots = ws.slots((m, k))
     ws.epoch += 1
     epoch, err = ws.epoch, torch.zeros(4, dtype=torch.int32, device=a_shard.device)
@@ -170,7 +176,7 @@ def _reduce_scatter_partials(world, method: str, dtype, m: int, n: int, device, 
     err)`` puts this rank's partials into the owners' slots, counts them in the owners' pads and
     returns how many count units each owner waits for."""
     r, w = world.rank, world.world_size
-    ws = _workspace(world, "rs", method, dtype)
+    ws = _workspace(world, "rs", dtype)
     slots = ws.slots((w, m, n))
     ws.epoch += 1
     epoch, err = ws.epoch, torch.zeros(4, dtype=torch.int32, device=device)

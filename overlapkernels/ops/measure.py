@@ -16,8 +16,9 @@ on any rank (its warm-up raised: peer memory that would not set up, an out-of-me
 on every rank and named in the reason; if all fail, every rank raises.
 
 Costs to know: each new shape is measured, up to MAX_SHAPES per op and group, then new shapes take
-the rules (with variable sequence lengths, pad to a few); and the peer methods measured keep their
-symmetric workspaces for the process, even when they lose.
+the rules (with variable sequence lengths, pad to a few). Measuring costs no memory for good: the
+peer methods share one symmetric workspace per op and dtype (_peer_methods._workspace), so the
+loser's buffers are the winner's.
 """
 from __future__ import annotations
 
