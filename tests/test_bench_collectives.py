@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlapkernels.bench import metrics
+from overlapkernels.bench import metrics, timing
 from overlapkernels.bench.collectives import CollectivesConfig, config_dict, rank_main
 from overlapkernels.bench.report import append_csv, format_table
 
@@ -148,19 +148,7 @@ def test_commit_only_from_a_repository_that_tracks_the_package(tmp_path, monkeyp
     assert git_commit(pkg) == head.stdout.strip() + "-dirty"
 
 
-def test_local_work_is_timed_by_do_bench_on_gpu(monkeypatch):
-    """Work that involves no other rank is timed by triton.testing.do_bench on GPU, every sample
-    kept (min/median/max); collectives never are (see time_calls)."""
-    import torch
-    import triton.testing
-
-    from overlapkernels.bench import timing
-
-    calls = []
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: calls.append(kw) or [2.0, 1.0, 3.0])
-    monkeypatch.setattr(timing, "time_calls", lambda *a, **k: pytest.fail("time_calls used for local GPU work"))
-    assert timing.time_local(lambda: None, 5, 1, torch.device("cuda", 0)) == [0.002, 0.001, 0.003]
-    assert calls == [{"return_mode": "all"}]
+def test_row_times_are_the_summary_in_microseconds():
     stats = metrics.summarize([0.002, 0.001, 0.003])
     assert timing.row_times(stats) == pytest.approx({"time_us": 2000.0, "min_us": 1000.0, "max_us": 3000.0})
 

@@ -23,5 +23,22 @@ def test_time_calls_times_only_the_calls_after_the_warmup(monkeypatch):
     samples = timing.time_calls(fn, iters=3, warmup=2, device=torch.device("cpu"))
     assert calls == [0, 1, 2, 3, 4]
     assert samples == [4.0, 8.0, 16.0]
-    assert timing.time_local(fn, iters=1, warmup=0, device=torch.device("cpu")) == [32.0]  # the CPU path too
-    assert calls == [0, 1, 2, 3, 4, 5]
+
+
+def test_overlap_efficiency_takes_every_time_from_one_timer(monkeypatch):
+    """E = 1 - (T - T_gemm) / (T_baseline - T_gemm) subtracts times: the GEMM alone is timed as the
+    methods are (barrier-started calls), not by do_bench, whose cache flush between calls and
+    back-to-back launches measured another thing. A fake timer: GEMM 1 s, baseline 3 s,
+    decomposed 2 s -> E 0.5."""
+    import triton.testing
+
+    from overlapkernels.bench import tp_ops
+
+    fake = iter([1.0, 3.0, 2.0])
+    monkeypatch.setattr(tp_ops, "time_calls", lambda fn, iters, *a, **k: [next(fake)] * iters)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda *a, **k: pytest.fail("do_bench times a row's reference"))
+    config = tp_ops.TpOpsConfig(op="ag-matmul", shapes=(("tiny", (4, 4, 4)),), methods=("baseline", "decomposed"),
+                                iters=2, warmup=0)
+    rows = tp_ops.run_tp_ops(config)
+    assert [(r["method"], r["gemm_us"], r["time_us"], r["efficiency"]) for r in rows] == [
+        ("baseline", 1e6, 3e6, 0.0), ("decomposed", 1e6, 2e6, 0.5)]

@@ -3,8 +3,8 @@
 Per (layout, causal): forward time of the all-gather baseline and of the ring, forward+backward of
 the ring, the compute alone (every block attended without traffic) and the overlap efficiency
 E = 1 - (T_ring - T_compute) / (T_allgather - T_compute). Times are the slowest rank's median;
-min_us / max_us are the ring forward's (the time E and TFLOP/s come from). T_compute involves no
-other rank, so on GPU ``triton.testing.do_bench`` times it.
+min_us / max_us are the ring forward's (the time E and TFLOP/s come from). T_compute is timed as
+the others are (``time_calls``), though it involves no other rank: E subtracts one from another.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ..ops.sequence_shard import LAYOUTS
 from ..parallel import comm_device
 from .metrics import overlap_efficiency, summarize
 from .progress import track
-from .timing import DTYPES, check_counts, check_dtype, check_sizes, slowest_rank, telemetry, time_calls, time_local
+from .timing import DTYPES, check_counts, check_dtype, check_sizes, slowest_rank, telemetry, time_calls
 
 COLUMNS = [("layout", "layout", ""), ("causal", "causal", ""), ("seq", "S", "d"), ("fwd_allgather_us", "AG fwd(us)", ".0f"),
            ("fwd_ring_us", "ring fwd(us)", ".0f"), ("compute_us", "compute(us)", ".0f"),
@@ -76,8 +76,8 @@ def run_ring(cfg: RingConfig, group=None) -> list[dict]:
     rows = []
     sweep = [(layout, causal) for layout in cfg.layouts for causal in cfg.causal]
     for layout, causal in track(sweep, "ring-attention", enabled=dist.get_rank(group) == 0):
-        def timed(fn, timer=time_calls):  # -> the slowest rank's {median_s, min_s, max_s}
-            return slowest_rank(summarize(timer(fn, cfg.iters, cfg.warmup, device, group)), device, group)
+        def timed(fn):  # -> the slowest rank's {median_s, min_s, max_s}
+            return slowest_rank(summarize(time_calls(fn, cfg.iters, cfg.warmup, device, group)), device, group)
 
         qg, kg, vg = (t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v))
 
@@ -91,7 +91,7 @@ def run_ring(cfg: RingConfig, group=None) -> list[dict]:
                                                              backend))["median_s"]
                 ring = timed(lambda: ra.ring_forward(q, k, v, group, causal, scale, layout, backend))
                 t_comp = timed(lambda: ra.allgather_kv_forward(q, k, v, group, causal, scale, layout, backend,
-                                                               communicate=False), timer=time_local)["median_s"]
+                                                               communicate=False))["median_s"]
             t_fb = timed(fwd_bwd)["median_s"]
         t_ring = ring["median_s"]
         rows.append({"layout": layout, "causal": causal, "seq": cfg.seq, "batch": cfg.batch, "heads": cfg.heads,

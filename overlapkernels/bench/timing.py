@@ -1,5 +1,8 @@
-"""Timing across ranks: a barrier, then CUDA events (GPU) or perf_counter (CPU) per call; for work
-that involves no other rank, ``triton.testing.do_bench`` on GPU."""
+"""Timing across ranks: a barrier, then CUDA events (GPU) or perf_counter (CPU) per call. Work that
+involves no other rank (a GEMM alone, attention without traffic) is timed the same way where a row
+compares it with collective calls (overlap efficiency subtracts one from the other: do_bench's
+cache flush between calls and back-to-back launches would bias the difference);
+``gpu_median_s`` (``triton.testing.do_bench``) times the one-GPU benchmarks' kernels alone."""
 from __future__ import annotations
 
 import sys
@@ -67,17 +70,6 @@ def gpu_median_s(fn, **do_bench_kwargs) -> float:
 
     return do_bench(fn, return_mode="median", **do_bench_kwargs) / 1e3
 
-
-def time_local(fn, iters: int, warmup: int, device: torch.device, group=None) -> list[float]:
-    """Seconds per call of ``fn`` that talks to no other rank (this rank's GEMM alone, attention
-    without traffic). On GPU ``triton.testing.do_bench`` times it (its own call count is safe here:
-    nothing waits for the other ranks), every call of its sample returned (min/median/max); on CPU,
-    as ``time_calls``."""
-    if device.type != "cuda":
-        return time_calls(fn, iters, warmup, device, group)
-    from triton.testing import do_bench
-
-    return [ms / 1e3 for ms in do_bench(fn, return_mode="all")]
 
 
 def row_times(stats: dict) -> dict:

@@ -7,8 +7,9 @@ presets are scaled down 8x in every dim (gloo would take minutes at full size).
 
 Per row: median, min and max time (slowest rank), TFLOP/s of this rank's GEMM, speedup vs baseline,
 and Flux's overlap efficiency E = 1 - (T - T_gemm) / (T_baseline - T_gemm), with T_gemm this rank's
-GEMM alone (``triton.testing.do_bench`` on GPU: no other rank is involved). Methods this group
-cannot run (symm/fused without peer memory) are skipped with the reason.
+GEMM alone, timed as every method is (``time_calls``: E subtracts one time from another, so they
+must come from one timer). Methods this group cannot run (symm/fused without peer memory) are
+skipped with the reason.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from ..parallel import comm_device
 from .metrics import overlap_efficiency, summarize
 from .progress import track
 from .timing import (DTYPES, available_methods, check_counts, check_dtype, row_times, slowest_rank,
-                     telemetry, time_calls, time_local)
+                     telemetry, time_calls)
 
 # hidden, ffn, q heads, kv heads, head dim
 MODELS = {"llama3-8b": (4096, 14336, 32, 8, 128), "llama3-70b": (8192, 28672, 64, 8, 128)}
@@ -116,7 +117,7 @@ def run_tp_ops(config: TpOpsConfig, group=None) -> list[dict]:
         for name, (m, k, n) in track(config.shapes, config.op, enabled=dist.get_rank(group) == 0):
             a, b, (gm, gk, gn) = _operands(config.op, m, k, n, world, dtype, device)
             a_full = torch.randn(gm, gk).to(device, dtype)  # this rank's GEMM alone: what overlap can reach
-            t_gemm = slowest_rank(summarize(time_local(lambda: a_full @ b, config.iters, config.warmup, device,
+            t_gemm = slowest_rank(summarize(time_calls(lambda: a_full @ b, config.iters, config.warmup, device,
                                                        group)), device, group)["median_s"]
             times = {}
             for method in methods:  # baseline first: the reference
