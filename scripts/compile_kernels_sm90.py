@@ -100,8 +100,12 @@ def warp_registers(regs_per_thread: int) -> int:
 ACQUIRE_SYS = ("a system-scope acquire load", r"\b(?:ld|atom)(?=[.\w]*\.acquire\b)(?=[.\w]*\.sys\b)[.\w]+")
 RELEASE_SYS = ("a system-scope release store", r"\b(?:st|red|atom)(?=[.\w]*\.release\b)(?=[.\w]*\.sys\b)[.\w]+")
 # TMA (bulk async copies) goes through the async proxy, which acquire/release of the generic proxy
-# does not order: peer data loaded that way could be stale. Kernels touching peer data must not use it.
+# does not order: peer data loaded that way could be stale. Kernels touching peer data must not use it,
+# but for the GEMMs' TMA configs: their loads read this rank's memory, after a proxy fence where a flag
+# said it arrived (ag_gemm), and their stores (to peers in gemm_rs) stay generic.
 NO_TMA = ("cp.async.bulk", "cp.reduce.async.bulk")
+TMA_LOADS = "cp.async.bulk.tensor"
+TMA_STORES = ("cp.async.bulk.tensor.2d.global.shared", "cp.reduce.async.bulk")
 
 
 def check(label, kernel, *args, ptx_has=(), ptx_re=(), ptx_not=(), beside_flag_kernel=False, flag_kernel=False,
@@ -164,24 +168,33 @@ for dname, dt in DT.items():
     prec = dot_precision(dt)
     if QUICK and dname == "fp16":
         continue
-    for cfg, ks in GEMM_CONFIGS[dname][:1] if QUICK else GEMM_CONFIGS[dname]:
-        # quick: both weight layouts (a linear layer's is the transposed one) of each dtype's first config
+    # quick: each dtype's first config, and bf16's first TMA one (descriptor loads, a proxy fence)
+    quick = GEMM_CONFIGS[dname][:1] + [(c, ks) for c, ks in GEMM_CONFIGS[dname] if c.tma][:1]
+    for cfg, ks in quick if QUICK else GEMM_CONFIGS[dname]:
+        # quick: both weight layouts (a linear layer's is the transposed one)
         for layout, kk in ([("b", K), ("bT", K)] if QUICK else [("b", K), ("bT", K)] + [("b", kk) for kk in ks[1:]]):
             a = t(W * M, kk, dtype=dt)
             b = t(kk, N, dtype=dt) if layout == "b" else t(N, kk, dtype=dt).t()
             out = t(W * M, N, dtype=dt)
             arrived, err = t(W, dtype=torch.int64), t(4, dtype=torch.int32)
             tag = f"{dname} {cfg} {layout} K={kk} prec={prec}"
+            # what the launch passes: descriptors where the config asks and the operands qualify
+            tma, a_desc, b_desc, k_major = TG.tma_operands(a, b, cfg)
+            assert tma == cfg.tma or dname == "fp32", (tag, tma)
+            descs = dict(TMA=tma, B_K_MAJOR=k_major)
             check(f"_ag_gemm_kernel {tag}", AG._ag_gemm_kernel,
                   a, b, out, arrived, err, M, N, kk, EPOCH, BUDGET.amount, a.stride(0), a.stride(1), b.stride(0),
-                  b.stride(1), out.stride(0), out.stride(1), R, WORLD=W, DOT_PRECISION=prec, TIMED=BUDGET.timed,
-                  beside_flag_kernel=True, ptx_re=(ACQUIRE_SYS,), ptx_not=NO_TMA, **cfg.meta(kk))
+                  b.stride(1), out.stride(0), out.stride(1), R, a_desc, b_desc, WORLD=W, DOT_PRECISION=prec,
+                  TIMED=BUDGET.timed, PROXY_FENCE=tma, **descs, beside_flag_kernel=True, ptx_re=(ACQUIRE_SYS,),
+                  ptx_has=(TMA_LOADS, "fence.proxy.async") if tma else (),
+                  ptx_not=TMA_STORES if tma else NO_TMA, **cfg.meta(kk))
             table = t(W, dtype=torch.int64)
             check(f"_gemm_rs_kernel {tag}", RS._gemm_rs_kernel,
                   a, b, table, table, M, N, kk, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                  R, WORLD=W, DOT_PRECISION=prec, **cfg.meta(kk), beside_flag_kernel=True,
-                  ptx_has=("st.global.v4",),  # 16-byte remote stores (signals.peer_ptr's alignment)
-                  ptx_re=(RELEASE_SYS,), ptx_not=NO_TMA)  # tiles' stores, then the owner's count (release)
+                  R, a_desc, b_desc, WORLD=W, DOT_PRECISION=prec, **descs, **cfg.meta(kk), beside_flag_kernel=True,
+                  # 16-byte remote stores (signals.peer_ptr's alignment)
+                  ptx_has=("st.global.v4",) + ((TMA_LOADS,) if tma else ()),
+                  ptx_re=(RELEASE_SYS,), ptx_not=TMA_STORES if tma else NO_TMA)  # tiles' stores, then the count
 
 # --- all_gather ---------------------------------------------------------------------------------
 for dname in ("bf16", "fp32"):

@@ -151,3 +151,52 @@ def test_gemm_config_rules_per_gpu(monkeypatch, smem_kb, dtype, rows, n, k, want
 
     monkeypatch.setattr(tile_gemm, "shared_memory_per_block", lambda device: smem_kb << 10)
     assert tile_gemm.gemm_config(torch.device("cuda", 0), dtype, rows, n, k) is getattr(tile_gemm, want)
+
+
+def _tma_tiles_on_rank(ctx, k, weight_layout, m=40, n=48):
+    """fp16 (the TMA path is 16-bit only), 0/1 inputs: exact. ``weight_layout``: b as [K, N] rows or
+    as a linear layer's weight [N, K] transposed (the K-major descriptor)."""
+    r, w = ctx.rank, ctx.world_size
+    dt = torch.float16
+    b = _ints((k, n), dt, 50) if weight_layout == "rows" else _ints((n, k), dt, 50).t()
+    shards = [_ints((m, k), dt, q) for q in range(w)]
+    out = ok.all_gather_matmul(shards[r], b, ctx, method="fused")
+    a_all = [_ints((w * m, k), dt, 60 + q) for q in range(w)]
+    out2 = ok.matmul_reduce_scatter(a_all[r], b, ctx, method="fused")
+    return (torch.equal(out, (torch.cat(shards).float() @ b.float()).to(dt))
+            and torch.equal(out2, sum(x.float() @ b.float() for x in a_all).chunk(w)[r].to(dt)))
+
+
+@pytest.mark.parametrize("weight_layout", ["rows", "weight.t()"])
+@pytest.mark.parametrize("k, tma_used", [(32, True), (40, True), (36, False)])
+def test_fused_tma_loads(monkeypatch, weight_layout, k, tma_used):
+    """A TMA config reads A and B through tensor descriptors: tiles addressed by their chunk's first
+    row, chunks of 40 rows in 16-row tiles (the last tile's rows past the chunk read the next chunk's,
+    masked on store), K ragged for 16-wide K blocks at 40 (the descriptor reads 0 past the edge).
+    K = 36 fp16 is 72 bytes a row, not the 16-byte multiple a tensor map needs: the pointer loads."""
+    from overlapkernels.kernels.triton import ag_gemm as AG, gemm_rs as RS
+
+    used = []
+    for module in (AG, RS):
+        def spy(a, b, config, real=TG.tma_operands):
+            picked = real(a, b, config)
+            used.append(picked[0])
+            return picked
+        monkeypatch.setattr(module, "tma_operands", spy)
+    with forced_gemm_config(GemmConfig(16, 32, 16, tma=True)):
+        assert ThreadWorld(2, timeout=60).run(_tma_tiles_on_rank, k, weight_layout) == [True, True]
+    assert used and set(used) == {tma_used}, used
+
+
+def test_tma_operands_qualify_only_aligned_16bit_2d_operands():
+    cfg, plain = GemmConfig(16, 32, 16, tma=True), GemmConfig(16, 32, 16)
+    a, b = torch.zeros(8, 32, dtype=torch.float16), torch.zeros(32, 24, dtype=torch.float16)
+    tma, a_desc, b_desc, k_major = TG.tma_operands(a, b, cfg)
+    assert tma and not k_major and a_desc.block_shape == [16, 16] and b_desc.block_shape == [16, 32]
+    tma, _, b_desc, k_major = TG.tma_operands(a, torch.zeros(24, 32, dtype=torch.float16).t(), cfg)
+    assert tma and k_major and b_desc.block_shape == [32, 16] and list(b_desc.shape) == [24, 32]
+    for why, args in {"config without tma": (a, b, plain), "fp32": (a.float(), b.float(), cfg),
+                      "empty": (a[:0], b, cfg), "unaligned base": (torch.zeros(8 * 32 + 1, dtype=torch.float16)[1:].view(8, 32), b, cfg),
+                      "a column-major": (torch.zeros(32, 8, dtype=torch.float16).t(), b, cfg),
+                      "b strided both ways": (a, torch.zeros(32, 48, dtype=torch.float16)[:, ::2], cfg)}.items():
+        assert TG.tma_operands(*args) == (False, None, None, False), why

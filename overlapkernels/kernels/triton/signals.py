@@ -117,6 +117,16 @@ def wait_geq(flag_ptr, target, budget, TIMED: tl.constexpr, CLOCK_LANES: tl.cons
 
 
 @triton.jit
+def fence_proxy_async():
+    """Order the program's earlier generic-proxy accesses (a flag's acquire) before its later
+    async-proxy ones (TMA loads): PTX orders the two proxies only through this fence, so without it
+    a TMA load could see a chunk's memory from before the flag said the chunk had arrived. Every
+    thread runs it (the one that issues the TMA among them). Compiled code only: inline PTX."""
+    tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, $1;", "=r,r", [tl.zeros([1], dtype=tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def record_error(err_ptr, code, rank, chunk, peer):
     # the first error wins, so the report names the wait that failed first
     if tl.atomic_cas(err_ptr, 0, code) == 0:

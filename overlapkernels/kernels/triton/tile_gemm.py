@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..._compat import matmul_allows_tf32
-from ..interpreter import bf16_message, bf16_miscomputed
+from ..interpreter import bf16_message, bf16_miscomputed, interpreted
 from ..offsets import last_offset, offsets_error
 
 
@@ -44,6 +44,25 @@ def tile_dot(a_ptr, b_ptr, rows, row_mask, cols, col_mask, K, stride_am, stride_
     return acc
 
 
+@triton.jit
+def tile_dot_tma(a_desc, b_desc, row0, col0, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 B_K_MAJOR: tl.constexpr):
+    """``tile_dot`` through tensor descriptors (TMA on Hopper): ``a[row0:row0+BLOCK_M, :] @
+    b[:, col0:col0+BLOCK_N]`` in fp32. The copy engine of each SM moves whole tiles: no per-thread
+    addresses (ptxas, triton 3.6, sm_90: 197-212 registers at 128x256x64 w8, where the pointer loads take
+    216-220) and no masks - reads past the tensor's edge, ragged K included, come back 0.
+    ``B_K_MAJOR``: ``b_desc`` describes b's transpose [N, K] (a linear layer's weight as stored)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([row0, k0])
+        if B_K_MAJOR:
+            b = b_desc.load([col0, k0]).T
+        else:
+            b = b_desc.load([k0, col0])
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     """Tile shape and launch options of the fused GEMMs. Every rank must derive the same config
@@ -54,9 +73,12 @@ class GemmConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    # 16-bit operands loaded through tensor descriptors (tma_operands) where they qualify; pointer
+    # loads otherwise. Not in the defaults until a GPU run times it (bench_fused_gemm sweeps it).
+    tma: bool = False
 
     def __str__(self) -> str:  # how benchmarks and the compile report name it
-        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
+        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}" + " tma" * self.tma
 
     def tiles(self, rows: int, n: int) -> int:
         return triton.cdiv(rows, self.block_m) * triton.cdiv(n, self.block_n)
@@ -124,6 +146,35 @@ def gemm_config(device: torch.device, dtype: torch.dtype, rows_per_chunk: int, n
     if rows_per_chunk <= 64 or n <= 128 or k % CUDA_GEMM_16BIT.block_k:
         return CUDA_GEMM_16BIT_SMALL if big_smem else SMALL_SMEM_GEMM_SMALL
     return CUDA_GEMM_16BIT if big_smem else SMALL_SMEM_GEMM
+
+
+def tma_operands(a: torch.Tensor, b: torch.Tensor, config: GemmConfig) -> tuple:
+    """``(TMA, a_desc, b_desc, B_K_MAJOR)`` for a fused GEMM's launch: descriptors of ``a`` [M, K] and
+    ``b`` [K, N] when ``config.tma`` asks and they qualify - 16-bit, not empty, each 2-D with one
+    unit stride, its base and other stride 16-byte aligned (what a tensor map needs) - on a GPU with
+    TMA (sm_90+) or in the interpreter; else ``(False, None, None, False)``: the pointer loads. ``b``
+    may be [K, N] row-major or the transpose of an [N, K] one, a linear layer's weight."""
+    none = (False, None, None, False)
+    if not config.tma or a.dtype not in (torch.float16, torch.bfloat16) or not a.numel() or not b.numel():
+        return none
+    if not interpreted(a.device) and torch.cuda.get_device_capability(a.device) < (9, 0):
+        return none
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # a triton without host-side descriptors
+        return none
+
+    def fits(t):
+        return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+
+    if not fits(a):
+        return none
+    a_desc = TensorDescriptor.from_tensor(a, [config.block_m, config.block_k])
+    if fits(b):
+        return True, a_desc, TensorDescriptor.from_tensor(b, [config.block_k, config.block_n]), False
+    if fits(b.t()):
+        return True, a_desc, TensorDescriptor.from_tensor(b.t(), [config.block_n, config.block_k]), True
+    return none
 
 
 def launch_device(device: torch.device):
