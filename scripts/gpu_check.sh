@@ -108,7 +108,7 @@ step 30 info "$PY" -m overlapkernels info
 step 40 compile_sm90 env -u TRITON_INTERPRET "$PY" scripts/compile_kernels_sm90.py --quick
 # kernels alone, the csrc library, ring attention on two processes
 pytest_step 120 gpu_tests "${PYTEST[@]}" -m gpu --ignore=tests/test_ops_tp_gpu.py
-step 50 bench_fused_gemm "$PY" benchmarks/bench_fused_gemm.py --csv "$GPU_CSV"
+step 70 bench_fused_gemm "$PY" benchmarks/bench_fused_gemm.py --csv "$GPU_CSV"
 if [ "$have_nvcc" = 1 ]; then  # the csrc reduce: nothing to time without the library
   step 25 bench_reduce "$PY" benchmarks/bench_reduce.py --csv "$GPU_CSV"
 else
