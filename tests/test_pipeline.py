@@ -12,6 +12,7 @@ from torch.nn import functional as F
 
 from overlapkernels.comm.rank_pool import RankPool
 from overlapkernels.runtime import pipeline as pp
+from overlapkernels.runtime.pipeline.p2p import Msg
 from nccl_like import replay_like_nccl
 
 
@@ -369,3 +370,59 @@ def test_one_rank_holding_every_stage_equals_plain_autograd(kind):
     torch.testing.assert_close(loss, want.detach(), atol=1e-12, rtol=1e-12)
     for p, q in zip(stages.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-12, rtol=1e-12)
+
+
+def _custom_order_on_rank():
+    """Stage 0 runs its forwards in the order 1, 0; stage 1 in the order 0, 1 (a valid schedule
+    built by hand): the boundary's shape message is named by the sender's first forward on both
+    ends. Before, every rank refused the plan (the receiver expected it with its own first)."""
+    rank = dist.get_rank()
+    a = pp.Action
+    sched = pp.make_schedule("gpipe", 2, 2)
+    sched.actions = [[a("F", 0, 1), a("F", 0, 0), a("BW", 0, 0), a("BW", 0, 1)],
+                     [a("F", 1, 0), a("F", 1, 1), a("BW", 1, 0), a("BW", 1, 1)]]
+    g = torch.Generator().manual_seed(5)
+    x, y = (torch.randn(4, WIDTH, generator=g, dtype=torch.float64) for _ in range(2))
+    ref, model = _model(2), _model(2)
+    F.mse_loss(ref(x), y).backward()
+    runner = pp.PipelineRunner(_stage(model, rank), schedule=sched, loss_fn=F.mse_loss, timeout=60)
+    runner.step(x if rank == 0 else None, y if rank == 1 else None)
+    for got, want in zip(_stage(model, rank).parameters(), _stage(ref, rank).parameters()):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-12, rtol=1e-12)
+    # nothing of the step outlives it: no send work, received buffer or outgoing tensor held
+    held = runner._sends + runner._unconfirmed + list(runner._inbox) + list(runner._outbox)
+    return held
+
+
+def test_a_schedule_whose_stages_order_forwards_differently_runs(rank_pool):
+    assert rank_pool(2).run(_custom_order_on_rank) == [[], []]
+
+
+class _Work:
+    def __init__(self, done, fails=False):
+        self.done, self.fails, self.waited = done, fails, False
+
+    def is_completed(self):
+        return self.done
+
+    def wait(self, timeout=None):
+        self.waited = True
+        if self.fails:
+            raise RuntimeError("Connection closed by peer")
+        return True
+
+
+def test_completed_works_are_confirmed_and_dropped_at_each_post_point():
+    """A work kept holds its tensor (an NCCL receive its buffer, a gloo send the stage's output):
+    kept to the step's end, a step held every microbatch's boundary activation. Completed ones are
+    dropped at the next post point - their errors raised there - pending ones kept. (gloo's
+    is_completed() stays False until wait(): on CPU the step's end releases them.)"""
+    runner = object.__new__(pp.PipelineRunner)
+    runner.timeout = 5.0
+    msg = Msg(True, 1, "activation", 0, 3)
+    done, pending = _Work(True), _Work(False)
+    assert runner._reap([(done, msg), (pending, msg)]) == [(pending, msg)]
+    assert done.waited and not pending.waited
+    with pytest.raises(pp.PipelineTimeout, match="stage 0 microbatch 3: no receipt of the activation by rank 1"):
+        runner._reap([(_Work(True, fails=True), msg)])
+

@@ -110,3 +110,27 @@ def test_an_activation_changing_shape_within_a_step_is_refused():
     assert sender == ("ValueError: stage 0 microbatch 1: output (1, 3) torch.float64 differs from this step's first "
                       "microbatch ((2, 3) torch.float64)"), sender
     assert re.match(r"PipelineTimeout: stage 1 microbatch \d: no (shape|activation) from rank 0 \(stage 0\)", receiver), receiver
+
+
+def _in_place_first_op_on_rank():
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    stages = [nn.Linear(4, 4).double(), nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4)).double()]
+    runner = pp.PipelineRunner(stages[rank], schedule=pp.make_schedule("gpipe", 2, 1), loss_fn=F.mse_loss, timeout=2)
+    x = torch.randn(2, 4, dtype=torch.float64)
+    try:
+        runner.step(x if rank == 0 else None, x if rank == 1 else None)
+    except (RuntimeError, pp.PipelineTimeout) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ran"
+
+
+def test_a_stage_changing_its_received_input_in_place_is_told_why():
+    """The received activation is a leaf that collects the gradient sent back, and autograd
+    refuses in-place ops on such leaves: the error names the stage and the fix, not only autograd's
+    words. (Its peer waits out the runner's timeout, as for any stage failing mid-step.)"""
+    with RankPool(2, timeout=60) as pool:
+        first, second = pool.run(_in_place_first_op_on_rank)
+    assert second.startswith("RuntimeError: stage 1 microbatch 0: the stage modifies its input in place"), second
+    assert "make that first op out of place" in second
+    assert first.startswith("PipelineTimeout: stage 0 microbatch 0: no gradient from rank 1"), first

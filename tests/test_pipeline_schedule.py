@@ -165,6 +165,31 @@ def test_render_keeps_long_labels_whole_and_skips_actions_that_take_no_time():
     assert [row.count("B") for row in zero_w.splitlines()[1:]] == [3, 3]
 
 
+def test_render_draws_every_action_when_times_fall_between_the_shortest_ops():
+    """Cells were the shortest op long: with t_comm = 0.5 actions start on half units, and
+    rounding put two in one cell, the later overwriting the earlier (F1.0 was missing)."""
+    res = pp.simulate(pp.make_schedule("1f1b", 2, 3), t_f=1, t_b=2, t_comm=0.5)
+    rows = pp.render(res).splitlines()[1:]
+    for r, tl in enumerate(res.timeline):
+        drawn = {label.strip(".") for label in rows[r].split(": ")[1].split()}
+        assert {str(a) for _, _, a in tl} <= drawn, (r, rows[r])
+
+
+def test_p2p_plan_names_a_shape_by_the_senders_first_forward():
+    """Stages may run their forwards in different orders; the shape message travels with the
+    sender's first activation, and the receiver expects it under that name."""
+    a = pp.Action
+    sched = pp.make_schedule("gpipe", 2, 2)
+    sched.actions = [[a("F", 0, 1), a("F", 0, 0), a("BW", 0, 0), a("BW", 0, 1)],
+                     [a("F", 1, 0), a("F", 1, 1), a("BW", 1, 0), a("BW", 1, 1)]]
+    pp.validate(sched)
+    plan = p2p.comm_plan(sched)
+    p2p.check_comm_plan(sched, plan)
+    replay_like_nccl(_as_log(plan))
+    shapes = [m for points in plan for point in points for batch in point for m in batch if m.what == "shape"]
+    assert [(m.send, m.microbatch) for m in shapes] == [(True, 1), (False, 1)]
+
+
 @pytest.mark.parametrize("cost", ["t_f", "t_b", "t_w", "t_comm"])
 @pytest.mark.parametrize("value", [-1, float("nan"), float("inf"), True, "1"])
 def test_simulate_refuses_costs_that_are_not_finite_times(cost, value):
@@ -239,12 +264,15 @@ def test_p2p_checks_catch_crossed_and_mismatched_orders():
         p2p.check_comm_plan(sched, per_action)
     with pytest.raises(AssertionError, match="deadlock"):
         replay_like_nccl(_as_log(per_action))
-    # microbatches out of order on one side: NCCL would hand rank 1 microbatch 1 as microbatch 0
+    # receives posted out of the sends' order: NCCL would hand rank 1 microbatch 1 as microbatch 0
+    # (a schedule whose stages order their forwards differently is fine: the plan posts in the
+    # order messages are made, test_p2p_plan_names_a_shape_by_the_senders_first_forward)
     sched = pp.make_schedule("gpipe", 2, 2)
-    sched.actions[0][:2] = sched.actions[0][1::-1]
-    with pytest.raises(pp.ScheduleError, match=r"P2P mismatch: message #0 from rank 0 to rank 1 is shape 0->1 "
-                                               r"microbatch 1, but rank 1 posts 'receive from rank 0: activation "
+    plan = p2p.comm_plan(sched)
+    plan[1][0][1], plan[1][1][0] = plan[1][1][0], plan[1][0][1]  # rank 1: activation 1's receive before 0's
+    with pytest.raises(pp.ScheduleError, match=r"P2P mismatch: message #1 from rank 0 to rank 1 is activation 0->1 "
+                                               r"microbatch 0, but rank 1 posts 'receive from rank 0: activation "
                                                r"0->1 microbatch 1' for it"):
-        p2p.check_comm_plan(sched, p2p.comm_plan(sched))
+        p2p.check_comm_plan(sched, plan)
     with pytest.raises(AssertionError, match="rank 0 -> rank 1"):
-        replay_like_nccl(_as_log(p2p.comm_plan(sched)))
+        replay_like_nccl(_as_log(plan))

@@ -113,6 +113,13 @@ def test_bad_zero_stage_is_refused():
             Trainer(GPTConfig(**CONFIG), None, zero_stage=bad)
 
 
+def test_bad_microbatch_counts_are_refused_not_defaulted():
+    """0 (falsy) silently became the default, 2 x the pipeline size."""
+    for bad in (0, -2, 0.0, False, 2.0):
+        with pytest.raises(ValueError, match=rf"num_microbatches={bad!r}: expected an integer >= 1".replace(".", r"\.")):
+            Trainer(GPTConfig(**CONFIG), None, num_microbatches=bad)
+
+
 def _lost_grad_on_rank():
     try:
         _compose_on_rank(dict(tp=2, pp=2), "zb-h1", lose_grad=True)

@@ -42,6 +42,10 @@ class Trainer:
                  zero_stage: int = 1):
         if not isinstance(zero_stage, int) or isinstance(zero_stage, bool) or zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage={zero_stage!r}: expected 1, 2 or 3")
+        if num_microbatches is not None and (isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
+                                             or num_microbatches < 1):  # (0 must not mean the default)
+            raise ValueError(f"num_microbatches={num_microbatches!r}: expected an integer >= 1, or None for "
+                             "2 x the pipeline size")
         self.config, self.dims = config, dims
         # NCCL moves CUDA tensors only: the stage lives on this rank's GPU there, on the CPU under gloo
         self.device = torch.device(device) if device is not None else comm_device()
@@ -49,7 +53,7 @@ class Trainer:
         if dense_state_dict is not None:
             self.stage.load_state_dict(shard_dense_state_dict(self.stage, dense_state_dict))
         self.sharded = fsdp.shard(self.stage, dims.dp_group, stage=zero_stage, optimizer=optimizer)
-        m = num_microbatches or 2 * dims.pp_size
+        m = 2 * dims.pp_size if num_microbatches is None else num_microbatches
         self.schedule = pp.make_schedule(schedule, dims.pp_size, m)
         self.runner = pp.PipelineRunner(self.sharded, dims.pp_group, schedule=self.schedule, loss_fn=self._loss)
 

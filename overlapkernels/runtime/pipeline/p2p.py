@@ -35,19 +35,28 @@ class Msg:
         return f"{way}: {self.what} {self.boundary}->{self.boundary + 1} microbatch {self.microbatch}"
 
 
+def announcing_microbatch(schedule, boundary: int) -> int:
+    """The microbatch whose activation carries ``boundary``'s shape message: the first the sending
+    stage runs forward. Named by the sender's order on both ends: a schedule may run the receiving
+    stage's forwards in another order (its first forward then waits for that message, which the
+    sender's first forward, ending no later than any other, has already sent)."""
+    return next(a.microbatch for a in schedule.actions[schedule.rank_of(boundary)]
+                if a.op == "F" and a.stage == boundary)
+
+
 def _traffic(schedule, rank: int, action, announced: set) -> tuple[list, list]:
     """(receives the action needs, sends it makes); ``announced`` tracks the boundaries whose
-    activation shape already crossed this step (the first activation across one carries it)."""
+    activation shape already crossed this step (the sender's first activation across one carries it)."""
     s, mb, last, owner = action.stage, action.microbatch, schedule.num_stages - 1, schedule.rank_of
     recvs, sends = [], []
     if action.op == "F":
         if s > 0 and owner(s - 1) != rank:
             if s - 1 not in announced:
                 announced.add(s - 1)
-                recvs.append(Msg(False, owner(s - 1), "shape", s - 1, mb))
+                recvs.append(Msg(False, owner(s - 1), "shape", s - 1, announcing_microbatch(schedule, s - 1)))
             recvs.append(Msg(False, owner(s - 1), "activation", s - 1, mb))
         if s < last and owner(s + 1) != rank:
-            if s not in announced:
+            if s not in announced:  # (this F is the sender's first of stage s: announcing_microbatch)
                 announced.add(s)
                 sends.append(Msg(True, owner(s + 1), "shape", s, mb))
             sends.append(Msg(True, owner(s + 1), "activation", s, mb))

@@ -7,6 +7,16 @@ from .schedule import Schedule
 from .simulate import SimResult, simulate
 
 _WIDTH = 6  # characters per unit of time, at least
+_MAX_COLS = 2000  # cells a row may take: a finer grid than this coarsens (actions may then share a cell)
+
+
+def _grid(res) -> float:
+    """Time per cell: the shortest gap between any two event times (starts and ends), so every
+    action starts and ends on a cell boundary. The shortest op alone is not enough: with t_comm, or
+    costs that are not its multiples, actions start between cells and two would land in one."""
+    times = sorted({round(t, 9) for tl in res.timeline for s, e, _ in tl for t in (0.0, s, e)})
+    gaps = [b - a for a, b in zip(times, times[1:]) if b - a > 1e-9]
+    return max(min(gaps, default=1.0), res.makespan / _MAX_COLS)
 
 
 def render(sched_or_res, path: str | None = None) -> str:
@@ -14,7 +24,7 @@ def render(sched_or_res, path: str | None = None) -> str:
     matplotlib installed, also a PNG there (without it, a warning says none was written)."""
     res = sched_or_res if isinstance(sched_or_res, SimResult) else simulate(sched_or_res, t_w=1.0) \
         if _has_split(sched_or_res) else simulate(sched_or_res)
-    unit = min((e - s for tl in res.timeline for s, e, _ in tl if e > s), default=1.0)
+    unit = _grid(res)
     cols = int(round(res.makespan / unit))
     lines = [f"{res.schedule.kind}: {res.schedule.num_ranks} ranks, {res.schedule.num_microbatches} microbatches"
              f"{f', {res.schedule.num_virtual} virtual' if res.schedule.num_virtual > 1 else ''}; makespan "

@@ -27,7 +27,7 @@ from torch import nn
 
 from ...parallel import comm_device, resolve_group, resolve_timeout, uses_nccl
 from ...profiling.ranges import span
-from .p2p import check_comm_plan, comm_plan
+from .p2p import announcing_microbatch, check_comm_plan, comm_plan
 from .schedule import Schedule
 from .simulate import validate
 from .weight_grad import WeightGradStore, deferring, enable_zero_bubble
@@ -81,7 +81,13 @@ class PipelineRunner:
     ``stage_module_or_modules``: this rank's stage, or with ``num_virtual`` > 1 a list (or
     ``nn.ModuleList``) of its virtual stages in order: chunk c is stage ``c * num_ranks + rank``.
     A stage maps one tensor to one tensor (the activation that crosses to the next stage: dense,
-    any dtype, at most 8 dims; integer and bool ones send zeros back as their gradient).
+    any dtype, at most 8 dims; integer and bool ones send zeros back as their gradient, and so
+    does a stage whose output does not depend on its input (``x.detach()``): the upstream
+    parameters then get zero gradients where one process leaves None, so an optimizer with weight
+    decay or momentum still moves them - freeze them with ``requires_grad_(False)``. Telling None
+    apart would need a host read of a flag per microbatch on the receiving rank (a sync on NCCL).
+    A received activation is a leaf that collects the gradient to send back: a stage must not
+    change its input in place (the error says so).
     ``loss_fn(output, target)``: on the last stage, per microbatch; ``step`` divides it by the
     number of microbatches, so the gradients equal those of the whole batch's mean loss.
     ``step(inputs, targets)``: the first stage's rank passes ``inputs``, the last stage's
@@ -178,7 +184,21 @@ class PipelineRunner:
         except RuntimeError as exc:  # gloo: the peer's connection is gone
             raise self._fail(batch[0], "cannot exchange with", exc) from exc
 
+    def _reap(self, pending: list) -> list:
+        """The works of ``pending`` not yet completed; completed ones are confirmed (an error they hold
+        raises here) and dropped. A gloo send's work holds the tensor it sends (on CPU the stage's own
+        output), an NCCL receive's its buffer: kept to the step's end, a step would hold every
+        microbatch's boundary activation, where 1F1B needs at most one per stage in flight."""
+        still = []
+        for work, msg in pending:
+            if work.is_completed():
+                self._confirm(work, msg)
+            else:
+                still.append((work, msg))
+        return still
+
     def _post_point(self, batches) -> None:
+        self._sends, self._unconfirmed = self._reap(self._sends), self._reap(self._unconfirmed)
         for batch in batches:
             tensors = [self._outgoing(msg) if msg.send else self._buffer(msg) for msg in batch]
             works = self._post(batch, tensors)
@@ -216,7 +236,7 @@ class PipelineRunner:
         if msg.boundary not in self._shapes:  # the shape came one batch earlier: read it now
             # host: an upstream peer that died is named here, at the step's first boundary, not by
             # the NCCL watchdog
-            meta = self._take("shape", msg.boundary, msg.microbatch, host=True).cpu()
+            meta = self._take("shape", msg.boundary, announcing_microbatch(self.schedule, msg.boundary), host=True).cpu()
             nd = int(meta[0])
             self._shapes[msg.boundary] = (tuple(int(v) for v in meta[2:2 + nd]), _DTYPES[int(meta[1])])
         shape, dtype = self._shapes[msg.boundary]
@@ -269,6 +289,8 @@ class PipelineRunner:
             self._post_point(self.plan[-1])
             for work, msg in self._sends + self._unconfirmed:  # sends: done once their peers received
                 self._confirm(work, msg)
+        # nothing of this step outlives it (the next step would otherwise start with its tensors held)
+        self._sends, self._unconfirmed, self._inbox, self._outbox = [], [], {}, {}
         if self._events:  # CUDA: the step's kernels are done before its time is read
             self._events[-1][2].synchronize()
             for op, start, end in self._events:
@@ -288,7 +310,7 @@ class PipelineRunner:
             else:
                 x = _stage_input(self._take("activation", s - 1, mb))
             with self._timed("F"):
-                out = self.modules[s](x)
+                out = self._forward(s, mb, x)
                 if s == self.last_stage:
                     out = self.loss_fn(out, targets_mb[mb]) / m
                     losses.append(out.detach())
@@ -321,6 +343,19 @@ class PipelineRunner:
         else:  # W
             with self._timed("W"):
                 stores.pop((s, mb)).run()
+
+    def _forward(self, s: int, mb: int, x):
+        try:
+            return self.modules[s](x)
+        except RuntimeError as exc:
+            # a received activation is a leaf (its .grad is what backward sends upstream), and autograd
+            # refuses in-place ops on those; say so, not just autograd's words (one process would run it)
+            if s > 0 and x.is_leaf and x.requires_grad and "leaf Variable that requires grad" in str(exc):
+                raise RuntimeError(f"stage {s} microbatch {mb}: the stage modifies its input in place (e.g. "
+                                   "ReLU(inplace=True) or an in-place add as its first op); its input is the "
+                                   f"activation received from stage {s - 1}, a leaf that collects the gradient "
+                                   "sent back: make that first op out of place") from exc
+            raise
 
     @contextlib.contextmanager
     def _timed(self, op: str):
