@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 import traceback
@@ -109,6 +110,16 @@ _gpu_stragglers: dict = {}
 
 def _stream_slot(world_size: int, rank: int, use: str) -> tuple:
     return ("thread-world", world_size, rank, use)
+
+
+def _where_stuck(thread: threading.Thread, frames: int = 10) -> str:
+    """The innermost ``frames`` frames of a running thread: where a rank that never returned waits
+    (on a GPU the host call a hang sits in - a device sync, a copy, a launch - says more than any
+    timeout message can)."""
+    frame = sys._current_frames().get(thread.ident)
+    if frame is None:
+        return "  (ended meanwhile)\n"
+    return "".join(traceback.format_stack(frame)[-frames:])
 
 
 def _check_connections(world_size: int) -> None:
@@ -236,6 +247,8 @@ class ThreadWorld:
             if self.device.type == "cuda":
                 _gpu_stragglers.setdefault(self.device, []).extend(self._stragglers)
             blocking = [r for r in stuck if r not in waiting]
+            report += "".join(f"\n--- rank {r} of {self.world_size}, still running, at ---\n{_where_stuck(threads[r])}"
+                              for r in blocking)
             if blocking:
                 what = (f"thread ranks {blocking} of {self.world_size} still running after {limit:g} s"
                         f"{f' (ranks {waiting} waiting for them in a barrier)' if waiting else ''}")
