@@ -110,7 +110,8 @@ class FlatUnit:
                 self.wait_gather()
             return
         self.flat.untyped_storage().resize_(self.flat_bytes)
-        self._view_params()
+        if not async_op:  # an async gather's parameters view the buffer only once it has landed
+            self._view_params()  # (wait_gather): read before, they are empty - an error, not a race
         staged = self.master.detach().to(self.param_dtype)
         with span(f"ok/fsdp/{self.name}/gather/comm"):
             work = all_gather_single(self.flat, staged, group=self.group, async_op=async_op)
@@ -124,6 +125,7 @@ class FlatUnit:
         if self.pending_gather is not None:
             self.pending_gather[0].wait()
             self.pending_gather = None
+            self._view_params()
             self.gathered = True
 
     # -- gradients ----------------------------------------------------------------------------

@@ -26,10 +26,17 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.distributed.utils import _apply_to_tensors
+from torch.utils._pytree import tree_map
 
 from ...profiling.ranges import span
 from .flat_unit import FlatUnit, check_unit_params
+
+
+def _callable(mod: nn.Module) -> bool:
+    """Has a forward of its own: a module without one (ParameterList, ParameterDict, a plain holder)
+    is never called, so a unit of it would never gather (stage 3: its parameters read while freed)."""
+    return type(mod).forward is not nn.Module.forward
 
 
 def _unit_modules(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
@@ -40,7 +47,8 @@ def _unit_modules(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
                 found += [(f"{name}.{n}", m) for n, m in mod.named_children()]
             else:
                 found.append((name, mod))
-        return [(n, m) for n, m in found if any(p.requires_grad for p in m.parameters())]
+        # (children without a forward: their parameters go to the root unit, which stays gathered)
+        return [(n, m) for n, m in found if _callable(m) and any(p.requires_grad for p in m.parameters())]
     classes = tuple(units) if isinstance(units, (list, tuple, set)) else (units,)
     names = {c for c in classes if isinstance(c, str)}
     types = tuple(c for c in classes if isinstance(c, type))
@@ -215,21 +223,31 @@ class ShardedModule(nn.Module):
     def _post_forward(self, unit):
         def hook(module, args, output):
             if torch.is_grad_enabled():
-                for t in tree_flatten(output)[0]:
-                    if torch.is_tensor(t) and t.requires_grad:
+                def arm(t):
+                    if t.requires_grad:
                         t.register_hook(self._pre_backward(unit))
                         self._step_open = True
+                    return t
+                # torch FSDP's walk over outputs: dataclasses too, which pytree takes for leaves
+                _apply_to_tensors(arm, output)
             if self.stage == 3 and not self._keep_gathered:
                 unit.free(keep_shapes=self._step_open)
             return output
         return hook
 
     # -- backward -----------------------------------------------------------------------------
+    def _arm_end_of_backward(self) -> None:
+        """Once per backward: flush whatever is left at its end (reductions, the agreement on which
+        units stepped). From a unit output's gradient hook or, where no unit output carries one
+        (a model whose only trainable parameters are the root's), from the first gradient to land:
+        without it stages 2/3 never marked a unit as having gradients and step() dropped them."""
+        if not self._backward_armed:
+            self._backward_armed = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
     def _pre_backward(self, unit):
         def hook(grad):
-            if not self._backward_armed:  # once per backward: flush whatever is left at its end
-                self._backward_armed = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._arm_end_of_backward()
             if self.stage == 3:
                 unit.gather()
                 for prev in self._neighbours(unit, -1):
@@ -239,6 +257,7 @@ class ShardedModule(nn.Module):
         return hook
 
     def _grad_ready(self, param) -> None:
+        self._arm_end_of_backward()  # (post-accumulate hooks run inside backward only)
         unit = self._param_unit[id(param)]
         unit.grads_ready += 1
         if unit.grads_ready == len(unit.params):
@@ -331,11 +350,12 @@ class ShardedModule(nn.Module):
             self._sync, self._keep_gathered = True, False
 
     # -- optimizer ----------------------------------------------------------------------------
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop this step's gradients everywhere: the model's ``.grad``, reductions in flight and
         the master shards' (what ``step`` does after updating). For skipping a step, e.g. on a
-        non-finite loss, or after a backward that raised. Call it on every rank alike."""
-        self.module.zero_grad(set_to_none=True)
+        non-finite loss, or after a backward that raised. Call it on every rank alike.
+        ``set_to_none`` as ``nn.Module.zero_grad`` for the model's ``.grad`` (the shards' are zeroed)."""
+        self.module.zero_grad(set_to_none=set_to_none)
         for unit in self.all_units:
             for work, _, _ in unit.pending_reduce:  # collectives already posted: let them finish
                 if work is not None:

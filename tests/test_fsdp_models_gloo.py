@@ -1,0 +1,139 @@
+"""fsdp.shard on model shapes beyond a stack of blocks, each vs single-process training (fp64,
+exact): trainable parameters on the root only (a bare layer, prompt tuning over a frozen backbone),
+units returning dataclasses, children without a forward of their own (ParameterList), and a unit's
+parameters read outside its forward at stage 3 (refused loudly, never a race)."""
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from overlapkernels.runtime import fsdp
+from test_fsdp_gloo import D_IN, _batches, _loss
+
+SGD = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731 (scale-sensitive: see test_fsdp_gloo)
+
+
+class PromptTuning(nn.Module):
+    """The only trainable parameter lives on the root: no unit output carries a gradient hook."""
+
+    def __init__(self):
+        super().__init__()
+        self.prompt = nn.Parameter(torch.randn(D_IN))
+        self.backbone = nn.Linear(D_IN, 3).requires_grad_(False)
+
+    def forward(self, x):
+        return self.backbone(x + self.prompt)
+
+
+@dataclasses.dataclass
+class Hidden:
+    value: torch.Tensor
+
+
+class DataclassBlock(nn.Module):
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.fc = nn.Linear(d_in, d_out)
+
+    def forward(self, x):
+        return Hidden(torch.tanh(self.fc(x.value if isinstance(x, Hidden) else x)))
+
+
+class DataclassNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = DataclassBlock(D_IN, 5), DataclassBlock(5, 3)
+
+    def forward(self, x):
+        return self.b(self.a(x)).value
+
+
+class WithParameterList(nn.Module):
+    """A child never called: its parameters are read by the root's forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D_IN, 3)
+        self.scales = nn.ParameterList([nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))])
+
+    def forward(self, x):
+        return self.fc(x) * self.scales[0] + self.scales[1]
+
+
+MODELS = {"bare linear": lambda: nn.Linear(D_IN, 3), "prompt tuning": PromptTuning,
+          "dataclass outputs": DataclassNet, "parameter list": WithParameterList}
+
+
+def _parity_on_rank(model_name, stage):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    ref = MODELS[model_name]().double()
+    sharded = fsdp.shard(copy.deepcopy(ref), stage=stage, optimizer=SGD, prefetch=1)
+    ref_opt = SGD([p for p in ref.parameters() if p.requires_grad])
+    for x, y in _batches(3, 2, world):
+        ref_opt.zero_grad()
+        _loss(ref(x), y).backward()
+        ref_opt.step()
+        mine = slice(rank * 2, (rank + 1) * 2)
+        _loss(sharded(x[mine]), y[mine]).backward()
+        sharded.step()
+    got = sharded.full_state_dict()
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(got[name], want, atol=1e-12, rtol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    return [u.name for u in sharded.all_units]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_models_beyond_a_stack_of_blocks(rank_pool, model_name, stage):
+    """Stages 2/3 queued their end-of-backward work only from unit outputs' gradient hooks: with
+    the trainable parameters on the root (or outputs pytree cannot see into) no unit was marked as
+    having gradients and step() dropped them - nothing trained, silently. A ParameterList became a
+    unit of its own that no forward gathers: stage 3 read it freed, or while a prefetch filled it."""
+    units = rank_pool(2).run(_parity_on_rank, model_name, stage)[0]
+    want = {"bare linear": ["<root>"], "prompt tuning": ["<root>"], "dataclass outputs": ["a", "b"],
+            "parameter list": ["fc", "<root>"]}[model_name]
+    assert units == want
+
+
+class ReadsAUnitsWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D_IN, 3)
+        self.pos = nn.Embedding(4, 3)
+
+    def forward(self, x):
+        return self.fc(x) + self.pos.weight[:x.shape[0]]  # pos's forward never runs
+
+
+def _reads_weight_on_rank():
+    torch.manual_seed(0)
+    sharded = fsdp.shard(ReadsAUnitsWeight().double(), stage=3, optimizer=SGD, prefetch=1)
+    x = torch.randn(2, D_IN, dtype=torch.float64)
+    try:
+        sharded(x)
+    except RuntimeError as exc:
+        return "size of tensor b (0)" in str(exc)
+    return "ran"
+
+
+def test_stage_3_refuses_a_unit_read_outside_its_forward_instead_of_racing_its_prefetch(rank_pool):
+    """fc's forward prefetched pos (async) and pointed its parameters at the buffer being filled:
+    the root then read them mid-gather (wrong values, silently). A prefetched unit's parameters now
+    stay empty until its own forward waits for the gather, so the read fails as without prefetch."""
+    assert rank_pool(2).run(_reads_weight_on_rank) == [True, True]
+
+
+def _zero_grad_signature_on_rank():
+    sharded = fsdp.shard(nn.Linear(D_IN, 3).double(), stage=2, optimizer=SGD)
+    sharded(torch.randn(2, D_IN, dtype=torch.float64)).sum().backward()
+    sharded.zero_grad(set_to_none=False)  # nn.Module's signature: training loops pass it
+    sharded.zero_grad()
+    return all(p.grad is None for p in sharded.module.parameters())
+
+
+def test_zero_grad_takes_set_to_none(rank_pool):
+    assert rank_pool(2).run(_zero_grad_signature_on_rank) == [True, True]
