@@ -206,19 +206,19 @@ def init_parallel(tp: int = 1, cp: int = 1, pp: int = 1, dp: int = -1, backend: 
     return ParallelDims(mesh=mesh, dp_size=sizes["dp"], pp_size=sizes["pp"], cp_size=sizes["cp"], tp_size=sizes["tp"])
 
 
-def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+def resolve_group(group: dist.ProcessGroup | None, what: str = "group") -> dist.ProcessGroup:
     """``group=None`` means the default (world) group everywhere in the API. Anything else that is
     not a process group (a rank number, a mesh dim name) is refused by name here, before the first
-    collective would fail on it with an unrelated AttributeError."""
+    collective would fail on it with an unrelated AttributeError. ``what``: the argument's name."""
     if group is None:
         if not dist.is_initialized():
             raise RuntimeError("no default process group: call ok.init_parallel() (or "
                                "torch.distributed.init_process_group) first, on every rank")
         return dist.group.WORLD
     if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group() returns on ranks outside it
-        raise ValueError("group: this rank is not a member of the group (torch.distributed.new_group returns "
+        raise ValueError(f"{what}: this rank is not a member of the group (torch.distributed.new_group returns "
                          "GroupMember.NON_GROUP_MEMBER to ranks outside it); call the op only on the group's ranks")
     if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group={group!r}: expected a torch.distributed ProcessGroup or None (for a DeviceMesh "
+        raise TypeError(f"{what}={group!r}: expected a torch.distributed ProcessGroup or None (for a DeviceMesh "
                         f"dimension pass mesh.get_group(dim)), got {type(group).__name__}")
     return group

@@ -425,3 +425,27 @@ def _dropped_closure_on_rank():
 
 def test_planted_lost_weight_grad_is_caught(rank_pool):
     assert rank_pool(2).run(_dropped_closure_on_rank) == ["caught", "caught"]
+
+
+def _cp_group_arguments_on_rank():
+    """cp_group went unchecked until the first forward (after the QKV gather under SP); a CP group
+    of one rank made zigzag refuse odd lengths, though it splits nothing."""
+    from overlapkernels.layers import ParallelSelfAttention
+
+    tp, one, world, rank = _groups()
+    refused = []
+    for bad in ([0, 1], "cp", 3):
+        try:
+            ParallelSelfAttention(16, 2, group=one, cp_group=bad, dtype=F64)
+        except TypeError as exc:
+            refused.append(str(exc).startswith(f"cp_group={bad!r}: expected a torch.distributed ProcessGroup"))
+    torch.manual_seed(0)
+    plain = ParallelSelfAttention(16, 2, group=one, dtype=F64)
+    torch.manual_seed(0)
+    cp_one = ParallelSelfAttention(16, 2, group=one, cp_group=one, cp_layout="zigzag", dtype=F64)
+    x = _randn(5, 1, 16, seed=2)  # odd length
+    return refused, cp_one.cp_group is None and torch.equal(cp_one(x), plain(x))
+
+
+def test_cp_group_is_checked_at_construction_and_one_rank_splits_nothing(rank_pool):
+    assert rank_pool(2).run(_cp_group_arguments_on_rank) == [([True] * 3, True)] * 2

@@ -231,3 +231,66 @@ def _one_stage_refuses_on_rank():
 def test_a_rank_refusing_its_gradients_leaves_no_rank_waiting(rank_pool):
     outcomes = sorted(rank_pool(4).run(_one_stage_refuses_on_rank))
     assert outcomes == [(0, "nan"), (0, "nan"), (1, "refused"), (1, "refused")]
+
+
+def _tags_of(module) -> dict:
+    return {name: (getattr(p, "tensor_model_parallel", None), getattr(p, "partition_dim", None),
+                   getattr(p, "sequence_parallel", None), getattr(p, "sequence_parallel_group", None))
+            for name, p in module.named_parameters()}
+
+
+def _meta_built_block_on_rank():
+    """Built on the meta device, then materialised (to_empty, or load_state_dict(assign=True)):
+    torch puts new Parameter objects in place, which lost every tag - and fsdp.shard, reading the
+    tags, no longer summed the SP norms' partial gradients over TP: after one step the TP ranks'
+    copies of a replicated norm weight differed (by 2e-2), silently. Also: nothing drawn on the
+    host for a meta build (it drew every full weight, then kept a slice)."""
+    from overlapkernels.layers import TransformerBlock
+    from overlapkernels.runtime import fsdp
+
+    dims = ok.init_parallel(tp=2)
+    drawn = []
+
+    def counting_init(t):
+        drawn.append(tuple(t.shape))
+        torch.nn.init.normal_(t, std=0.02)
+
+    def block(device=None):
+        return TransformerBlock(16, 2, 2, 32, dims.tp_group, sequence_parallel=True, method="baseline", dtype=F64,
+                                device=device, init_method=counting_init)
+
+    torch.manual_seed(0)
+    built = block()
+    start, want_tags, host_draws = built.state_dict(), _tags_of(built), len(drawn)
+    x = torch.randn(4, 2, 16, dtype=F64, generator=torch.Generator().manual_seed(1)).chunk(2, 0)[dist.get_rank()]
+    results = {}
+    for how in ("cpu", "to_empty", "assign"):
+        drawn.clear()
+        if how == "cpu":
+            model = block()
+            model.load_state_dict(start)
+        else:
+            model = block("meta")
+            results[f"{how} draws"] = len(drawn)
+            if how == "to_empty":
+                model = model.to_empty(device="cpu")
+                model.load_state_dict(start)
+            else:
+                model.load_state_dict({k: v if v is None else v.clone() for k, v in start.items()}, assign=True)
+        results[f"{how} tags"] = _tags_of(model) == want_tags
+        sharded = fsdp.shard(model, dims.dp_group, stage=2, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
+        sharded(x).pow(2).sum().backward()
+        sharded.step()
+        w = model.attn_norm.weight.detach().clone()
+        peers = [torch.empty_like(w) for _ in range(2)]
+        dist.all_gather(peers, w, group=dims.tp_group)
+        results[f"{how} replicated"] = torch.equal(peers[0], peers[1])
+    return host_draws, results
+
+
+def test_tags_survive_meta_device_construction(rank_pool):
+    for host_draws, results in rank_pool(2).run(_meta_built_block_on_rank):
+        assert host_draws == 7  # q, k, v, out, gate, up, down: the CPU build draws each full weight once
+        assert results == {"cpu tags": True, "cpu replicated": True, "to_empty draws": 0, "to_empty tags": True,
+                           "to_empty replicated": True, "assign draws": 0, "assign tags": True,
+                           "assign replicated": True}, results

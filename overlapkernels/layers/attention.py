@@ -12,7 +12,7 @@ from ..ops.sequence_shard import check_layout, segments
 from ..parallel import resolve_group
 from .linear import (DefersWeightGrad, RowParallelLinear, _MegatronExtraState, check_input, check_size, column_parallel,
                      divide, sharded_parameter)
-from .tags import remember_tensor_parallel
+from .tags import KeepsTags, remember_tensor_parallel
 
 
 def rope(x, positions, base: float = 10000.0):
@@ -26,7 +26,7 @@ def rope(x, positions, base: float = 10000.0):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-class ParallelSelfAttention(DefersWeightGrad, _MegatronExtraState, nn.Module):
+class ParallelSelfAttention(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn.Module):
     """Causal self-attention. QKV is column-parallel with one shared gather (H/P query heads and
     H_kv/P key/value heads per rank), the output projection row-parallel. With ``cp_group`` the
     sequence is also split over context-parallel ranks (laid out as ``cp_layout``) and attention
@@ -50,7 +50,11 @@ class ParallelSelfAttention(DefersWeightGrad, _MegatronExtraState, nn.Module):
         self.heads = divide(num_heads, tp, "num_heads")
         self.kv_heads = divide(num_kv_heads, tp, "num_kv_heads")
         self.head_dim = hidden // num_heads
-        self.cp_group, self.cp_layout = cp_group, check_layout(cp_layout, "cp_layout")
+        # checked here, not at the first forward (after the QKV gather); a CP group of one rank splits
+        # nothing: attention as without one (zigzag would otherwise refuse odd lengths for nothing)
+        cp_group = None if cp_group is None else resolve_group(cp_group, "cp_group")
+        self.cp_group = None if cp_group is None or dist.get_world_size(cp_group) == 1 else cp_group
+        self.cp_layout = check_layout(cp_layout, "cp_layout")
         self.sequence_parallel, self.method, self.rope_base = sequence_parallel, check_method(method), rope_base
         d = self.head_dim
         self.q_weight = sharded_parameter((num_heads * d, hidden), 0, self.group, init_method, dtype, device)

@@ -9,7 +9,7 @@ from ..ops._validate import check_ids
 from ..ops.tp_regions import reduce_from_tp_region, reduce_scatter_first_dim
 from ..parallel import resolve_group
 from .linear import check_size, divide, sharded_parameter
-from .tags import remember_tensor_parallel
+from .tags import KeepsTags, remember_tensor_parallel
 
 
 def check_token_ids(tokens, num_embeddings: int) -> None:
@@ -23,7 +23,7 @@ def check_token_ids(tokens, num_embeddings: int) -> None:
               f"VocabParallelEmbedding: token ids outside [0, {num_embeddings})")
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(KeepsTags, nn.Module):
     """weight [V/P, E]: rank r holds token ids [r V/P, (r+1) V/P). tokens [B, S] -> [B, S, E], or with
     ``sequence_parallel`` [S/P, B, E] (reduce-scattered along the sequence, as Megatron does).
 

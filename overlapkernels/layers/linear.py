@@ -21,7 +21,7 @@ from ..ops.matmul_reduce_scatter import linear_reduce_scatter
 from ..ops.tp_regions import copy_to_tp_region, gather_last_dim, reduce_from_tp_region, split_last_dim
 from ..parallel import resolve_group
 from .norm import mark_sequence_parallel
-from .tags import mark_tensor_parallel, remember_tensor_parallel
+from .tags import KeepsTags, mark_tensor_parallel, remember_tensor_parallel
 
 
 def default_init(weight: torch.Tensor) -> None:
@@ -53,8 +53,16 @@ def check_input(layer: nn.Module, x, features: int, what: str) -> None:
 
 
 def sharded_parameter(full_shape, partition_dim: int, group, init_method, dtype, device) -> nn.Parameter:
-    """This rank's slice of a full weight made by ``init_method``, tagged the way Megatron tags it."""
+    """This rank's slice of a full weight made by ``init_method``, tagged the way Megatron tags it.
+    On the meta device only the slice's shape: no full weight drawn on the host (building on meta is
+    for models too big to draw; their values come from a state dict after ``to_empty``)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if device is not None and torch.device(device).type == "meta":
+        local_shape = list(full_shape)
+        local_shape[partition_dim] //= world  # (divisibility checked by the layer)
+        param = nn.Parameter(torch.empty(local_shape, dtype=dtype or torch.get_default_dtype(), device="meta"))
+        mark_tensor_parallel(param, partition_dim)
+        return param
     full = torch.empty(full_shape, dtype=torch.float32)
     (init_method or default_init)(full)
     local = full.chunk(world, dim=partition_dim)[rank]
@@ -110,7 +118,7 @@ class DefersWeightGrad:
     defer_weight_grad = False
 
 
-class ColumnParallelLinear(DefersWeightGrad, _MegatronExtraState, nn.Module):
+class ColumnParallelLinear(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn.Module):
     """Y = X A^T + b with A split by rows (output features) over the TP group."""
 
     def __init__(self, in_features, out_features, group=None, *, bias=True, gather_output=False,
@@ -145,7 +153,7 @@ class ColumnParallelLinear(DefersWeightGrad, _MegatronExtraState, nn.Module):
                 f"method={self.method!r}")
 
 
-class RowParallelLinear(DefersWeightGrad, _MegatronExtraState, nn.Module):
+class RowParallelLinear(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn.Module):
     """Y = X A^T + b with A split by columns (input features); b added once, after the reduction."""
 
     def __init__(self, in_features, out_features, group=None, *, bias=True, input_is_parallel=True,

@@ -9,10 +9,10 @@ from ..ops.dispatch import check_method
 from ..parallel import resolve_group
 from .linear import (DefersWeightGrad, RowParallelLinear, _MegatronExtraState, check_input, check_size, column_parallel,
                      divide, sharded_parameter)
-from .tags import remember_tensor_parallel
+from .tags import KeepsTags, remember_tensor_parallel
 
 
-class ParallelMLP(DefersWeightGrad, _MegatronExtraState, nn.Module):
+class ParallelMLP(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn.Module):
     """down(silu(x W_gate^T) * (x W_up^T)); W_gate, W_up [ffn/P, hidden] per rank, W_down [hidden, ffn/P].
     x and the output are [S/P, B, hidden] with sequence parallelism, [S, B, hidden] without."""
 

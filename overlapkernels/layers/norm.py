@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..comm.collectives import all_reduce_coalesced
-from .tags import SEQUENCE_PARALLEL, remembered
+from .tags import SEQUENCE_PARALLEL, KeepsTags, remembered
 
 
 def mark_sequence_parallel(param: nn.Parameter, sequence_parallel: bool, group=None, *,
@@ -42,7 +42,7 @@ def mark_sequence_parallel(param: nn.Parameter, sequence_parallel: bool, group=N
             remembered_here.pop(name, None)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(KeepsTags, nn.Module):
     def __init__(self, hidden, eps=1e-5, *, sequence_parallel=False, group=None, dtype=None, device=None):
         super().__init__()
         self.eps = eps
@@ -55,7 +55,7 @@ class RMSNorm(nn.Module):
         return normed.to(x.dtype) * self.weight
 
 
-class LayerNorm(nn.LayerNorm):
+class LayerNorm(KeepsTags, nn.LayerNorm):
     def __init__(self, hidden, eps=1e-5, *, sequence_parallel=False, group=None, dtype=None, device=None):
         super().__init__(hidden, eps=eps, dtype=dtype, device=device)
         for p in self.parameters():

@@ -7,7 +7,10 @@ is tagged ``sequence_parallel`` (see ``norm.py``). Wrappers that replace paramet
 FSDP2 ``fully_shard`` does with DTensors, drop attributes set on the old objects; a clip that then
 counts a TP-split weight as a replica clips each TP rank by a different factor, and their
 replicated weights drift apart silently. So the owning module also remembers the names, and
-``remembered`` finds whatever object holds each name now.
+``remembered`` finds whatever object holds each name now. torch itself replaces Parameter objects
+too - ``to_empty()`` after building on the meta device, ``.to()`` across device types,
+``load_state_dict(assign=True)`` - and ``KeepsTags`` puts the tags back on the new ones
+(``retag``): fsdp.shard reads them, and so does Megatron-style client code.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from .. import _compat
 
 TENSOR_PARALLEL = "_tensor_parallel_params"  # on the owner: {parameter name: partition_dim}
 SEQUENCE_PARALLEL = "_sequence_parallel_params"  # on the owner: {parameter name: TP group or None}
+CONTEXT_PARALLEL = "_context_parallel_group"  # on a model: the CP group all its gradients are partial over
 
 
 def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> None:
@@ -72,3 +76,38 @@ def tensor_parallel_parameters(module: nn.Module, sharded: dict | None = None) -
         return split.get(id(param), tagged)
 
     return [(names, param, partition_dim(param)) for names, param in found.values()]
+
+
+def retag(module: nn.Module, *, recurse: bool = True) -> None:
+    """Put the remembered tags back on whatever Parameter objects ``module`` (and with ``recurse``
+    its submodules) holds now."""
+    for sub in module.modules() if recurse else (module,):
+        memory = sub.__dict__
+        for name, dim in memory.get(TENSOR_PARALLEL, {}).items():
+            param = sub._parameters.get(name)
+            if param is not None and not getattr(param, "tensor_model_parallel", False):
+                mark_tensor_parallel(param, dim)
+        for name, group in memory.get(SEQUENCE_PARALLEL, {}).items():
+            param = sub._parameters.get(name)
+            if param is not None:
+                param.sequence_parallel = True
+                if group is not None:
+                    param.sequence_parallel_group = group
+        if memory.get(CONTEXT_PARALLEL) is not None:
+            for param in sub.parameters():
+                param.context_parallel_group = memory[CONTEXT_PARALLEL]
+
+
+class KeepsTags:
+    """Mixin (before ``nn.Module``) for a module that tags its own parameters: the tags come back
+    after the operations that put new Parameter objects in its place (``_apply`` serves
+    ``to_empty``, ``to``, ``cuda``, ``half``...; ``_load_from_state_dict`` serves ``assign=True``)."""
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        retag(self, recurse=False)  # (the children's own _apply retag theirs)
+        return out
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        retag(self, recurse=False)

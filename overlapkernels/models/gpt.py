@@ -19,6 +19,7 @@ from ..comm.collectives import all_reduce_coalesced
 from ..layers import ColumnParallelLinear, RMSNorm, TransformerBlock, VocabParallelEmbedding
 from ..layers.embedding import check_token_ids
 from ..layers.norm import allreduce_sequence_parallel_grads
+from ..layers.tags import CONTEXT_PARALLEL, KeepsTags, retag
 from ..ops.cross_entropy import check_target_ids, vocab_parallel_cross_entropy
 from ..ops.sequence_shard import shard_sequence
 
@@ -44,7 +45,7 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name}={value!r}: expected an integer >= 1")
 
 
-class GPT(nn.Module):
+class GPT(KeepsTags, nn.Module):
     """The whole model, or with ``pipeline_stage=(s, n)`` stage s of n: the embedding on stage 0,
     layers [s L/n, (s+1) L/n), the final norm and LM head on stage n-1. Parameter names are the
     whole model's (blocks keep their global index), so dense state dicts shard onto any stage."""
@@ -86,8 +87,8 @@ class GPT(nn.Module):
             self.lm_head = ColumnParallelLinear(config.hidden, config.vocab_size, tp, bias=False,
                                                 sequence_parallel=sp, method=config.method, **kw)
         if self.cp_group is not None:  # every gradient is partial over CP: fsdp.shard sums it there
-            for p in self.parameters():
-                p.context_parallel_group = self.cp_group
+            self.__dict__[CONTEXT_PARALLEL] = self.cp_group  # (remembered: see layers.tags)
+            retag(self, recurse=False)
 
     def check_ids(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         """The whole batch's token and target ids, checked on every rank before any rank takes its

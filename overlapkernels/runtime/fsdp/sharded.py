@@ -82,6 +82,10 @@ def _shared_parameters(model: nn.Module, modules) -> set:
 class ShardedModule(nn.Module):
     def __init__(self, model, group, *, stage, optimizer, prefetch, param_dtype, reduce_dtype, units):
         super().__init__()
+        # the tags say which gradients are partial over TP (SP) or CP: put back any that torch
+        # dropped with the Parameter objects it replaced, in containers that are not our layers
+        from ...layers.tags import retag
+        retag(model)
         if stage >= 2:
             _check_sequence_parallel_tags(model, stage)
         self.module, self.group, self.stage, self.prefetch = model, group, stage, prefetch
