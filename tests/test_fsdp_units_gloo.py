@@ -1,5 +1,7 @@
 """fsdp.shard: which parameters go into which unit - frozen and unused ones left alone, ones that
 two units (or a unit and the root) share kept in the root unit - each vs single-process training."""
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -235,3 +237,58 @@ def test_an_optimizer_factory_that_fails_leaves_the_model_as_it_was(rank_pool):
         assert tags == [], f"a refused shard() tagged {tags}"
         for got, want in zip(retried, fresh):
             torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+class BranchBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(D_IN, D_IN), nn.Linear(D_IN, D_IN)
+
+    def forward(self, x, use_b=True):
+        h = torch.tanh(self.a(x))
+        return self.b(h) if use_b else h
+
+
+class BranchNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blk, self.out = BranchBlock(), nn.Linear(D_IN, 3)
+
+    def forward(self, x, use_b=True):
+        return self.out(self.blk(x, use_b))
+
+
+def _gradless_in_a_unit_on_rank(stage, case, opt_name):
+    """``blk.b`` gets no gradient in the last two steps - a branch not taken, or frozen mid-training
+    - while the rest of its unit does: its slice of the unit's flat master got a zero gradient, and
+    AdamW's weight decay (SGD's momentum) still moved it, where torch skips a parameter whose grad
+    is None."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    make = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+            "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.1)}[opt_name]
+    torch.manual_seed(0)
+    ref = BranchNet().double()
+    sharded = fsdp.shard(copy.deepcopy(ref), stage=stage, optimizer=make)
+    ref_opt = make(list(ref.parameters()))
+    for step, (x, y) in enumerate(_batches(4, 2, world)):
+        use_b = step < 2 or case == "frozen"
+        if step == 2 and case == "frozen":
+            for model in (ref, sharded.module):
+                model.blk.b.requires_grad_(False)
+        ref_opt.zero_grad()
+        _loss(ref(x, use_b), y).backward()
+        ref_opt.step()
+        mine = slice(rank * 2, (rank + 1) * 2)
+        _loss(sharded(x[mine], use_b), y[mine]).backward()
+        sharded.step()
+    got = sharded.full_state_dict()
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(got[name], want, atol=1e-12, rtol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+@pytest.mark.parametrize("case", ["branch", "frozen"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_parameter_without_gradient_in_a_unit_with_gradients_is_left_alone(rank_pool, stage, case, opt_name):
+    assert rank_pool(2).run(_gradless_in_a_unit_on_rank, stage, case, opt_name) == [True, True]

@@ -66,6 +66,7 @@ class FlatUnit:
         self.pending_reduce = []     # (work, output) of async reduce-scatters in flight
         self.grads_ready = 0
         self.grad_seen = False      # this rank reduced a gradient of its own for the unit this step
+        self.param_grad_seen = [False] * len(params)  # the same, per parameter
         self.grad_anywhere = False  # some rank did (agreed): else the optimizer skips the unit
         self.bytes_gathered = self.bytes_reduced = 0  # full-buffer bytes each collective covered
 
@@ -142,10 +143,11 @@ class FlatUnit:
         for group, grads in sp_groups.items():
             all_reduce_coalesced(grads, group)
         offset = 0
-        for p, n in zip(self.params, self.numels):
+        for i, (p, n) in enumerate(zip(self.params, self.numels)):
             if p.grad is not None:
                 flat_grad[offset:offset + n].copy_(p.grad.reshape(-1))
                 p.grad = None
+                self.param_grad_seen[i] = True
             offset += n
         flat_grad.div_(self.world)  # DDP semantics: the mean over ranks
         out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
@@ -172,6 +174,13 @@ class FlatUnit:
             self.master.grad = torch.zeros_like(self.master)
         self.master.grad += total
         self.pending_reduce = []
+
+    def master_slice(self, i: int) -> slice:
+        """Where parameter ``i`` lies in this rank's master shard (empty if elsewhere)."""
+        begin = sum(self.numels[:i])
+        start = self.rank * self.shard_numel
+        lo = min(max(begin - start, 0), self.shard_numel)
+        return slice(lo, max(lo, min(begin + self.numels[i] - start, self.shard_numel)))
 
     def has_full_grads(self) -> bool:
         return any(p.grad is not None for p in self.params)

@@ -16,7 +16,8 @@ feeding fp32.
 At stages 2/3 a unit reduces as soon as all its parameters have gradients, so every rank of the
 DP (and CP) group must produce gradients for the same units in a step, as the model's code path
 does unless it branches on data or rank (unused parameters are fine: they are reduced at the end
-of backward by a collective decision).
+of backward by a collective decision, and ``step`` leaves a parameter no rank had a gradient for as
+it was, with its optimizer state).
 """
 from __future__ import annotations
 
@@ -367,6 +368,7 @@ class ShardedModule(nn.Module):
             unit.pending_reduce = []
             unit.master.grad = torch.zeros_like(unit.master)
             unit.grad_seen = unit.grad_anywhere = False
+            unit.param_grad_seen = [False] * len(unit.params)
             # stage 3: units kept gathered (no_sync(reshard_after_backward=False), a backward that
             # raised) go back to their shards; the next forward or backward gathers them again. Not
             # the root: a backward still to come reads it without gathering it
@@ -398,13 +400,47 @@ class ShardedModule(nn.Module):
         return clip_grad_norm_([self], max_norm, norm_type, dims=dims, error_if_nonfinite=error_if_nonfinite,
                                foreach=foreach)
 
+    def _gradless_slices(self) -> list:
+        """(unit, master slices) of the parameters no rank had a gradient for this step, in units
+        that others had gradients in: the optimizer steps a unit's master as one tensor, so they get
+        a zero gradient - which weight decay and momentum still move, where torch skips a parameter
+        whose grad is None (a branch not taken, an expert without tokens, one frozen mid-training).
+        One all-reduce of a flag per parameter, on every rank alike."""
+        units = [u for u in self.all_units if u.grad_anywhere]
+        flags = self._agree_on_gradients([f for u in units for f in u.param_grad_seen]) if units else []
+        found, k = [], 0
+        for unit in units:
+            gradless = [unit.master_slice(i) for i, seen in enumerate(flags[k:k + len(unit.params)]) if not seen]
+            k += len(unit.params)
+            if gradless:
+                found.append((unit, gradless))
+        return found
+
+    def _held(self, gradless: list) -> list:
+        """Copies of the master and optimizer-state elements of those parameters (to put back after
+        the step): state tensors shaped like the master, elementwise (Adam's moments, momentum)."""
+        held = []
+        for unit, slices in gradless:
+            state = self.optimizer.state.get(unit.master, {})
+            tensors = [unit.master.data] + [t for t in state.values()
+                                            if torch.is_tensor(t) and t.shape == unit.master.shape]
+            held += [(t, s, t[s].clone()) for t in tensors for s in slices if s.stop > s.start]
+        return held
+
     def step(self) -> None:
-        """Optimizer step on the local shards, zero the gradients, re-publish the parameters."""
+        """Optimizer step on the local shards, zero the gradients, re-publish the parameters.
+        Parameters without a gradient on any rank are left as they were, with their optimizer
+        state (as torch skips them; a step counter shared by the unit still advances)."""
         self._finish_gradients()
+        held = self._held(self._gradless_slices())
         self.optimizer.step()
+        with torch.no_grad():
+            for tensor, where, before in held:
+                tensor[where] = before
         for unit in self.all_units:
             unit.master.grad = torch.zeros_like(unit.master)
             unit.grad_seen = unit.grad_anywhere = False
+            unit.param_grad_seen = [False] * len(unit.params)
             if self.stage < 3:
                 unit.publish()
         self._step_open = False
