@@ -371,3 +371,22 @@ def test_checkpoint_under_tp2_by_dp2(rank_pool, tmp_path):
     assert rank_pool(2).run(_tp_dp_checkpoint_on_rank, path, False) == [True] * 2
     for message in rank_pool(2).run(_tp1_load_on_rank, path):  # TP=1: another model split, refused
         assert "holds 2 model parts (one per tp/pp/cp coordinate); this job has 1" in message, message
+
+
+def _same_numels_other_shapes_on_rank(path):
+    """Units of as many elements in other shapes (a transposed Linear): the numel check passed and
+    the weights loaded reshaped, silently. Each parameter's name and shape are now compared."""
+    saved = fsdp.shard(nn.Sequential(nn.Linear(2, 3, bias=False), nn.Linear(3, 4)).double(), stage=2)
+    fsdp.save(saved, path)
+    other = fsdp.shard(nn.Sequential(nn.Linear(3, 2, bias=False), nn.Linear(3, 4)).double(), stage=2)
+    try:
+        fsdp.load(other, path)
+    except ValueError as exc:
+        return str(exc).split(": ", 1)[1]
+    return "loaded"
+
+
+def test_a_checkpoint_of_other_parameter_shapes_is_refused_by_name(rank_pool, tmp_path):
+    want = ("unit '0' holds parameters [['0.weight', [3, 2]]] ([name, shape]); this model has "
+            "[['0.weight', [2, 3]]]")
+    assert rank_pool(2).run(_same_numels_other_shapes_on_rank, str(tmp_path / "ckpt")) == [want, want]

@@ -47,6 +47,15 @@ def _units(sharded) -> list:
     return [[u.name, u.numel] for u in sharded.all_units]
 
 
+def _unit_params(sharded) -> list:
+    """Per unit, ``[name, shape]`` of each parameter in its flat buffer: a model whose units hold as
+    many elements in other shapes (Linear(2, 3) for Linear(3, 2)) would otherwise load reshaped."""
+    names = {}
+    for name, p in sharded.module.named_parameters():
+        names.setdefault(id(p), name)
+    return [[[names.get(id(p), "?"), list(shape)] for p, shape in zip(u.params, u.shapes)] for u in sharded.all_units]
+
+
 def _units_by_index(sharded) -> dict:
     """Optimizer parameter index -> the unit whose master it is (the state-dict numbering runs
     through the param groups in order, which a custom optimizer factory may have rearranged)."""
@@ -227,7 +236,7 @@ def save(sharded, path) -> None:
     optim = sharded.optimizer.state_dict()
     (plan, problem), buffer_plan = _plan_optim(sharded, optim["state"]), _plan_buffers(sharded)
     mine = {"world_size": dist.get_world_size(sharded.group), "stage": sharded.stage, "units": _units(sharded),
-            "param_groups": json_groups(optim["param_groups"]), "optim": plan, "buffers": buffer_plan}
+            "unit_params": _unit_params(sharded), "param_groups": json_groups(optim["param_groups"]), "optim": plan, "buffers": buffer_plan}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (part, mine, problem))
     problem = next((p for _, _, p in everyone if p is not None), None)
@@ -328,6 +337,11 @@ def _check(sharded, path, meta, part, parts) -> str | None:
     mine = meta["parts"][part] if "parts" in meta else meta
     if mine["units"] != _units(sharded):
         return f"checkpoint {path!r} holds units {mine['units']} ([name, numel]); this model has {_units(sharded)}"
+    if "unit_params" in mine:  # (checkpoints written before 2026-11-30 hold numels only)
+        for unit, saved, have in zip(sharded.all_units, mine["unit_params"], _unit_params(sharded)):
+            if saved != have:
+                return (f"checkpoint {path!r}: unit {unit.name!r} holds parameters {saved} ([name, shape]); this "
+                        f"model has {have}")
     world = dist.get_world_size(sharded.group)
     per_rank = sorted(name for name, entry in mine["optim"].items()
                       if entry["kind"] == "per_rank" or (entry["kind"] == "value" and "values" in entry))
