@@ -137,3 +137,34 @@ def _zero_grad_signature_on_rank():
 
 def test_zero_grad_takes_set_to_none(rank_pool):
     assert rank_pool(2).run(_zero_grad_signature_on_rank) == [True, True]
+
+
+class LoRABlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(D_IN, D_IN).requires_grad_(False)  # frozen pretrained weight
+        self.lora_a, self.lora_b = nn.Linear(D_IN, 2, bias=False), nn.Linear(2, D_IN, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+def _lora_in_bf16_on_rank(stage):
+    """param_dtype cast the inputs and the trainable parameters but not the frozen base (outside
+    every unit): its first matmul failed on a dtype mismatch. The forward now equals the whole model
+    run in bf16, and only the adapters train."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(LoRABlock(), LoRABlock())
+    sharded = fsdp.shard(copy.deepcopy(ref), stage=stage, optimizer=SGD, param_dtype=torch.bfloat16)
+    x = torch.randn(3, D_IN)
+    out = sharded(x)
+    same = torch.equal(out, copy.deepcopy(ref).to(torch.bfloat16)(x.to(torch.bfloat16)))
+    out.float().sum().backward()
+    sharded.step()
+    base_kept = all(torch.equal(sharded.module[i].base.weight, ref[i].base.weight.to(torch.bfloat16)) for i in range(2))
+    return same, base_kept, sorted({str(p.dtype) for p in sharded.module.parameters()})
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_frozen_parameters_compute_in_param_dtype(rank_pool, stage):
+    assert rank_pool(2).run(_lora_in_bf16_on_rank, stage) == [(True, True, ["torch.bfloat16"])] * 2

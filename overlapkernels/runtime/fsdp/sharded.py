@@ -11,7 +11,7 @@ partial per TP rank; each unit sums them over the parameter's ``sequence_paralle
 before reducing over DP; under context parallelism each reduced shard is then summed over the
 units' ``context_parallel_group`` (CP peers own the same shard). Mixed precision as in torch FSDP2:
 with ``param_dtype`` the floating inputs of the wrapped model are cast to it, so callers can keep
-feeding fp32.
+feeding fp32, and so are its frozen floating parameters (kept whole, in that dtype only).
 
 At stages 2/3 a unit reduces as soon as all its parameters have gradients, so every rank of the
 DP (and CP) group must produce gradients for the same units in a step, as the model's code path
@@ -133,6 +133,13 @@ class ShardedModule(nn.Module):
                             "expected a torch.optim.Optimizer over the list of shard parameters it was given")
         for unit in self.all_units:
             unit.attach()
+        if param_dtype is not None:
+            # frozen parameters compute in param_dtype too, as under FSDP2's mixed precision: they
+            # stay out of the units (unsharded, never updated), so this copy is their only one; left
+            # as they were, a frozen fp32 base beside bf16 adapters (LoRA) failed in its first matmul
+            for p in model.parameters():
+                if not p.requires_grad and p.is_floating_point() and p.dtype != param_dtype:
+                    p.data = p.data.to(param_dtype)
         self._param_unit = {id(p): u for u in self.all_units for p in u.params}
         model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         for unit in self.all_units:  # stage 3 frees parameters: a state dict of them would be empty
