@@ -186,7 +186,8 @@ for dname, dt in DT.items():
                   a, b, out, arrived, err, M, N, kk, EPOCH, BUDGET.amount, a.stride(0), a.stride(1), b.stride(0),
                   b.stride(1), out.stride(0), out.stride(1), R, a_desc, b_desc, WORLD=W, DOT_PRECISION=prec,
                   TIMED=BUDGET.timed, PROXY_FENCE=tma, **descs, beside_flag_kernel=True, ptx_re=(ACQUIRE_SYS,),
-                  ptx_has=(TMA_LOADS, "fence.proxy.async") if tma else (),
+                  # .global: triton's own fence.proxy.async.shared::cta is in every TMA/wgmma kernel
+                  ptx_has=(TMA_LOADS, "fence.proxy.async.global") if tma else (),
                   ptx_not=TMA_STORES if tma else NO_TMA, **cfg.meta(kk))
             table = t(W, dtype=torch.int64)
             check(f"_gemm_rs_kernel {tag}", RS._gemm_rs_kernel,

@@ -390,3 +390,27 @@ def test_a_checkpoint_of_other_parameter_shapes_is_refused_by_name(rank_pool, tm
     want = ("unit '0' holds parameters [['0.weight', [3, 2]]] ([name, shape]); this model has "
             "[['0.weight', [2, 3]]]")
     assert rank_pool(2).run(_same_numels_other_shapes_on_rank, str(tmp_path / "ckpt")) == [want, want]
+
+
+class _Wrapped(nn.Module):
+    """Renames its child's parameters (as activation checkpointing's wrapper does), same layout."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def _renamed_by_a_wrapper_on_rank(path):
+    saved = fsdp.shard(nn.Sequential(nn.Linear(2, 3)).double(), stage=2)
+    fsdp.save(saved, path)
+    wrapped = fsdp.shard(nn.Sequential(_Wrapped(nn.Linear(2, 3))).double(), stage=2)
+    fsdp.load(wrapped, path)
+    return torch.equal(wrapped.full_state_dict()["0.inner.weight"], saved.full_state_dict()["0.weight"])
+
+
+def test_a_checkpoint_loads_into_the_same_layout_under_other_names(rank_pool, tmp_path):
+    """Names only help the refusal's message: the shapes decide (a wrapper renames parameters)."""
+    assert rank_pool(2).run(_renamed_by_a_wrapper_on_rank, str(tmp_path / "ckpt")) == [True, True]

@@ -339,7 +339,9 @@ def _check(sharded, path, meta, part, parts) -> str | None:
         return f"checkpoint {path!r} holds units {mine['units']} ([name, numel]); this model has {_units(sharded)}"
     if "unit_params" in mine:  # (checkpoints written before 2026-11-30 hold numels only)
         for unit, saved, have in zip(sharded.all_units, mine["unit_params"], _unit_params(sharded)):
-            if saved != have:
+            # shapes decide; names only help the message (a wrapper - activation checkpointing,
+            # torch.compile - renames parameters without changing the flat layout)
+            if [shape for _, shape in saved] != [shape for _, shape in have]:
                 return (f"checkpoint {path!r}: unit {unit.name!r} holds parameters {saved} ([name, shape]); this "
                         f"model has {have}")
     world = dist.get_world_size(sharded.group)

@@ -111,8 +111,13 @@ class FlatUnit:
                 self.wait_gather()
             return
         self.flat.untyped_storage().resize_(self.flat_bytes)
-        if not async_op:  # an async gather's parameters view the buffer only once it has landed
-            self._view_params()  # (wait_gather): read before, they are empty - an error, not a race
+        # an async gather's parameters view the buffer only once it has landed (wait_gather): read
+        # outside the unit's forward before that, they are empty at a step's first forward (an
+        # error, not a race). Later in a step (accumulation) they keep their shapes over the same
+        # storage (autograd's saved views need it), so such a read is not caught: reading a unit's
+        # parameters outside its forward is unsupported at stage 3, as under FSDP2
+        if not async_op:
+            self._view_params()
         staged = self.master.detach().to(self.param_dtype)
         with span(f"ok/fsdp/{self.name}/gather/comm"):
             work = all_gather_single(self.flat, staged, group=self.group, async_op=async_op)

@@ -11,7 +11,8 @@ partial per TP rank; each unit sums them over the parameter's ``sequence_paralle
 before reducing over DP; under context parallelism each reduced shard is then summed over the
 units' ``context_parallel_group`` (CP peers own the same shard). Mixed precision as in torch FSDP2:
 with ``param_dtype`` the floating inputs of the wrapped model are cast to it, so callers can keep
-feeding fp32, and so are its frozen floating parameters (kept whole, in that dtype only).
+feeding fp32; frozen parameters stay as they are (a warning names those in another dtype: cast
+them yourself if they compute in the forward).
 
 At stages 2/3 a unit reduces as soon as all its parameters have gradients, so every rank of the
 DP (and CP) group must produce gradients for the same units in a step, as the model's code path
@@ -22,16 +23,36 @@ it was, with its optimizer state).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import warnings
 import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.utils import _apply_to_tensors
 from torch.utils._pytree import tree_map
 
 from ...profiling.ranges import span
 from .flat_unit import FlatUnit, check_unit_params
+
+
+def _each_tensor(value, fn, depth: int = 0) -> None:
+    """``fn(t)`` for every tensor in a unit's output: inside dicts, lists, tuples (named too), sets
+    and dataclasses, which pytree takes for leaves. Read in place, never rebuilt (torch FSDP's
+    ``_apply_to_tensors`` rebuilds dataclasses with ``replace``, which refuses init=False fields)."""
+    if torch.is_tensor(value):
+        fn(value)
+    elif depth > 32:  # a self-referencing output: enough
+        return
+    elif isinstance(value, dict):
+        for v in value.values():
+            _each_tensor(v, fn, depth + 1)
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        for v in value:
+            _each_tensor(v, fn, depth + 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            _each_tensor(getattr(value, field.name, None), fn, depth + 1)
 
 
 def _callable(mod: nn.Module) -> bool:
@@ -134,12 +155,7 @@ class ShardedModule(nn.Module):
         for unit in self.all_units:
             unit.attach()
         if param_dtype is not None:
-            # frozen parameters compute in param_dtype too, as under FSDP2's mixed precision: they
-            # stay out of the units (unsharded, never updated), so this copy is their only one; left
-            # as they were, a frozen fp32 base beside bf16 adapters (LoRA) failed in its first matmul
-            for p in model.parameters():
-                if not p.requires_grad and p.is_floating_point() and p.dtype != param_dtype:
-                    p.data = p.data.to(param_dtype)
+            _warn_frozen_in_another_dtype(model, param_dtype)
         self._param_unit = {id(p): u for u in self.all_units for p in u.params}
         model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         for unit in self.all_units:  # stage 3 frees parameters: a state dict of them would be empty
@@ -239,9 +255,7 @@ class ShardedModule(nn.Module):
                     if t.requires_grad:
                         t.register_hook(self._pre_backward(unit))
                         self._step_open = True
-                    return t
-                # torch FSDP's walk over outputs: dataclasses too, which pytree takes for leaves
-                _apply_to_tensors(arm, output)
+                _each_tensor(output, arm)
             if self.stage == 3 and not self._keep_gathered:
                 unit.free(keep_shapes=self._step_open)
             return output
@@ -473,6 +487,21 @@ class ShardedModule(nn.Module):
             else:  # buffers, and non-tensor extra state (Megatron's _extra_state)
                 out[name] = t.detach().clone() if torch.is_tensor(t) else t
         return out
+
+
+def _warn_frozen_in_another_dtype(model: nn.Module, param_dtype: torch.dtype) -> None:
+    """Frozen parameters stay out of the units - whole, never cast - so under ``param_dtype`` a
+    frozen fp32 base beside bf16 adapters (LoRA) meets bf16 activations in its first matmul and
+    fails there. Not cast here: that copy would be their only one, and checkpoints and
+    ``full_state_dict`` would then hold them rounded (FSDP2 casts only a compute copy)."""
+    names = [n for n, p in model.named_parameters() if not p.requires_grad and p.is_floating_point()
+             and p.dtype != param_dtype]
+    if names:
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        warnings.warn(f"fsdp.shard(param_dtype={param_dtype}): frozen parameters {shown} are not in that dtype; "
+                      "fsdp neither shards nor casts frozen parameters, so they would meet "
+                      f"{param_dtype} activations as they are: cast them (e.g. model.base.to({param_dtype})) "
+                      "before shard() if they compute in the forward", stacklevel=4)
 
 
 def _check_sequence_parallel_tags(model: nn.Module, stage: int) -> None:
