@@ -294,3 +294,40 @@ def test_tags_survive_meta_device_construction(rank_pool):
         assert results == {"cpu tags": True, "cpu replicated": True, "to_empty draws": 0, "to_empty tags": True,
                            "to_empty replicated": True, "assign draws": 0, "assign tags": True,
                            "assign replicated": True}, results
+
+
+def _reset_parameters_on_rank():
+    """After a meta build and to_empty, reset_parameters() redraws each layer as construction did:
+    with the same seed, the same values (one full weight per seed, this rank's slice)."""
+    from overlapkernels.layers import (ParallelMLP, ParallelSelfAttention, RMSNorm, TransformerBlock,
+                                       VocabParallelEmbedding)
+
+    dims = ok.init_parallel(tp=2)
+    tp = dims.tp_group
+    makers = {"column": lambda **kw: ColumnParallelLinear(8, 6, tp, **kw),
+              "row": lambda **kw: RowParallelLinear(8, 6, tp, **kw),
+              "embedding": lambda **kw: VocabParallelEmbedding(10, 4, tp, **kw),
+              "attention": lambda **kw: ParallelSelfAttention(16, 2, 2, tp, **kw),
+              "mlp": lambda **kw: ParallelMLP(8, 12, tp, **kw),
+              "norm": lambda **kw: RMSNorm(8, **kw),
+              "block": lambda **kw: TransformerBlock(16, 2, 2, 32, tp, **kw)}
+    same = {}
+    for name, make in makers.items():
+        torch.manual_seed(7)
+        built = make(dtype=F64)
+        with torch.no_grad():  # a norm's weight starts at ones: move it so the reset has work to do
+            for p in built.parameters():
+                if name == "norm":
+                    p.mul_(3)
+        empty = make(dtype=F64, device="meta").to_empty(device="cpu")
+        torch.manual_seed(7)
+        empty.reset_parameters()
+        want = make(dtype=F64) if name == "norm" else built
+        same[name] = all(torch.equal(a, b) for a, b in zip(empty.state_dict().values(), want.state_dict().values())
+                         if torch.is_tensor(a))
+    return same
+
+
+def test_reset_parameters_redraws_a_meta_build_as_construction_did(rank_pool):
+    for same in rank_pool(2).run(_reset_parameters_on_rank):
+        assert same == dict.fromkeys(["column", "row", "embedding", "attention", "mlp", "norm", "block"], True), same

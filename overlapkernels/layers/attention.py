@@ -11,6 +11,7 @@ from ..ops.ring_attention import ring_attention
 from ..ops.sequence_shard import check_layout, segments
 from ..parallel import resolve_group
 from .linear import (DefersWeightGrad, RowParallelLinear, _MegatronExtraState, check_input, check_size, column_parallel,
+                     redraw_sharded_,
                      divide, sharded_parameter)
 from .tags import KeepsTags, remember_tensor_parallel
 
@@ -57,12 +58,20 @@ class ParallelSelfAttention(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn
         self.cp_layout = check_layout(cp_layout, "cp_layout")
         self.sequence_parallel, self.method, self.rope_base = sequence_parallel, check_method(method), rope_base
         d = self.head_dim
+        self.init_method = init_method
         self.q_weight = sharded_parameter((num_heads * d, hidden), 0, self.group, init_method, dtype, device)
         self.k_weight = sharded_parameter((num_kv_heads * d, hidden), 0, self.group, init_method, dtype, device)
         self.v_weight = sharded_parameter((num_kv_heads * d, hidden), 0, self.group, init_method, dtype, device)
         self.out = RowParallelLinear(hidden, hidden, self.group, bias=False, sequence_parallel=sequence_parallel,
                                      method=method, dtype=dtype, device=device, init_method=init_method)
         remember_tensor_parallel(self)
+
+    def reset_parameters(self) -> None:
+        """Redraw as construction did (q, k, v, then the output projection): the same values for the
+        same seed, called on this layer."""
+        for weight in (self.q_weight, self.k_weight, self.v_weight):
+            redraw_sharded_(weight, 0, self.group, self.init_method)
+        self.out.reset_parameters()
 
     def _check_length(self, x) -> None:
         """x's width (hidden) and, under zigzag CP, its length: two equal segments per rank, so an

@@ -23,6 +23,13 @@ class TransformerBlock(nn.Module):
         self.mlp = ParallelMLP(hidden, ffn_hidden, group, sequence_parallel=sequence_parallel, method=method,
                                dtype=dtype, device=device, init_method=init_method)
 
+    def reset_parameters(self) -> None:
+        """Every layer redrawn in construction order (after ``to_empty`` of a meta build): the same
+        values for the same seed. Call it on the block, not through ``model.apply`` (which visits
+        children first and would redraw in another order)."""
+        for layer in (self.attn_norm, self.attn, self.mlp_norm, self.mlp):
+            layer.reset_parameters()
+
     def forward(self, x):
         x = x + self.attn(self.attn_norm(x))
         return x + self.mlp(self.mlp_norm(x))

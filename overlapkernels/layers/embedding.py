@@ -8,7 +8,7 @@ from torch import nn
 from ..ops._validate import check_ids
 from ..ops.tp_regions import reduce_from_tp_region, reduce_scatter_first_dim
 from ..parallel import resolve_group
-from .linear import check_size, divide, sharded_parameter
+from .linear import check_size, divide, redraw_sharded_, sharded_parameter
 from .tags import KeepsTags, remember_tensor_parallel
 
 
@@ -38,8 +38,13 @@ class VocabParallelEmbedding(KeepsTags, nn.Module):
         per_rank = divide(num_embeddings, world, "num_embeddings")
         self.vocab_start_index, self.vocab_end_index = rank * per_rank, (rank + 1) * per_rank
         self.sequence_parallel = sequence_parallel
+        self.init_method = init_method
         self.weight = sharded_parameter((num_embeddings, embedding_dim), 0, self.group, init_method, dtype, device)
         remember_tensor_parallel(self)
+
+    def reset_parameters(self) -> None:
+        """Redraw as construction did: the same values for the same seed."""
+        redraw_sharded_(self.weight, 0, self.group, self.init_method)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # our releases before 2026-11-30 saved an ``_extra_state`` (None) here: still load them strictly

@@ -56,19 +56,26 @@ def sharded_parameter(full_shape, partition_dim: int, group, init_method, dtype,
     """This rank's slice of a full weight made by ``init_method``, tagged the way Megatron tags it.
     On the meta device only the slice's shape: no full weight drawn on the host (building on meta is
     for models too big to draw; their values come from a state dict after ``to_empty``)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if device is not None and torch.device(device).type == "meta":
-        local_shape = list(full_shape)
-        local_shape[partition_dim] //= world  # (divisibility checked by the layer)
-        param = nn.Parameter(torch.empty(local_shape, dtype=dtype or torch.get_default_dtype(), device="meta"))
-        mark_tensor_parallel(param, partition_dim)
-        return param
-    full = torch.empty(full_shape, dtype=torch.float32)
-    (init_method or default_init)(full)
-    local = full.chunk(world, dim=partition_dim)[rank]
-    param = nn.Parameter(local.to(device=device, dtype=dtype or torch.get_default_dtype()).contiguous())
+    local_shape = list(full_shape)
+    local_shape[partition_dim] //= dist.get_world_size(group)  # (divisibility checked by the layer)
+    param = nn.Parameter(torch.empty(local_shape, dtype=dtype or torch.get_default_dtype(), device=device))
+    if param.device.type != "meta":
+        redraw_sharded_(param, partition_dim, group, init_method)
     mark_tensor_parallel(param, partition_dim)
     return param
+
+
+def redraw_sharded_(param: torch.Tensor, partition_dim: int, group, init_method) -> None:
+    """``param``, this rank's slice, drawn as construction draws it: the full weight by ``init_method``
+    on the host in fp32, this rank's slice kept - so one seed gives one full weight at any TP size
+    (Megatron's CPU initialisation)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    full_shape = list(param.shape)
+    full_shape[partition_dim] *= world
+    full = torch.empty(full_shape, dtype=torch.float32)
+    (init_method or default_init)(full)
+    with torch.no_grad():
+        param.copy_(full.chunk(world, dim=partition_dim)[rank])
 
 
 def local_matmul(x, weight, defer_weight_grad: bool):
@@ -132,6 +139,7 @@ class ColumnParallelLinear(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn.
         self.method = check_method(method)
         if sequence_parallel and gather_output:
             raise ValueError("gather_output=True with sequence_parallel=True is not supported (as in Megatron)")
+        self.init_method = init_method
         self.weight = sharded_parameter((out_features, in_features), 0, self.group, init_method, dtype, device)
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=self.weight.dtype,
@@ -140,6 +148,13 @@ class ColumnParallelLinear(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn.
         else:
             self.register_parameter("bias", None)
         remember_tensor_parallel(self)
+
+    def reset_parameters(self) -> None:
+        """Redraw as construction did (after ``to_empty`` of a meta build): the same values for the
+        same seed."""
+        redraw_sharded_(self.weight, 0, self.group, self.init_method)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def forward(self, x):
         check_input(self, x, self.in_features, "in_features")
@@ -167,6 +182,7 @@ class RowParallelLinear(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn.Mod
         self.method = check_method(method)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel=True needs input_is_parallel=True (as in Megatron)")
+        self.init_method = init_method
         self.weight = sharded_parameter((out_features, in_features), 1, self.group, init_method, dtype, device)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=self.weight.dtype, device=self.weight.device))
@@ -175,6 +191,12 @@ class RowParallelLinear(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn.Mod
         else:
             self.register_parameter("bias", None)
         remember_tensor_parallel(self)
+
+    def reset_parameters(self) -> None:
+        """As ``ColumnParallelLinear.reset_parameters``."""
+        redraw_sharded_(self.weight, 1, self.group, self.init_method)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def forward(self, x):
         if self.input_is_parallel:

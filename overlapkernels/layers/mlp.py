@@ -8,7 +8,7 @@ from torch.nn import functional as F
 from ..ops.dispatch import check_method
 from ..parallel import resolve_group
 from .linear import (DefersWeightGrad, RowParallelLinear, _MegatronExtraState, check_input, check_size, column_parallel,
-                     divide, sharded_parameter)
+                     divide, redraw_sharded_, sharded_parameter)
 from .tags import KeepsTags, remember_tensor_parallel
 
 
@@ -23,11 +23,18 @@ class ParallelMLP(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn.Module):
         hidden, ffn_hidden = check_size(hidden, "hidden"), check_size(ffn_hidden, "ffn_hidden")
         divide(ffn_hidden, dist.get_world_size(self.group), "ffn_hidden")
         self.sequence_parallel, self.method = sequence_parallel, check_method(method)
+        self.init_method = init_method
         self.gate_weight = sharded_parameter((ffn_hidden, hidden), 0, self.group, init_method, dtype, device)
         self.up_weight = sharded_parameter((ffn_hidden, hidden), 0, self.group, init_method, dtype, device)
         self.down = RowParallelLinear(ffn_hidden, hidden, self.group, bias=False, sequence_parallel=sequence_parallel,
                                       method=method, dtype=dtype, device=device, init_method=init_method)
         remember_tensor_parallel(self)
+
+    def reset_parameters(self) -> None:
+        """Redraw as construction did (gate, up, then down): the same values for the same seed."""
+        for weight in (self.gate_weight, self.up_weight):
+            redraw_sharded_(weight, 0, self.group, self.init_method)
+        self.down.reset_parameters()
 
     def forward(self, x):
         check_input(self, x, self.gate_weight.shape[1], "hidden")

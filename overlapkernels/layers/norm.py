@@ -49,6 +49,9 @@ class RMSNorm(KeepsTags, nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
         mark_sequence_parallel(self.weight, sequence_parallel, group, owner=self)
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, x):
         x32 = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
