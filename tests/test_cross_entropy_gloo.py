@@ -52,3 +52,56 @@ def test_non_finite_logits_match_torch(rank_pool, case, smoothing):
         torch.testing.assert_close(loss, want.detach(), atol=1e-12, rtol=1e-12, equal_nan=True)
     grad = torch.cat([g for _, g in results], dim=-1)
     torch.testing.assert_close(grad, full.grad, atol=1e-12, rtol=1e-12, equal_nan=True)
+
+
+def _uneven_on_rank(world_split, smoothing):
+    """Vocabulary 7 split 4 + 3 (or 3 + 4) with tensor_split, as a vocabulary that does not divide
+    by the TP size is: each rank took its own width for everyone's, so slices were misplaced (wrong
+    losses), and a target id valid for 7 was refused on the rank that thought the vocabulary was 6
+    while its peer waited in the first all-reduce."""
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(6, 7, generator=g, dtype=torch.float64)
+    t = torch.tensor([0, 3, 4, 5, 6, -100])
+    shard = torch.tensor_split(z, world_split, dim=-1)[rank].clone().requires_grad_()
+    loss = ok.vocab_parallel_cross_entropy(shard, t, label_smoothing=smoothing)
+    loss.sum().backward()
+    return loss.detach(), shard.grad
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+@pytest.mark.parametrize("split", [[4], [3]])
+def test_uneven_vocabulary_slices_match_torch(rank_pool, split, smoothing):
+    results = rank_pool(2).run(_uneven_on_rank, split, smoothing, timeout=30)
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(6, 7, generator=g, dtype=torch.float64).requires_grad_()
+    want = F.cross_entropy(full, torch.tensor([0, 3, 4, 5, 6, -100]), reduction="none", label_smoothing=smoothing)
+    want.sum().backward()
+    for loss, _ in results:
+        torch.testing.assert_close(loss, want.detach(), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(torch.cat([grad for _, grad in results], dim=-1), full.grad, atol=1e-12, rtol=1e-12)
+
+
+def _bad_logits_on_rank():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    t = torch.zeros(3, dtype=torch.long)
+    errors = []
+    for logits in (distribute_tensor(torch.randn(3, 8), mesh, [Shard(1)]), torch.zeros(3, 4, dtype=torch.long)):
+        try:
+            ok.vocab_parallel_cross_entropy(logits, t)
+        except (TypeError, ValueError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}"[:52])
+    try:  # a target id past the whole vocabulary: refused on every rank alike, none left waiting
+        ok.vocab_parallel_cross_entropy(torch.randn(3, 4), torch.tensor([0, 8, 1]))
+    except ValueError as exc:
+        errors.append(str(exc))
+    return errors
+
+
+def test_dtensor_and_integer_logits_and_bad_targets_are_refused_by_name(rank_pool):
+    want = ["TypeError: logits_shard is a DTensor ((Shard(dim=1),", "ValueError: logits_shard.dtype=torch.int64: expected",
+            "target holds ids outside [0, 8) that are not ignore_index=-100, e.g. 8"]
+    assert rank_pool(2).run(_bad_logits_on_rank, timeout=30) == [want, want]

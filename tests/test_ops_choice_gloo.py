@@ -135,6 +135,8 @@ def _mismatched_calls_on_rank():
             lambda: ok.all_gather_matmul(torch.ones(4 + (r == 1), 8), b, method="decomposed"),
             lambda: ok.all_gather_matmul(torch.ones(4, 8), b, method="decomposed" if r else "baseline"),
             lambda: ok.all_gather_matmul(torch.ones(4, 8, requires_grad=r == 1), b, save_gathered=r == 0),
+            # backward reduce-scatters the gathered tensor's gradient on the ranks that returned it
+            lambda: ok.all_gather_matmul(torch.ones(4, 8), b, return_gathered=r == 0, method="decomposed"),
             lambda: ok.matmul_reduce_scatter(torch.ones(4 + r, 8), b, method="decomposed"),  # 5 rows: rank 1 rejects
             lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), b, method="symm" if r else "decomposed"),
             lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), b, scatter_dim=0 if r else -2, method="decomposed"),
@@ -190,7 +192,9 @@ def test_auto_modes_that_differ_between_ranks_are_named_under_distributed_debug(
 def test_ranks_that_disagree_are_named_under_distributed_debug(rank_pool):
     hint = "; every rank must make the same call (TORCH_DISTRIBUTED_DEBUG=DETAIL check)"
     errors = rank_pool(2).run(_mismatched_calls_on_rank)
-    for shapes, method, grads, _, _, dims, _ in errors:
+    for shapes, method, grads, gathered, _, _, dims, _ in errors:
+        assert ("disagree on return_gathered (rank 0: return_gathered=True; rank 1: return_gathered=False)"
+                in gathered), gathered
         assert shapes == ("all_gather_matmul: the ranks of the group disagree on a_shard (rank 0: a_shard=[4, 8] "
                           "float32; rank 1: a_shard=[5, 8] float32)" + hint), shapes
         assert "disagree on method (rank 0: method='baseline'; rank 1: method='decomposed')" in method, method
@@ -199,13 +203,13 @@ def test_ranks_that_disagree_are_named_under_distributed_debug(rank_pool):
                                 "a gradient), save_gathered=False)"), grads
         assert dims is None  # scatter_dim -2 and 0 are the same dim of a 2-D a: no disagreement
     # the rank whose own check failed raises that error; the other is told which rank and why
-    assert errors[1][3] == "a.shape[scatter_dim=0]=5 is not divisible by the group size 2"
-    assert errors[0][3] == ("matmul_reduce_scatter: other ranks' arguments were rejected (rank 1: ValueError: "
+    assert errors[1][4] == "a.shape[scatter_dim=0]=5 is not divisible by the group size 2"
+    assert errors[0][4] == ("matmul_reduce_scatter: other ranks' arguments were rejected (rank 1: ValueError: "
                             "a.shape[scatter_dim=0]=5 is not divisible by the group size 2)" + hint)
-    assert "needs CUDA" in errors[1][4] and errors[0][4].startswith(
+    assert "needs CUDA" in errors[1][5] and errors[0][5].startswith(
         "matmul_reduce_scatter: other ranks' arguments were rejected (rank 1: ValueError: ")
     layer = "RowParallelLinear(sequence_parallel=True), which scatters x's dim 0 (the sequence of [S, B, H]) over the " \
             "tensor-parallel ranks: "
-    assert errors[1][6] == layer + "x.shape[scatter_dim=0]=5 is not divisible by the group size 2"
-    assert errors[0][6] == layer + ("linear_reduce_scatter: other ranks' arguments were rejected (rank 1: ValueError: "
+    assert errors[1][7] == layer + "x.shape[scatter_dim=0]=5 is not divisible by the group size 2"
+    assert errors[0][7] == layer + ("linear_reduce_scatter: other ranks' arguments were rejected (rank 1: ValueError: "
                                     "x.shape[scatter_dim=0]=5 is not divisible by the group size 2)" + hint)

@@ -212,8 +212,11 @@ def _autocast_on_rank(method):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = ok.all_gather_matmul(a, b, method=method)
         out_rs = ok.matmul_reduce_scatter(a_rows, b, method=method)
+        gathered, _ = ok.all_gather_matmul(a, b, method=method, return_gathered=True)
     full = torch.cat(shards).bfloat16() @ b.detach().bfloat16()
     assert out.dtype == out_rs.dtype == torch.bfloat16, (out.dtype, out_rs.dtype)
+    # the shard travels cast (half the bytes): the gathered input is the one the GEMM consumed
+    assert gathered.dtype == torch.bfloat16 and torch.equal(gathered, torch.cat(shards).bfloat16())
     _compare("out", out, full, True, None)
     _compare("out_rs", out_rs, (world * full.float()).chunk(world)[rank].bfloat16(), True, None)
     (out.float().sum() + out_rs.float().sum()).backward()

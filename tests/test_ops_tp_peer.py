@@ -365,3 +365,31 @@ def test_an_error_raised_at_the_check_leaves_the_protocol_in_step(method, op):
     # the next call wait it out and time out
     results = ThreadWorld(2, timeout=20).run(_deferred_error_on_rank, op, method, timeout=90)
     assert results == [(True, True, True), (False, True, True)]
+
+
+def _float64_on_rank(ctx):
+    """float64 in a peer-memory world: auto picked fused, whose Triton GEMM takes 32/16-bit only, and
+    raised mid-call (after publishing the shard); now auto takes symm (exact), and an explicit fused
+    is refused by name before any communication."""
+    r, w = ctx.rank, ctx.world_size
+    shards = [_rands((5, 8), 10 + q).double() for q in range(w)]
+    b = _rands((8, 3), 20).double()
+    ok.reset_overlap_stats()
+    out = ok.all_gather_matmul(shards[r], b, ctx)
+    a_all = [_rands((w * 5, 8), 30 + q).double() for q in range(w)]
+    out_rs = ok.matmul_reduce_scatter(a_all[r], b, ctx)
+    exact = (torch.equal(out, torch.cat(shards) @ b)
+             and torch.allclose(out_rs, sum(a @ b for a in a_all).chunk(w)[r], atol=1e-12, rtol=1e-12))
+    refused = []
+    for call in (lambda: ok.all_gather_matmul(shards[r], b, ctx, method="fused"),
+                 lambda: ok.matmul_reduce_scatter(a_all[r], b, ctx, method="fused")):
+        try:
+            call()
+        except ValueError as exc:
+            refused.append(str(exc).startswith("method='fused' computes float32, float16 or bfloat16 operands, "
+                                               "got torch.float64"))
+    return exact, sorted(method for _, method in ok.overlap_stats()), refused
+
+
+def test_float64_takes_symm_and_fused_refuses_it_by_name():
+    assert ThreadWorld(2, timeout=60).run(_float64_on_rank) == [(True, ["symm", "symm"], [True, True])] * 2

@@ -2,7 +2,18 @@
 before choosing or running ``fused``, and the kernels' launcher checks the operands themselves."""
 from __future__ import annotations
 
+import torch
+
 INT32_OFFSETS = 1 << 31
+FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the fused GEMMs' tiles compute in
+
+
+def fused_dtype_error(dtype: torch.dtype) -> str | None:
+    """Why the fused GEMMs cannot take operands of ``dtype`` (float64: no Triton dot for it), or None."""
+    if dtype in FUSED_DTYPES:
+        return None
+    return (f"method='fused' computes float32, float16 or bfloat16 operands, got {dtype}; use method='symm' "
+            "(torch's matmul per chunk) or 'decomposed'")
 
 
 def last_offset(shape, strides) -> int:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..kernels.interpreter import bf16_message, bf16_miscomputed
-from ..kernels.offsets import fused_sizes_error
+from ..kernels.offsets import fused_dtype_error, fused_sizes_error
 from . import _collective_methods as coll
 from ._validate import is_peer_world
 from .dispatch import PEER_MEMORY_METHODS, capturing
@@ -15,6 +15,8 @@ def unavailable_reason(method: str, group, device, dtype=None) -> str | None:
         return (f"method={method!r} cannot be captured in a CUDA graph: its call counters live on the host, so "
                 "every replay would wait for flags an earlier call already set and read half-written buffers; "
                 "use 'decomposed' or 'baseline'")
+    if method == "fused" and dtype is not None and (error := fused_dtype_error(dtype)):
+        return error
     if is_peer_world(group):
         if method not in PEER_MEMORY_METHODS:
             return f"method={method!r} needs a process group; a thread-world group runs 'symm' or 'fused'"

@@ -7,7 +7,7 @@ from functools import partial
 import torch
 
 from .._compat import eager_under_compile
-from ..kernels.offsets import fused_sizes_error
+from ..kernels.offsets import FUSED_DTYPES, fused_sizes_error
 from ..parallel import resolve_group
 from ..profiling.ranges import span
 from . import _methods
@@ -26,7 +26,8 @@ def resolve(method: str, group, x2d: torch.Tensor, n_total: int, world: int, bs=
     moves a chunk [m, K] and multiplies it by [K, n_total]. ``bs`` (the operands): lets
     ``OVERLAPKERNELS_AUTO=measure`` time the candidates on these operands."""
     m, k = x2d.shape
-    fused_fits = method != "auto" or fused_sizes_error(m, k, n_total) is None
+    # (also what auto=measure may time: fused only where it can run)
+    fused_fits = method != "auto" or (fused_sizes_error(m, k, n_total) is None and x2d.dtype in FUSED_DTYPES)
     measure = None
     if bs is not None and method == "auto" and auto_mode() == "measure" and not is_peer_world(group):
         key = (tuple(x2d.shape), tuple(tuple(b.shape) for b in bs), x2d.dtype, x2d.device)
@@ -151,7 +152,10 @@ def _all_gather_matmul(a_shard, b, group, gather_dim, return_gathered, method, s
     with same_call_on_every_rank(group, op, getattr(a_shard, "device", None)) as call:
         check_tensor(name, a_shard, min_dim=2)
         check_float_dtype(name, a_shard)
-        amp = autocast_dtype(a_shard.device)  # inside torch.autocast: run in its dtype, as a matmul would
+        # inside torch.autocast: run in its dtype, as a matmul would; the shard is cast before the
+        # gather (half the traffic), so return_gathered gives the gathered input in that dtype too -
+        # the tensor the GEMMs consumed, not torch.cat of the fp32 shards
+        amp = autocast_dtype(a_shard.device)
         a_shard, b = cast_operands(amp, a_shard)[0], cast_weights(amp, b)
         bs, single = check_weights(b, a_shard, name, linear=transposed, many=True if transposed else None)
         gather_dim = check_dim("gather_dim", gather_dim, a_shard, name)
@@ -162,9 +166,10 @@ def _all_gather_matmul(a_shard, b, group, gather_dim, return_gathered, method, s
         # the weights' total width: backward multiplies by all of them concatenated ([sum N, K])
         _methods.check_fused_sizes(method, math.prod(a_shard.shape[:-1]), a_shard.shape[-1],
                                    sum(w.shape[1] for w in bs))
-        # save_gathered decides whether backward gathers again; gradients decide whether it runs at all
+        # save_gathered decides whether backward gathers again, return_gathered whether it reduce-
+        # scatters the gathered tensor's gradient; gradients decide whether it runs at all
         call.args = dict(a_shard=a_shard, b=bs, gather_dim=gather_dim, method=method, save_gathered=bool(save_gathered),
-                         **auto_setting(method))
+                         return_gathered=return_gathered, **auto_setting(method))
     world = group_size(group)
 
     x = a_shard.movedim(gather_dim, 0)

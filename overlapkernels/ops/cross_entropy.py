@@ -1,7 +1,10 @@
 """Cross-entropy over vocabulary-parallel logits, never materialising the full vocabulary.
 
-Each rank holds logits for its V/P slice. Two collectives over the group: the max (for a
-stable softmax), then one all-reduce of [sum of exp, target logit, sum of logits] per token.
+Each rank holds logits for its slice of the vocabulary, in rank order; slices may be uneven (a
+vocabulary that does not divide, split with ``torch.tensor_split``). Two collectives over the group:
+the max (for a stable softmax; every rank's slice width rides along, so each knows where its slice
+starts and how large the vocabulary is), then one all-reduce of [sum of exp, target logit, sum of
+logits] per token.
 All math in fp32 (fp64 for fp64 logits). Matches ``F.cross_entropy(full_logits, target, reduction="none",
 ignore_index=..., label_smoothing=...)``.
 """
@@ -14,7 +17,7 @@ from .._compat import eager_under_compile
 from ..comm import collectives as C
 from ..parallel import resolve_group
 from ._autograd import first_order_only
-from ._validate import check_ids
+from ._validate import check_float_dtype, check_ids, check_not_dtensor
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -29,11 +32,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         z = logits_shard.to(torch.float64 if logits_shard.dtype == torch.float64 else torch.float32)
         per_rank = z.shape[-1]
-        vocab = per_rank * world
-        start = rank * per_rank
         zmax = z.max(dim=-1).values
         if world > 1:
-            dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
+            # every rank's slice width, each at its rank (widths >= 1, so MAX assembles them): taking
+            # one's own width for everyone's, uneven slices gave wrong losses, or a target check that
+            # raised on some ranks while the others waited in this all-reduce
+            widths = torch.zeros(world, dtype=zmax.dtype, device=zmax.device)
+            widths[rank] = per_rank
+            both = torch.cat([zmax.reshape(-1), widths])
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+            zmax, widths = both[:-world].view_as(zmax), both[-world:]
+            start, vocab = widths[:rank].sum().long(), widths.sum()
+        else:
+            start, vocab = 0, per_rank
+        # every rank holds the same vocabulary size now: they raise alike (on CUDA a device assert)
+        check_target_ids(target, vocab, ignore_index)
         z = z - zmax.unsqueeze(-1)
         ignored = target == ignore_index
         local_t = target - start
@@ -70,9 +83,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None, None, None
 
 
-def check_target_ids(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """Target ids in [0, vocab), or ``ignore_index``."""
+def check_target_ids(target: torch.Tensor, vocab, ignore_index: int) -> None:
+    """Target ids in [0, vocab), or ``ignore_index``; ``vocab`` an int or a 0-d tensor on the
+    target's device (read on the host only to name it in an error, on CPU)."""
     bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
+    if isinstance(vocab, torch.Tensor) and not target.is_cuda:
+        vocab = int(vocab)
     check_ids(target, bad, lambda first: ValueError(f"target holds ids outside [0, {vocab}) that are not "
                                                     f"ignore_index={ignore_index}, e.g. {first}"),
               f"vocab_parallel_cross_entropy: target ids outside [0, {vocab}), not ignore_index={ignore_index}")
@@ -84,6 +100,8 @@ def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, ignore_ind
     for name, t in (("logits_shard", logits_shard), ("target", target)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        check_not_dtensor(name, t)
+    check_float_dtype("logits_shard", logits_shard)  # (F.cross_entropy refuses integer logits too)
     if logits_shard.shape[:-1] != target.shape:
         raise ValueError(f"target shape {tuple(target.shape)} must equal logits_shard.shape[:-1] "
                          f"{tuple(logits_shard.shape[:-1])}")
@@ -100,6 +118,8 @@ def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, ignore_ind
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing}: expected a value in [0, 1]")
     group = resolve_group(group)
-    # F.cross_entropy raises here too; identical on every rank, before communicating
-    check_target_ids(target, logits_shard.shape[-1] * dist.get_world_size(group), ignore_index)
+    if logits_shard.shape[-1] < 1:
+        raise ValueError(f"logits_shard.shape={tuple(logits_shard.shape)}: every rank needs at least one vocabulary "
+                         "entry")
+    # the target ids are checked in forward, once every rank knows the whole vocabulary's size
     return _VocabParallelCrossEntropy.apply(logits_shard, target.long(), group, ignore_index, label_smoothing)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.interpreter import bf16_miscomputed
+from ..kernels.offsets import FUSED_DTYPES
 
 log = logging.getLogger("overlapkernels.ops")
 
@@ -146,6 +147,9 @@ def choose(op: str, method: str, *, world_size: int, rows_per_rank: int, step_by
     elif peer_memory and dtype is not None and bf16_miscomputed(dtype, device):
         choice = Choice("symm", "peer-memory world, bfloat16 in Triton's interpreter, which computes bf16 wrongly: "
                                 "symm multiplies with torch")
+    elif peer_memory and dtype is not None and dtype not in FUSED_DTYPES:
+        choice = Choice("symm", f"peer-memory world, {dtype}: the fused GEMMs take float32/16-bit operands; symm "
+                                "multiplies with torch")
     elif peer_memory and not fused_fits:
         choice = Choice("symm", "peer-memory world, chunks past the fused GEMMs' 32-bit offsets: symm multiplies "
                                 "with torch")

@@ -7,7 +7,7 @@ from functools import partial
 import torch
 
 from .._compat import eager_under_compile
-from ..kernels.offsets import fused_sizes_error
+from ..kernels.offsets import FUSED_DTYPES, fused_sizes_error
 from ..parallel import resolve_group
 from ..profiling.ranges import span
 from . import _methods
@@ -28,7 +28,8 @@ def resolve(method: str, group, a2d: torch.Tensor, b: torch.Tensor, world: int, 
     ``measurable``: lets ``OVERLAPKERNELS_AUTO=measure`` time the candidates."""
     m, k, n = a2d.shape[0] // world, a2d.shape[1], b.shape[1]
     elem = torch.empty((), dtype=accumulation_dtype(a2d.dtype)).element_size()
-    fused_fits = method != "auto" or fused_sizes_error(m, k, n) is None
+    # (also what auto=measure may time: fused only where it can run)
+    fused_fits = method != "auto" or (fused_sizes_error(m, k, n) is None and a2d.dtype in FUSED_DTYPES)
     measure = None
     if measurable and method == "auto" and auto_mode() == "measure" and not is_peer_world(group):
         key = (tuple(a2d.shape), tuple(b.shape), a2d.dtype, a2d.device)

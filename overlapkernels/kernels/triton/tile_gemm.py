@@ -12,7 +12,7 @@ import triton.language as tl
 
 from ..._compat import matmul_allows_tf32
 from ..interpreter import bf16_message, bf16_miscomputed, interpreted
-from ..offsets import last_offset, offsets_error
+from ..offsets import FUSED_DTYPES, last_offset, offsets_error
 
 
 RESERVED_SMS = 4  # left free for the copy stream's wait/signal kernels (default)
@@ -217,7 +217,7 @@ def reserved_sms() -> int:
 
 def check_gemm_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, world_size: int) -> None:
     """``a`` [W*m, K] and ``out`` [W*m, N] (or the [W, m, N] slots) in ``world_size`` chunks."""
-    if a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if a.dtype not in FUSED_DTYPES:
         raise ValueError(f"fused GEMM: dtype {a.dtype} not supported; expected float32, float16 or bfloat16")
     if bf16_miscomputed(a.dtype, a.device):
         raise ValueError(bf16_message("fused GEMM"))
