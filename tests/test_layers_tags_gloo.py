@@ -331,3 +331,26 @@ def _reset_parameters_on_rank():
 def test_reset_parameters_redraws_a_meta_build_as_construction_did(rank_pool):
     for same in rank_pool(2).run(_reset_parameters_on_rank):
         assert same == dict.fromkeys(["column", "row", "embedding", "attention", "mlp", "norm", "block"], True), same
+
+
+def _gpt_reset_on_rank(pp):
+    """The GPT, whole or one of two pipeline stages, built on meta and reset: each stage draws (and
+    drops) the layers the other keeps, as construction does, so values match a direct build."""
+    from overlapkernels.models import GPT, GPTConfig
+
+    dims = ok.init_parallel(tp=2 if pp == 1 else 1, pp=pp)
+    config = GPTConfig(vocab_size=16, hidden=16, num_layers=4, num_heads=2, num_kv_heads=2, ffn_hidden=24,
+                       max_seq_len=8)
+    stage = (dims.pp_rank, pp) if pp > 1 else None
+    torch.manual_seed(11)
+    built = GPT(config, dims, dtype=F64, pipeline_stage=stage)
+    empty = GPT(config, dims, dtype=F64, device="meta", pipeline_stage=stage).to_empty(device="cpu")
+    torch.manual_seed(11)
+    empty.reset_parameters()
+    got, want = empty.state_dict(), built.state_dict()
+    return sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want if torch.is_tensor(want[k]))
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_gpt_reset_parameters_matches_a_direct_build(rank_pool, pp):
+    assert rank_pool(2).run(_gpt_reset_on_rank, pp) == [True, True]

@@ -18,6 +18,7 @@ from .. import _compat
 from ..comm.collectives import all_reduce_coalesced
 from ..layers import ColumnParallelLinear, RMSNorm, TransformerBlock, VocabParallelEmbedding
 from ..layers.embedding import check_token_ids
+from ..layers.linear import default_init
 from ..layers.norm import allreduce_sequence_parallel_grads
 from ..layers.tags import CONTEXT_PARALLEL, KeepsTags, retag
 from ..ops.cross_entropy import check_target_ids, vocab_parallel_cross_entropy
@@ -89,6 +90,28 @@ class GPT(KeepsTags, nn.Module):
         if self.cp_group is not None:  # every gradient is partial over CP: fsdp.shard sums it there
             self.__dict__[CONTEXT_PARALLEL] = self.cp_group  # (remembered: see layers.tags)
             retag(self, recurse=False)
+
+    def reset_parameters(self) -> None:
+        """Redraw every weight as construction did, after ``to_empty`` of a meta build: the same values
+        for the same seed. Like construction it draws (and drops) the embedding and the layers that
+        other pipeline stages keep, so initial weights never depend on the pipeline split."""
+        if self.first:
+            self.embed.reset_parameters()
+        else:
+            default_init(torch.empty(self.config.vocab_size, self.config.hidden))  # (the embedding's draw)
+        kept = next(iter(self.blocks.values()))
+        for i in range(self.config.num_layers):
+            if str(i) in self.blocks:
+                self.blocks[str(i)].reset_parameters()
+            else:  # another stage's layer: the same draws, into a kept layer put back afterwards
+                with torch.no_grad():
+                    saved = [p.detach().clone() for p in kept.parameters()]
+                    kept.reset_parameters()
+                    for p, value in zip(kept.parameters(), saved):
+                        p.copy_(value)
+        if self.last:
+            self.norm.reset_parameters()
+            self.lm_head.reset_parameters()
 
     def check_ids(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         """The whole batch's token and target ids, checked on every rank before any rank takes its
