@@ -130,14 +130,24 @@ def local_device_index() -> int:
     return local
 
 
+def _wants_nccl(backend: str) -> bool:
+    """"nccl" in any spelling torch takes: "NCCL", or a device map ("cpu:gloo,cuda:nccl")."""
+    return "nccl" in backend.lower()
+
+
 def init_default_process_group(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
-    """Initialise the default group from torchrun's environment, or as a 1-rank world without it."""
+    """Initialise the default group from torchrun's environment, or as a 1-rank world without it.
+    With one already there, a ``backend`` asked for must agree with it on NCCL (else a job asking
+    for GPUs would run on the CPU without a word)."""
     if dist.is_initialized():
+        if backend is not None and _wants_nccl(backend) != uses_nccl():
+            raise ValueError(f"backend={backend!r}: the default process group already exists with backend "
+                             f"{dist.get_backend()!r}; pass backend=None to use it, or destroy it first")
         return
     backend = backend or default_backend()
-    if backend == "nccl":
+    if _wants_nccl(backend):
         if not torch.cuda.is_available():
-            raise ValueError("backend='nccl' needs CUDA GPUs, and this process sees none; use 'gloo' (or None: "
+            raise ValueError(f"backend={backend!r} needs CUDA GPUs, and this process sees none; use 'gloo' (or None: "
                              "nccl where CUDA is available, else gloo)")
         torch.cuda.set_device(local_device_index())
     launcher = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name in os.environ]

@@ -298,3 +298,17 @@ def test_a_gpu_thread_world_warns_when_hardware_queues_are_too_few(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ThreadWorld(4, device="cuda:1")
+
+
+def test_flag_values_and_timeouts_are_checked_before_the_library():
+    """ctypes wrapped them silently: a value of -1 became 0xFFFFFFFF, a timeout of -1 s ~585 years
+    of unsigned nanoseconds (a wait that never times out); inf and nan failed inside ctypes."""
+    flag, record = torch.zeros(1, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    for bad in (-1, 2 ** 32, 1.5, True):
+        with pytest.raises(ValueError, match=rf"value={bad!r}: expected an integer in \[0, 2\*\*32\)"):
+            cuda_lib.signal_set(flag, bad)
+        with pytest.raises(ValueError, match=rf"expected={bad!r}: expected an integer in \[0, 2\*\*32\)"):
+            cuda_lib.signal_wait(flag, bad, error_record=record, op="ok/test", rank=0, chunk=0)
+    for bad in (-1, 0, float("inf"), float("nan"), "5"):
+        with pytest.raises(ValueError, match=rf"timeout_s={bad!r}: expected a finite number of seconds > 0"):
+            cuda_lib.signal_wait(flag, 1, error_record=record, op="ok/test", rank=0, chunk=0, timeout_s=bad)

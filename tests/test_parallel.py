@@ -256,9 +256,10 @@ def test_launch_environment_problems_are_named(monkeypatch):
         parallel.init_default_process_group("gloo")
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("MASTER_PORT")
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="backend='nccl' needs CUDA GPUs, and this process sees none"):
-            parallel.init_default_process_group("nccl")
+    if not torch.cuda.is_available():  # in any spelling torch takes (the check and set_device were skipped)
+        for spelling in ("nccl", "NCCL", "cpu:gloo,cuda:nccl"):
+            with pytest.raises(ValueError, match=f"backend='{spelling}' needs CUDA GPUs, and this process sees none"):
+                parallel.init_default_process_group(spelling)
     # more ranks on the node than GPUs: refused by name before the process group (or a GPU) is taken
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
@@ -319,3 +320,44 @@ def test_each_process_takes_its_gpu_whichever_launcher_started_it(monkeypatch, e
             parallel.local_device_index()
     else:
         assert parallel.local_device_index() == want
+
+
+def _collectives_edges_on_rank():
+    """all_to_all of a strided x came back scrambled (its output kept x's strides, which the
+    collective fills as if dense); all_reduce_coalesced summed an int64 beside an fp32 in fp32
+    (low bits lost); a ring exchange of strided tensors failed inside gloo; a 0-d x failed with an
+    IndexError."""
+    from overlapkernels.comm import collectives as C
+    from overlapkernels.comm.ring import Ring, wait_all
+
+    r, w = dist.get_rank(), dist.get_world_size()
+    base = torch.arange(8.0).reshape(2, 4) + 100 * r
+    out, _ = C.all_to_all(base.t())  # [4, 2], strides (1, 4)
+    everyone = [(torch.arange(8.0).reshape(2, 4) + 100 * q).t() for q in range(w)]
+    want = torch.cat([x.chunk(w)[r] for x in everyone])
+    counter, loss = torch.tensor([2 ** 24 + 1 + r], dtype=torch.int64), torch.tensor([0.5])
+    C.all_reduce_coalesced([counter, loss])
+    ring = Ring.of(dist.group.WORLD)
+    recv = torch.zeros(2, 4).t()  # [4, 2] strided, as the send
+    wait_all(ring.exchange(base.t(), (r + 1) % w, recv, (r - 1) % w))
+    try:
+        C.all_gather(torch.tensor(1.0))
+        zero_d = "ran"
+    except ValueError as exc:
+        zero_d = str(exc)
+    return (torch.equal(out, want), int(counter) == 2 * (2 ** 24 + 1) + sum(range(w)), float(loss) == 0.5 * w,
+            torch.equal(recv, everyone[(r - 1) % w]), zero_d)
+
+
+def test_collectives_on_strided_mixed_and_0d_tensors(rank_pool):
+    want = (True, True, True, True, "all_gather: x is 0-d; expected a tensor with a dim 0 to gather or split along "
+                                    "(x.reshape(1))")
+    assert rank_pool(2).run(_collectives_edges_on_rank) == [want, want]
+
+
+def test_a_backend_that_disagrees_with_the_existing_group_is_refused(world_of_one):
+    """init_parallel(backend="nccl") returned a CPU mesh over an existing gloo group without a word."""
+    with pytest.raises(ValueError, match="backend='nccl': the default process group already exists with backend "
+                                         "'gloo'; pass backend=None to use it"):
+        ok.init_parallel(backend="nccl")
+    assert ok.init_parallel(backend="gloo").tp_size == 1  # agreeing: fine

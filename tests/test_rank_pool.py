@@ -108,3 +108,56 @@ def test_a_pool_holding_many_groups_respawns():
         made = pool.run(_make_mesh_groups)
         assert min(made) > 3 and pool.respawns == 1
         assert pool.run(_group_count) == [1, 1] and pool.respawns == 1
+
+
+class _NoUnpickle(Exception):
+    """Pickles, but its __init__ takes two arguments, so unpickling (which calls it with the one
+    in .args) fails."""
+
+    def __init__(self, a, b):
+        super().__init__(a)
+
+
+def _reply_that_does_not_unpickle(call):
+    import time
+
+    if dist.get_rank() == 0:
+        return _NoUnpickle(call, 2)
+    time.sleep(0.3)  # answers after rank 0's reply failed in the caller
+    return (call, dist.get_rank())
+
+
+def _whoami(call):
+    return (call, dist.get_rank())
+
+
+def _exit_soon_on_rank_1():
+    import threading
+
+    if dist.get_rank() == 1:  # as an OOM kill, or os._exit from a library thread, between calls
+        threading.Timer(0.2, lambda: os._exit(3)).start()
+    return dist.get_rank()
+
+
+class _FailsToUnpickle:
+    def __reduce__(self):
+        return (int, ("not a number",))
+
+
+def test_replies_and_calls_that_do_not_unpickle_and_ranks_dying_between_calls():
+    """A reply that failed to unpickle in the caller escaped before the other ranks' replies were
+    read: they answered the next call (every later call off by one). A rank dying between calls
+    broke every later call (BrokenPipeError). A call that failed to unpickle in a rank killed it
+    and lost the traceback. Now each is a RankError and the pool goes on."""
+    with RankPool(2, timeout=60) as pool:
+        with pytest.raises(RankError, match="(?s)ranks \\[0\\] failed.*result could not be unpickled in the caller"):
+            pool.run(_reply_that_does_not_unpickle, "call1")
+        assert pool.run(_whoami, "call2") == [("call2", 0), ("call2", 1)]
+        with pytest.raises(RankError, match="(?s)could not be unpickled on this rank.*invalid literal for int"):
+            pool.run(_whoami, _FailsToUnpickle())
+        assert pool.run(_whoami, "call3") == [("call3", 0), ("call3", 1)]
+        assert pool.run(_exit_soon_on_rank_1) == [0, 1]
+        pool._procs[1].join(10)
+        with pytest.raises(RankError, match=r"ranks \[1\] died since the last call \(exit codes \[3\]\)"):
+            pool.run(_whoami, "call4")
+        assert pool.run(_whoami, "call5") == [("call5", 0), ("call5", 1)]  # a fresh generation

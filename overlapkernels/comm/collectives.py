@@ -11,8 +11,14 @@ from .._compat import all_gather_single, reduce_scatter_single
 from ..parallel import resolve_group
 
 
+def _check_has_dim_0(op: str, x: torch.Tensor) -> None:
+    if x.dim() == 0:
+        raise ValueError(f"{op}: x is 0-d; expected a tensor with a dim 0 to gather or split along (x.reshape(1))")
+
+
 def all_gather(x: torch.Tensor, group=None, *, async_op: bool = False):
     """Concatenation of every rank's ``x`` along dim 0 -> ``(out, work or None)``."""
+    _check_has_dim_0("all_gather", x)
     group = resolve_group(group)
     out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
     return out, all_gather_single(out, x.contiguous(), group=group, async_op=async_op)
@@ -20,6 +26,7 @@ def all_gather(x: torch.Tensor, group=None, *, async_op: bool = False):
 
 def reduce_scatter(x: torch.Tensor, group=None, *, async_op: bool = False):
     """Rank r gets the sum over ranks of chunk r of ``x`` (dim 0) -> ``(out, work or None)``."""
+    _check_has_dim_0("reduce_scatter", x)
     group = resolve_group(group)
     world = dist.get_world_size(group)
     if x.shape[0] % world:
@@ -38,11 +45,13 @@ def all_reduce(x: torch.Tensor, group=None, *, async_op: bool = False):
 
 def all_to_all(x: torch.Tensor, group=None, *, async_op: bool = False):
     """Chunk j of rank i's ``x`` (dim 0) becomes chunk i of rank j's output -> ``(out, work or None)``."""
+    _check_has_dim_0("all_to_all", x)
     group = resolve_group(group)
     world = dist.get_world_size(group)
     if x.shape[0] % world:
         raise ValueError(f"all_to_all: x.shape[0]={x.shape[0]} is not divisible by the group size {world}")
-    out = torch.empty_like(x)
+    # contiguous: empty_like(x) kept a strided x's layout, which the collective fills as if dense
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return out, dist.all_to_all_single(out, x.contiguous(), group=group, async_op=async_op)
 
 
@@ -58,13 +67,21 @@ def all_gather_objects(obj, group=None, device=None) -> list:
 
 
 def all_reduce_coalesced(tensors: list, group=None) -> None:
-    """Sum each tensor over ranks in place, as one all-reduce of a flat buffer (one launch and one
-    latency instead of one per tensor, e.g. for many small gradients)."""
+    """Sum each tensor over ranks in place, as one all-reduce of a flat buffer per (dtype, device)
+    (one launch and one latency instead of one per tensor, e.g. for many small gradients). Per
+    dtype: one buffer for all would sum in the promoted dtype (int64 counters beside fp32 losses
+    lost their low bits, complex ones their imaginary part). Buckets go in order of first
+    appearance, the same on every rank that passes the same list."""
     if not tensors:
         return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=resolve_group(group))
-    offset = 0
+    group = resolve_group(group)
+    buckets: dict = {}
     for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
+        buckets.setdefault((t.dtype, t.device), []).append(t)
+    for members in buckets.values():
+        flat = torch.cat([t.reshape(-1) for t in members])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in members:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()

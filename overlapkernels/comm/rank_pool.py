@@ -65,6 +65,10 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, conn, pg_t
             msg = conn.recv()
         except EOFError:
             return
+        except Exception:  # the call did not unpickle here: report it, as a failure of this rank's call
+            conn.send(("error", "the call's function or arguments could not be unpickled on this rank:\n"
+                       + traceback.format_exc(), _group_count()))
+            continue
         if msg is None:
             break
         fn, args, kwargs = msg
@@ -172,11 +176,21 @@ class RankPool:
 
     # -- calls ---------------------------------------------------------------------------------
     def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
+        name = getattr(fn, "__qualname__", repr(fn))
+        if self._procs and not all(p.is_alive() for p in self._procs):  # one died since the last call
+            dead = {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive()}
+            self._kill()
+            raise RankError(f"{name}: ranks {sorted(dead)} died since the last call (exit codes "
+                            f"{list(dead.values())}); the pool will respawn on the next call")
         if not self._procs:
             self._start()
-        for conn in self._conns:
-            conn.send((fn, args, kwargs))
-        name = getattr(fn, "__qualname__", repr(fn))
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send((fn, args, kwargs))
+            except OSError as exc:  # (BrokenPipeError: the rank died just now)
+                self._kill()
+                raise RankError(f"{name}: rank {rank} could not be sent the call ({exc}); the pool will "
+                                "respawn on the next call") from exc
         results = self._collect(name, timeout or self.timeout)
         if self.max_groups is not None and self._most_groups > self.max_groups:
             self.close()
@@ -207,6 +221,9 @@ class RankPool:
                         self._most_groups = max(self._most_groups, groups)
                     except EOFError:
                         status, value = "error", self._death_note(rank)
+                    except Exception:  # the reply did not unpickle here (its pipe is drained)
+                        status, value = "error", ("the rank's result could not be unpickled in the caller:\n"
+                                                  + traceback.format_exc())
                     if status == "error":
                         errors[rank] = value
                     else:

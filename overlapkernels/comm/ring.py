@@ -66,13 +66,17 @@ class Ring:
         """Start sending ``send`` (a tensor or a list) to group rank ``to`` and receiving ``recv``
         from ``frm``. Concurrent exchanges between the same ranks need distinct tags (gloo matches
         messages by tag)."""
-        sends = [send] if isinstance(send, torch.Tensor) else list(send)
+        # the backends move dense buffers (gloo refuses strided ones after the peer's half is posted):
+        # strided sends go as contiguous copies, strided receives land in one and are copied in wait
+        sends = [t.contiguous() for t in ([send] if isinstance(send, torch.Tensor) else send)]
         recvs = [recv] if isinstance(recv, torch.Tensor) else list(recv)
-        copies = []
         if self.host_only and any(t.device.type != "cpu" for t in sends + recvs):
             sends = [t.cpu() for t in sends]
             staged = [torch.empty(t.shape, dtype=t.dtype) for t in recvs]
-            copies, recvs = list(zip(recvs, staged)), staged
+        else:
+            staged = [t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in recvs]
+        copies = [(t, s) for t, s in zip(recvs, staged) if s is not t]
+        recvs = staged
         ops = [dist.P2POp(dist.isend, t, self.global_rank(to), self.group, tag) for t in sends]
         ops += [dist.P2POp(dist.irecv, t, self.global_rank(frm), self.group, tag) for t in recvs]
         works = dist.batch_isend_irecv(ops)

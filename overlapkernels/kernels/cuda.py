@@ -137,6 +137,7 @@ def op_id(op: str) -> int:
 
 def signal_set(flag: torch.Tensor, value: int, *, stream=None) -> None:
     """Stream-ordered ``flag = value`` (release, system scope)."""
+    _flag_value("value", value)
     lib = load()
     _require_cuda("signal_set", flag=flag)
     _flag_arg("signal_set", flag)
@@ -149,16 +150,30 @@ def signal_wait(flag: torch.Tensor, expected: int, *, error_record: torch.Tensor
                 timeout_s: float = 60.0, stream=None) -> None:
     """Stream-ordered wait until ``flag >= expected``; on timeout fills ``error_record`` (int32 [4])
     instead of hanging; ``check_error_record`` raises from it."""
+    _flag_value("expected", expected)
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < 1e9:
+        raise ValueError(f"signal_wait: timeout_s={timeout_s!r}: expected a finite number of seconds > 0 (a "
+                         "negative one wrapped to centuries in the unsigned nanoseconds the kernel takes)")
     lib = load()
     _require_cuda("signal_wait", flag=flag, error_record=error_record)
     _flag_arg("signal_wait", flag)
-    if error_record.dtype != torch.int32 or error_record.numel() < 4:
-        raise ValueError(f"signal_wait: error_record must be int32 with >= 4 elements, got "
-                         f"{error_record.dtype} x {error_record.numel()}")
+    if error_record.dtype != torch.int32 or error_record.numel() < 4 or not error_record.is_contiguous():
+        raise ValueError(f"signal_wait: error_record must be contiguous int32 with >= 4 elements (the kernel "
+                         f"writes 4 in a row), got {error_record.dtype} x {error_record.numel()} with strides "
+                         f"{error_record.stride()}")
+    if error_record.device != flag.device:
+        raise ValueError(f"signal_wait: error_record is on {error_record.device}, flag on {flag.device}: expected "
+                         "one device")
     index = _index(flag.device)
     err = _on(index, lib.ok_signal_wait, index, flag.data_ptr(), expected, int(timeout_s * 1e9),
               error_record.data_ptr(), op_id(op), rank, chunk, _stream(stream, flag.device))
     _check(lib, err, "signal_wait")
+
+
+def _flag_value(name: str, value) -> None:
+    """Flags are uint32 in the library: a value outside wrapped silently (-1 to 0xFFFFFFFF)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 32:
+        raise ValueError(f"{name}={value!r}: expected an integer in [0, 2**32) (the signal flags are uint32)")
 
 
 def check_error_record(error_record: torch.Tensor) -> None:
