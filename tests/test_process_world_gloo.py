@@ -339,3 +339,31 @@ def test_deferred_error_records_raise_in_call_order():
     assert events[1].waited and [p[2] for p in check._pending] == ["op2"]
     check.flush()
     assert check._pending == [] and events[2].waited
+
+
+def _peer_world_with_a_bad_setting_on_one_rank():
+    """An explicit method='symm'/'fused' checked settings and peer memory on each rank alone, before
+    the peer world's exchange: a rank that refused left its peers waiting in that exchange until the
+    group's timeout. The world's exchange now carries the settings' errors: every rank raises."""
+    import os
+
+    from overlapkernels.comm.process_world import ProcessPeerWorld
+    from overlapkernels.ops import _methods
+
+    if dist.get_rank() == 1:
+        os.environ["OVERLAPKERNELS_RESERVED_SMS"] = "lots"
+    capturing = torch.cuda.is_current_stream_capturing
+    torch.cuda.is_current_stream_capturing = lambda: False  # (a CPU torch cannot ask)
+    try:
+        local = _methods.unavailable_reason("symm", dist.group.WORLD, torch.device("cuda", 0))
+        with pytest.raises(ValueError) as info:
+            ProcessPeerWorld(dist.group.WORLD, torch.device("cpu"))
+        return local, str(info.value)
+    finally:
+        os.environ.pop("OVERLAPKERNELS_RESERVED_SMS", None)
+        torch.cuda.is_current_stream_capturing = capturing
+
+
+def test_an_explicit_peer_method_is_refused_on_every_rank_where_the_ranks_meet(rank_pool):
+    assert rank_pool(2).run(_peer_world_with_a_bad_setting_on_one_rank) == [
+        (None, "rank 1: OVERLAPKERNELS_RESERVED_SMS='lots': expected a whole number of SMs >= 1")] * 2

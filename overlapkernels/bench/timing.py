@@ -101,7 +101,8 @@ def available_methods(methods, group, device, what: str) -> list[str]:
 
         try:
             together = group_has_peer_memory(group, device)
-            why = "the group has no peer memory (its ranks span hosts, or a pair of its GPUs lacks peer access)"
+            why = ("the group has no peer memory (a rank has neither torch symmetric memory nor the CUDA library's "
+                   "IPC, its ranks span hosts, or a pair of its GPUs lacks peer access)")
         except ValueError as exc:  # a bad setting, raised on every rank alike: a skip, as before
             together, why = False, str(exc)
         if not together:

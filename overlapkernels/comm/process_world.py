@@ -160,8 +160,15 @@ class ProcessPeerWorld:
         from ..kernels.triton.signals import DeferredErrorCheck
 
         self._errors = DeferredErrorCheck()
-        kind, why = resolve_peer_memory(requested_peer_memory(), has_symm_mem=torch_has_symmetric_memory(),
-                                        ipc_built=cuda_lib.is_loadable())
+        from ..kernels.triton.tile_gemm import reserved_sms
+
+        try:  # bad settings too: said in the exchange, not raised here alone
+            peer_wait_timeout()
+            reserved_sms()
+            kind, why = resolve_peer_memory(requested_peer_memory(), has_symm_mem=torch_has_symmetric_memory(),
+                                            ipc_built=cuda_lib.is_loadable())
+        except ValueError as exc:
+            kind, why = None, str(exc)
         # a rank that cannot take part still joins the exchange (a collective its peers are in) and
         # says why, so every rank raises rather than some waiting for it
         mine = _device_uuid(device) if kind else None

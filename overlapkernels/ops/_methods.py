@@ -26,6 +26,11 @@ def unavailable_reason(method: str, group, device, dtype=None) -> str | None:
         return None
     if method not in PEER_MEMORY_METHODS:
         return None
+    if device.type == "cuda":
+        # decided where the ranks meet (ProcessPeerWorld's exchange, at the group's first such call),
+        # which raises on every rank with each unable rank's reason: a rank refusing alone here left
+        # its peers waiting in that exchange until the group's timeout
+        return None
     from ..comm.process_world import peer_memory_unavailable_reason
 
     reason = peer_memory_unavailable_reason(device)
