@@ -367,3 +367,43 @@ def _peer_world_with_a_bad_setting_on_one_rank():
 def test_an_explicit_peer_method_is_refused_on_every_rank_where_the_ranks_meet(rank_pool):
     assert rank_pool(2).run(_peer_world_with_a_bad_setting_on_one_rank) == [
         (None, "rank 1: OVERLAPKERNELS_RESERVED_SMS='lots': expected a whole number of SMs >= 1")] * 2
+
+
+def _allocation_failing_on_one_rank(peer_memory):
+    """An allocation that fails on rank 1 alone (out of memory): it raised there while rank 0 waited
+    in the rendezvous (symm_mem) or the handle exchange (IPC) until the group's timeout. Every rank
+    now raises, naming rank 1."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from overlapkernels.kernels import cuda as cuda_lib
+
+    world = _bare_cpu_world(peer_memory)
+    oom = "CUDA out of memory. Tried to allocate 2.00 GiB"
+
+    kept = []
+
+    def alloc(*args, **kwargs):
+        if dist.get_rank() == 1:
+            raise RuntimeError(oom) if peer_memory == "symm_mem" else cuda_lib.CudaLibraryError(f"ipc_alloc: {oom}")
+        kept.append(torch.empty(16, dtype=torch.uint8))  # (alive while the world maps it)
+        return torch.empty(4) if peer_memory == "symm_mem" else (kept[-1].data_ptr(), b"")
+
+    saved = (symm_mem.enable_symm_mem_for_group, symm_mem.empty, symm_mem.rendezvous, cuda_lib.ipc_alloc)
+    symm_mem.enable_symm_mem_for_group = lambda name: None
+    symm_mem.empty, cuda_lib.ipc_alloc = alloc, alloc
+    symm_mem.rendezvous = lambda *a: pytest.fail("rendezvous after a rank failed to allocate")
+    try:
+        with pytest.raises(RuntimeError) as info:
+            world.alloc_symmetric((4,), torch.float32)
+        return str(info.value)
+    finally:
+        symm_mem.enable_symm_mem_for_group, symm_mem.empty, symm_mem.rendezvous, cuda_lib.ipc_alloc = saved
+
+
+@pytest.mark.parametrize("peer_memory, what", [("symm_mem", "torch symmetric memory could not allocate (4,) "
+                                                "torch.float32: rank 1: CUDA out of memory"),
+                                               ("ipc", "CUDA IPC could not allocate 16 bytes: rank 1: ipc_alloc: CUDA "
+                                                "out of memory")])
+def test_an_allocation_failing_on_one_rank_raises_on_every_rank(rank_pool, peer_memory, what):
+    for said in rank_pool(2).run(_allocation_failing_on_one_rank, peer_memory):
+        assert said.startswith(what), said

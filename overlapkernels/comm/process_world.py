@@ -209,6 +209,7 @@ class ProcessPeerWorld:
             return self._alloc_ipc(tuple(shape), dtype, fill)
         import torch.distributed._symmetric_memory as symm_mem
 
+        problem = None
         try:
             with warnings.catch_warnings():  # deprecated where torch no longer needs it
                 warnings.simplefilter("ignore", FutureWarning)
@@ -216,6 +217,11 @@ class ProcessPeerWorld:
                 symm_mem.enable_symm_mem_for_group(self.group.group_name)  # older torch needs it; idempotent
             local = symm_mem.empty(tuple(shape), dtype=dtype, device=self.device)
             local.fill_(fill)
+        except RuntimeError as exc:  # (out of memory on this rank): told to every rank, not raised alone
+            problem = f"rank {self.rank}: {str(exc).splitlines()[0][:200]}"
+        _raise_where_any(all_gather_objects(problem, self.group, self.device),
+                         f"torch symmetric memory could not allocate {tuple(shape)} {dtype}")
+        try:
             handle = symm_mem.rendezvous(local, self.group.group_name)
         except RuntimeError as exc:
             raise RuntimeError(f"torch symmetric memory failed on {self.device} ({exc}); "
@@ -241,10 +247,16 @@ class ProcessPeerWorld:
     def _alloc_ipc(self, shape: tuple, dtype: torch.dtype, fill) -> SymmetricTensor:
         from ..kernels import cuda as cuda_lib
 
-        ptr, handle = cuda_lib.ipc_alloc(max(math.prod(shape), 1) * dtype.itemsize, self.device)
-        local = cuda_lib.tensor_at(ptr, shape, dtype, self.device)
-        local.fill_(fill)
-        handles = all_gather_objects(handle, self.group, self.device)
+        nbytes, handle, problem = max(math.prod(shape), 1) * dtype.itemsize, None, None
+        try:
+            ptr, handle = cuda_lib.ipc_alloc(nbytes, self.device)
+            local = cuda_lib.tensor_at(ptr, shape, dtype, self.device)
+            local.fill_(fill)
+        except (cuda_lib.CudaLibraryError, RuntimeError) as exc:  # told to every rank, not raised alone
+            problem = f"rank {self.rank}: {str(exc).splitlines()[0][:200]}"
+        exchanged = all_gather_objects((handle, problem), self.group, self.device)
+        _raise_where_any([p for _, p in exchanged], f"CUDA IPC could not allocate {nbytes} bytes")
+        handles = [h for h, _ in exchanged]
         peers, problem = [], None
         for r, h in enumerate(handles):
             try:
@@ -283,6 +295,13 @@ class ProcessPeerWorld:
 # each (group, device) keeps one world for the life of the process, like torch's own
 # symmetric-memory workspace cache.
 _worlds: dict = per_group_cache()
+
+
+def _raise_where_any(problems: list, what: str) -> None:
+    """Every rank raises where any rank's set-up step failed (each said so in an exchange): a rank
+    raising alone left its peers waiting in the next collective until the group's timeout."""
+    if said := [p for p in problems if p]:
+        raise RuntimeError(f"{what}: {'; '.join(said)}")
 
 
 def process_peer_world(group: dist.ProcessGroup, device: torch.device) -> ProcessPeerWorld:
