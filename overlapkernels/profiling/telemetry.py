@@ -6,6 +6,7 @@ without NVML or a GPU the columns are empty strings, never made-up numbers.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -43,10 +44,8 @@ class Telemetry:
             self._nvml = nvml
         except Exception:  # a GPU NVML does not list (MIG, a stale UUID): empty columns, not another GPU's
             self._handle = None
-            try:
+            with contextlib.suppress(Exception):
                 nvml.nvmlShutdown()  # (nvmlInit counts: each init needs its shutdown)
-            except Exception:
-                pass
             return self
         self._thread = threading.Thread(target=self._run, name="ok-telemetry", daemon=True)
         self._thread.start()

@@ -65,9 +65,7 @@ class FlatUnit:
         self.pending_gather = None   # (work, staged shard) of an async gather in flight
         self.pending_reduce = []     # (work, output) of async reduce-scatters in flight
         self.grads_ready = 0
-        self.grad_seen = False      # this rank reduced a gradient of its own for the unit this step
-        self.param_grad_seen = [False] * len(params)  # the same, per parameter
-        self.grad_anywhere = False  # some rank did (agreed): else the optimizer skips the unit
+        self.clear_grad_flags()
         self.bytes_gathered = self.bytes_reduced = 0  # full-buffer bytes each collective covered
 
     # -- parameters ---------------------------------------------------------------------------
@@ -139,7 +137,6 @@ class FlatUnit:
         """Reduce-scatter the unit's full gradients (averaged over the group) into pending shards,
         then drop the full gradients."""
         flat_grad = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
-        self.grad_seen = self.grad_seen or self.has_full_grads()
         sp_groups = {}  # sequence-parallel partial gradients: first summed over their TP group
         for p in self.params:
             group = getattr(p, "sequence_parallel_group", None)
@@ -179,6 +176,15 @@ class FlatUnit:
             self.master.grad = torch.zeros_like(self.master)
         self.master.grad += total
         self.pending_reduce = []
+
+    def clear_grad_flags(self) -> None:
+        self.param_grad_seen = [False] * len(self.params)  # this rank reduced a gradient for it this step
+        self.grad_anywhere = False  # some rank did, for the unit (agreed): else the optimizer skips it
+
+    @property
+    def grad_seen(self) -> bool:
+        """This rank reduced a gradient of its own for the unit this step."""
+        return any(self.param_grad_seen)
 
     def master_slice(self, i: int) -> slice:
         """Where parameter ``i`` lies in this rank's master shard (empty if elsewhere)."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 import weakref
 
 import torch
@@ -34,6 +33,7 @@ from torch.utils._pytree import tree_map
 
 from ...profiling.ranges import span
 from .flat_unit import FlatUnit, check_unit_params
+from .unit_plan import check_sequence_parallel_tags, shared_parameters, unit_modules, warn_frozen_in_another_dtype
 
 
 def _each_tensor(value, fn, depth: int = 0) -> None:
@@ -55,52 +55,6 @@ def _each_tensor(value, fn, depth: int = 0) -> None:
             _each_tensor(getattr(value, field.name, None), fn, depth + 1)
 
 
-def _callable(mod: nn.Module) -> bool:
-    """Has a forward of its own: a module without one (ParameterList, ParameterDict, a plain holder)
-    is never called, so a unit of it would never gather (stage 3: its parameters read while freed)."""
-    return type(mod).forward is not nn.Module.forward
-
-
-def _unit_modules(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
-    if units is None:  # every top-level child that holds parameters; containers are never called, so
-        found = []     # their hooks would never fire: a ModuleList/ModuleDict contributes its children
-        for name, mod in model.named_children():
-            if isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
-                found += [(f"{name}.{n}", m) for n, m in mod.named_children()]
-            else:
-                found.append((name, mod))
-        # (children without a forward: their parameters go to the root unit, which stays gathered)
-        return [(n, m) for n, m in found if _callable(m) and any(p.requires_grad for p in m.parameters())]
-    classes = tuple(units) if isinstance(units, (list, tuple, set)) else (units,)
-    names = {c for c in classes if isinstance(c, str)}
-    types = tuple(c for c in classes if isinstance(c, type))
-    found, claimed = [], set()
-    for name, mod in model.named_modules():
-        if mod is model or any(name.startswith(c + ".") for c in claimed):
-            continue
-        if isinstance(mod, types) or type(mod).__name__ in names:
-            found.append((name, mod))
-            claimed.add(name)
-    if not found:
-        raise ValueError(f"units={units!r}: no submodule of {type(model).__name__} matches")
-    return found
-
-
-def _shared_parameters(model: nn.Module, modules) -> set:
-    """ids of the parameters used by more than one unit, counting the modules outside every unit
-    (the root unit's) as one more."""
-    holders: dict = {}
-    for i, (_, mod) in enumerate(modules):
-        for p in mod.parameters():
-            holders.setdefault(id(p), set()).add(i)
-    names = [name for name, _ in modules]
-    for name, mod in model.named_modules(remove_duplicate=False):  # every path to a shared module
-        if not any(name == unit or name.startswith(unit + ".") for unit in names):
-            for p in mod.parameters(recurse=False):
-                holders.setdefault(id(p), set()).add("root")
-    return {pid for pid, owners in holders.items() if len(owners) > 1}
-
-
 class ShardedModule(nn.Module):
     def __init__(self, model, group, *, stage, optimizer, prefetch, param_dtype, reduce_dtype, units):
         super().__init__()
@@ -109,7 +63,7 @@ class ShardedModule(nn.Module):
         from ...layers.tags import retag
         retag(model)
         if stage >= 2:
-            _check_sequence_parallel_tags(model, stage)
+            check_sequence_parallel_tags(model, stage)
         self.module, self.group, self.stage, self.prefetch = model, group, stage, prefetch
         self.param_dtype = param_dtype
         self._reading_full_state = False
@@ -118,12 +72,12 @@ class ShardedModule(nn.Module):
         self._keep_gathered = False  # inside no_sync(reshard_after_backward=False), stage 3
         self._backward_armed = False
         self.peak_gathered_bytes = 0
-        modules = _unit_modules(model, units)
+        modules = unit_modules(model, units)
         # Stage 3 frees a unit's parameters after its forward, so one that two units use (a tied
         # embedding and LM head, or a unit and the root) would be freed under the other's use: it
         # goes to the root unit, which stays gathered, as FSDP2 puts such parameters in the common
         # parent's group. At every stage, so that the units (and checkpoints) do not depend on it.
-        shared = _shared_parameters(model, modules)
+        shared = shared_parameters(model, modules)
         seen, plan = set(shared), []
         # frozen parameters stay as they are: not sharded, not given to the optimizer (as in torch)
         for name, mod in modules:
@@ -155,7 +109,7 @@ class ShardedModule(nn.Module):
         for unit in self.all_units:
             unit.attach()
         if param_dtype is not None:
-            _warn_frozen_in_another_dtype(model, param_dtype)
+            warn_frozen_in_another_dtype(model, param_dtype)
         self._param_unit = {id(p): u for u in self.all_units for p in u.params}
         model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         for unit in self.all_units:  # stage 3 frees parameters: a state dict of them would be empty
@@ -317,7 +271,8 @@ class ShardedModule(nn.Module):
             unit.grads_ready = 0
 
     def _agree_on_gradients(self, local_flags: list) -> list:
-        """Per unit, whether any rank of the group (and of its CP group) has the flag set."""
+        """Per flag (a unit's or a parameter's), whether any rank of the group (and of its CP group)
+        has it set."""
         flags = torch.tensor(local_flags, dtype=torch.int32, device=self.all_units[0].device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         # under CP a reduced shard is then summed over the CP group: its ranks must agree too, or
@@ -330,9 +285,13 @@ class ShardedModule(nn.Module):
         """Reduce-scatter every unit that still holds full gradients on any rank (stage 1, or
         gradients accumulated under no_sync). Decided collectively - one all-reduce of flags - so
         every rank reduces the same units in the same order; a rank with no gradient for such a
-        unit reduces zeros: its DP/CP peers' collectives need a partner."""
-        flags = self._agree_on_gradients([u.has_full_grads() for u in self.all_units])
-        for unit, flag in zip(self.all_units, flags):
+        unit reduces zeros: its DP/CP peers' collectives need a partner. The same all-reduce
+        agrees, per parameter, whether any rank had a gradient for it this step (``step``)."""
+        units = self.all_units
+        per_param = [seen or p.grad is not None for u in units for seen, p in zip(u.param_grad_seen, u.params)]
+        flags = self._agree_on_gradients([u.has_full_grads() for u in units] + per_param)
+        self._param_had_grad = flags[len(units):]
+        for unit, flag in zip(units, flags):
             if flag:
                 unit.reduce_grads(async_op=async_op)
                 unit.grad_anywhere = True
@@ -388,8 +347,7 @@ class ShardedModule(nn.Module):
                     work.wait()
             unit.pending_reduce = []
             unit.master.grad = torch.zeros_like(unit.master)
-            unit.grad_seen = unit.grad_anywhere = False
-            unit.param_grad_seen = [False] * len(unit.params)
+            unit.clear_grad_flags()
             # stage 3: units kept gathered (no_sync(reshard_after_backward=False), a backward that
             # raised) go back to their shards; the next forward or backward gathers them again. Not
             # the root: a backward still to come reads it without gathering it
@@ -426,14 +384,13 @@ class ShardedModule(nn.Module):
         that others had gradients in: the optimizer steps a unit's master as one tensor, so they get
         a zero gradient - which weight decay and momentum still move, where torch skips a parameter
         whose grad is None (a branch not taken, an expert without tokens, one frozen mid-training).
-        One all-reduce of a flag per parameter, on every rank alike."""
-        units = [u for u in self.all_units if u.grad_anywhere]
-        flags = self._agree_on_gradients([f for u in units for f in u.param_grad_seen]) if units else []
+        From the flags ``_finish_gradients`` agreed on (no collective of its own)."""
         found, k = [], 0
-        for unit in units:
-            gradless = [unit.master_slice(i) for i, seen in enumerate(flags[k:k + len(unit.params)]) if not seen]
+        for unit in self.all_units:
+            had = self._param_had_grad[k:k + len(unit.params)]
             k += len(unit.params)
-            if gradless:
+            gradless = [unit.master_slice(i) for i, seen in enumerate(had) if not seen]
+            if unit.grad_anywhere and gradless:
                 found.append((unit, gradless))
         return found
 
@@ -460,8 +417,7 @@ class ShardedModule(nn.Module):
                 tensor[where] = before
         for unit in self.all_units:
             unit.master.grad = torch.zeros_like(unit.master)
-            unit.grad_seen = unit.grad_anywhere = False
-            unit.param_grad_seen = [False] * len(unit.params)
+            unit.clear_grad_flags()
             if self.stage < 3:
                 unit.publish()
         self._step_open = False
@@ -487,31 +443,3 @@ class ShardedModule(nn.Module):
             else:  # buffers, and non-tensor extra state (Megatron's _extra_state)
                 out[name] = t.detach().clone() if torch.is_tensor(t) else t
         return out
-
-
-def _warn_frozen_in_another_dtype(model: nn.Module, param_dtype: torch.dtype) -> None:
-    """Frozen parameters stay out of the units - whole, never cast - so under ``param_dtype`` a
-    frozen fp32 base beside bf16 adapters (LoRA) meets bf16 activations in its first matmul and
-    fails there. Not cast here: that copy would be their only one, and checkpoints and
-    ``full_state_dict`` would then hold them rounded (FSDP2 casts only a compute copy)."""
-    names = [n for n, p in model.named_parameters() if not p.requires_grad and p.is_floating_point()
-             and p.dtype != param_dtype]
-    if names:
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        warnings.warn(f"fsdp.shard(param_dtype={param_dtype}): frozen parameters {shown} are not in that dtype; "
-                      "fsdp neither shards nor casts frozen parameters, so they would meet "
-                      f"{param_dtype} activations as they are: cast them (e.g. model.base.to({param_dtype})) "
-                      "before shard() if they compute in the forward", stacklevel=4)
-
-
-def _check_sequence_parallel_tags(model: nn.Module, stage: int) -> None:
-    """Stages 2/3 reduce-scatter (and drop) gradients during backward, so a client never gets to
-    sum sequence-parallel partial gradients over TP itself: fsdp must know their group."""
-    for name, p in model.named_parameters():
-        if p.requires_grad and getattr(p, "sequence_parallel", False) \
-                and getattr(p, "sequence_parallel_group", None) is None:
-            raise ValueError(
-                f"parameter {name!r} has sequence_parallel=True but no sequence_parallel_group: with stage={stage} "
-                "its gradient (partial per tensor-parallel rank) is reduced during backward and must first be "
-                "summed over its TP group, which fsdp cannot guess. Build the layer with its group (e.g. "
-                "RMSNorm(hidden, sequence_parallel=True, group=tp_group)) or set p.sequence_parallel_group")
