@@ -11,8 +11,8 @@ partial per TP rank; each unit sums them over the parameter's ``sequence_paralle
 before reducing over DP; under context parallelism each reduced shard is then summed over the
 units' ``context_parallel_group`` (CP peers own the same shard). Mixed precision as in torch FSDP2:
 with ``param_dtype`` the floating inputs of the wrapped model are cast to it, so callers can keep
-feeding fp32; frozen parameters stay as they are (a warning names those in another dtype: cast
-them yourself if they compute in the forward).
+feeding fp32; frozen parameters are neither sharded nor cast in place: each forward computes with a
+cast copy of those in another dtype (``frozen_copies.py``), as FSDP2 does.
 
 At stages 2/3 a unit reduces as soon as all its parameters have gradients, so every rank of the
 DP (and CP) group must produce gradients for the same units in a step, as the model's code path
@@ -33,7 +33,8 @@ from torch.utils._pytree import tree_map
 
 from ...profiling.ranges import span
 from .flat_unit import FlatUnit, check_unit_params
-from .unit_plan import check_sequence_parallel_tags, shared_parameters, unit_modules, warn_frozen_in_another_dtype
+from .frozen_copies import FrozenComputeCopies
+from .unit_plan import check_sequence_parallel_tags, shared_parameters, unit_modules
 
 
 def _each_tensor(value, fn, depth: int = 0) -> None:
@@ -108,8 +109,8 @@ class ShardedModule(nn.Module):
                             "expected a torch.optim.Optimizer over the list of shard parameters it was given")
         for unit in self.all_units:
             unit.attach()
-        if param_dtype is not None:
-            warn_frozen_in_another_dtype(model, param_dtype)
+        # frozen parameters in another dtype compute as param_dtype copies, their originals untouched
+        self._frozen_copies = FrozenComputeCopies(model, param_dtype) if param_dtype is not None else None
         self._param_unit = {id(p): u for u in self.all_units for p in u.params}
         model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         for unit in self.all_units:  # stage 3 frees parameters: a state dict of them would be empty

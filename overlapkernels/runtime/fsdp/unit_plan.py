@@ -1,11 +1,8 @@
 """What ``fsdp.shard`` decides about a model before taking it over: which modules become units,
-which parameters two units share (they go to the root unit), and the checks of its tags and
-frozen parameters. ``sharded.py`` holds the hooks that run the units."""
+which parameters two units share (they go to the root unit), and the check of its tags.
+``sharded.py`` holds the hooks that run the units."""
 from __future__ import annotations
 
-import warnings
-
-import torch
 from torch import nn
 
 
@@ -53,21 +50,6 @@ def shared_parameters(model: nn.Module, modules) -> set:
             for p in mod.parameters(recurse=False):
                 holders.setdefault(id(p), set()).add("root")
     return {pid for pid, owners in holders.items() if len(owners) > 1}
-
-
-def warn_frozen_in_another_dtype(model: nn.Module, param_dtype: torch.dtype) -> None:
-    """Frozen parameters stay out of the units - whole, never cast - so under ``param_dtype`` a
-    frozen fp32 base beside bf16 adapters (LoRA) meets bf16 activations in its first matmul and
-    fails there. Not cast here: that copy would be their only one, and checkpoints and
-    ``full_state_dict`` would then hold them rounded (FSDP2 casts only a compute copy)."""
-    names = [n for n, p in model.named_parameters() if not p.requires_grad and p.is_floating_point()
-             and p.dtype != param_dtype]
-    if names:
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        warnings.warn(f"fsdp.shard(param_dtype={param_dtype}): frozen parameters {shown} are not in that dtype; "
-                      "fsdp neither shards nor casts frozen parameters, so they would meet "
-                      f"{param_dtype} activations as they are: cast them (e.g. model.base.to({param_dtype})) "
-                      "before shard() if they compute in the forward", stacklevel=4)
 
 
 def check_sequence_parallel_tags(model: nn.Module, stage: int) -> None:
