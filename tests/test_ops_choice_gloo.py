@@ -72,6 +72,34 @@ def test_auto_records_choice_and_strict_mode_raises(rank_pool):
         assert "256 GEMM flop per byte sent > 128" in backward_error
 
 
+def _frozen_input_backward_on_rank():
+    """matmul_reduce_scatter with ``a`` frozen (a LoRA base's input): backward gathers grad_out for
+    b's gradient but multiplies nothing, so there is nothing to overlap - auto takes the plain
+    collective, says why, and strict mode (which polices fallbacks of GEMM calls) lets it be."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    a_full = torch.randn(world * 256, 8, generator=g, dtype=torch.float64)  # each rank's own a
+    b = torch.randn(8, 256, generator=g, dtype=torch.float64, requires_grad=True)
+    a = a_full + rank
+    ok.reset_overlap_stats()
+    with ok.strict_overlap():
+        out = ok.matmul_reduce_scatter(a, b)  # 512 KiB ring messages at 2 flop/B: overlapped
+        (out * (rank + 1)).sum().backward()
+    stats = ok.overlap_stats()
+    # rank q's b (a TP shard) gets d/db_q sum_r (r + 1) * chunk_r(sum_q a_q @ b_q) = a_q.T @ G,
+    # G's chunk r all (r + 1): the gathered gradient
+    grad_out = torch.cat([torch.full((256, 256), r + 1.0, dtype=torch.float64) for r in range(world)])
+    want = a.T @ grad_out
+    torch.testing.assert_close(b.grad, want, rtol=1e-12, atol=1e-9)
+    return dict(stats), list(stats.reasons.get(("all_gather_matmul", "baseline"), []))
+
+
+def test_backward_gather_without_gemm_is_one_collective(rank_pool):
+    for counts, reasons in rank_pool(2).run(_frozen_input_backward_on_rank):
+        assert counts == {("matmul_reduce_scatter", "decomposed"): 1, ("all_gather_matmul", "baseline"): 1}
+        assert reasons and all("no GEMM in this call" in r for r in reasons), reasons
+
+
 def _rs_reason_on_rank():
     ok.reset_overlap_stats()
     ok.matmul_reduce_scatter(torch.ones(2 * 128, 512, dtype=torch.float64), torch.ones(512, 8, dtype=torch.float64))

@@ -131,17 +131,22 @@ def check_method(method) -> str:
 
 
 def choose(op: str, method: str, *, world_size: int, rows_per_rank: int, step_bytes: int, step_flops: int,
-           device: torch.device, peer_memory: bool, measure=None, dtype=None, fused_fits: bool = True) -> Choice:
+           device: torch.device, peer_memory: bool, measure=None, dtype=None, fused_fits: bool = True,
+           gemm: bool = True) -> Choice:
     """Resolve ``method`` for one call. ``rows_per_rank``: M of one chunk; ``step_bytes`` /
     ``step_flops``: one ring message and the GEMM work that can hide it; ``peer_memory``: whether
     the group offers symmetric buffers (thread world); ``dtype``: the operands'. ``measure``: a callable returning a measured
     Choice (``OVERLAPKERNELS_AUTO=measure``, forward calls on process groups; ops/measure.py).
-    ``fused_fits``: the call's chunks are within the fused GEMMs' 32-bit offsets."""
+    ``fused_fits``: the call's chunks are within the fused GEMMs' 32-bit offsets. ``gemm=False``: a
+    gather with no matmul (backward's, when ``a`` needs no gradient), which has nothing to overlap."""
     intensity = step_flops / max(step_bytes, 1)
     if method != "auto":
         choice = Choice(method, "requested")
     elif world_size == 1:
         choice = Choice("baseline", "world size 1: nothing to overlap")
+    elif not gemm:  # (not a fallback: strict_overlap has nothing to insist on)
+        choice = Choice("symm", "no GEMM in this call: a copy-engine gather") if peer_memory else \
+            Choice("baseline", "no GEMM in this call: one all-gather collective, nothing to overlap")
     elif measure is not None and not peer_memory and not capturing(device):  # (timing syncs the host)
         choice = measure()
     elif peer_memory and dtype is not None and bf16_miscomputed(dtype, device):
@@ -171,7 +176,7 @@ def choose(op: str, method: str, *, world_size: int, rows_per_rank: int, step_by
     else:
         choice = Choice("decomposed", f"gloo ring message {step_bytes} B, {intensity:.0f} flop/B: async P2P "
                                       "overlaps the CPU matmul (CPU benchmark)")
-    if _strict.get() and method == "auto" and world_size > 1 and choice.method == "baseline":
+    if _strict.get() and method == "auto" and world_size > 1 and gemm and choice.method == "baseline":
         raise StrictOverlapError(f"{op}: strict_overlap() is active but the call would run unoverlapped "
                                  f"(method={method!r} -> baseline: {choice.reason})")
     record(op, choice)
