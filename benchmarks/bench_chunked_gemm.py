@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from overlapkernels.bench.report import RowLog, environment, exit_on_sigterm, format_table
+from overlapkernels.bench.report import RowLog, environment, exit_on_sigterm, format_table, positive_int
 
 # Llama-3 TP column-parallel shapes per rank: (K = hidden, N = outputs per rank at TP 8)
 SHAPES = {"8B qkv": (4096, 768), "8B gate_up": (4096, 3584), "70B gate_up": (8192, 7168)}
@@ -78,7 +78,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated names from {list(SHAPES)}")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--iters", type=int, default=5, help="timed calls per figure (CPU only; CUDA uses do_bench)")
+    parser.add_argument("--iters", type=positive_int, default=5,
+                        help="timed calls per figure (CPU only; CUDA uses do_bench)")
     parser.add_argument("--csv")
     args = parser.parse_args(argv)
     device = torch.device(args.device)

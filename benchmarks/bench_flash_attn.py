@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from overlapkernels.bench.report import RowLog, environment, exit_on_sigterm, format_table
+from overlapkernels.bench.report import RowLog, environment, exit_on_sigterm, format_table, positive_int
 from overlapkernels.bench.timing import gpu_median_s
 from overlapkernels.kernels.triton import flash_attn as fa
 from overlapkernels.kernels.triton.flash_attn import FlashConfig
@@ -26,9 +26,9 @@ DKDV_ALTERNATIVES = [FlashConfig(32, 64, 8, 3), FlashConfig(16, 128, 8, 3), Flas
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--seq", type=int, default=8192)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--seq", type=positive_int, default=8192)
+    parser.add_argument("--heads", type=positive_int, default=32)
+    parser.add_argument("--head-dim", type=positive_int, default=128)
     parser.add_argument("--csv")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

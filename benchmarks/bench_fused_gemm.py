@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from overlapkernels.bench.report import RowLog, environment, exit_on_sigterm, format_table
+from overlapkernels.bench.report import RowLog, environment, exit_on_sigterm, format_table, positive_int
 from overlapkernels.bench.timing import gpu_median_s
 from overlapkernels.kernels.triton.ag_gemm import ag_gemm
 from overlapkernels.kernels.triton.signals import FLAG_DTYPE, polls
@@ -32,9 +32,9 @@ ALTERNATIVES = [GemmConfig(128, 256, 64, num_warps=8, num_stages=3, tma=True),
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--m", type=int, default=8192)
-    parser.add_argument("--n", type=int, default=8192)
-    parser.add_argument("--k", type=int, default=1024)
+    parser.add_argument("--m", type=positive_int, default=8192)
+    parser.add_argument("--n", type=positive_int, default=8192)
+    parser.add_argument("--k", type=positive_int, default=1024)
     parser.add_argument("--csv")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from overlapkernels.bench.report import RowLog, environment, exit_on_sigterm, format_table
+from overlapkernels.bench.report import RowLog, environment, exit_on_sigterm, format_table, positive_int
 from overlapkernels.comm.thread_world import ThreadWorld
 
 
@@ -41,11 +41,11 @@ def _rank(ctx, method, m, k, n, iters):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--m", type=int, default=2048, help="rows per rank")
-    parser.add_argument("--k", type=int, default=4096)
-    parser.add_argument("--n", type=int, default=4096)
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--world", type=positive_int, default=4)
+    parser.add_argument("--m", type=positive_int, default=2048, help="rows per rank")
+    parser.add_argument("--k", type=positive_int, default=4096)
+    parser.add_argument("--n", type=positive_int, default=4096)
+    parser.add_argument("--iters", type=positive_int, default=10)
     parser.add_argument("--csv")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

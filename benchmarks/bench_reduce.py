@@ -8,15 +8,15 @@ import sys
 
 import torch
 
-from overlapkernels.bench.report import RowLog, environment, exit_on_sigterm, format_table
+from overlapkernels.bench.report import RowLog, environment, exit_on_sigterm, format_table, positive_int
 from overlapkernels.bench.timing import gpu_median_s
 from overlapkernels.kernels import cuda as cuda_lib
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--numel", type=int, default=64 << 20)
-    parser.add_argument("--srcs", type=int, default=8)
+    parser.add_argument("--numel", type=positive_int, default=64 << 20)
+    parser.add_argument("--srcs", type=positive_int, default=8)
     parser.add_argument("--csv")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

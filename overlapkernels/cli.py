@@ -212,6 +212,7 @@ def _bench_all(args) -> int:
     fails before it communicates is passed over (by every rank: _KindGate); a rank on which a kind
     fails mid-run prints why and exits non-zero at once (_must_stop), and torchrun stops the rest."""
     global _kind_gate
+    _world(args)  # a bad --nproc: one usage error, not the same one from every kind
     gate = _KindGate() if _launched() else None
     failed = []
     for kind in ALL_KINDS:
@@ -393,10 +394,11 @@ def _profile_report(args) -> int:
     elif not rows:
         print(f"no op ranges (ok/<op>[<method>]) in {args.trace}: only the fused ops, ring attention, fsdp, "
               "the pipeline runner and the collectives benchmark open them, so the trace holds none of their calls")
-    else:
-        print(format_table(rows, [("op", "op", ""), ("calls", "calls", "d"), ("dur_us", "time(us)", ".0f"),
-                                  ("comm_us", "comm busy(us)", ".0f"), ("compute_us", "compute busy(us)", ".0f"),
-                                  ("both_us", "overlap(us)", ".0f"), ("hidden", "comm hidden", ".1%")]))
+    else:  # an op with no comm hides nothing and has no fraction: "-", as JSON's null
+        shown = [r | {"hidden": "-" if math.isnan(r["hidden"]) else format(r["hidden"], ".1%")} for r in rows]
+        print(format_table(shown, [("op", "op", ""), ("calls", "calls", "d"), ("dur_us", "time(us)", ".0f"),
+                                   ("comm_us", "comm busy(us)", ".0f"), ("compute_us", "compute busy(us)", ".0f"),
+                                   ("both_us", "overlap(us)", ".0f"), ("hidden", "comm hidden", "")]))
     return 0
 
 

@@ -5,6 +5,7 @@ import importlib.util
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 _PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_chunked_gemm.py"
@@ -32,3 +33,17 @@ def test_a_tiny_cpu_run_writes_one_row_per_world_and_size(tmp_path, capsys):
     assert [(r["world"], r["rows_per_rank"]) for r in rows] == [("2", "4"), ("3", "4")]
     assert all(float(r["chunk_cost"]) > 0 and math.isnan(float(r["chunk_cost_2streams"])) for r in rows)
     assert "chunk_cost 1.0 = chunking is free" in capsys.readouterr().out
+
+
+def test_counts_below_one_are_usage_errors(capsys):
+    """--iters 0 asked statistics of no calls (a StatisticsError traceback after the setup); the GPU
+    scripts' sizes and counts go through the same argparse type."""
+    from overlapkernels.bench.report import positive_int
+
+    with pytest.raises(SystemExit) as exited:
+        bench.main(["--device", "cpu", "--iters", "0"])
+    assert exited.value.code == 2 and "--iters: '0': expected an integer >= 1" in capsys.readouterr().err
+    assert positive_int("3") == 3
+    for bad in ("-1", "two", "1.5"):
+        with pytest.raises(Exception, match=f"{bad!r}: expected an integer >= 1"):
+            positive_int(bad)

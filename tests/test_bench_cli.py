@@ -244,6 +244,7 @@ def test_node_defaults_fit_the_world_size(monkeypatch):
      "batch=8 must be divisible by dp x microbatches = 3 x 2"),
     (["demo", "--nproc", "2", "--tp", "2", "--pp", "1", "--steps", "-1"], "steps=-1 must be >= 1"),
     (["demo", "--nproc", "0"], "--nproc 0: expected >= 1"),
+    (["bench", "all", "--nproc", "0"], "--nproc 0: expected >= 1"),  # once: before, once per kind, then exit 1
 ])
 def test_bad_sizes_fail_before_any_rank_starts(monkeypatch, capsys, argv, message):
     from overlapkernels import cli

@@ -12,10 +12,11 @@ from overlapkernels.profiling.telemetry import COLUMNS as TELEMETRY
 
 
 def _spread_and_telemetry(rows, time_key="time_us"):
-    """Every row: median between min and max, and the NVML columns, empty on CPU."""
+    """Every row: median between min and max, and the NVML columns, None on CPU (JSON null, an empty
+    CSV cell; they were "", a string where GPU rows have numbers)."""
     for row in rows:
         assert 0 < row["min_us"] <= row[time_key] <= row["max_us"], row
-        assert all(row[c] == "" for c in TELEMETRY), row
+        assert all(row[c] is None for c in TELEMETRY), row
 
 
 def test_llama_presets_and_parsing():
@@ -60,6 +61,25 @@ def test_methods_without_peer_memory_are_skipped_not_fatal(rank_pool):
                                 iters=1, warmup=0)
     rows = rank_pool(2).run(tp_ops.rank_main, tp_ops.config_dict(config))[0]
     assert [r["method"] for r in rows] == ["decomposed"]
+
+
+def _float64_with_peer_memory_on_rank():
+    from overlapkernels.comm import process_world as pw
+
+    own = pw.peer_memory_unavailable_reason
+    pw.peer_memory_unavailable_reason = lambda device: None  # as on an NVLink node: symm/fused could run
+    try:
+        config = tp_ops.TpOpsConfig(op="ag-matmul", shapes=(("tiny", (8, 4, 4)),), methods=("decomposed", "fused"),
+                                    dtype="float64", iters=1, warmup=0)
+        return [r["method"] for r in tp_ops.rank_main(tp_ops.config_dict(config))]
+    finally:
+        pw.peer_memory_unavailable_reason = own
+
+
+def test_fused_is_skipped_for_a_dtype_its_gemm_does_not_take(rank_pool):
+    """--dtype float64 where peer memory exists: fused (16/32-bit Triton GEMM) is skipped with the
+    reason; before, it was kept, and every rank raised after the other methods were timed."""
+    assert rank_pool(2).run(_float64_with_peer_memory_on_rank) == [["decomposed"]] * 2
 
 
 def _peer_methods_on_cuda_ranks_without_peer_memory(locally_able_rank, bad_setting=False):
@@ -115,6 +135,7 @@ def test_ring_attention_bench_smoke(rank_pool):
                         causal=(True,))
     rows = rank_pool(2).run(rb.rank_main, rb.config_dict(cfg))[0]
     assert len(rows) == 1 and rows[0]["layout"] == "zigzag" and rows[0]["world_size"] == 2
+    assert rows[0]["kernels"] == "torch"  # ok.ring_attention's default backend here (CPU)
     assert all(rows[0][k] > 0 for k in ("fwd_allgather_us", "fwd_ring_us", "compute_us", "fwd_bwd_ring_us"))
     _spread_and_telemetry(rows, "fwd_ring_us")
     with pytest.raises(ValueError, match="seq=10 must be divisible by 2 x the world size 4"):
@@ -157,6 +178,32 @@ def test_pipeline_bench_smoke(rank_pool):
     zb = pp.simulate(pp.make_schedule("zb-h1", 2, 2), t_f=1, t_b=1, t_w=1)
     assert rows[3]["bubble_theory"] == pytest.approx(zb.bubble_fraction)
     _spread_and_telemetry(rows, "step_us")
+
+
+def _bubble_of_uneven_steps_on_rank():
+    from overlapkernels.bench import pipeline as pb
+    from overlapkernels.runtime import pipeline as pp
+
+    class Runner:  # steps of 1 s: 0.5 s of compute, the last timed one 0.9 s
+        def __init__(self, stages, group, schedule, loss_fn):
+            self.calls = 0
+
+        def step(self, x, y):
+            self.calls += 1
+            self.step_s, late = 1.0, self.calls == 4
+            self.compute_s = {"F": 0.5 if late else 0.3, "B": 0.0, "W": 0.0, "BW": 0.4 if late else 0.2}
+
+    own, pp.PipelineRunner = pp.PipelineRunner, Runner
+    try:
+        cfg = pb.PipelineBenchConfig(kinds=("gpipe",), microbatches=2, width=4, batch=4, iters=3, warmup=1)
+        return pb.run_pipeline(cfg)[0]["bubble_measured"]
+    finally:
+        pp.PipelineRunner = own
+
+
+def test_pipeline_bench_bubble_is_over_every_timed_step(rank_pool):
+    """1 - (0.5 + 0.5 + 0.9) / 3, where the last step's alone (0.1) was reported."""
+    assert rank_pool(1).run(_bubble_of_uneven_steps_on_rank) == [pytest.approx(1 - 1.9 / 3)]
 
 
 @pytest.mark.parametrize("kind", ["collectives", "ag-matmul", "matmul-rs", "ring-attention", "layers", "fsdp",

@@ -27,6 +27,24 @@ def test_a_symlinked_csv_and_json_keep_feeding_their_target(tmp_path):
     assert json.loads((tmp_path / "rows.json").read_text()) == [{"a": 1}, {"a": 2, "b": 3}]
 
 
+def test_missing_telemetry_is_an_empty_cell_and_a_json_null(tmp_path):
+    """Rows without NVML hold None in its columns: the CSV cell stays empty, the JSON value is null
+    (it was "", a string where GPU rows hold numbers)."""
+    from overlapkernels.profiling.telemetry import COLUMNS, Telemetry
+
+    class NoDriver:
+        def nvmlInit(self):
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    with Telemetry(nvml=NoDriver()) as tel:
+        pass
+    row = {"time_us": 1.5, **tel.summary()}
+    append_csv(tmp_path / "rows.csv", [row])
+    append_json(tmp_path / "rows.json", [row])
+    assert _rows(tmp_path / "rows.csv")[1] == [{"time_us": "1.5", **{k: "" for k in COLUMNS}}]
+    assert json.loads((tmp_path / "rows.json").read_text()) == [{"time_us": 1.5, **dict.fromkeys(COLUMNS)}]
+
+
 def test_a_csv_without_its_last_newline_or_with_a_bom_is_extended_row_by_row(tmp_path):
     plain, bom = tmp_path / "plain.csv", tmp_path / "bom.csv"
     plain.write_text("a,b\n1,2")  # saved by an editor that drops the final newline
@@ -52,6 +70,9 @@ def test_overlap_efficiency_is_undefined_within_the_noise_floor():
     assert math.isnan(metrics.overlap_efficiency(t_method=1.020, t_baseline=1.001, t_gemm=1.0))  # was -19
     assert math.isnan(metrics.overlap_efficiency(t_method=1.0, t_baseline=1.015, t_gemm=1.0))  # 1.5% < 2%
     assert metrics.overlap_efficiency(t_method=1.0625, t_baseline=1.125, t_gemm=1.0) == 0.5  # 12.5% exposed
+    # one rank: nothing communicates, so there is nothing to hide (a fake gap read -1.4 before)
+    assert math.isnan(metrics.overlap_efficiency(t_method=1.12, t_baseline=1.05, t_gemm=1.0, world_size=1))
+    assert metrics.overlap_efficiency(t_method=1.0625, t_baseline=1.125, t_gemm=1.0, world_size=2) == 0.5
 
 
 def test_the_progress_bar_draws_on_stderr_the_terminal_it_checked(monkeypatch):

@@ -187,7 +187,7 @@ def test_telemetry_sums_nvlink_over_every_link_and_finds_its_gpu_by_uuid():
     nvml = Fake()
     with Telemetry(0, uuid="00000000-0000-0000-0000-000000000000", nvml=nvml) as tel:
         pass
-    assert tel.summary() == {c: "" for c in tel.summary()} and nvml.fields == [] and nvml.shutdowns == 1
+    assert tel.summary() == dict.fromkeys(tel.summary()) and nvml.fields == [] and nvml.shutdowns == 1
 
 
 def test_telemetry_gives_no_nvlink_rate_across_a_counter_reset(monkeypatch):
@@ -203,7 +203,7 @@ def test_telemetry_gives_no_nvlink_rate_across_a_counter_reset(monkeypatch):
     nvml.kib = 0  # the driver reset its counters
     tel._sample()
     s = tel.summary()
-    assert s["nvlink_tx_gbps"] == s["nvlink_rx_gbps"] == "" and s["power_w"] == 650.0
+    assert s["nvlink_tx_gbps"] is s["nvlink_rx_gbps"] is None and s["power_w"] == 650.0
 
 
 def test_telemetry_summary_averages_clock_and_power_and_takes_the_hottest_reading():
@@ -225,7 +225,7 @@ def test_telemetry_without_nvml_leaves_columns_empty():
 
     with Telemetry(nvml=NoDriver()) as tel:
         pass
-    assert tel.summary() == {c: "" for c in COLUMNS}
+    assert tel.summary() == dict.fromkeys(COLUMNS)
 
 
 def test_gpu_check_script_refuses_a_machine_without_gpu(tmp_path):

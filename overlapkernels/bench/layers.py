@@ -59,7 +59,7 @@ def run_layers(cfg: LayersConfig, group=None) -> list[dict]:
     rows, times = [], {}
     x = torch.randn(cfg.seq // world, cfg.batch, cfg.hidden, generator=torch.Generator().manual_seed(0))
     x = x.to(device, dtype).requires_grad_()
-    methods = available_methods(dict.fromkeys(("baseline", *cfg.methods)), group, device, "layers")
+    methods = available_methods(dict.fromkeys(("baseline", *cfg.methods)), group, device, "layers", dtype)
     for method in track(methods, "layers", enabled=dist.get_rank(group) == 0):  # baseline first: the reference
         torch.manual_seed(0)
         block = TransformerBlock(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn_hidden, group, sequence_parallel=True,

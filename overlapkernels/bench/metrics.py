@@ -53,11 +53,12 @@ def busbw_gbps(op: str, nbytes: int, seconds: float, world_size: int) -> float:
 E_MIN_EXPOSED = 0.02
 
 
-def overlap_efficiency(t_method: float, t_baseline: float, t_gemm: float) -> float:
+def overlap_efficiency(t_method: float, t_baseline: float, t_gemm: float, world_size: int | None = None) -> float:
     """Flux's E = 1 - (T_method - T_gemm) / (T_baseline - T_gemm): 1 = comm hidden, < 0 = slower.
-    NaN where the baseline's exposed communication is within noise (E_MIN_EXPOSED of T_gemm)."""
+    NaN where the baseline's exposed communication is within noise (E_MIN_EXPOSED of T_gemm), and
+    at ``world_size`` 1, where there is no communication: any gap there is the methods' own cost."""
     exposed_baseline = t_baseline - t_gemm
-    if not exposed_baseline > E_MIN_EXPOSED * max(t_gemm, 0.0):  # (also: no exposed time at all, or NaN)
+    if world_size == 1 or not exposed_baseline > E_MIN_EXPOSED * max(t_gemm, 0.0):  # (also NaN, nothing exposed)
         return float("nan")
     return 1.0 - (t_method - t_gemm) / exposed_baseline
 

@@ -1,7 +1,8 @@
 """Pipeline benchmark: per schedule kind, the measured step time against the simulator's makespan
 (fed with the measured per-op times), and measured vs simulated bubble. The step time is the
-slowest rank's median (min_us / max_us its fastest and slowest step) after ``warmup`` untimed
-steps; per-op times and the measured bubble are averaged over ranks (the simulator's inputs)."""
+slowest rank's median (min_us / max_us: the largest over ranks of each one's fastest and slowest
+step) after ``warmup`` untimed steps; per-op times (the simulator's inputs) and the measured bubble
+(1 - compute / step time, both summed over the timed steps) are averaged over ranks."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -77,11 +78,11 @@ def run_pipeline(cfg: PipelineBenchConfig, group=None) -> list[dict]:
                 if i >= cfg.warmup:
                     times.append(runner.step_s)
                     for k in ops:
-                        ops[k] += runner.compute_s[k]
+                        ops[k] += runner.compute_s[k]  # (step() resets both: summed over the timed steps)
         step = slowest_rank(summarize(times), device, group)
         n = cfg.iters * cfg.microbatches * v
         per = torch.tensor([ops["F"] / n, (ops["B"] + ops["BW"]) / n, ops["W"] / n,
-                            1 - sum(runner.compute_s.values()) / runner.step_s], dtype=torch.float64, device=device)
+                            1 - sum(ops.values()) / sum(times)], dtype=torch.float64, device=device)
         dist.all_reduce(per, group=group)
         per /= p
         t_f, t_b, t_w, bubble = per.tolist()

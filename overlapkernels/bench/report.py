@@ -1,6 +1,7 @@
 """Tables on stdout and rows appended to CSV, each row carrying where and when it was measured."""
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime as _dt
 import importlib
@@ -11,6 +12,18 @@ from pathlib import Path
 
 
 COMMIT_ENV = "OVERLAPKERNELS_COMMIT"
+
+
+def positive_int(text: str) -> int:
+    """argparse type of the benchmark scripts' sizes and counts: an integer >= 1, else a usage error
+    naming the value (0 iterations divided by zero, or asked statistics of nothing, after setup)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
+    return value
 
 
 def git_commit(package_dir: str | os.PathLike | None = None) -> str:

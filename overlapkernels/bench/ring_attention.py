@@ -67,12 +67,12 @@ def run_ring(cfg: RingConfig, group=None) -> list[dict]:
     cfg.validate(world)
     device = comm_device(group)
     dtype = DTYPES[cfg.dtype]
-    backend = "triton" if device.type == "cuda" else "torch"
     local = cfg.seq // world
     scale = 1 / math.sqrt(cfg.head_dim)
     g = torch.Generator().manual_seed(dist.get_rank())
     q = torch.randn(cfg.batch, cfg.heads, local, cfg.head_dim, generator=g).to(device, dtype)
     k, v = (torch.randn(cfg.batch, cfg.kv_heads, local, cfg.head_dim, generator=g).to(device, dtype) for _ in range(2))
+    backend = ra.default_backend(q)  # as ok.ring_attention picks (timed beside it): torch for float64
     rows = []
     sweep = [(layout, causal) for layout in cfg.layouts for causal in cfg.causal]
     for layout, causal in track(sweep, "ring-attention", enabled=dist.get_rank(group) == 0):
@@ -96,10 +96,10 @@ def run_ring(cfg: RingConfig, group=None) -> list[dict]:
         t_ring = ring["median_s"]
         rows.append({"layout": layout, "causal": causal, "seq": cfg.seq, "batch": cfg.batch, "heads": cfg.heads,
                      "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "dtype": cfg.dtype, "world_size": world,
-                     "backend": dist.get_backend(group), "fwd_allgather_us": t_ag * 1e6, "fwd_ring_us": t_ring * 1e6,
+                     "backend": dist.get_backend(group), "kernels": backend, "fwd_allgather_us": t_ag * 1e6, "fwd_ring_us": t_ring * 1e6,
                      "min_us": ring["min_s"] * 1e6, "max_us": ring["max_s"] * 1e6,
                      "compute_us": t_comp * 1e6, "fwd_bwd_ring_us": t_fb * 1e6, "speedup": t_ag / t_ring,
-                     "efficiency": overlap_efficiency(t_ring, t_ag, t_comp),
+                     "efficiency": overlap_efficiency(t_ring, t_ag, t_comp, world),
                      "tflops_fwd": _flops(cfg, world, causal) / t_ring / 1e12, **tel.summary()})
     return rows
 

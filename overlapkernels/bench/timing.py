@@ -73,12 +73,14 @@ def gpu_median_s(fn, **do_bench_kwargs) -> float:
 
 
 def row_times(stats: dict) -> dict:
-    """The slowest rank's ``{median_s, min_s, max_s}`` -> a row's time_us (median), min_us, max_us."""
+    """``{median_s, min_s, max_s}``, each the largest over ranks (``slowest_rank``) -> a row's time_us
+    (median), min_us, max_us."""
     return {"time_us": stats["median_s"] * 1e6, "min_us": stats["min_s"] * 1e6, "max_us": stats["max_s"] * 1e6}
 
 
-def available_methods(methods, group, device, what: str) -> list[str]:
-    """``methods`` minus those this group cannot run here (symm/fused without peer memory), each
+def available_methods(methods, group, device, what: str, dtype=None) -> list[str]:
+    """``methods`` minus those this group cannot run here (symm/fused without peer memory, fused
+    with operands of ``dtype`` its Triton GEMM does not take), each
     skipped one printed with its reason on rank 0. Every rank skips the same ones (a flag all-reduce),
     else the others would wait in a collective that one rank never joins."""
     from ..ops._methods import unavailable_reason
@@ -88,7 +90,7 @@ def available_methods(methods, group, device, what: str) -> list[str]:
     reasons = {}
     for method in methods:
         try:
-            reasons[method] = unavailable_reason(method, group, device) if method != "auto" else None
+            reasons[method] = unavailable_reason(method, group, device, dtype) if method != "auto" else None
         except ValueError as exc:  # e.g. a bad peer-memory setting
             reasons[method] = str(exc)
     # this rank's own checks cannot see the others: ranks on two hosts, or GPUs without peer access
@@ -122,8 +124,8 @@ def available_methods(methods, group, device, what: str) -> list[str]:
 
 
 def slowest_rank(stats: dict, device: torch.device, group=None) -> dict:
-    """Per-rank {median_s, min_s, max_s} -> the maximum over ranks of each (a collective is done
-    when its last rank is)."""
+    """Per-rank {median_s, min_s, max_s} -> the maximum over ranks of each, separately (a collective
+    is done when its last rank is), so min_s and max_s may come from other ranks than median_s."""
     keys = sorted(stats)
     worst = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)

@@ -5,7 +5,8 @@ layers (qkv, fc1) run all-gather + GEMM: a_shard [M/W, K] @ b [K, N/W]. Row-para
 (attn_out, fc2) run GEMM + reduce-scatter: a [M, K/W] @ b [K/W, N] -> [M/W, N]. On CPU the
 presets are scaled down 8x in every dim (gloo would take minutes at full size).
 
-Per row: median, min and max time (slowest rank), TFLOP/s of this rank's GEMM, speedup vs baseline,
+Per row: median, min and max time (each the largest over ranks), TFLOP/s of this rank's GEMM (2 m k n /
+T with this rank's m, k, n: what compares with one GPU's peak; M K N in the row are the layer's), speedup vs baseline,
 and Flux's overlap efficiency E = 1 - (T - T_gemm) / (T_baseline - T_gemm), with T_gemm this rank's
 GEMM alone, timed as every method is (``time_calls``: E subtracts one time from another, so they
 must come from one timer). Methods this group cannot run (symm/fused without peer memory) are
@@ -30,7 +31,7 @@ TOKENS = 8192
 CPU_SCALE = 8
 OPS = {"ag-matmul": ("qkv", "fc1"), "matmul-rs": ("attn_out", "fc2")}
 COLUMNS = [("layer", "layer", ""), ("M", "M", "d"), ("K", "K", "d"), ("N", "N", "d"), ("method", "method", ""),
-           ("time_us", "time(us)", ".1f"), ("tflops", "TFLOP/s", ".4f"), ("speedup", "vs base", ".3f"),
+           ("time_us", "time(us)", ".1f"), ("tflops", "TFLOP/s/rank", ".4f"), ("speedup", "vs base", ".3f"),
            ("efficiency", "E", ".2f")]
 
 
@@ -111,7 +112,7 @@ def run_tp_ops(config: TpOpsConfig, group=None) -> list[dict]:
     device = comm_device(group)
     dtype = DTYPES[config.dtype]
     fn = ok.all_gather_matmul if config.op == "ag-matmul" else ok.matmul_reduce_scatter
-    methods = available_methods(dict.fromkeys(("baseline", *config.methods)), group, device, config.op)
+    methods = available_methods(dict.fromkeys(("baseline", *config.methods)), group, device, config.op, dtype)
     rows = []
     with torch.no_grad():
         for name, (m, k, n) in track(config.shapes, config.op, enabled=dist.get_rank(group) == 0):
@@ -131,7 +132,7 @@ def run_tp_ops(config: TpOpsConfig, group=None) -> list[dict]:
                              "world_size": world, "backend": dist.get_backend(group), "dtype": config.dtype,
                              **row_times(stats), "gemm_us": t_gemm * 1e6, "tflops": 2 * gm * gk * gn / t / 1e12,
                              "speedup": times["baseline"] / t,
-                             "efficiency": overlap_efficiency(t, times["baseline"], t_gemm), **tel.summary()})
+                             "efficiency": overlap_efficiency(t, times["baseline"], t_gemm, world), **tel.summary()})
     return rows
 
 

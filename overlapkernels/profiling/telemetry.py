@@ -98,7 +98,7 @@ class Telemetry:
         def values(key):
             return [s[key] for s in self.samples if s.get(key) is not None]
 
-        out = {c: "" for c in COLUMNS}
+        out = dict.fromkeys(COLUMNS)  # None where NVML offers nothing: JSON null, an empty CSV cell
         for key, agg in (("sm_clock_mhz", lambda v: sum(v) / len(v)), ("power_w", lambda v: sum(v) / len(v)),
                          ("temp_c", max)):
             if values(key):
