@@ -206,6 +206,11 @@ for dname in ("bf16", "fp32"):
           ptx_not=NO_TMA)
     check(f"_ag_pull_kernel {dname}", AL._ag_pull_kernel, table, table, out, M * K, 2, nb, RANK=R, WORLD=W,
           BLOCK=256, ptx_re=(RELEASE_SYS,), ptx_not=NO_TMA)
+# chunk bases are 64-bit (rank x chunk_numel passes 2^31 first); arguments equal to 1 are specialised
+# into constants, which the widening must take too
+check("_ag_publish_kernel chunk_numel=1", AL._ag_publish_kernel, t(1, dtype=dt), table, 1, RANK=R, BLOCK=256, ptx_not=NO_TMA)
+check("_ag_pull_kernel chunk_numel=1 src=1", AL._ag_pull_kernel, table, table, t(W, dtype=dt), 1, 1, 1, RANK=R, WORLD=W,
+      BLOCK=256, ptx_re=(RELEASE_SYS,), ptx_not=NO_TMA)
 for world, epoch in [(4, 5), (8, 1)]:
     check(f"_ag_signal_kernel WORLD={world} epoch={epoch}", AL._ag_signal_kernel, t(world, dtype=torch.int64), epoch,
           1, WORLD=world, **SG.FLAG_KERNEL_LAUNCH, flag_kernel=True, ptx_re=(RELEASE_SYS,))

@@ -266,6 +266,25 @@ def test_float64_is_refused_with_a_pointer_to_the_torch_backend():
     assert ring.default_backend(meta) == "torch"  # not CUDA: the kernels would only be interpreted
 
 
+def test_shapes_past_the_grid_or_32_bit_head_offsets_are_refused():
+    """Heads and batch each on a grid axis of at most 65535, and 32-bit offsets within one head: past
+    them a launch failed bare (grid) or read wrapped addresses (a strided view at long context)."""
+    def meta(*shape, transpose=False):
+        return torch.empty(*shape, device="meta").transpose(1, 2) if transpose else torch.empty(*shape, device="meta")
+
+    k = meta(1, 1, 4, 8)
+    with pytest.raises(ValueError, match=r"q.shape=\(1, 70000, 4, 8\): batch and heads must each be <= 65535"):
+        fa.block_forward(meta(1, 70000, 4, 8), k, k, 0.3)
+    with pytest.raises(ValueError, match=r"q.shape=\(70000, 1, 4, 8\): batch and heads must each be <= 65535"):
+        fa.block_forward(meta(70000, 1, 4, 8), k, k, 0.3)
+    # [B, S, H, D] seen as [B, H, S, D]: a head's last row starts S x H x D - H x D elements in
+    long = meta(1, 2 ** 17 + 1, 128, 128, transpose=True)
+    with pytest.raises(ValueError, match=r"k of shape \(1, 128, 131073, 128\), strides .*: one head spans 2\^31"):
+        fa.block_forward(meta(1, 128, 4, 128), long, long, 0.3)
+    fine = meta(1, 2 ** 17, 128, 128, transpose=True)  # one row less: its last offset is below 2^31
+    fa._check(meta(1, 128, 4, 128), fine, fine)
+
+
 def test_bf16_on_cpu_is_refused_not_misread():
     """Triton's interpreter computes with bf16 wrongly without an error: the kernels refuse it on CPU."""
     from overlapkernels.kernels.triton.tile_gemm import check_gemm_operands

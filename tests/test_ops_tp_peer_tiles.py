@@ -198,5 +198,9 @@ def test_tma_operands_qualify_only_aligned_16bit_2d_operands():
     for why, args in {"config without tma": (a, b, plain), "fp32": (a.float(), b.float(), cfg),
                       "empty": (a[:0], b, cfg), "unaligned base": (torch.zeros(8 * 32 + 1, dtype=torch.float16)[1:].view(8, 32), b, cfg),
                       "a column-major": (torch.zeros(32, 8, dtype=torch.float16).t(), b, cfg),
-                      "b strided both ways": (a, torch.zeros(32, 48, dtype=torch.float16)[:, ::2], cfg)}.items():
+                      "b strided both ways": (a, torch.zeros(32, 48, dtype=torch.float16)[:, ::2], cfg),
+                      # rows a tensor map cannot lay out: one row repeated (stride 0), rows overlapping
+                      "a expanded": (torch.zeros(1, 32, dtype=torch.float16).expand(8, 32), b, cfg),
+                      "b overlapping rows": (a, torch.zeros(64 * 8 + 16, dtype=torch.float16).as_strided((32, 24), (8, 1)),
+                                             cfg)}.items():
         assert TG.tma_operands(*args) == (False, None, None, False), why

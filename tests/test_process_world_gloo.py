@@ -407,3 +407,24 @@ def _allocation_failing_on_one_rank(peer_memory):
 def test_an_allocation_failing_on_one_rank_raises_on_every_rank(rank_pool, peer_memory, what):
     for said in rank_pool(2).run(_allocation_failing_on_one_rank, peer_memory):
         assert said.startswith(what), said
+
+
+@pytest.mark.parametrize("raw, warned", [("1", True), ("2", False), ("32", False), (None, False)])
+def test_one_hardware_queue_is_warned_about(monkeypatch, raw, warned):
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron-LM's setting) serialises symm/fused's pulls and GEMMs:
+    correct but not overlapped, which a process world (as the thread world already did) now says."""
+    import warnings
+
+    from overlapkernels.comm.process_world import warn_single_hardware_queue
+
+    if raw is None:
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", raw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_single_hardware_queue()
+    said = [str(w.message) for w in caught]
+    assert said == (["CUDA_DEVICE_MAX_CONNECTIONS=1: one hardware queue for every stream, so method='symm'/'fused' "
+                     "run their transfers and GEMMs one after the other (correct, not overlapped); set it to 2 or "
+                     "more (8, CUDA's default) for these ops"] if warned else [])

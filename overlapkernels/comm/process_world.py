@@ -146,6 +146,17 @@ def group_has_peer_memory(group: dist.ProcessGroup, device: torch.device) -> boo
     return _group_peer_memory[key]
 
 
+def warn_single_hardware_queue() -> None:
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 (which Megatron-LM asks for its own overlap) puts every stream
+    of the process in one hardware queue: symm/fused's copy-engine pulls, queued behind their flag
+    waits, then hold up the GEMM behind them. Results stay right, but nothing overlaps - say so."""
+    raw = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")  # (CUDA's default: 8)
+    if raw.strip().isdigit() and int(raw) < 2:
+        warnings.warn(f"CUDA_DEVICE_MAX_CONNECTIONS={raw}: one hardware queue for every stream, so method='symm'/"
+                      "'fused' run their transfers and GEMMs one after the other (correct, not overlapped); set it "
+                      "to 2 or more (8, CUDA's default) for these ops", stacklevel=4)
+
+
 class ProcessPeerWorld:
     """``rank``/``world_size`` of ``group``, symmetric allocation, workspaces, a copy stream."""
 
@@ -190,6 +201,8 @@ class ProcessPeerWorld:
         # ranks sharing this GPU (tests, or MPS): each persistent kernel takes only its share of SMs,
         # or ranks spinning on each other's signals could hold every SM
         self.ranks_per_device = max(1, sum(uuid == mine for _, uuid, _, _ in ranks))
+        if device.type == "cuda":
+            warn_single_hardware_queue()
 
     @property
     def wait_timeout(self) -> float:

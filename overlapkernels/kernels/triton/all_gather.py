@@ -33,7 +33,10 @@ def _ag_publish_kernel(shard_ptr, buf_table_ptr, chunk_numel, RANK: tl.constexpr
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < chunk_numel
     my_buf = peer_ptr(buf_table_ptr, RANK, shard_ptr)
-    tl.store(my_buf + RANK * chunk_numel + offs, tl.load(shard_ptr + offs, mask=mask), mask=mask)
+    # 64-bit chunk base: chunk_numel arrives as i32, and RANK x it passes 2^31 long before it does
+    # (tl.cast, not .to: an argument equal to 1 is specialised into a plain int)
+    base = RANK * tl.cast(chunk_numel, tl.int64)
+    tl.store(my_buf + base + offs, tl.load(shard_ptr + offs, mask=mask), mask=mask)
 
 
 @triton.jit(do_not_specialize=["epoch", "rank"])
@@ -53,8 +56,9 @@ def _ag_pull_kernel(buf_table_ptr, sig_table_ptr, out_ptr, chunk_numel, src, num
                     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < chunk_numel
-    chunk = peer_ptr(buf_table_ptr, src, out_ptr) + src * chunk_numel
-    tl.store(out_ptr + src * chunk_numel + offs, tl.load(chunk + offs, mask=mask), mask=mask)
+    base = tl.cast(src, tl.int64) * chunk_numel  # 64-bit, as in the publish kernel (tl.cast: src may be a 1)
+    chunk = peer_ptr(buf_table_ptr, src, out_ptr) + base
+    tl.store(out_ptr + base + offs, tl.load(chunk + offs, mask=mask), mask=mask)
     tl.debug_barrier()  # all threads' loads are done before the release below
     # release: src may overwrite its chunk once every block of every reader has counted itself
     tl.atomic_add(signal_ptr(sig_table_ptr, src) + WORLD + RANK, 1, sem="release", scope="sys")

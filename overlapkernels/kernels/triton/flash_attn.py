@@ -11,7 +11,7 @@ The grid is (tiles, heads, batch): heads and batch on axes of their own, each un
 where B*H on one axis passed it (B=512, H=128). Each program's (batch, head) base offset is 64-bit
 (its program ids cast to int64): B*H*S*D reaches 2^31 elements at long context (B=1, H=128,
 S=131072, D=128). Offsets within one head stay 32-bit: S*D for the contiguous [B, H, S, D] blocks
-ring attention passes; a strided view whose sequence stride is H*D would need S*H*D < 2^31.
+ring attention passes; a strided view whose sequence stride is H*D needs S*H*D < 2^31 (_check refuses more).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from ..interpreter import bf16_message, bf16_miscomputed
 from .tile_gemm import dot_precision, launch_device, shared_memory_per_block
 
 LOG2E = 1.4426950408889634
+GRID_AXIS_MAX = 65535  # CUDA's limit on a grid's y and z
 LN2 = 0.6931471805599453
 
 
@@ -245,6 +246,14 @@ def _check(q, k, v):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"flash attention (Triton): {name} needs a contiguous last dim, got strides {t.stride()}")
+        # the grid's axes 1 and 2 (heads, batch) stop at 65535; offsets within one head are 32-bit
+        if max(t.shape[0], t.shape[1]) > GRID_AXIS_MAX:
+            raise ValueError(f"flash attention (Triton): {name}.shape={tuple(t.shape)}: batch and heads must each be "
+                             f"<= {GRID_AXIS_MAX} (CUDA's grid limit); split the batch")
+        if t.shape[2] and (t.shape[2] - 1) * t.stride(2) + t.shape[3] > 2 ** 31:  # (its last offset: 2^31 - 1)
+            raise ValueError(f"flash attention (Triton): {name} of shape {tuple(t.shape)}, strides {t.stride()}: one "
+                             "head spans 2^31 elements or more (32-bit offsets within a head); pass contiguous "
+                             "[B, H, S, D] blocks")
 
 
 @dataclass(frozen=True)

@@ -164,8 +164,9 @@ def tma_operands(a: torch.Tensor, b: torch.Tensor, config: GemmConfig) -> tuple:
     except ImportError:  # a triton without host-side descriptors
         return none
 
-    def fits(t):
-        return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+    def fits(t):  # (rows at least a row apart: a tensor map cannot describe expanded or overlapping rows)
+        return t.stride(1) == 1 and t.stride(0) >= t.shape[1] and t.data_ptr() % 16 == 0 \
+            and t.stride(0) * t.element_size() % 16 == 0
 
     if not fits(a):
         return none
