@@ -259,7 +259,8 @@ def _bad_units_on_rank():
             self.a = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
 
     half_cp = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
-    half_cp[0][0].weight.context_parallel_group = dist.group.WORLD  # one parameter tagged, not the others
+    own = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]  # (a CP group apart from fsdp's)
+    half_cp[0][0].weight.context_parallel_group = own  # one parameter tagged, not the others
     # unit '0' can be built, unit '1' cannot: refused before '0' re-points its parameters into a flat buffer
     late = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()))
     before = [(p, p.data_ptr(), p.dtype) for p in late.parameters()]
@@ -401,8 +402,9 @@ def test_stage3_parameters_outside_forward(rank_pool):
     for refusals in rank_pool(2).run(_stage3_outside_forward_on_rank):
         assert len(refusals) == 3, refusals
         assert "state_dict() of Linear (fsdp unit '0'): its parameters are sharded (stage 3)" in refusals[0]
-        assert all("sharded.full_state_dict()" in r for r in refusals)
-        assert refusals[2].startswith("load_state_dict() of Linear")
+        assert all("sharded.full_state_dict()" in r for r in refusals[:2])
+        assert refusals[2].startswith("load_state_dict() of Linear (fsdp unit '0') after fsdp.shard") and \
+            refusals[2].endswith("Load before fsdp.shard, or use fsdp.load")
 
 
 def _state_dict_snapshot_on_rank(stage):

@@ -193,11 +193,13 @@ def _failed_optimizer_factory_on_rank():
     must train like a model never refused."""
     from comm_guard import no_communication
 
+    own = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]  # a TP group apart from fsdp's
+
     def fresh():
         torch.manual_seed(0)
         model = nn.Sequential(Block(D_IN), nn.Linear(D_IN, 3)).double()
         model[0].norm.weight.sequence_parallel = True  # as ColumnParallelLinear tags an SP norm
-        model[0].norm.weight.sequence_parallel_group = dist.group.WORLD
+        model[0].norm.weight.sequence_parallel_group = own
         return model
 
     def raising(params):

@@ -5,6 +5,8 @@ from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .mlp import ParallelMLP
 from .norm import LayerNorm, RMSNorm, allreduce_sequence_parallel_grads
+from .tags import mark_context_parallel
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "RMSNorm", "LayerNorm",
-           "allreduce_sequence_parallel_grads", "ParallelMLP", "ParallelSelfAttention", "TransformerBlock", "rope"]
+           "allreduce_sequence_parallel_grads", "ParallelMLP", "ParallelSelfAttention", "TransformerBlock", "rope",
+           "mark_context_parallel"]

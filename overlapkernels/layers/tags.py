@@ -78,6 +78,16 @@ def tensor_parallel_parameters(module: nn.Module, sharded: dict | None = None) -
     return [(names, param, partition_dim(param)) for names, param in found.values()]
 
 
+def mark_context_parallel(model: nn.Module, cp_group) -> None:
+    """Tag every parameter of ``model`` ``context_parallel_group``: under context parallelism each
+    rank sees part of every sequence, so every gradient is partial over ``cp_group`` (fsdp.shard sums
+    them there). Remembered on ``model``, so the tags survive the operations that replace Parameter
+    objects (see ``retag``). The GPT calls it itself; call it on a model built from the layers with
+    ``cp_group=``, once its parameters are registered."""
+    model.__dict__[CONTEXT_PARALLEL] = cp_group
+    retag(model, recurse=False)
+
+
 def retag(module: nn.Module, *, recurse: bool = True) -> None:
     """Put the remembered tags back on whatever Parameter objects ``module`` (and with ``recurse``
     its submodules) holds now."""

@@ -20,7 +20,7 @@ from ..layers import ColumnParallelLinear, RMSNorm, TransformerBlock, VocabParal
 from ..layers.embedding import check_token_ids
 from ..layers.linear import default_init
 from ..layers.norm import allreduce_sequence_parallel_grads
-from ..layers.tags import CONTEXT_PARALLEL, KeepsTags, retag
+from ..layers.tags import KeepsTags, mark_context_parallel
 from ..ops.cross_entropy import check_target_ids, vocab_parallel_cross_entropy
 from ..ops.sequence_shard import shard_sequence
 
@@ -88,8 +88,7 @@ class GPT(KeepsTags, nn.Module):
             self.lm_head = ColumnParallelLinear(config.hidden, config.vocab_size, tp, bias=False,
                                                 sequence_parallel=sp, method=config.method, **kw)
         if self.cp_group is not None:  # every gradient is partial over CP: fsdp.shard sums it there
-            self.__dict__[CONTEXT_PARALLEL] = self.cp_group  # (remembered: see layers.tags)
-            retag(self, recurse=False)
+            mark_context_parallel(self, self.cp_group)
 
     def reset_parameters(self) -> None:
         """Redraw every weight as construction did, after ``to_empty`` of a meta build: the same values

@@ -19,7 +19,8 @@ def _adamw(params):
 
 def shard(model, group=None, *, stage=3, optimizer=_adamw, prefetch=1, param_dtype=None, reduce_dtype=None,
           units=None) -> ShardedModule:
-    """Shard ``model`` over ``group`` (the dp group of a ParallelDims, or the world)."""
+    """Shard ``model`` over ``group``: the dp group of a ParallelDims, or the world (None) for pure
+    data parallelism only - a group that also holds the model's TP or CP peers is refused."""
     if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or stage not in (1, 2, 3):
         raise ValueError(f"stage={stage!r}: expected 1, 2 or 3")
     if not callable(optimizer):

@@ -13,7 +13,7 @@ Shadows are set for the whole root forward and again around each holder's own fo
 forward that runs outside the root's - activation checkpointing's recompute during backward, a
 submodule called directly - casts too. The copy is made per forward, not cached: autograd keeps it
 as long as backward needs it, and a cache would hold one more copy of the base between steps and go
-stale when the caller changes the original (``load_state_dict``).
+stale when the original changes (``fsdp.load``).
 """
 from __future__ import annotations
 

@@ -34,7 +34,8 @@ from torch.utils._pytree import tree_map
 from ...profiling.ranges import span
 from .flat_unit import FlatUnit, check_unit_params
 from .frozen_copies import FrozenComputeCopies
-from .unit_plan import check_sequence_parallel_tags, shared_parameters, unit_modules
+from .unit_plan import (check_context_parallel_tags, check_group_holds_replicas, check_sequence_parallel_tags,
+                        shared_parameters, unit_modules)
 
 
 def _each_tensor(value, fn, depth: int = 0) -> None:
@@ -63,8 +64,14 @@ class ShardedModule(nn.Module):
         # dropped with the Parameter objects it replaced, in containers that are not our layers
         from ...layers.tags import retag
         retag(model)
+        if inner := next((name for name, mod in model.named_modules() if isinstance(mod, ShardedModule)), None):
+            raise ValueError(f"fsdp.shard: {type(model).__name__} already holds a ShardedModule at {inner or '<model>'!r}; "
+                             "shard the whole model once, and pick its units with units= (FSDP2's per-block "
+                             "fully_shard is units=TransformerBlock here)")
         if stage >= 2:
             check_sequence_parallel_tags(model, stage)
+        check_context_parallel_tags(model)
+        check_group_holds_replicas(model, group)
         self.module, self.group, self.stage, self.prefetch = model, group, stage, prefetch
         self.param_dtype = param_dtype
         self._reading_full_state = False
@@ -115,7 +122,9 @@ class ShardedModule(nn.Module):
         model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         for unit in self.all_units:  # stage 3 frees parameters: a state dict of them would be empty
             unit.module.register_state_dict_pre_hook(self._refuse_freed(unit, "state_dict"))
-            unit.module.register_load_state_dict_pre_hook(self._refuse_freed(unit, "load_state_dict"))
+            # and at every stage a load would reach only the gathered copy, which the next step
+            # overwrites from the masters (the optimizer's): refused, not silently undone
+            unit.module.register_load_state_dict_pre_hook(self._refuse_load(unit))
         for unit in self.units:
             unit.module.register_forward_pre_hook(self._pre_forward(unit))
             unit.module.register_forward_hook(self._post_forward(unit))
@@ -129,6 +138,10 @@ class ShardedModule(nn.Module):
         if stage == 3:
             for unit in self.units:
                 unit.free()
+        # the masters are slices of each rank's own values (ranks that drew different initial weights
+        # train a mixture): stage 3 gathers them at every forward, stages 1/2 at the first (not here:
+        # shard() itself stays free of collectives)
+        self._masters_published = stage == 3
         self._track()
 
     # -- memory accounting --------------------------------------------------------------------
@@ -164,6 +177,12 @@ class ShardedModule(nn.Module):
 
     def _root_pre_forward(self, module, args, kwargs):
         # a hook on the wrapped model, so methods that reach its forward (GPT.loss) work too
+        if not self._masters_published:  # stages 1/2: the first forward reads what the optimizer trains
+            self._masters_published = True
+            for unit in self.all_units:
+                sent = unit.bytes_gathered
+                unit.publish()
+                unit.bytes_gathered = sent  # (comm_stats count training's traffic)
         if self.root is not None and self.stage == 3:
             self.root.gather()
             self._track()
@@ -182,6 +201,14 @@ class ShardedModule(nn.Module):
                     f"{what}() of {type(module).__name__} (fsdp unit {unit.name!r}): its parameters are sharded "
                     f"(stage {self.stage}) and freed between forward passes. Use sharded.full_state_dict() (a "
                     "collective) or fsdp.save / fsdp.load instead")
+        return hook
+
+    def _refuse_load(self, unit):
+        def hook(module, *_):
+            raise RuntimeError(
+                f"load_state_dict() of {type(module).__name__} (fsdp unit {unit.name!r}) after fsdp.shard: the "
+                f"optimizer trains master shards of its parameters (stage {self.stage}), which a load would not "
+                "reach, so the next step would undo it. Load before fsdp.shard, or use fsdp.load")
         return hook
 
     def _neighbours(self, unit, direction: int) -> list:

@@ -1,9 +1,12 @@
 """What ``fsdp.shard`` decides about a model before taking it over: which modules become units,
-which parameters two units share (they go to the root unit), and the check of its tags.
+which parameters two units share (they go to the root unit), and the checks of its tags and group.
 ``sharded.py`` holds the hooks that run the units."""
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
+
+from ...parallel import shared_peers
 
 
 def _callable(mod: nn.Module) -> bool:
@@ -63,3 +66,61 @@ def check_sequence_parallel_tags(model: nn.Module, stage: int) -> None:
                 "its gradient (partial per tensor-parallel rank) is reduced during backward and must first be "
                 "summed over its TP group, which fsdp cannot guess. Build the layer with its group (e.g. "
                 "RMSNorm(hidden, sequence_parallel=True, group=tp_group)) or set p.sequence_parallel_group")
+
+
+def _parallel_groups(model: nn.Module):
+    """(where, group, what) for every group of 2+ ranks the model computes over: its layers' tensor-
+    parallel ``group`` and ``cp_group``, and its parameters' sequence/context-parallel tags."""
+    for name, mod in model.named_modules():
+        for attr, what in (("group", "tensor-parallel group"), ("cp_group", "context-parallel group")):
+            group = mod.__dict__.get(attr)
+            if isinstance(group, dist.ProcessGroup) and dist.get_world_size(group) > 1:
+                yield f"{type(mod).__name__} {name or '<model>'!r}", group, what
+    for name, p in model.named_parameters():
+        for attr, what in (("sequence_parallel_group", "sequence-parallel group"),
+                           ("context_parallel_group", "context-parallel group")):
+            group = getattr(p, attr, None)
+            if isinstance(group, dist.ProcessGroup) and dist.get_world_size(group) > 1:
+                yield f"parameter {name!r}", group, what
+
+
+def check_group_holds_replicas(model: nn.Module, group) -> None:
+    """fsdp averages gradients over its group and splits each unit's parameters across it, so the
+    group's ranks must hold the same part of the model and see other samples: data-parallel peers.
+    One that also holds a layer's tensor- or context-parallel peers (the world, the default, under
+    ``init_parallel(tp=2)``) would average different weight slices, or count other tokens of the same
+    samples as other samples - wrong weights, silently. Refused here, alike on every rank."""
+    if dist.get_world_size(group) == 1:
+        return
+    seen = set()
+    for where, other, what in _parallel_groups(model):
+        if id(other) in seen:
+            continue
+        seen.add(id(other))
+        if peers := shared_peers(group, other):
+            raise ValueError(
+                f"fsdp.shard: its group (global ranks {dist.get_process_group_ranks(group)}) also holds ranks {peers} "
+                f"of the {what} of {where}, which hold other parts of the model or see other tokens of the same "
+                "samples; fsdp averages gradients over its group and shards the units across it, so pass the "
+                "data-parallel group (dims.dp_group of ok.init_parallel); group=None means the world")
+
+
+def check_context_parallel_tags(model: nn.Module) -> None:
+    """Under context parallelism each rank sees part of every sequence, so every gradient of the
+    model is partial over the CP group, and fsdp sums a unit over the ``context_parallel_group`` its
+    parameters carry. A model with attention over a CP group but untagged parameters (one built from
+    the layers, not the GPT, which tags itself) would leave the CP ranks drifting apart silently."""
+    attending = [(where, group) for where, group, what in _parallel_groups(model)
+                 if what == "context-parallel group" and not where.startswith("parameter ")]
+    if not attending:
+        return
+    where, group = attending[0]
+    untagged = [n for n, p in model.named_parameters()
+                if p.requires_grad and getattr(p, "context_parallel_group", None) is None]
+    if untagged:
+        shown = ", ".join(untagged[:4]) + (f" and {len(untagged) - 4} more" if len(untagged) > 4 else "")
+        raise ValueError(
+            f"{where} attends over a context-parallel group of {dist.get_world_size(group)} ranks, so every gradient "
+            f"of the model is partial over it, but parameters {shown} carry no context_parallel_group: fsdp would "
+            "not sum them there and the CP ranks would drift apart. Call "
+            "overlapkernels.layers.mark_context_parallel(model, cp_group) before fsdp.shard (the GPT does it itself)")

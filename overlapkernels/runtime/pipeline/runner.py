@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...parallel import comm_device, resolve_group, resolve_timeout, uses_nccl
+from ...parallel import comm_device, resolve_group, resolve_timeout, shared_peers, uses_nccl
 from ...profiling.ranges import span
 from .p2p import announcing_microbatch, check_comm_plan, comm_plan
 from .schedule import Schedule
@@ -75,6 +75,20 @@ def _stage_device(modules, group) -> torch.device:
     return comm_device(group)
 
 
+def _check_sharded_over_other_stages(modules, group) -> None:
+    """A stage that fsdp shards over a group holding other pipeline stages' ranks (fsdp.shard's
+    default, the world) averages different stages' weights - or, at stages 2/3, hangs once their
+    reduce-scatters fall at different points of the schedule: refused before any P2P."""
+    from ..fsdp.sharded import ShardedModule
+
+    for mod in modules:
+        for sub in mod.modules() if isinstance(mod, nn.Module) else ():
+            if isinstance(sub, ShardedModule) and (peers := shared_peers(sub.group, group)):
+                raise ValueError(f"PipelineRunner: a stage is fsdp-sharded over a group that holds ranks {peers} of "
+                                 "the pipeline group too (other stages: fsdp would average their weights); shard "
+                                 "each stage over the data-parallel group (dims.dp_group), not the world")
+
+
 class PipelineRunner:
     """Runs ``schedule`` on this rank's stage module(s), one optimizer step's worth per ``step``.
 
@@ -116,6 +130,7 @@ class PipelineRunner:
         modules = _stage_list(stage_module_or_modules)
         self.group = resolve_group(group)
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        _check_sharded_over_other_stages(modules, self.group)
         if schedule.num_ranks != self.world:
             raise ValueError(f"schedule has {schedule.num_ranks} ranks but the pipeline group has {self.world}")
         if len(modules) != schedule.num_virtual:

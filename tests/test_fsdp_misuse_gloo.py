@@ -1,0 +1,162 @@
+"""fsdp.shard refuses the uses that trained wrong without a word - a group that holds the model's
+tensor-, context- or pipeline-parallel peers (the default, the world, under tp=2), a model attending
+over a CP group whose parameters say nothing of it, a load into the wrapped model that the next
+step undid, a shard inside a shard - each before any rank communicates; and at stages 1/2 ranks that
+drew different initial weights compute their first step from what the optimizer trains."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import overlapkernels as ok
+from comm_guard import no_communication
+from overlapkernels.runtime import fsdp
+
+SGD = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+CONFIG = dict(vocab_size=16, hidden=8, num_layers=1, num_heads=2, num_kv_heads=2, ffn_hidden=16, max_seq_len=8)
+
+
+def _refusal(make):
+    try:
+        with no_communication():
+            make()
+    except (ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _groups_holding_peers_on_rank():
+    from overlapkernels.models import GPT, GPTConfig
+    from overlapkernels.runtime import pipeline as pp
+
+    said = []
+    for layout in (dict(tp=2), dict(cp=2)):
+        dims = ok.init_parallel(**layout)
+        model = GPT(GPTConfig(**CONFIG), dims, dtype=torch.float64)
+        said.append(_refusal(lambda: fsdp.shard(model, stage=1)))  # group=None: the world
+        said.append(_refusal(lambda: fsdp.shard(model, dims.dp_group, stage=1)))  # the right group: accepted
+    dims = ok.init_parallel(pp=2)  # two stages alike in shape: nothing in the model tells them apart
+    stage = fsdp.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).double(), stage=2, optimizer=SGD)
+    said.append(_refusal(lambda: pp.PipelineRunner(stage, dims.pp_group, schedule=pp.make_schedule("1f1b", 2, 2),
+                                                   loss_fn=F.mse_loss)))
+    return said
+
+
+def test_groups_holding_model_parallel_peers_are_refused(rank_pool):
+    for said in rank_pool(2).run(_groups_holding_peers_on_rank):
+        tp, tp_ok, cp, cp_ok, pipe = said
+        assert tp.startswith("ValueError: fsdp.shard: its group (global ranks [0, 1]) also holds ranks ") and \
+            "of the tensor-parallel group of VocabParallelEmbedding 'embed'" in tp and "dims.dp_group" in tp, tp
+        assert "of the context-parallel group of GPT '<model>'" in cp, cp
+        assert tp_ok is None and cp_ok is None
+        assert pipe.startswith("ValueError: PipelineRunner: a stage is fsdp-sharded over a group that holds ranks "), pipe
+
+
+class CPNet(nn.Module):
+    """A model of the layers with ring attention over a CP group - not the GPT, which tags itself."""
+
+    def __init__(self, tp_group, cp_group):
+        super().__init__()
+        from overlapkernels.layers import TransformerBlock
+
+        self.block = TransformerBlock(8, 2, 2, 16, tp_group, cp_group=cp_group, method="decomposed",
+                                      dtype=torch.float64)
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def _context_parallel_layers_on_rank(stage):
+    """Untagged: refused by name. Tagged with mark_context_parallel: one step equals the dense
+    model's, on both CP ranks (the gradients were summed over CP)."""
+    from overlapkernels.layers import mark_context_parallel
+    from overlapkernels.ops.sequence_shard import shard_sequence
+
+    g = torch.Generator().manual_seed(3)
+    x, w = (torch.randn(8, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))  # [S, B, H]
+    one = ok.init_parallel()
+    torch.manual_seed(0)
+    dense = CPNet(one.tp_group, None)
+    start = {k: v.clone() if torch.is_tensor(v) else v for k, v in dense.state_dict().items()}
+    opt = SGD(dense.parameters())
+    (dense(x) * w).sum().backward()
+    opt.step()
+    dims = ok.init_parallel(cp=2)
+    model = CPNet(dims.tp_group, dims.cp_group)
+    model.load_state_dict(start)
+    untagged = _refusal(lambda: fsdp.shard(model, dims.dp_group, stage=stage, optimizer=SGD))
+    mark_context_parallel(model, dims.cp_group)
+    sharded = fsdp.shard(model, dims.dp_group, stage=stage, optimizer=SGD)
+    x_local, w_local = (shard_sequence(t, dims.cp_group, dim=0, layout="zigzag") for t in (x, w))
+    (sharded(x_local) * w_local).sum().backward()
+    sharded.step()
+    full = sharded.full_state_dict()
+    same = all(torch.allclose(full[k], v, rtol=1e-12, atol=1e-12) for k, v in dense.state_dict().items()
+               if torch.is_tensor(v))
+    return untagged, same
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_context_parallel_layers_need_their_tags(rank_pool, stage):
+    for untagged, same in rank_pool(2).run(_context_parallel_layers_on_rank, stage):
+        assert untagged.startswith("ValueError: ParallelSelfAttention 'block.attn' attends over a "
+                                   "context-parallel group of 2 ranks") and \
+            "mark_context_parallel(model, cp_group)" in untagged, untagged
+        assert same
+
+
+def _load_and_nesting_on_rank(stage):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).double()
+    saved = {k: v + 1 for k, v in model.state_dict().items()}
+    sharded = fsdp.shard(model, stage=stage, optimizer=SGD)
+    load = _refusal(lambda: model.load_state_dict(saved))
+    inner = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).double()
+    inner[1] = fsdp.shard(inner[1], stage=stage, optimizer=SGD)
+    nested = _refusal(lambda: fsdp.shard(inner, stage=stage, optimizer=SGD))
+    sharded(torch.ones(2, 4, dtype=torch.float64)).sum().backward()  # still in step on every rank
+    sharded.step()
+    return load, nested
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_load_into_the_wrapped_model_and_a_shard_inside_a_shard_are_refused(rank_pool, stage):
+    """Before, at stages 1/2 the load reached the gathered copy only and the next step put the old
+    weights back (stage 3 refused it already); the outer shard took the inner one's parameters and
+    its block never trained."""
+    for load, nested in rank_pool(2).run(_load_and_nesting_on_rank, stage):
+        assert load == (f"RuntimeError: load_state_dict() of Linear (fsdp unit '0') after fsdp.shard: the optimizer "
+                        f"trains master shards of its parameters (stage {stage}), which a load would not reach, so "
+                        "the next step would undo it. Load before fsdp.shard, or use fsdp.load"), load
+        assert nested == ("ValueError: fsdp.shard: Sequential already holds a ShardedModule at '1'; shard the whole "
+                          "model once, and pick its units with units= (FSDP2's per-block fully_shard is "
+                          "units=TransformerBlock here)"), nested
+
+
+def _different_initial_weights_on_rank(stage):
+    """Each rank seeded differently: the optimizer trains a mixture (each rank's slice of its own
+    draw); every stage's first forward must compute with that mixture, as single-process training
+    from it does (stages 1/2 used each rank's own draw for the first step)."""
+    r = dist.get_rank()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g, dtype=torch.float64))
+            for _ in range(2)]
+    torch.manual_seed(100 + r)
+    sharded = fsdp.shard(nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).double(), stage=stage,
+                         optimizer=SGD)
+    ref = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    ref.load_state_dict(sharded.full_state_dict())
+    opt = SGD(ref.parameters())
+    for x, y in data:
+        opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+        F.mse_loss(sharded(x[r * 4:(r + 1) * 4]), y[r * 4:(r + 1) * 4]).backward()
+        sharded.step()
+    full = sharded.full_state_dict()
+    return all(torch.allclose(full[k], v, rtol=1e-12, atol=1e-12) for k, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_ranks_with_different_initial_weights_train_what_the_optimizer_holds(rank_pool, stage):
+    assert rank_pool(2).run(_different_initial_weights_on_rank, stage) == [True, True]
