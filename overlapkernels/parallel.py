@@ -237,7 +237,5 @@ def resolve_group(group: dist.ProcessGroup | None, what: str = "group") -> dist.
 def shared_peers(group_a: dist.ProcessGroup, group_b: dist.ProcessGroup) -> list[int]:
     """Global ranks, other than this one, in both groups: none for groups of two different axes of
     one mesh (the dp group and the tp group), some for the world and any group of 2+ ranks."""
-    if group_a is group_b:
-        return sorted(set(dist.get_process_group_ranks(group_a)) - {dist.get_rank()})
     both = set(dist.get_process_group_ranks(group_a)) & set(dist.get_process_group_ranks(group_b))
     return sorted(both - {dist.get_rank()})

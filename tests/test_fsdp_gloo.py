@@ -403,8 +403,8 @@ def test_stage3_parameters_outside_forward(rank_pool):
         assert len(refusals) == 3, refusals
         assert "state_dict() of Linear (fsdp unit '0'): its parameters are sharded (stage 3)" in refusals[0]
         assert all("sharded.full_state_dict()" in r for r in refusals[:2])
-        assert refusals[2].startswith("load_state_dict() of Linear (fsdp unit '0') after fsdp.shard") and \
-            refusals[2].endswith("Load before fsdp.shard, or use fsdp.load")
+        assert refusals[2].startswith("load_state_dict() into Sequential after fsdp.shard, of the trained parameters "
+                                      "0.bias, 0.weight, 2.bias ...") and "use fsdp.load" in refusals[2], refusals[2]
 
 
 def _state_dict_snapshot_on_rank(stage):

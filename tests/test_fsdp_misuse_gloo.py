@@ -36,6 +36,12 @@ def _groups_holding_peers_on_rank():
         model = GPT(GPTConfig(**CONFIG), dims, dtype=torch.float64)
         said.append(_refusal(lambda: fsdp.shard(model, stage=1)))  # group=None: the world
         said.append(_refusal(lambda: fsdp.shard(model, dims.dp_group, stage=1)))  # the right group: accepted
+    class ContrastiveLoss(nn.Module):  # a group of its own - the data-parallel one - is no TP group
+        def __init__(self):
+            super().__init__()
+            self.proj, self.group = nn.Linear(4, 4), dist.group.WORLD
+
+    said.append(_refusal(lambda: fsdp.shard(nn.Sequential(ContrastiveLoss()), stage=1)))
     dims = ok.init_parallel(pp=2)  # two stages alike in shape: nothing in the model tells them apart
     stage = fsdp.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).double(), stage=2, optimizer=SGD)
     said.append(_refusal(lambda: pp.PipelineRunner(stage, dims.pp_group, schedule=pp.make_schedule("1f1b", 2, 2),
@@ -45,11 +51,11 @@ def _groups_holding_peers_on_rank():
 
 def test_groups_holding_model_parallel_peers_are_refused(rank_pool):
     for said in rank_pool(2).run(_groups_holding_peers_on_rank):
-        tp, tp_ok, cp, cp_ok, pipe = said
+        tp, tp_ok, cp, cp_ok, own_group, pipe = said
         assert tp.startswith("ValueError: fsdp.shard: its group (global ranks [0, 1]) also holds ranks ") and \
             "of the tensor-parallel group of VocabParallelEmbedding 'embed'" in tp and "dims.dp_group" in tp, tp
         assert "of the context-parallel group of GPT '<model>'" in cp, cp
-        assert tp_ok is None and cp_ok is None
+        assert tp_ok is None and cp_ok is None and own_group is None
         assert pipe.startswith("ValueError: PipelineRunner: a stage is fsdp-sharded over a group that holds ranks "), pipe
 
 
@@ -86,6 +92,8 @@ def _context_parallel_layers_on_rank(stage):
     model = CPNet(dims.tp_group, dims.cp_group)
     model.load_state_dict(start)
     untagged = _refusal(lambda: fsdp.shard(model, dims.dp_group, stage=stage, optimizer=SGD))
+    with pytest.raises(TypeError, match="cp_group=ParallelDims.*expected the torch.distributed ProcessGroup"):
+        mark_context_parallel(model, dims)
     mark_context_parallel(model, dims.cp_group)
     sharded = fsdp.shard(model, dims.dp_group, stage=stage, optimizer=SGD)
     x_local, w_local = (shard_sequence(t, dims.cp_group, dim=0, layout="zigzag") for t in (x, w))
@@ -107,16 +115,20 @@ def test_context_parallel_layers_need_their_tags(rank_pool, stage):
 
 
 def _load_and_nesting_on_rank(stage):
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).double()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(2, 2).requires_grad_(False)).double()
     saved = {k: v + 1 for k, v in model.state_dict().items()}
     sharded = fsdp.shard(model, stage=stage, optimizer=SGD)
     load = _refusal(lambda: model.load_state_dict(saved))
+    unit = _refusal(lambda: model[1].load_state_dict({k[2:]: v for k, v in saved.items() if k.startswith("1.")}))
+    untouched = torch.equal(model[2].weight, saved["2.weight"] - 1)  # refused before anything loaded
+    frozen = _refusal(lambda: model.load_state_dict({"2.weight": saved["2.weight"]}, strict=False))  # not trained
+    untouched = untouched and torch.equal(model[2].weight, saved["2.weight"])
     inner = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).double()
     inner[1] = fsdp.shard(inner[1], stage=stage, optimizer=SGD)
     nested = _refusal(lambda: fsdp.shard(inner, stage=stage, optimizer=SGD))
     sharded(torch.ones(2, 4, dtype=torch.float64)).sum().backward()  # still in step on every rank
     sharded.step()
-    return load, nested
+    return load, unit, frozen, untouched, nested
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -124,10 +136,14 @@ def test_a_load_into_the_wrapped_model_and_a_shard_inside_a_shard_are_refused(ra
     """Before, at stages 1/2 the load reached the gathered copy only and the next step put the old
     weights back (stage 3 refused it already); the outer shard took the inner one's parameters and
     its block never trained."""
-    for load, nested in rank_pool(2).run(_load_and_nesting_on_rank, stage):
-        assert load == (f"RuntimeError: load_state_dict() of Linear (fsdp unit '0') after fsdp.shard: the optimizer "
-                        f"trains master shards of its parameters (stage {stage}), which a load would not reach, so "
-                        "the next step would undo it. Load before fsdp.shard, or use fsdp.load"), load
+    for load, unit, frozen, untouched, nested in rank_pool(2).run(_load_and_nesting_on_rank, stage):
+        assert load == ("RuntimeError: load_state_dict() into Sequential after fsdp.shard, of the trained parameters "
+                        f"0.bias, 0.weight, 1.bias ...: the optimizer trains master shards of them (stage {stage}), "
+                        "which a load would not reach, so the next step would undo it. Load before fsdp.shard, or "
+                        "use fsdp.load (frozen parameters and buffers load)"), load
+        assert unit.startswith("RuntimeError: load_state_dict() into Linear after fsdp.shard, of the trained "
+                               "parameters bias, weight:"), unit
+        assert frozen is None and untouched
         assert nested == ("ValueError: fsdp.shard: Sequential already holds a ShardedModule at '1'; shard the whole "
                           "model once, and pick its units with units= (FSDP2's per-block fully_shard is "
                           "units=TransformerBlock here)"), nested
@@ -135,8 +151,8 @@ def test_a_load_into_the_wrapped_model_and_a_shard_inside_a_shard_are_refused(ra
 
 def _different_initial_weights_on_rank(stage):
     """Each rank seeded differently: the optimizer trains a mixture (each rank's slice of its own
-    draw); every stage's first forward must compute with that mixture, as single-process training
-    from it does (stages 1/2 used each rank's own draw for the first step)."""
+    draw); every stage's first training forward must compute with that mixture, as single-process
+    training from it does (stages 1/2 used each rank's own draw for the first step)."""
     r = dist.get_rank()
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g, dtype=torch.float64))
@@ -147,6 +163,9 @@ def _different_initial_weights_on_rank(stage):
     ref = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).double()
     ref.load_state_dict(sharded.full_state_dict())
     opt = SGD(ref.parameters())
+    if stage < 3 and r == 0:  # an eval on rank 0 alone before training: no collective, so no hang
+        with torch.no_grad(), no_communication():
+            sharded(data[0][0])
     for x, y in data:
         opt.zero_grad()
         F.mse_loss(ref(x), y).backward()

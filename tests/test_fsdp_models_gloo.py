@@ -247,3 +247,56 @@ def _init_false_field_on_rank(stage):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_dataclass_output_with_an_init_false_field(rank_pool, stage):
     assert rank_pool(2).run(_init_false_field_on_rank, stage) == [True, True]
+
+
+class _Frozen(nn.Module):
+    """A frozen fp32 weight read by the module's own forward, and - tied - by a second holder."""
+
+    def __init__(self, write=False):
+        super().__init__()
+        self.a, self.b = nn.Linear(2, 2, bias=False), nn.Linear(2, 2, bias=False)
+        self.b.weight = self.a.weight
+        self.a.requires_grad_(False)
+        self.write, self.seen = write, []
+
+    def forward(self, x):
+        self.seen.append((self.a.weight, self.b.weight))
+        if self.write:
+            self.a.weight.add_(1)  # an EMA-like in-place update of a frozen Parameter
+        return self.b(self.a(x))
+
+
+def test_frozen_copies_are_shared_refreshed_and_written_back():
+    """No process group needed: a tied frozen weight is cast once per forward; a shadow left behind
+    (torch skips always_call hooks under torch.compile) is dropped by the next forward, which sees
+    the original's new values; an in-place write in the forward reaches the original, with a
+    warning; fp8 stays as it is."""
+    import warnings
+
+    from overlapkernels.runtime.fsdp.frozen_copies import FrozenComputeCopies
+
+    model = _Frozen().float()
+    FrozenComputeCopies(model, torch.float64)
+    x = torch.ones(1, 2, dtype=torch.float64)
+    model(x)
+    a, b = model.seen[-1]
+    assert a is b and a.dtype == torch.float64  # one copy for both holders
+    model.a.__dict__["weight"] = a  # as a forward whose hooks were skipped leaves it
+    with torch.no_grad():
+        model.a.weight.fill_(2.0)  # (the stale copy: the original is still 'a' in _parameters)
+        model.a._parameters["weight"].fill_(2.0)
+    out = model(x)
+    assert torch.equal(out, torch.full((1, 2), 16.0, dtype=torch.float64))  # the fresh values, not the stale copy
+    assert "weight" not in model.a.__dict__ and "weight" not in model.b.__dict__
+    writer = _Frozen(write=True).float()
+    FrozenComputeCopies(writer, torch.float64)
+    before = writer.a.weight.detach().clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        writer(x)
+    assert torch.equal(writer.a.weight, before + 1) and writer.a.weight.dtype == torch.float32
+    assert any("wrote its frozen parameter 'weight' in place" in str(w.message) for w in caught)
+    if hasattr(torch, "float8_e4m3fn"):
+        fp8 = nn.Linear(2, 2).requires_grad_(False)
+        fp8.weight.data = fp8.weight.data.to(torch.float8_e4m3fn)
+        assert FrozenComputeCopies(fp8, torch.bfloat16).holders[fp8] == ["bias"]  # the fp8 weight as it is

@@ -350,3 +350,12 @@ def test_flag_kernels_launch_as_one_warp_capped_in_registers(monkeypatch):
                                                  "_ag_signal_kernel"}
     bad = {launch for launch in launches if launch[1:] != (1, 32)}
     assert not bad, bad
+
+
+def test_peer_all_gather_refuses_chunks_past_32_bit_offsets():
+    """Its chunk bases are 64-bit; offsets within a chunk (program x block + lane) are not."""
+    from types import SimpleNamespace
+
+    buf = SimpleNamespace(world_size=2, local=torch.empty(0))
+    with pytest.raises(ValueError, match=r"chunk_numel=2147483392: expected fewer than 2\^31 - block \(256\)"):
+        ag.PeerAllGather(buf, None, 2 ** 31 - 256)

@@ -84,6 +84,11 @@ def mark_context_parallel(model: nn.Module, cp_group) -> None:
     them there). Remembered on ``model``, so the tags survive the operations that replace Parameter
     objects (see ``retag``). The GPT calls it itself; call it on a model built from the layers with
     ``cp_group=``, once its parameters are registered."""
+    import torch.distributed as dist
+
+    if not isinstance(cp_group, dist.ProcessGroup):
+        raise TypeError(f"cp_group={cp_group!r}: expected the torch.distributed ProcessGroup the model's attention "
+                        f"runs context parallelism over, got {type(cp_group).__name__}")
     model.__dict__[CONTEXT_PARALLEL] = cp_group
     retag(model, recurse=False)
 

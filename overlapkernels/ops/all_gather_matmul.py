@@ -37,7 +37,9 @@ def resolve(method: str, group, x2d: torch.Tensor, n_total: int, world: int, bs=
                               fused_fits=fused_fits)
     return choose(OP, method, world_size=world, rows_per_rank=m, step_bytes=m * k * x2d.element_size(),
                   step_flops=2 * m * k * n_total, device=x2d.device, peer_memory=is_peer_world(group),
-                  measure=measure, dtype=x2d.dtype, fused_fits=fused_fits, gemm=bs != []).method
+                  measure=measure, dtype=x2d.dtype, fused_fits=fused_fits,
+                  # an empty bs: backward's gather of a frozen input's dual op (alike on every rank)
+                  gemm=bs is None or len(bs) > 0).method
 
 
 class AllGatherMatmul(torch.autograd.Function):

@@ -74,6 +74,8 @@ class PeerAllGather:
 
     def __init__(self, buf, signals, chunk_numel: int, *, block: int = 256, max_spins: int = DEFAULT_MAX_SPINS):
         world = buf.world_size
+        if chunk_numel + block >= 2 ** 31:  # offsets within a chunk are 32-bit (the chunk bases are 64-bit)
+            raise ValueError(f"chunk_numel={chunk_numel}: expected fewer than 2^31 - block ({block}) elements a chunk")
         if buf.local.numel() != world * chunk_numel:
             raise ValueError(f"buf has {buf.local.numel()} elements; expected world_size*chunk_numel = "
                              f"{world}*{chunk_numel}")

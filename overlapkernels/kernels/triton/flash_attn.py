@@ -26,8 +26,8 @@ from ..interpreter import bf16_message, bf16_miscomputed
 from .tile_gemm import dot_precision, launch_device, shared_memory_per_block
 
 LOG2E = 1.4426950408889634
-GRID_AXIS_MAX = 65535  # CUDA's limit on a grid's y and z
 LN2 = 0.6931471805599453
+GRID_AXIS_MAX = 65535  # CUDA's limit on a grid's y and z
 
 
 @triton.jit
@@ -249,7 +249,7 @@ def _check(q, k, v):
         # the grid's axes 1 and 2 (heads, batch) stop at 65535; offsets within one head are 32-bit
         if max(t.shape[0], t.shape[1]) > GRID_AXIS_MAX:
             raise ValueError(f"flash attention (Triton): {name}.shape={tuple(t.shape)}: batch and heads must each be "
-                             f"<= {GRID_AXIS_MAX} (CUDA's grid limit); split the batch")
+                             f"<= {GRID_AXIS_MAX} (CUDA's grid limit); split the batch or the heads")
         if t.shape[2] and (t.shape[2] - 1) * t.stride(2) + t.shape[3] > 2 ** 31:  # (its last offset: 2^31 - 1)
             raise ValueError(f"flash attention (Triton): {name} of shape {tuple(t.shape)}, strides {t.stride()}: one "
                              "head spans 2^31 elements or more (32-bit offsets within a head); pass contiguous "

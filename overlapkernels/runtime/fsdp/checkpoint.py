@@ -434,3 +434,4 @@ def load(sharded, path) -> None:
     for unit in sharded.all_units:
         if unit.gathered:
             unit.publish()
+    sharded._masters_published = True

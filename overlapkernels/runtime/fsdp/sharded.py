@@ -122,9 +122,13 @@ class ShardedModule(nn.Module):
         model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         for unit in self.all_units:  # stage 3 frees parameters: a state dict of them would be empty
             unit.module.register_state_dict_pre_hook(self._refuse_freed(unit, "state_dict"))
-            # and at every stage a load would reach only the gathered copy, which the next step
-            # overwrites from the masters (the optimizer's): refused, not silently undone
-            unit.module.register_load_state_dict_pre_hook(self._refuse_load(unit))
+        # and at every stage a load of a unit's parameters would reach only the gathered copy, which
+        # the next step overwrites from the masters (the optimizer's): refused, not silently undone -
+        # at the model before anything loads, and at each unit's module (a load that starts there);
+        # frozen parameters and buffers still load
+        for mod in dict.fromkeys([model] + [unit.module for unit in self.all_units]):
+            trained = {name for name, p in mod.named_parameters(remove_duplicate=False) if id(p) in self._param_unit}
+            mod.register_load_state_dict_pre_hook(self._refuse_load(trained))
         for unit in self.units:
             unit.module.register_forward_pre_hook(self._pre_forward(unit))
             unit.module.register_forward_hook(self._post_forward(unit))
@@ -139,8 +143,8 @@ class ShardedModule(nn.Module):
             for unit in self.units:
                 unit.free()
         # the masters are slices of each rank's own values (ranks that drew different initial weights
-        # train a mixture): stage 3 gathers them at every forward, stages 1/2 at the first (not here:
-        # shard() itself stays free of collectives)
+        # train a mixture): stage 3 gathers them at every forward, stages 1/2 at the first training
+        # one (not here: shard() itself stays free of collectives)
         self._masters_published = stage == 3
         self._track()
 
@@ -177,7 +181,10 @@ class ShardedModule(nn.Module):
 
     def _root_pre_forward(self, module, args, kwargs):
         # a hook on the wrapped model, so methods that reach its forward (GPT.loss) work too
-        if not self._masters_published:  # stages 1/2: the first forward reads what the optimizer trains
+        # stages 1/2: the first training forward (a collective, on every rank of the group, as all
+        # training forwards are) reads what the optimizer trains; a rank-local no_grad forward first
+        # (an eval on rank 0) neither waits for the others nor is published
+        if not self._masters_published and torch.is_grad_enabled():
             self._masters_published = True
             for unit in self.all_units:
                 sent = unit.bytes_gathered
@@ -203,12 +210,14 @@ class ShardedModule(nn.Module):
                     "collective) or fsdp.save / fsdp.load instead")
         return hook
 
-    def _refuse_load(self, unit):
-        def hook(module, *_):
-            raise RuntimeError(
-                f"load_state_dict() of {type(module).__name__} (fsdp unit {unit.name!r}) after fsdp.shard: the "
-                f"optimizer trains master shards of its parameters (stage {self.stage}), which a load would not "
-                "reach, so the next step would undo it. Load before fsdp.shard, or use fsdp.load")
+    def _refuse_load(self, trained: set):
+        def hook(module, state_dict, prefix, *_):
+            if loaded := sorted(k[len(prefix):] for k in state_dict if k.startswith(prefix) and k[len(prefix):] in trained):
+                raise RuntimeError(
+                    f"load_state_dict() into {type(module).__name__} after fsdp.shard, of the trained parameters "
+                    f"{', '.join(loaded[:3])}{' ...' if len(loaded) > 3 else ''}: the optimizer trains master "
+                    f"shards of them (stage {self.stage}), which a load would not reach, so the next step would "
+                    "undo it. Load before fsdp.shard, or use fsdp.load (frozen parameters and buffers load)")
         return hook
 
     def _neighbours(self, unit, direction: int) -> list:
@@ -448,6 +457,7 @@ class ShardedModule(nn.Module):
             unit.clear_grad_flags()
             if self.stage < 3:
                 unit.publish()
+        self._masters_published = True
         self._step_open = False
         if self.stage == 3:  # now nothing can assign gradients: freed parameters become size-0
             for unit in self.all_units:

@@ -69,9 +69,12 @@ def check_sequence_parallel_tags(model: nn.Module, stage: int) -> None:
 
 
 def _parallel_groups(model: nn.Module):
-    """(where, group, what) for every group of 2+ ranks the model computes over: its layers' tensor-
-    parallel ``group`` and ``cp_group``, and its parameters' sequence/context-parallel tags."""
+    """(where, group, what) for every group of 2+ ranks the model computes over: this library's
+    layers' tensor-parallel ``group`` and ``cp_group`` (another module's ``group`` may well be its
+    data-parallel one: a contrastive loss gathering over DP), and its parameters' SP/CP tags."""
     for name, mod in model.named_modules():
+        if not type(mod).__module__.startswith("overlapkernels."):
+            continue
         for attr, what in (("group", "tensor-parallel group"), ("cp_group", "context-parallel group")):
             group = mod.__dict__.get(attr)
             if isinstance(group, dist.ProcessGroup) and dist.get_world_size(group) > 1:
