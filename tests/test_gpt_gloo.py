@@ -36,9 +36,15 @@ def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2, compiled=
     model = GPT(config, dims, dtype=torch.float64)
     model.load_state_dict(shard_dense_state_dict(model, dense.state_dict()))
     # compiled: torch.compile must run the ops (which take ProcessGroups) eagerly between compiled
-    # regions, not fail tracing them; aot_eager checks dynamo + autograd without inductor's C++ build
-    loss = (torch.compile(model.loss, backend="aot_eager") if compiled else model.loss)(tokens, targets)
-    loss.backward()
+    # regions, not fail tracing them, their backwards too - the whole step compiled, backward() inside
+    # (dynamo went on to trace the frames backward() reaches); aot_eager: dynamo + autograd without
+    # inductor's C++ build
+    def step(tokens, targets):
+        loss = model.loss(tokens, targets)
+        loss.backward()
+        return loss
+
+    loss = (torch.compile(step, backend="aot_eager") if compiled else step)(tokens, targets)
     if not planted_missing_sync:
         model.sync_grads()
     if clip is not None:  # the whole model's norm, each element once though TP/CP/DP ranks hold copies

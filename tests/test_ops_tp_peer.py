@@ -393,3 +393,28 @@ def _float64_on_rank(ctx):
 
 def test_float64_takes_symm_and_fused_refuses_it_by_name():
     assert ThreadWorld(2, timeout=60).run(_float64_on_rank) == [(True, ["symm", "symm"], [True, True])] * 2
+
+
+def _eval_then_train_on_rank(ctx, method):
+    """An eval under inference_mode first (the op's first call: its workspace is built then), then
+    training: the buffers kept across calls are no inference tensors (a later copy into them failed
+    for good), and the thread world's copy thread runs in the caller's mode (it failed, and the rank
+    spun on the flag it never set)."""
+    g = torch.Generator().manual_seed(0)  # (not the global one: the ranks are threads of one process)
+    a_all, b = torch.randn(8, 8, generator=g), torch.randn(8, 6, generator=g)
+    shard = a_all.chunk(2)[ctx.rank].clone()
+    with torch.inference_mode():
+        evaluated = ok.all_gather_matmul(shard, b, ctx, method=method)
+        summed = ok.matmul_reduce_scatter(a_all, b, ctx, method=method)
+    a, w = shard.clone().requires_grad_(), b.clone().requires_grad_()
+    out = ok.all_gather_matmul(a, w, ctx, method=method)
+    out.sum().backward()
+    want = a_all @ b
+    return (torch.allclose(evaluated, want, atol=1e-5) and torch.allclose(out, want, atol=1e-5)
+            and torch.allclose(summed, (2 * want).chunk(2)[ctx.rank], atol=1e-5)
+            and torch.allclose(a.grad, (torch.ones(8, 6) @ b.T).chunk(2)[ctx.rank] * 2, atol=1e-5))
+
+
+@pytest.mark.parametrize("method", ["symm", "fused"])
+def test_an_inference_mode_call_first_then_training(method):
+    assert ThreadWorld(2, timeout=60).run(_eval_then_train_on_rank, method) == [True, True]

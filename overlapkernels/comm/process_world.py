@@ -217,7 +217,12 @@ class ProcessPeerWorld:
         dist.barrier(group=self.group)
 
     def alloc_symmetric(self, shape, dtype: torch.dtype, *, fill=0) -> SymmetricTensor:
-        """Collective: every rank calls it in the same order."""
+        """Collective: every rank calls it in the same order. Never an inference tensor (see the
+        thread world's)."""
+        with torch.inference_mode(False):
+            return self._alloc_symmetric(shape, dtype, fill)
+
+    def _alloc_symmetric(self, shape, dtype: torch.dtype, fill) -> SymmetricTensor:
         if self.peer_memory == "ipc":
             return self._alloc_ipc(tuple(shape), dtype, fill)
         import torch.distributed._symmetric_memory as symm_mem
@@ -293,7 +298,8 @@ class ProcessPeerWorld:
 
     def workspace(self, key, factory):
         if key not in self._workspaces:
-            self._workspaces[key] = factory(self)
+            with torch.inference_mode(False):  # (kept across calls: see alloc_symmetric)
+                self._workspaces[key] = factory(self)
         return self._workspaces[key]
 
     def side_stream(self) -> CudaSideStream:

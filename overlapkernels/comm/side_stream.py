@@ -37,9 +37,17 @@ class ThreadSideStream:
                 done.set()
 
     def submit(self, fn, keep_alive=()) -> threading.Event:
-        """``keep_alive``: tensors ``fn`` reads (the closure holds them here anyway)."""
+        """``keep_alive``: tensors ``fn`` reads (the closure holds them here anyway). ``fn`` runs in
+        the caller's grad and inference modes, which are per thread: a copy into a tensor made under
+        ``inference_mode`` fails outside it (and the rank would spin on the flag it never sets)."""
         done = threading.Event()
-        self._queue.put((fn, done))
+        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+        def in_callers_modes():
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                fn()
+
+        self._queue.put((in_callers_modes, done))
         return done
 
     def synchronize(self, timeout: float | None = None) -> None:

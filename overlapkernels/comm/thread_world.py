@@ -60,7 +60,8 @@ class ThreadRank:
         on first use. Collective when the factory allocates: all ranks ask for the same keys in the
         same order, as they make the same op calls."""
         if key not in self._workspaces:
-            self._workspaces[key] = factory(self)
+            with torch.inference_mode(False):  # (kept across calls: see alloc_symmetric)
+                self._workspaces[key] = factory(self)
         return self._workspaces[key]
 
     def side_stream(self):
@@ -91,7 +92,13 @@ class ThreadRank:
             self.world._in_barrier.discard(self.rank)
 
     def alloc_symmetric(self, shape, dtype: torch.dtype, *, fill=0) -> SymmetricTensor:
-        """Collective: every rank calls it in the same order and gets its view of one allocation."""
+        """Collective: every rank calls it in the same order and gets its view of one allocation.
+        Never an inference tensor, though the call that asks for it runs under inference_mode (an
+        eval first): later calls outside it write into the buffer, which torch refuses for those."""
+        with torch.inference_mode(False):
+            return self._alloc_symmetric(shape, dtype, fill)
+
+    def _alloc_symmetric(self, shape, dtype: torch.dtype, fill) -> SymmetricTensor:
         seq = self._alloc_seq
         self._alloc_seq += 1
         buffers = self.world._shared_allocation(seq, tuple(shape), dtype, fill)

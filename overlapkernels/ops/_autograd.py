@@ -5,6 +5,8 @@ import functools
 
 import torch
 
+from .._compat import eager_under_compile
+
 
 def first_order_only(op: str, why: str = "its backward communicates, which autograd cannot differentiate"):
     """Decorates a ``backward`` whose communication autograd cannot see: building a graph of it
@@ -24,7 +26,9 @@ def first_order_only(op: str, why: str = "its backward communicates, which autog
             if torch.is_grad_enabled() and any(ctx.needs_input_grad):  # only under create_graph=True
                 raise RuntimeError(message)
             return backward(ctx, *grads)
-        return wrapper
+        # eager under torch.compile, as the forwards are: a compiled step that calls backward() (and
+        # compiled autograd) would otherwise trace these frames into their ProcessGroups - a hard error
+        return eager_under_compile(wrapper)
     return decorate
 
 
