@@ -300,3 +300,36 @@ def test_frozen_copies_are_shared_refreshed_and_written_back():
         fp8 = nn.Linear(2, 2).requires_grad_(False)
         fp8.weight.data = fp8.weight.data.to(torch.float8_e4m3fn)
         assert FrozenComputeCopies(fp8, torch.bfloat16).holders[fp8] == ["bias"]  # the fp8 weight as it is
+
+
+def _compiled_step_on_rank():
+    """The usual compiled train step - forward, backward() and step() in one torch.compile'd function:
+    fsdp's hooks and end-of-backward collectives run eagerly inside it (dynamo tracing them failed at
+    stages 2/3 with an internal assertion) and the losses equal the eager step's."""
+    import overlapkernels as ok
+
+    dp_group = ok.init_parallel(dp=2).dp_group
+    x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(dist.get_rank()))
+    same = []
+    for stage in (2, 3):
+        torch._dynamo.reset()
+        losses = {}
+        for mode in ("eager", "compiled"):
+            torch.manual_seed(0)
+            sharded = fsdp.shard(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).double(), dp_group,
+                                 stage=stage, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
+
+            def step(x):
+                loss = sharded(x).pow(2).mean()
+                loss.backward()
+                sharded.step()
+                return loss.detach()
+
+            run = torch.compile(step, backend="aot_eager") if mode == "compiled" else step
+            losses[mode] = [run(x).item() for _ in range(3)]
+        same.append(losses["eager"] == losses["compiled"])
+    return same
+
+
+def test_a_compiled_train_step_runs_the_hooks_eagerly(rank_pool):
+    assert rank_pool(2).run(_compiled_step_on_rank) == [[True, True]] * 2

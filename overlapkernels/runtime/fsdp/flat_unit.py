@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..._compat import all_gather_single, reduce_scatter_single
+from ..._compat import all_gather_single, eager_under_compile, reduce_scatter_single
 from ...comm.collectives import all_reduce_coalesced
 from ...profiling.ranges import span
 
@@ -91,6 +91,7 @@ class FlatUnit:
     def flat_bytes(self) -> int:
         return self.padded * self.flat.element_size()
 
+    @eager_under_compile  # (collectives and storage resizes: see ShardedModule)
     def free(self, *, keep_shapes: bool = False) -> None:
         """Drop the gathered parameters (stage 3, between uses)."""
         self.wait_gather()
@@ -102,6 +103,7 @@ class FlatUnit:
             for p in self.params:
                 p.data = empty
 
+    @eager_under_compile  # (collectives and storage resizes: see ShardedModule)
     def gather(self, *, async_op: bool = False) -> None:
         """Materialise the full parameters from every rank's master shard (cast to param_dtype)."""
         if self.gathered or self.pending_gather is not None:
@@ -125,6 +127,7 @@ class FlatUnit:
         else:
             self.gathered = True
 
+    @eager_under_compile  # (collectives and storage resizes: see ShardedModule)
     def wait_gather(self) -> None:
         if self.pending_gather is not None:
             self.pending_gather[0].wait()
@@ -133,6 +136,7 @@ class FlatUnit:
             self.gathered = True
 
     # -- gradients ----------------------------------------------------------------------------
+    @eager_under_compile  # (collectives and storage resizes: see ShardedModule)
     def reduce_grads(self, *, async_op: bool) -> None:
         """Reduce-scatter the unit's full gradients (averaged over the group) into pending shards,
         then drop the full gradients."""
@@ -159,6 +163,7 @@ class FlatUnit:
         self.pending_reduce.append((work, out, flat_grad))
         self.grads_ready = 0
 
+    @eager_under_compile  # (collectives and storage resizes: see ShardedModule)
     def finish_reduce(self) -> None:
         """Wait for in-flight reduce-scatters and add them to the master gradient shard."""
         if not self.pending_reduce:
@@ -196,12 +201,14 @@ class FlatUnit:
     def has_full_grads(self) -> bool:
         return any(p.grad is not None for p in self.params)
 
+    @eager_under_compile  # (collectives and storage resizes: see ShardedModule)
     def publish(self) -> None:
         """After the optimizer step: the new master shards, gathered into the full parameters."""
         if self.gathered:
             all_gather_single(self.flat, self.master.detach().to(self.param_dtype), group=self.group)
             self.bytes_gathered += self.flat_bytes
 
+    @eager_under_compile  # (collectives and storage resizes: see ShardedModule)
     def full_tensors(self) -> list:
         """The unit's parameters, unsharded, in the model's dtype (a collective)."""
         full = torch.empty(self.padded, dtype=self.master_dtype, device=self.device)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from ..._compat import eager_under_compile
 from ...profiling.ranges import span
 from .flat_unit import FlatUnit, check_unit_params
 from .frozen_copies import FrozenComputeCopies
@@ -58,6 +59,9 @@ def _each_tensor(value, fn, depth: int = 0) -> None:
 
 
 class ShardedModule(nn.Module):
+    # The hooks, the end-of-backward callback and step() post collectives, resize storage and keep
+    # state: eager under torch.compile (as torch's FSDP2 disables dynamo on its hooks), so a compiled
+    # train step that calls backward() and step() runs them as they are, not traced.
     def __init__(self, model, group, *, stage, optimizer, prefetch, param_dtype, reduce_dtype, units):
         super().__init__()
         # the tags say which gradients are partial over TP (SP) or CP: put back any that torch
@@ -179,6 +183,7 @@ class ShardedModule(nn.Module):
         with span(f"ok/fsdp[zero{self.stage}]"):  # op window: prefetched gathers vs the units' compute
             return self.module(*args, **kwargs)
 
+    @eager_under_compile
     def _root_pre_forward(self, module, args, kwargs):
         # a hook on the wrapped model, so methods that reach its forward (GPT.loss) work too
         # stages 1/2: the first training forward (a collective, on every rank of the group, as all
@@ -237,7 +242,7 @@ class ShardedModule(nn.Module):
                 for nxt in self._neighbours(unit, +1):
                     nxt.gather(async_op=True)  # overlaps this unit's forward
                 self._track()
-        return hook
+        return eager_under_compile(hook)
 
     def _post_forward(self, unit):
         def hook(module, args, output):
@@ -250,9 +255,10 @@ class ShardedModule(nn.Module):
             if self.stage == 3 and not self._keep_gathered:
                 unit.free(keep_shapes=self._step_open)
             return output
-        return hook
+        return eager_under_compile(hook)
 
     # -- backward -----------------------------------------------------------------------------
+    @eager_under_compile
     def _arm_end_of_backward(self) -> None:
         """Once per backward: flush whatever is left at its end (reductions, the agreement on which
         units stepped). From a unit output's gradient hook or, where no unit output carries one
@@ -271,8 +277,9 @@ class ShardedModule(nn.Module):
                     prev.gather(async_op=True)
                 self._track()
             return grad
-        return hook
+        return eager_under_compile(hook)
 
+    @eager_under_compile
     def _grad_ready(self, param) -> None:
         self._arm_end_of_backward()  # (post-accumulate hooks run inside backward only)
         unit = self._param_unit[id(param)]
@@ -280,6 +287,7 @@ class ShardedModule(nn.Module):
         if unit.grads_ready == len(unit.params):
             self._unit_backward_done(unit)
 
+    @eager_under_compile
     def _unit_backward_done(self, unit) -> None:
         unit.grads_ready = 0
         if self.stage >= 2 and self._sync:
@@ -288,6 +296,7 @@ class ShardedModule(nn.Module):
         if self.stage == 3 and unit is not self.root and not self._keep_gathered:
             unit.free(keep_shapes=True)
 
+    @eager_under_compile
     def _reduce_in_order(self, *, to_the_end: bool = False) -> None:
         """Reduce-scatter gradients in one order on every rank (``_reduce_order``): a unit as soon as
         its backward and that of every unit before it in the order are done here; at the end of
@@ -333,6 +342,7 @@ class ShardedModule(nn.Module):
                 unit.reduce_grads(async_op=async_op)
                 unit.grad_anywhere = True
 
+    @eager_under_compile
     def _end_of_backward(self) -> None:
         self._backward_armed = False
         if self.stage >= 2 and self._sync:
@@ -372,6 +382,7 @@ class ShardedModule(nn.Module):
             self._sync, self._keep_gathered = True, False
 
     # -- optimizer ----------------------------------------------------------------------------
+    @eager_under_compile
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop this step's gradients everywhere: the model's ``.grad``, reductions in flight and
         the master shards' (what ``step`` does after updating). For skipping a step, e.g. on a
@@ -442,6 +453,7 @@ class ShardedModule(nn.Module):
             held += [(t, s, t[s].clone()) for t in tensors for s in slices if s.stop > s.start]
         return held
 
+    @eager_under_compile
     def step(self) -> None:
         """Optimizer step on the local shards, zero the gradients, re-publish the parameters.
         Parameters without a gradient on any rank are left as they were, with their optimizer
