@@ -52,9 +52,6 @@ class FrozenComputeCopies:
             model.register_forward_pre_hook(lambda m, args: self.shadow_all())
             model.register_forward_hook(lambda m, args, out: self.unshadow_all(), always_call=True)
 
-    def __bool__(self) -> bool:
-        return bool(self.holders)
-
     def _copy_of(self, param: nn.Parameter) -> torch.Tensor:
         if self._root_copies is None:
             return param.detach().to(self.dtype)

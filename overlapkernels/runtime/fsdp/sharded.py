@@ -35,6 +35,8 @@ from ..._compat import eager_under_compile
 from ...profiling.ranges import span
 from .flat_unit import FlatUnit, check_unit_params
 from .frozen_copies import FrozenComputeCopies
+from .gradless import hold_gradless
+from .state_guards import guard_state_dicts
 from .unit_plan import (check_context_parallel_tags, check_group_holds_replicas, check_sequence_parallel_tags,
                         shared_parameters, unit_modules)
 
@@ -124,15 +126,7 @@ class ShardedModule(nn.Module):
         self._frozen_copies = FrozenComputeCopies(model, param_dtype) if param_dtype is not None else None
         self._param_unit = {id(p): u for u in self.all_units for p in u.params}
         model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
-        for unit in self.all_units:  # stage 3 frees parameters: a state dict of them would be empty
-            unit.module.register_state_dict_pre_hook(self._refuse_freed(unit, "state_dict"))
-        # and at every stage a load of a unit's parameters would reach only the gathered copy, which
-        # the next step overwrites from the masters (the optimizer's): refused, not silently undone -
-        # at the model before anything loads, and at each unit's module (a load that starts there);
-        # frozen parameters and buffers still load
-        for mod in dict.fromkeys([model] + [unit.module for unit in self.all_units]):
-            trained = {name for name, p in mod.named_parameters(remove_duplicate=False) if id(p) in self._param_unit}
-            mod.register_load_state_dict_pre_hook(self._refuse_load(trained))
+        guard_state_dicts(self)
         for unit in self.units:
             unit.module.register_forward_pre_hook(self._pre_forward(unit))
             unit.module.register_forward_hook(self._post_forward(unit))
@@ -205,25 +199,6 @@ class ShardedModule(nn.Module):
                 return t
             return tree_map(cast, args), tree_map(cast, kwargs)
         return None
-
-    def _refuse_freed(self, unit, what: str):
-        def hook(module, *_):
-            if not unit.gathered and not self._reading_full_state:
-                raise RuntimeError(
-                    f"{what}() of {type(module).__name__} (fsdp unit {unit.name!r}): its parameters are sharded "
-                    f"(stage {self.stage}) and freed between forward passes. Use sharded.full_state_dict() (a "
-                    "collective) or fsdp.save / fsdp.load instead")
-        return hook
-
-    def _refuse_load(self, trained: set):
-        def hook(module, state_dict, prefix, *_):
-            if loaded := sorted(k[len(prefix):] for k in state_dict if k.startswith(prefix) and k[len(prefix):] in trained):
-                raise RuntimeError(
-                    f"load_state_dict() into {type(module).__name__} after fsdp.shard, of the trained parameters "
-                    f"{', '.join(loaded[:3])}{' ...' if len(loaded) > 3 else ''}: the optimizer trains master "
-                    f"shards of them (stage {self.stage}), which a load would not reach, so the next step would "
-                    "undo it. Load before fsdp.shard, or use fsdp.load (frozen parameters and buffers load)")
-        return hook
 
     def _neighbours(self, unit, direction: int) -> list:
         i = self.units.index(unit)
@@ -427,39 +402,13 @@ class ShardedModule(nn.Module):
         return clip_grad_norm_([self], max_norm, norm_type, dims=dims, error_if_nonfinite=error_if_nonfinite,
                                foreach=foreach)
 
-    def _gradless_slices(self) -> list:
-        """(unit, master slices) of the parameters no rank had a gradient for this step, in units
-        that others had gradients in: the optimizer steps a unit's master as one tensor, so they get
-        a zero gradient - which weight decay and momentum still move, where torch skips a parameter
-        whose grad is None (a branch not taken, an expert without tokens, one frozen mid-training).
-        From the flags ``_finish_gradients`` agreed on (no collective of its own)."""
-        found, k = [], 0
-        for unit in self.all_units:
-            had = self._param_had_grad[k:k + len(unit.params)]
-            k += len(unit.params)
-            gradless = [unit.master_slice(i) for i, seen in enumerate(had) if not seen]
-            if unit.grad_anywhere and gradless:
-                found.append((unit, gradless))
-        return found
-
-    def _held(self, gradless: list) -> list:
-        """Copies of the master and optimizer-state elements of those parameters (to put back after
-        the step): state tensors shaped like the master, elementwise (Adam's moments, momentum)."""
-        held = []
-        for unit, slices in gradless:
-            state = self.optimizer.state.get(unit.master, {})
-            tensors = [unit.master.data] + [t for t in state.values()
-                                            if torch.is_tensor(t) and t.shape == unit.master.shape]
-            held += [(t, s, t[s].clone()) for t in tensors for s in slices if s.stop > s.start]
-        return held
-
     @eager_under_compile
     def step(self) -> None:
         """Optimizer step on the local shards, zero the gradients, re-publish the parameters.
         Parameters without a gradient on any rank are left as they were, with their optimizer
         state (as torch skips them; a step counter shared by the unit still advances)."""
         self._finish_gradients()
-        held = self._held(self._gradless_slices())
+        held = hold_gradless(self.all_units, self._param_had_grad, self.optimizer)
         self.optimizer.step()
         with torch.no_grad():
             for tensor, where, before in held:

@@ -1,0 +1,41 @@
+"""What ``state_dict`` / ``load_state_dict`` of an fsdp-wrapped model refuse, and why.
+
+Stage 3 frees a unit's parameters between forwards, so a state dict of them would be empty. And at
+every stage a load of a unit's parameters would reach only the gathered copy, which the next step
+overwrites from the masters (the optimizer's): refused, not silently undone - at the model, before
+anything loads, and at each unit's module (a load that starts there). Frozen parameters and buffers
+are in no unit and still load. ``sharded.full_state_dict()`` and ``fsdp.save`` / ``fsdp.load`` are
+the ways in and out.
+"""
+from __future__ import annotations
+
+
+def guard_state_dicts(sharded) -> None:
+    model = sharded.module
+    for unit in sharded.all_units:
+        unit.module.register_state_dict_pre_hook(_refuse_freed(sharded, unit))
+    trained_ids = {id(p) for unit in sharded.all_units for p in unit.params}
+    for mod in dict.fromkeys([model] + [unit.module for unit in sharded.all_units]):
+        trained = {name for name, p in mod.named_parameters(remove_duplicate=False) if id(p) in trained_ids}
+        mod.register_load_state_dict_pre_hook(_refuse_load(sharded, trained))
+
+
+def _refuse_freed(sharded, unit):
+    def hook(module, *_):
+        if not unit.gathered and not sharded._reading_full_state:
+            raise RuntimeError(
+                f"state_dict() of {type(module).__name__} (fsdp unit {unit.name!r}): its parameters are sharded "
+                f"(stage {sharded.stage}) and freed between forward passes. Use sharded.full_state_dict() (a "
+                "collective) or fsdp.save / fsdp.load instead")
+    return hook
+
+
+def _refuse_load(sharded, trained: set):
+    def hook(module, state_dict, prefix, *_):
+        if loaded := sorted(k[len(prefix):] for k in state_dict if k.startswith(prefix) and k[len(prefix):] in trained):
+            raise RuntimeError(
+                f"load_state_dict() into {type(module).__name__} after fsdp.shard, of the trained parameters "
+                f"{', '.join(loaded[:3])}{' ...' if len(loaded) > 3 else ''}: the optimizer trains master "
+                f"shards of them (stage {sharded.stage}), which a load would not reach, so the next step would "
+                "undo it. Load before fsdp.shard, or use fsdp.load (frozen parameters and buffers load)")
+    return hook
