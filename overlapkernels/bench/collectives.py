@@ -3,8 +3,8 @@
 Runs on the ranks of a launched job (torchrun) or on ``--nproc`` CPU ranks it spawns itself.
 Time per call: CUDA events on GPU; a barrier then ``perf_counter`` on CPU. The reported time is
 the slowest rank's median (min_us / max_us: the largest over ranks of each rank's fastest and
-slowest call), as a collective is only done when its last rank is. Each call runs in an ``ok/<op>[<backend>]`` range, so a ``--profile``
-trace reports its comm busy time like the fused ops'.
+slowest call), as a collective is only done when its last rank is. Each call runs in an
+``ok/<op>[<backend>]`` range, so a ``--profile`` trace reports its comm busy time like the fused ops'.
 """
 from __future__ import annotations
 

@@ -96,7 +96,8 @@ def run_ring(cfg: RingConfig, group=None) -> list[dict]:
         t_ring = ring["median_s"]
         rows.append({"layout": layout, "causal": causal, "seq": cfg.seq, "batch": cfg.batch, "heads": cfg.heads,
                      "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "dtype": cfg.dtype, "world_size": world,
-                     "backend": dist.get_backend(group), "kernels": backend, "fwd_allgather_us": t_ag * 1e6, "fwd_ring_us": t_ring * 1e6,
+                     "backend": dist.get_backend(group), "kernels": backend, "fwd_allgather_us": t_ag * 1e6,
+                     "fwd_ring_us": t_ring * 1e6,
                      "min_us": ring["min_s"] * 1e6, "max_us": ring["max_s"] * 1e6,
                      "compute_us": t_comp * 1e6, "fwd_bwd_ring_us": t_fb * 1e6, "speedup": t_ag / t_ring,
                      "efficiency": overlap_efficiency(t_ring, t_ag, t_comp, world),

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from .collectives import all_gather_objects
 from .group_cache import group_key, per_group_cache
 from .peer_access import failing_pairs, peer_access_problem
-from .side_stream import CudaSideStream
+from .side_stream import CudaSideStream, hardware_queues
 from .symmetric import SymmetricTensor
 
 
@@ -150,9 +150,8 @@ def warn_single_hardware_queue() -> None:
     """CUDA_DEVICE_MAX_CONNECTIONS=1 (which Megatron-LM asks for its own overlap) puts every stream
     of the process in one hardware queue: symm/fused's copy-engine pulls, queued behind their flag
     waits, then hold up the GEMM behind them. Results stay right, but nothing overlaps - say so."""
-    raw = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")  # (CUDA's default: 8)
-    if raw.strip().isdigit() and int(raw) < 2:
-        warnings.warn(f"CUDA_DEVICE_MAX_CONNECTIONS={raw}: one hardware queue for every stream, so method='symm'/"
+    if (queues := hardware_queues()) is not None and queues < 2:
+        warnings.warn(f"CUDA_DEVICE_MAX_CONNECTIONS={queues}: one hardware queue for every stream, so method='symm'/"
                       "'fused' run their transfers and GEMMs one after the other (correct, not overlapped); set it "
                       "to 2 or more (8, CUDA's default) for these ops", stacklevel=4)
 

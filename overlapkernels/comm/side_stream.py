@@ -6,10 +6,18 @@ submitted to it are cudaMemcpyAsync, i.e. the copy engine, not SMs. Both have ``
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 
 import torch
+
+
+def hardware_queues() -> int | None:
+    """CUDA_DEVICE_MAX_CONNECTIONS as CUDA reads it (8 when unset: its default), None when it is no
+    number: how many hardware queues the process's streams share."""
+    raw = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    return int(raw) if raw.strip().isdigit() else None
 
 
 class ThreadSideStream:

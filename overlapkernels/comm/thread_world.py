@@ -25,7 +25,7 @@ import torch
 from .._compat import make_triton_interpreter_threadsafe
 from ..parallel import resolve_timeout
 from .rank_pool import RankError, RankTimeout
-from .side_stream import CudaSideStream, ThreadSideStream, own_streams
+from .side_stream import CudaSideStream, ThreadSideStream, hardware_queues, own_streams
 from .symmetric import SymmetricTensor
 
 
@@ -132,9 +132,9 @@ def _where_stuck(thread: threading.Thread, frames: int = 10) -> str:
 def _check_connections(world_size: int) -> None:
     """Warn when the GPU's hardware queues are too few for every rank's two streams: streams sharing
     a queue run in its order, so a rank's spin-wait could hold up the peer work it waits for."""
-    raw = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")  # (CUDA's default: 8)
     need = 2 * world_size + 1  # each rank's stream and side stream, and the default stream
-    if not raw.strip().isdigit() or int(raw) < need:
+    if (hardware_queues() or 0) < need:
+        raw = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")
         warnings.warn(f"ThreadWorld({world_size}) on a GPU: CUDA_DEVICE_MAX_CONNECTIONS={raw!r} gives fewer than {need} "
                       "hardware queues, so ranks' streams may share one and a spin-wait may block the signal it "
                       "waits for; set it (up to 32) before CUDA starts, as make gpu-check does", stacklevel=3)

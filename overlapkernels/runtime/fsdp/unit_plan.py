@@ -68,10 +68,11 @@ def check_sequence_parallel_tags(model: nn.Module, stage: int) -> None:
                 "RMSNorm(hidden, sequence_parallel=True, group=tp_group)) or set p.sequence_parallel_group")
 
 
-def _parallel_groups(model: nn.Module):
+def _parallel_groups(model: nn.Module, *, tags: bool = True):
     """(where, group, what) for every group of 2+ ranks the model computes over: this library's
     layers' tensor-parallel ``group`` and ``cp_group`` (another module's ``group`` may well be its
-    data-parallel one: a contrastive loss gathering over DP), and its parameters' SP/CP tags."""
+    data-parallel one: a contrastive loss gathering over DP), and with ``tags`` its parameters'
+    SP/CP tags."""
     for name, mod in model.named_modules():
         if not type(mod).__module__.startswith("overlapkernels."):
             continue
@@ -79,7 +80,7 @@ def _parallel_groups(model: nn.Module):
             group = mod.__dict__.get(attr)
             if isinstance(group, dist.ProcessGroup) and dist.get_world_size(group) > 1:
                 yield f"{type(mod).__name__} {name or '<model>'!r}", group, what
-    for name, p in model.named_parameters():
+    for name, p in model.named_parameters() if tags else ():
         for attr, what in (("sequence_parallel_group", "sequence-parallel group"),
                            ("context_parallel_group", "context-parallel group")):
             group = getattr(p, attr, None)
@@ -113,8 +114,8 @@ def check_context_parallel_tags(model: nn.Module) -> None:
     model is partial over the CP group, and fsdp sums a unit over the ``context_parallel_group`` its
     parameters carry. A model with attention over a CP group but untagged parameters (one built from
     the layers, not the GPT, which tags itself) would leave the CP ranks drifting apart silently."""
-    attending = [(where, group) for where, group, what in _parallel_groups(model)
-                 if what == "context-parallel group" and not where.startswith("parameter ")]
+    attending = [(where, group) for where, group, what in _parallel_groups(model, tags=False)
+                 if what == "context-parallel group"]
     if not attending:
         return
     where, group = attending[0]
