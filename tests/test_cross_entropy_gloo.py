@@ -98,10 +98,17 @@ def _bad_logits_on_rank():
         ok.vocab_parallel_cross_entropy(torch.randn(3, 4), torch.tensor([0, 8, 1]))
     except ValueError as exc:
         errors.append(str(exc))
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    try:  # a second derivative: refused for the reason that holds (its backward does not communicate)
+        loss = ok.vocab_parallel_cross_entropy(torch.tanh(x), torch.tensor([0, 5, 1]))
+        torch.autograd.grad(loss.sum(), x, create_graph=True)
+    except RuntimeError as exc:
+        errors.append(str(exc).split(": ", 2)[-1][:60])
     return errors
 
 
 def test_dtensor_and_integer_logits_and_bad_targets_are_refused_by_name(rank_pool):
     want = ["TypeError: logits_shard is a DTensor ((Shard(dim=1),", "ValueError: logits_shard.dtype=torch.int64: expected",
-            "target holds ids outside [0, 8) that are not ignore_index=-100, e.g. 8"]
+            "target holds ids outside [0, 8) that are not ignore_index=-100, e.g. 8",
+            "its backward reads the softmax saved in forward, whose depen"]
     assert rank_pool(2).run(_bad_logits_on_rank, timeout=30) == [want, want]

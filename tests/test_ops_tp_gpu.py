@@ -12,6 +12,7 @@ from overlapkernels.comm.thread_world import ThreadWorld
 from overlapkernels.kernels.triton.tile_gemm import GemmConfig
 from test_cuda_lib import needs_cuda_library
 from test_ops_tp_peer import _autograd_checks, _forward_cases_on_rank
+from test_ops_tp_peer_tiles import check_tma_calls_with_straggler
 
 pytestmark = pytest.mark.gpu
 METHODS = ["symm", "fused"]
@@ -168,3 +169,12 @@ def test_fused_tma_configs_two_processes_one_gpu(rank_pool):
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA needs sm_90 or later")
     assert rank_pool(2).run(_process_world_on_rank, "fused", "symm_mem", _tma_calls) == [[True] * 4] * 2
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_tma_configs_thread_world_with_straggler(monkeypatch, world):
+    """The same TMA configs with ranks as threads sharing the GPU (one context: the warm-up's
+    barriers matter), a straggler, three calls, ragged rows/K/N (test_ops_tp_peer_tiles.py)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs sm_90 or later")
+    check_tma_calls_with_straggler(monkeypatch, world, TMA_CONFIGS, device="cuda", timeout=GPU_TIMEOUT_S)

@@ -3,6 +3,8 @@ with ragged edges, every tile config gemm_config hands out on GPUs, the rules th
 (a pure function of the call), matmul_reduce_scatter when the tile count changes between calls, and
 the GPU warm-up launches (scratch buffers only; barriers only in a shared context). Every result is
 compared bitwise (0/1 inputs). The algorithms, autograd and timeouts: test_ops_tp_peer.py."""
+import time
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ import overlapkernels as ok
 from overlapkernels.comm.thread_world import ThreadWorld
 from overlapkernels.kernels.triton import tile_gemm as TG
 from overlapkernels.kernels.triton.tile_gemm import INTERPRETER_GEMM, GemmConfig, forced_gemm_config, gemm_config
-from test_ops_tp_peer import METHODS, _ints
+from test_ops_tp_peer import METHODS, STRAGGLER_DELAY_S, _ints
 
 
 def _tile_shapes_on_rank(ctx, k, method="fused", m=40, n=48):
@@ -167,6 +169,20 @@ def _tma_tiles_on_rank(ctx, k, weight_layout, m=40, n=48):
             and torch.equal(out2, sum(x.float() @ b.float() for x in a_all).chunk(w)[r].to(dt)))
 
 
+def spy_tma_operands(monkeypatch) -> dict:
+    """Records, per GEMM ("ag", "rs"), whether each launch took the TMA loads."""
+    from overlapkernels.kernels.triton import ag_gemm as AG, gemm_rs as RS
+
+    used = {"ag": [], "rs": []}
+    for name, module in (("ag", AG), ("rs", RS)):
+        def spy(a, b, config, real=TG.tma_operands, seen=used[name]):
+            picked = real(a, b, config)
+            seen.append(picked[0])
+            return picked
+        monkeypatch.setattr(module, "tma_operands", spy)
+    return used
+
+
 @pytest.mark.parametrize("weight_layout", ["rows", "weight.t()"])
 @pytest.mark.parametrize("k, tma_used", [(32, True), (40, True), (36, False)])
 def test_fused_tma_loads(monkeypatch, weight_layout, k, tma_used):
@@ -174,18 +190,52 @@ def test_fused_tma_loads(monkeypatch, weight_layout, k, tma_used):
     row, chunks of 40 rows in 16-row tiles (the last tile's rows past the chunk read the next chunk's,
     masked on store), K ragged for 16-wide K blocks at 40 (the descriptor reads 0 past the edge).
     K = 36 fp16 is 72 bytes a row, not the 16-byte multiple a tensor map needs: the pointer loads."""
-    from overlapkernels.kernels.triton import ag_gemm as AG, gemm_rs as RS
-
-    used = []
-    for module in (AG, RS):
-        def spy(a, b, config, real=TG.tma_operands):
-            picked = real(a, b, config)
-            used.append(picked[0])
-            return picked
-        monkeypatch.setattr(module, "tma_operands", spy)
+    used = spy_tma_operands(monkeypatch)
     with forced_gemm_config(GemmConfig(16, 32, 16, tma=True)):
         assert ThreadWorld(2, timeout=60).run(_tma_tiles_on_rank, k, weight_layout) == [True, True]
-    assert used and set(used) == {tma_used}, used
+    assert set(used["ag"] + used["rs"]) == {tma_used}, used
+
+
+def tma_calls_with_straggler_on_rank(ctx, cfg, straggler, calls=3):
+    """One TMA config, 0/1 inputs (exact; bf16 on a GPU, fp16 in the interpreter, which has no bf16):
+    BLOCK_M + 7 rows a chunk (a chunk's second tile reads BLOCK_M - 7 rows of the next, maybe still
+    arriving, chunk: masked on store), K = 72 (ragged for 16/64-wide K blocks; 144 bytes a row, a
+    tensor map's 16-byte multiple), N = BLOCK_N + 8 (a ragged last column tile), both weight layouts,
+    three calls (epochs, released slots), a straggler whose chunk arrives late: the descriptor loads
+    must wait for its flag. One ``(call, layout, ag exact, rs exact)`` per call and layout."""
+    r, w, dev = ctx.rank, ctx.world_size, ctx.device
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float16
+    m, k, n = cfg.block_m + 7, 72, cfg.block_n + 8
+    exact = []
+    for call in range(calls):
+        if r == straggler:
+            time.sleep(STRAGGLER_DELAY_S)
+        for layout, b in (("rows", _ints((k, n), dt, 50 + call, dev)),
+                          ("weight.t()", _ints((n, k), dt, 60 + call, dev).t())):
+            shards = [_ints((m, k), dt, 10 * call + q, dev) for q in range(w)]
+            a_all = [_ints((w * m, k), dt, 100 + 10 * call + q, dev) for q in range(w)]
+            out = ok.all_gather_matmul(shards[r], b, ctx, method="fused")
+            out2 = ok.matmul_reduce_scatter(a_all[r], b, ctx, method="fused")
+            exact.append((call, layout, torch.equal(out, (torch.cat(shards).float() @ b.float()).to(dt)),
+                          torch.equal(out2, sum(x.float() @ b.float() for x in a_all).chunk(w)[r].to(dt))))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return exact
+
+
+def check_tma_calls_with_straggler(monkeypatch, world, configs, device="cpu", timeout=60):
+    used = spy_tma_operands(monkeypatch)
+    for cfg in configs:
+        with forced_gemm_config(cfg):  # process-wide: every rank thread sees it
+            results = ThreadWorld(world, device=device, timeout=timeout).run(tma_calls_with_straggler_on_rank,
+                                                                             cfg, world - 1)
+        wrong = [(r, row) for r, rows in enumerate(results) for row in rows if not all(row[2:])]
+        assert not wrong and len(results[0]) == 6, (cfg, wrong, results)
+    assert used["ag"] and used["rs"] and all(used["ag"] + used["rs"]), used
+
+
+def test_fused_tma_loads_four_ranks_straggler_three_calls(monkeypatch):
+    check_tma_calls_with_straggler(monkeypatch, 4, [GemmConfig(16, 32, 16, tma=True)])
 
 
 def test_tma_operands_qualify_only_aligned_16bit_2d_operands():

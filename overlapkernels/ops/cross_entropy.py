@@ -71,7 +71,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @first_order_only("vocab_parallel_cross_entropy")
+    @first_order_only("vocab_parallel_cross_entropy",
+                      "its backward reads the softmax saved in forward, whose dependence on the logits (through "
+                      "the other ranks' max and sum) autograd never saw")
     def backward(ctx, grad_loss):
         softmax, local_t, mine, ignored = ctx.saved_tensors
         grad = softmax - ctx.label_smoothing / ctx.vocab
