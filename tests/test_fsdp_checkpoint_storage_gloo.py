@@ -110,12 +110,18 @@ def test_a_param_group_value_json_cannot_keep_is_refused_before_writing(rank_poo
 
 
 def _stray_optimizer_parameter_on_rank(path):
-    """An optimizer factory that adds a parameter of its own: the checkpoint would not hold it, so
-    save and load refuse by index, on every rank, before writing or reading anything."""
+    """An optimizer that holds a parameter of its own: the checkpoint would not hold it. From the
+    factory, shard() refuses it; added to the optimizer afterwards, save and load refuse by index,
+    on every rank, before writing or reading anything."""
     stray = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
-    sharded = fsdp.shard(_net(), stage=2, optimizer=lambda ps: torch.optim.SGD([*ps, stray], lr=0.1))
-    fsdp.save(fsdp.shard(_net(), stage=2), path + "-good")
     said = []
+    try:
+        fsdp.shard(_net(), stage=2, optimizer=lambda ps: torch.optim.SGD([*ps, stray], lr=0.1))
+    except ValueError as exc:
+        said.append(str(exc))
+    sharded = fsdp.shard(_net(), stage=2, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    sharded.optimizer.add_param_group({"params": [stray]})
+    fsdp.save(fsdp.shard(_net(), stage=2), path + "-good")
     for call in (lambda: fsdp.save(sharded, path), lambda: fsdp.load(sharded, path + "-good")):
         try:
             call()
@@ -125,8 +131,11 @@ def _stray_optimizer_parameter_on_rank(path):
 
 
 def test_optimizer_parameters_that_are_no_units_masters_are_refused(rank_pool, tmp_path):
-    want = ["optimizer parameters [4] are not units' masters: fsdp checkpoints hold only what fsdp.shard gave the "
-            "optimizer"] * 2  # the units inp, blocks, out and the root hold indices 0-3
+    want = ["fsdp.shard: the optimizer's param group 0 holds a tensor of shape (2,) that is not a parameter of the "
+            "model: fsdp would neither shard nor checkpoint it; build the optimizer over the parameters the factory "
+            "is given"]
+    want += ["optimizer parameters [4] are not units' masters: fsdp checkpoints hold only what fsdp.shard gave the "
+             "optimizer"] * 2  # the units inp, blocks, out and the root hold indices 0-3
     assert rank_pool(2).run(_stray_optimizer_parameter_on_rank, str(tmp_path / "c")) == [(want, False)] * 2
 
 

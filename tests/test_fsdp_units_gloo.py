@@ -231,11 +231,11 @@ def test_an_optimizer_factory_that_fails_leaves_the_model_as_it_was(rank_pool):
     for said, tags, (retried, fresh) in rank_pool(2).run(_failed_optimizer_factory_on_rank):
         assert said == ["RuntimeError: no optimizer today",
                         "TypeError: optimizer returned a NoneType, which lacks step, zero_grad, state_dict, "
-                        "load_state_dict, param_groups, state; expected a torch.optim.Optimizer over the list of "
-                        "shard parameters it was given",
+                        "load_state_dict, param_groups, state; expected a torch.optim.Optimizer over the "
+                        "parameters it was given",
                         "TypeError: optimizer returned a list, which lacks step, zero_grad, state_dict, "
-                        "load_state_dict, param_groups, state; expected a torch.optim.Optimizer over the list of "
-                        "shard parameters it was given"], said
+                        "load_state_dict, param_groups, state; expected a torch.optim.Optimizer over the "
+                        "parameters it was given"], said
         assert tags == [], f"a refused shard() tagged {tags}"
         for got, want in zip(retried, fresh):
             torch.testing.assert_close(got, want, atol=0, rtol=0)

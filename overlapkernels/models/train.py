@@ -29,8 +29,8 @@ class Trainer:
     """The GPT trained over ``dims`` (DP x PP x CP x TP): this rank builds its pipeline stage
     (``dense_state_dict``: start from these dense weights, sharded for this rank), runs
     ``schedule`` ("gpipe", "1f1b" or "zb-h1"; one stage per rank) over ``num_microbatches``
-    (default: twice the PP size), and steps ``optimizer`` (a factory of the local shard
-    parameters) with ZeRO over DP: ``zero_stage`` 1 (default), 2 or 3, with any of these schedules
+    (default: twice the PP size), and steps ``optimizer`` (a factory of the stage's
+    parameters, as ``fsdp.shard`` takes) with ZeRO over DP: ``zero_stage`` 1 (default), 2 or 3, with any of these schedules
     (DeepSpeed allows only ZeRO-1 with pipelines); 2 and 3 reduce-scatter each
     microbatch's gradients during its backward, 3 also gathers each unit's parameters around its
     forward and backward. ``step(tokens, targets)``: the global [B, S] batch on every rank (B

@@ -20,12 +20,17 @@ def _adamw(params):
 def shard(model, group=None, *, stage=3, optimizer=_adamw, prefetch=1, param_dtype=None, reduce_dtype=None,
           units=None) -> ShardedModule:
     """Shard ``model`` over ``group``: the dp group of a ParallelDims, or the world (None) for pure
-    data parallelism only - a group that also holds the model's TP or CP peers is refused."""
+    data parallelism only - a group that also holds the model's TP or CP peers is refused.
+
+    ``optimizer(params)`` is called once with the model's trainable parameters (in
+    ``model.parameters()`` order) and returns a torch optimizer over them, param groups included
+    (no weight decay for biases and norms, an lr per layer); fsdp then moves each group onto flat
+    1-D shards of its parameters, which the optimizer steps from then on (param_groups.py)."""
     if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or stage not in (1, 2, 3):
         raise ValueError(f"stage={stage!r}: expected 1, 2 or 3")
     if not callable(optimizer):
-        raise TypeError(f"optimizer must be a callable taking the list of local shard parameters, got "
-                        f"{type(optimizer).__name__}")
+        raise TypeError(f"optimizer must be a callable taking the model's trainable parameters and returning a "
+                        f"torch optimizer over them, got {type(optimizer).__name__}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 0:
         raise ValueError(f"prefetch={prefetch!r}: expected an integer >= 0")
     for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):

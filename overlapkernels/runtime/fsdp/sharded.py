@@ -33,9 +33,10 @@ from torch.utils._pytree import tree_map
 
 from ..._compat import eager_under_compile
 from ...profiling.ranges import span
-from .flat_unit import FlatUnit, check_unit_params
+from .flat_unit import check_unit_params
 from .frozen_copies import FrozenComputeCopies
 from .gradless import hold_gradless
+from .param_groups import check_optimizer, group_of_params, move_onto_masters, units_per_group
 from .state_guards import guard_state_dicts
 from .unit_plan import (check_context_parallel_tags, check_group_holds_replicas, check_sequence_parallel_tags,
                         shared_parameters, unit_modules)
@@ -102,24 +103,32 @@ class ShardedModule(nn.Module):
         rest = [p for p in model.parameters() if (id(p) not in seen or id(p) in shared) and p.requires_grad]
         for name, _, params in plan + [("<root>", model, rest)] * bool(rest):
             check_unit_params(name, params)  # all before any unit re-points its parameters
-        self.units = [FlatUnit(name, mod, params, group, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-                      for name, mod, params in plan]
-        self.root = FlatUnit("<root>", model, rest, group, param_dtype=param_dtype,
-                             reduce_dtype=reduce_dtype) if rest else None
-        self.all_units = self.units + ([self.root] if self.root else [])
+        # the user's factory sees the model's own parameters (param groups by name, shape or identity
+        # work as without fsdp) and runs before any unit takes them over: if it raises, or returns
+        # something that is no optimizer, the model is left as it was. Each unit is then split by
+        # param group, and the groups are moved onto the parts' masters (param_groups.py)
+        ours = {id(p) for _, _, params in plan for p in params} | {id(p) for p in rest}
+        trainable = [p for p in model.parameters() if id(p) in ours]
+        self.optimizer = optimizer(list(trainable))
+        check_optimizer(self.optimizer)
+        found = group_of_params(self.optimizer, trainable, model)
+
+        def units_of(index, name, mod, params):
+            return units_per_group(index, name, mod, params, found, group, param_dtype=param_dtype,
+                                   reduce_dtype=reduce_dtype)
+
+        # per unit module, its flat units (one per param group it holds): gathered and prefetched together
+        self._module_units = [units_of(i, name, mod, params) for i, (name, mod, params) in enumerate(plan)]
+        self.units = [u for made in self._module_units for u in made]
+        self.roots = units_of(len(plan), "<root>", model, rest) if rest else []
+        self.root = self.roots[0] if self.roots else None  # (the first: with one param group, the only one)
+        self.all_units = self.units + self.roots
         # the one order every rank reduce-scatters gradients in during backward (see _reduce_in_order):
         # the units' reverse (the order a transformer's backward finishes them in), the root last
-        self._reduce_order = self.units[::-1] + ([self.root] if self.root else [])
+        self._reduce_order = self.units[::-1] + self.roots
         self._next_reduce = 0
         self._backward_done: set = set()  # units this backward finished here (their gradients are all in)
-        # the user's factory runs before any unit takes its parameters over: if it raises, or returns
-        # something that is no optimizer, the model is left as it was
-        self.optimizer = optimizer([u.master for u in self.all_units])
-        missing = [a for a in ("step", "zero_grad", "state_dict", "load_state_dict", "param_groups", "state")
-                   if not hasattr(self.optimizer, a)]
-        if missing:
-            raise TypeError(f"optimizer returned a {type(self.optimizer).__name__}, which lacks {', '.join(missing)}; "
-                            "expected a torch.optim.Optimizer over the list of shard parameters it was given")
+        move_onto_masters(self.optimizer, self.all_units)
         for unit in self.all_units:
             unit.attach()
         # frozen parameters in another dtype compute as param_dtype copies, their originals untouched
@@ -154,7 +163,7 @@ class ShardedModule(nn.Module):
     def memory_stats(self) -> dict:
         """Bytes this rank keeps between steps (ZeRO's accounting) and the peak of gathered params."""
         stage = self.stage
-        full_params = sum(u.flat_bytes for u in self.all_units if stage < 3 or u is self.root)
+        full_params = sum(u.flat_bytes for u in self.all_units if stage < 3 or u in self.roots)
         master = sum(u.master.numel() * u.master.element_size() for u in self.all_units)
         full_grads = sum(u.padded * torch.empty((), dtype=u.reduce_dtype).element_size() for u in self.all_units)
         optim = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
@@ -189,8 +198,9 @@ class ShardedModule(nn.Module):
                 sent = unit.bytes_gathered
                 unit.publish()
                 unit.bytes_gathered = sent  # (comm_stats count training's traffic)
-        if self.root is not None and self.stage == 3:
-            self.root.gather()
+        if self.stage == 3:
+            for root in self.roots:
+                root.gather()
             self._track()
         if self.param_dtype is not None:
             def cast(t):
@@ -201,9 +211,10 @@ class ShardedModule(nn.Module):
         return None
 
     def _neighbours(self, unit, direction: int) -> list:
-        i = self.units.index(unit)
-        idx = [i + direction * k for k in range(1, self.prefetch + 1)]
-        return [self.units[j] for j in idx if 0 <= j < len(self.units)]
+        """The flat units of the next ``prefetch`` unit modules in ``direction``."""
+        i, mods = unit.module_index, self._module_units
+        return [u for k in range(1, self.prefetch + 1) if 0 <= i + direction * k < len(mods)
+                for u in mods[i + direction * k]]
 
     def _pre_forward(self, unit):
         def hook(module, args):
@@ -268,7 +279,7 @@ class ShardedModule(nn.Module):
         if self.stage >= 2 and self._sync:
             self._backward_done.add(unit)
             self._reduce_in_order()  # overlaps the backward of the units before it
-        if self.stage == 3 and unit is not self.root and not self._keep_gathered:
+        if self.stage == 3 and unit not in self.roots and not self._keep_gathered:
             unit.free(keep_shapes=True)
 
     @eager_under_compile
@@ -332,7 +343,7 @@ class ShardedModule(nn.Module):
             # zero-bubble W may still assign gradients. Not the root: nothing gathers it again
             # before a second backward through a graph built before this one (retain_graph, two
             # losses), which would read freed memory; step() frees it
-            if self.stage == 3 and not self._keep_gathered and unit is not self.root:
+            if self.stage == 3 and not self._keep_gathered and unit not in self.roots:
                 unit.free(keep_shapes=True)
         for unit in self.all_units:
             unit.finish_reduce()
@@ -374,7 +385,7 @@ class ShardedModule(nn.Module):
             # stage 3: units kept gathered (no_sync(reshard_after_backward=False), a backward that
             # raised) go back to their shards; the next forward or backward gathers them again. Not
             # the root: a backward still to come reads it without gathering it
-            if self.stage == 3 and unit is not self.root:
+            if self.stage == 3 and unit not in self.roots:
                 unit.free(keep_shapes=True)
         self._backward_armed = False
         self._reset_backward()

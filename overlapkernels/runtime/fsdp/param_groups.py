@@ -1,0 +1,101 @@
+"""The user's optimizer, built over the model's own parameters, then moved onto the flat shards.
+
+``fsdp.shard``'s factory is called with the parameters fsdp will shard - the model's own, with
+their names, shapes and identities - so the usual recipes keep working: no weight decay for
+biases and norms (``p.dim() < 2``), a learning rate per layer, only some parameters optimized.
+A unit's parameters are then split by the param group they are in, each part a flat unit of
+its own (DeepSpeed's flattening per param group), and each group's ``params`` become those
+units' masters: 1-D shards, so an optimizer that reads a parameter's shape at ``step`` (Adafactor,
+Muon) sees shards, as under ZeRO. Parameters in no group are sharded and reduced like the rest
+but never stepped, as torch leaves a parameter its optimizer was not given.
+Why not FSDP2's way (per-parameter DTensors): the flat units are what keeps each unit one
+all-gather and one reduce-scatter.
+"""
+from __future__ import annotations
+
+import torch
+
+from .flat_unit import FlatUnit
+
+OPTIMIZER_METHODS = ("step", "zero_grad", "state_dict", "load_state_dict", "param_groups", "state")
+
+
+def check_optimizer(optimizer) -> None:
+    missing = [a for a in OPTIMIZER_METHODS if not hasattr(optimizer, a)]
+    if missing:
+        raise TypeError(f"optimizer returned a {type(optimizer).__name__}, which lacks {', '.join(missing)}; "
+                        "expected a torch.optim.Optimizer over the parameters it was given")
+
+
+def group_of_params(optimizer, trainable: list, model) -> dict:
+    """``{id(param): index of its param group}`` for the parameters fsdp shards (those in no group
+    are absent). The model's frozen parameters may be in a group (``model.parameters()`` passed
+    whole): torch skips them, so fsdp drops them. Any other tensor is refused."""
+    ours = {id(p) for p in trainable}
+    frozen = {id(p) for p in model.parameters() if not p.requires_grad}
+    found = {}
+    for index, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) in ours:
+                found[id(p)] = index
+            elif id(p) not in frozen:
+                raise ValueError(f"fsdp.shard: the optimizer's param group {index} holds a tensor of shape "
+                                 f"{tuple(p.shape)} that is not a parameter of the model: fsdp would neither shard "
+                                 "nor checkpoint it; build the optimizer over the parameters the factory is given")
+    return found
+
+
+def units_per_group(module_index: int, name: str, module, params: list, found: dict, group, **options) -> list:
+    """A unit module's flat units, one per param group its ``params`` are in (in the order the groups
+    first occur), named after the module alone when there is one, else ``name#group<i>`` and
+    ``name#unoptimized`` (in no group). ``options``: FlatUnit's."""
+    parts: dict = {}
+    for p in params:
+        parts.setdefault(found.get(id(p)), []).append(p)
+    made = []
+    for param_group, part in parts.items():
+        label = name if len(parts) == 1 else f"{name}#group{param_group}" if param_group is not None else \
+            f"{name}#unoptimized"
+        unit = FlatUnit(label, module, part, group, **options)
+        unit.param_group, unit.module_index = param_group, module_index
+        made.append(unit)
+    return made
+
+
+def move_onto_masters(optimizer, units: list) -> None:
+    """Each param group's ``params`` become its units' masters; state the optimizer made in its
+    constructor (Adagrad's sums) is sharded as the parameters were."""
+    for index, group in enumerate(optimizer.param_groups):
+        group["params"] = [u.master for u in units if u.param_group == index]
+    made = dict(optimizer.state)
+    optimizer.state.clear()
+    if not made:  # (most optimizers make their state at the first step)
+        return
+    for unit in units:
+        states = [made.get(p) for p in unit.params]
+        if unit.param_group is None or not any(states):
+            continue
+        if not all(states) or len({tuple(s) for s in states}) > 1:
+            raise ValueError(f"fsdp.shard: the optimizer made state for only some parameters of unit {unit.name!r} "
+                             "(or different keys): it cannot be sharded as one flat shard")
+        optimizer.state[unit.master] = {key: _sharded_state(unit, [s[key] for s in states], key)
+                                        for key in states[0]}
+
+
+def _sharded_state(unit, values: list, key):
+    """A state value per parameter -> the unit's: elementwise tensors (shaped like their parameter)
+    flattened and sliced like the master; a value every parameter holds alike kept once. "step" is
+    torch's name for the step counter, kept once even for a 0-d parameter, which it is shaped like."""
+    if key != "step" and all(torch.is_tensor(v) and v.shape == p.shape for v, p in zip(values, unit.params)):
+        flat = torch.zeros(unit.padded, dtype=unit.master_dtype if values[0].is_floating_point() else values[0].dtype,
+                           device=unit.device)
+        flat[:unit.numel].copy_(torch.cat([v.detach().reshape(-1) for v in values]))
+        start = unit.rank * unit.shard_numel
+        return flat[start:start + unit.shard_numel].clone()
+    first = values[0]
+    same = all(torch.equal(v, first) if torch.is_tensor(v) and torch.is_tensor(first) else v == first
+               for v in values[1:])
+    if not same:
+        raise ValueError(f"fsdp.shard: the optimizer's state {key!r} differs between parameters of unit {unit.name!r} "
+                         "and is not elementwise: it cannot be sharded as one flat shard")
+    return first.clone() if torch.is_tensor(first) else first

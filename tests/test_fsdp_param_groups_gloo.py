@@ -1,0 +1,116 @@
+"""fsdp.shard with the optimizer's param groups (fp64, 2 gloo ranks) vs the same optimizer on the
+unsharded model: weight decay by shape or by name, an lr per group, a parameter in no group, the
+model's frozen parameters in a group, state an optimizer makes in its constructor (Adagrad), and a
+checkpoint resume."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from overlapkernels.runtime import fsdp
+from test_fsdp_gloo import _batches, _loss, _net
+
+STEPS, PER_RANK = 3, 4
+
+
+def by_shape(model):
+    """nanoGPT's recipe, over the parameters the factory is given: decay matrices only."""
+    return lambda ps: torch.optim.AdamW([{"params": [p for p in ps if p.dim() >= 2], "weight_decay": 0.5},
+                                         {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0,
+                                          "lr": 3e-2}], lr=1e-2)
+
+
+def by_name(model):
+    """Hugging Face's recipe, over the model's own named parameters (frozen ones included, as
+    ``model.parameters()`` would pass them; torch skips them): no decay for biases and norms, and
+    ``out.bias`` in no group at all (torch leaves it as it is)."""
+    def make(ps):
+        named = [(n, p) for n, p in model.named_parameters() if n != "out.bias"]
+        plain = [p for n, p in named if "bias" in n or "norm" in n]
+        return torch.optim.AdamW([{"params": [p for n, p in named if not ("bias" in n or "norm" in n)]},
+                                  {"params": plain, "weight_decay": 0.0}], lr=1e-2, weight_decay=0.5)
+    return make
+
+
+def adagrad(model):
+    """State made in the constructor (a nonzero initial sum per element), by shape per group."""
+    return lambda ps: torch.optim.Adagrad([{"params": [p for p in ps if p.dim() >= 2]},
+                                           {"params": [p for p in ps if p.dim() < 2], "lr": 0.2}],
+                                          lr=0.1, initial_accumulator_value=0.3)
+
+
+FACTORIES = {"by_shape": by_shape, "by_name": by_name, "adagrad": adagrad}
+
+
+def _model():
+    model = _net()
+    model.inp.bias.requires_grad_(False)
+    return model
+
+
+def _reference(factory_name):
+    model = _model()
+    opt = FACTORIES[factory_name](model)(list(p for p in model.parameters() if p.requires_grad))
+    for x, y in _batches(STEPS, PER_RANK, 2):
+        opt.zero_grad()
+        _loss(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def _train(sharded, batches):
+    rank = dist.get_rank()
+    for x, y in batches:
+        mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        _loss(sharded(x[mine]), y[mine]).backward()
+        sharded.step()
+
+
+def _grouped_on_rank(stage, factory_name):
+    model = _model()
+    sharded = fsdp.shard(model, stage=stage, optimizer=FACTORIES[factory_name](model))
+    _train(sharded, _batches(STEPS, PER_RANK, 2))
+    return sharded.full_state_dict(), [u.name for u in sharded.all_units]
+
+
+@pytest.mark.parametrize("factory_name", list(FACTORIES))
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_param_groups_train_as_without_fsdp(rank_pool, stage, factory_name):
+    want = _reference(factory_name)
+    for got, names in rank_pool(2).run(_grouped_on_rank, stage, factory_name):
+        assert list(got) == list(want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], atol=1e-12, rtol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+        if factory_name == "by_name":  # blocks hold weights, biases and norms; out.bias is in no group
+            assert names == ["inp", "blocks#group0", "blocks#group1", "out#group0", "out#unoptimized", "<root>"], names
+            assert torch.equal(got["out.bias"], _model().out.bias.detach())
+        else:  # the root unit (scale, 0-d) sits in one group: no split
+            assert names == ["inp", "blocks#group0", "blocks#group1", "out#group0", "out#group1", "<root>"], names
+    # the groups matter: one group for all (the flat shards' old fate under a dim() test) trains otherwise
+    model = _model()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+    for x, y in _batches(STEPS, PER_RANK, 2):
+        opt.zero_grad()
+        _loss(model(x), y).backward()
+        opt.step()
+    assert max((model.state_dict()[n] - want[n]).abs().max() for n in want) > 1e-4
+
+
+def _resume_on_rank(path):
+    batches = _batches(STEPS, PER_RANK, 2)
+    model = _model()
+    sharded = fsdp.shard(model, stage=2, optimizer=by_name(model))
+    _train(sharded, batches[:1])
+    fsdp.save(sharded, path)
+    _train(sharded, batches[1:])
+    model = _model()
+    resumed = fsdp.shard(model, stage=2, optimizer=by_name(model))
+    fsdp.load(resumed, path)
+    _train(resumed, batches[1:])
+    return sharded.full_state_dict(), resumed.full_state_dict(), resumed.optimizer.param_groups[1]["weight_decay"]
+
+
+def test_param_groups_survive_a_checkpoint(rank_pool, tmp_path):
+    for straight, resumed, decay in rank_pool(2).run(_resume_on_rank, str(tmp_path / "ckpt")):
+        assert decay == 0.0
+        for name in straight:
+            torch.testing.assert_close(resumed[name], straight[name], atol=0, rtol=0)
