@@ -98,7 +98,9 @@ def check_target_ids(target: torch.Tensor, vocab, ignore_index: int) -> None:
 
 @eager_under_compile  # takes a ProcessGroup: see _compat
 def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, ignore_index=-100, label_smoothing=0.0):
-    """Per-token loss [...] from vocabulary-parallel logits [..., V/P] and global target ids [...]."""
+    """Per-token loss [...] from vocabulary-parallel logits [..., V/P] and global target ids [...].
+    ``label_smoothing`` as ``F.cross_entropy``'s (eps spread over all V classes): Megatron-core's
+    spreads it over the V - 1 others (eps * V / (V - 1)), so its smoothed losses differ by O(eps / V)."""
     for name, t in (("logits_shard", logits_shard), ("target", target)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
