@@ -114,3 +114,99 @@ def test_param_groups_survive_a_checkpoint(rank_pool, tmp_path):
         assert decay == 0.0
         for name in straight:
             torch.testing.assert_close(resumed[name], straight[name], atol=0, rtol=0)
+
+
+def _gather_order_on_rank():
+    """Stage 3 with a block split into two param-group units: the order gathers are posted in."""
+    import overlapkernels.runtime.fsdp.flat_unit as flat_unit
+    from test_fsdp_gloo import Block
+
+    model = _model()
+    sharded = fsdp.shard(model, stage=3, units=(Block,), prefetch=1, optimizer=by_shape(model))
+    names, posted, real = {id(u.flat): u.name for u in sharded.all_units}, [], flat_unit.all_gather_single
+
+    def spy(out, inp, group=None, async_op=False):
+        posted.append(names[id(out)] + " async" * async_op)
+        return real(out, inp, group=group, async_op=async_op)
+
+    flat_unit.all_gather_single = spy
+    try:
+        x, y = _batches(1, PER_RANK, 2)[0]
+        out = sharded(x[:PER_RANK])
+        forward, posted[:] = list(posted), []
+        _loss(out, y[:PER_RANK]).backward()
+    finally:
+        flat_unit.all_gather_single = real
+    return forward, posted
+
+
+def test_stage_3_gathers_a_split_module_whole_before_prefetching(rank_pool):
+    """Collectives of one group run in order: a module's second unit gathered behind the next
+    module's prefetch would wait for it, and the prefetch would overlap nothing. (The root unit,
+    the parameters outside the blocks, stays gathered.)"""
+    def block(i, how=""):
+        return [f"blocks.{i}#group0{how}", f"blocks.{i}#group1{how}"]
+
+    for forward, backward in rank_pool(2).run(_gather_order_on_rank):
+        assert forward == block(0) + block(1, " async") + block(2, " async"), forward
+        assert backward == block(2) + block(1, " async") + block(0, " async"), backward
+
+
+class _MatrixStateSGD(torch.optim.SGD):
+    """Makes state in its constructor for matrices only, and some of its own (not per parameter)."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.state["global"] = {"count": 7}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dim() >= 2:
+                    self.state[p]["pre"] = torch.ones_like(p)
+
+
+def _optimizer_edges_on_rank():
+    """A refused shard() leaves the optimizer as built (one made outside the factory, to attach a
+    scheduler first, still trains the model); state not keyed by a parameter is kept; named param
+    groups get the units' names; Muon (2-D matrices only) is refused before training."""
+    said = []
+    model = _model()
+    built = _MatrixStateSGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    params_before, state_before = list(built.param_groups[0]["params"]), dict(built.state)
+    try:  # the blocks unit mixes matrices (with state) and vectors (without): one flat shard cannot hold it
+        fsdp.shard(model, stage=2, optimizer=lambda ps: built)
+    except ValueError as exc:
+        said.append(str(exc).split(":")[1].strip())
+    untouched = built.param_groups[0]["params"] == params_before and dict(built.state) == state_before
+    weight = model.out.weight.detach().clone()
+    _loss(model(torch.ones(2, 6, dtype=torch.float64)), torch.zeros(2, 3, dtype=torch.float64)).backward()
+    built.step()
+    untouched = untouched and not torch.equal(model.out.weight, weight)
+
+    model = _model()
+    kept = fsdp.shard(model, stage=2, optimizer=lambda ps: _MatrixStateSGD([p for p in ps if p.dim() >= 2], lr=0.1))
+    kept = kept.optimizer.state["global"]
+
+    model = _model()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    sharded = fsdp.shard(model, stage=2, optimizer=lambda ps: torch.optim.AdamW(
+        [{"params": [(n, p) for n, p in named if p.dim() >= 2]},
+         {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0}], lr=1e-2))
+    names = [(g["param_names"], len(g["params"])) for g in sharded.optimizer.state_dict()["param_groups"]]
+
+    if hasattr(torch.optim, "Muon"):
+        try:
+            fsdp.shard(_model(), stage=2, optimizer=lambda ps: torch.optim.Muon([p for p in ps if p.dim() == 2]))
+        except ValueError as exc:
+            said.append(str(exc)[:40])
+    return said, untouched, kept, names
+
+
+def test_optimizer_edge_cases(rank_pool):
+    for said, untouched, kept, names in rank_pool(2).run(_optimizer_edges_on_rank):
+        assert said[0] == "the optimizer made state for only some parameters of unit 'blocks' (or different keys)", said
+        if hasattr(torch.optim, "Muon"):
+            assert said[1] == "fsdp.shard: torch.optim.Muon steps 2-D m", said
+        assert untouched, "a refused shard() changed the optimizer it was given"
+        assert kept == {"count": 7}
+        assert names == [(["inp", "blocks#group0", "out#group0"], 3), (["blocks#group1", "out#group1", "<root>"], 3)], \
+            names

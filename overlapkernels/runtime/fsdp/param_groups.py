@@ -6,12 +6,15 @@ biases and norms (``p.dim() < 2``), a learning rate per layer, only some paramet
 A unit's parameters are then split by the param group they are in, each part a flat unit of
 its own (DeepSpeed's flattening per param group), and each group's ``params`` become those
 units' masters: 1-D shards, so an optimizer that reads a parameter's shape at ``step`` (Adafactor,
-Muon) sees shards, as under ZeRO. Parameters in no group are sharded and reduced like the rest
+Muon) sees shards, as under ZeRO: Adafactor then keeps unfactored moments, Muon cannot step them
+and is refused. Parameters in no group are sharded and reduced like the rest
 but never stepped, as torch leaves a parameter its optimizer was not given.
 Why not FSDP2's way (per-parameter DTensors): the flat units are what keeps each unit one
 all-gather and one reduce-scatter.
 """
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -63,23 +66,48 @@ def units_per_group(module_index: int, name: str, module, params: list, found: d
 
 
 def move_onto_masters(optimizer, units: list) -> None:
-    """Each param group's ``params`` become its units' masters; state the optimizer made in its
-    constructor (Adagrad's sums) is sharded as the parameters were."""
-    for index, group in enumerate(optimizer.param_groups):
-        group["params"] = [u.master for u in units if u.param_group == index]
-    made = dict(optimizer.state)
-    optimizer.state.clear()
-    if not made:  # (most optimizers make their state at the first step)
-        return
+    """Each param group's ``params`` become its units' masters (``param_names``, where the factory
+    named them, the units' names); state the optimizer made in its constructor for the parameters
+    (Adagrad's sums) is sharded as they were, other state (keyed otherwise) kept. All computed
+    before anything is assigned: a refusal leaves the optimizer as the factory returned it."""
+    groups = [[u for u in units if u.param_group == index] for index in range(len(optimizer.param_groups))]
+    ours = {id(p) for u in units for p in u.params}
+    state = {key: value for key, value in optimizer.state.items() if id(key) not in ours}
+    made = {id(key): value for key, value in optimizer.state.items() if id(key) in ours}
     for unit in units:
-        states = [made.get(p) for p in unit.params]
+        states = [made.get(id(p)) for p in unit.params]
         if unit.param_group is None or not any(states):
             continue
         if not all(states) or len({tuple(s) for s in states}) > 1:
             raise ValueError(f"fsdp.shard: the optimizer made state for only some parameters of unit {unit.name!r} "
                              "(or different keys): it cannot be sharded as one flat shard")
-        optimizer.state[unit.master] = {key: _sharded_state(unit, [s[key] for s in states], key)
-                                        for key in states[0]}
+        state[unit.master] = {key: _sharded_state(unit, [s[key] for s in states], key) for key in states[0]}
+    for group, members in zip(optimizer.param_groups, groups):
+        group["params"] = [u.master for u in members]
+        if "param_names" in group:  # (torch >= 2.6: an optimizer built from named_parameters)
+            group["param_names"] = [u.name for u in members]
+    optimizer.state.clear()
+    optimizer.state.update(state)
+
+
+def check_steps_shards(optimizer) -> None:
+    """Refuses an optimizer that cannot step 1-D shards at all, before training: Muon orthogonalises
+    each 2-D gradient (torch's raises at the first step, after a whole forward and backward)."""
+    muon = getattr(torch.optim, "Muon", None)
+    if muon is not None and isinstance(optimizer, muon):
+        raise ValueError("fsdp.shard: torch.optim.Muon steps 2-D matrices, and fsdp steps flat 1-D shards of the "
+                         "parameters (as ZeRO does); use another optimizer, or Muon without fsdp")
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 def _sharded_state(unit, values: list, key):
@@ -93,9 +121,7 @@ def _sharded_state(unit, values: list, key):
         start = unit.rank * unit.shard_numel
         return flat[start:start + unit.shard_numel].clone()
     first = values[0]
-    same = all(torch.equal(v, first) if torch.is_tensor(v) and torch.is_tensor(first) else v == first
-               for v in values[1:])
-    if not same:
+    if not all(_same(v, first) for v in values[1:]):
         raise ValueError(f"fsdp.shard: the optimizer's state {key!r} differs between parameters of unit {unit.name!r} "
                          "and is not elementwise: it cannot be sharded as one flat shard")
-    return first.clone() if torch.is_tensor(first) else first
+    return first.clone() if torch.is_tensor(first) else copy.deepcopy(first)

@@ -36,7 +36,7 @@ from ...profiling.ranges import span
 from .flat_unit import check_unit_params
 from .frozen_copies import FrozenComputeCopies
 from .gradless import hold_gradless
-from .param_groups import check_optimizer, group_of_params, move_onto_masters, units_per_group
+from .param_groups import check_optimizer, check_steps_shards, group_of_params, move_onto_masters, units_per_group
 from .state_guards import guard_state_dicts
 from .unit_plan import (check_context_parallel_tags, check_group_holds_replicas, check_sequence_parallel_tags,
                         shared_parameters, unit_modules)
@@ -111,6 +111,7 @@ class ShardedModule(nn.Module):
         trainable = [p for p in model.parameters() if id(p) in ours]
         self.optimizer = optimizer(list(trainable))
         check_optimizer(self.optimizer)
+        check_steps_shards(self.optimizer)
         found = group_of_params(self.optimizer, trainable, model)
 
         def units_of(index, name, mod, params):
@@ -136,9 +137,9 @@ class ShardedModule(nn.Module):
         self._param_unit = {id(p): u for u in self.all_units for p in u.params}
         model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         guard_state_dicts(self)
-        for unit in self.units:
-            unit.module.register_forward_pre_hook(self._pre_forward(unit))
-            unit.module.register_forward_hook(self._post_forward(unit))
+        for units in self._module_units:
+            units[0].module.register_forward_pre_hook(self._pre_forward(units))
+            units[0].module.register_forward_hook(self._post_forward(units))
         # a weak reference: torch keeps post-accumulate hooks alive from C++, so a bound method would
         # make param -> hook -> self -> model -> param a cycle gc cannot see, and a dropped wrapper
         # (model, buffers, optimizer state) would never be freed
@@ -210,13 +211,21 @@ class ShardedModule(nn.Module):
             return tree_map(cast, args), tree_map(cast, kwargs)
         return None
 
-    def _neighbours(self, unit, direction: int) -> list:
-        """The flat units of the next ``prefetch`` unit modules in ``direction``."""
-        i, mods = unit.module_index, self._module_units
-        return [u for k in range(1, self.prefetch + 1) if 0 <= i + direction * k < len(mods)
-                for u in mods[i + direction * k]]
+    def _gather_with_neighbours(self, units: list, direction: int) -> None:
+        """Stage 3: a unit module's flat units (one per param group), then - asynchronously, to
+        overlap its compute - those of the next ``prefetch`` unit modules in ``direction``. All of
+        the module's own first: collectives of a group run in order, so one of them behind the
+        prefetch would wait for it."""
+        for unit in units:
+            unit.gather()
+        i, mods = units[0].module_index, self._module_units
+        for k in range(1, self.prefetch + 1):
+            for nxt in mods[i + direction * k] if 0 <= i + direction * k < len(mods) else ():
+                nxt.gather(async_op=True)
+        self._track()
 
-    def _pre_forward(self, unit):
+    def _pre_forward(self, units: list):
+        """Hooks per unit module, over its flat units."""
         def hook(module, args):
             if self._backward_armed and torch._C._current_autograd_node() is None:
                 # the last backward raised before its end-of-backward callback ran (a forward
@@ -224,22 +233,20 @@ class ShardedModule(nn.Module):
                 self._backward_armed = False
                 self._reset_backward()
             if self.stage == 3:
-                unit.gather()
-                for nxt in self._neighbours(unit, +1):
-                    nxt.gather(async_op=True)  # overlaps this unit's forward
-                self._track()
+                self._gather_with_neighbours(units, +1)
         return eager_under_compile(hook)
 
-    def _post_forward(self, unit):
+    def _post_forward(self, units: list):
         def hook(module, args, output):
             if torch.is_grad_enabled():
                 def arm(t):
                     if t.requires_grad:
-                        t.register_hook(self._pre_backward(unit))
+                        t.register_hook(self._pre_backward(units))
                         self._step_open = True
                 _each_tensor(output, arm)
             if self.stage == 3 and not self._keep_gathered:
-                unit.free(keep_shapes=self._step_open)
+                for unit in units:
+                    unit.free(keep_shapes=self._step_open)
             return output
         return eager_under_compile(hook)
 
@@ -254,14 +261,11 @@ class ShardedModule(nn.Module):
             self._backward_armed = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    def _pre_backward(self, unit):
+    def _pre_backward(self, units: list):
         def hook(grad):
             self._arm_end_of_backward()
             if self.stage == 3:
-                unit.gather()
-                for prev in self._neighbours(unit, -1):
-                    prev.gather(async_op=True)
-                self._track()
+                self._gather_with_neighbours(units, -1)
             return grad
         return eager_under_compile(hook)
 
