@@ -150,13 +150,14 @@ def _bench_ring(args) -> int:
 def _bench_layers(args) -> int:
     from .bench import layers as lb
 
-    # defaults that every world size divides (kv_heads=4 would not split over 8 ranks); given values are checked
+    # defaults that every world size divides (kv_heads=4 would not split over 8 ranks), with an even head dim
+    # (RoPE rotates pairs: 3 ranks give 12 heads, and 516 / 12 = 43 would not do); given values are checked
     world = _world(args)
     kv_heads = _default(args.kv_heads, _round_up(4, world))
     heads = _default(args.heads, _round_up(8, kv_heads))
     methods = _default(args.methods, "baseline,decomposed,symm,fused,auto" if _on_gpus() else "baseline,decomposed,auto")
     cfg = lb.LayersConfig(seq=_default(args.seq, _round_up(1024, world)), batch=args.batch,
-                          hidden=_default(args.hidden, _round_up(512, heads)), heads=heads, kv_heads=kv_heads,
+                          hidden=_default(args.hidden, _round_up(512, 2 * heads)), heads=heads, kv_heads=kv_heads,
                           ffn_hidden=_default(args.ffn_hidden, _round_up(1792, world)), dtype=args.dtype,
                           methods=tuple(m.strip() for m in methods.split(",")), iters=args.iters, warmup=args.warmup)
     cfg.validate(_world(args))
@@ -354,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     # defaults (None) are derived from the world size so that it divides them
     lay.add_argument("--seq", type=int, help="default: 1024 (rounded up to a multiple of the ranks)")
     lay.add_argument("--batch", type=int, default=1)
-    lay.add_argument("--hidden", type=int, help="default: 512 (rounded up to a multiple of --heads)")
+    lay.add_argument("--hidden", type=int, help="default: 512 (rounded up to a multiple of 2 x --heads: an even head dim)")
     lay.add_argument("--heads", type=int, help="default: 8 (rounded up to a multiple of --kv-heads)")
     lay.add_argument("--kv-heads", type=int, help="default: 4 rounded up to a multiple of the number of ranks")
     lay.add_argument("--ffn-hidden", type=int, help="default: 1792 (rounded up to a multiple of the ranks)")

@@ -214,6 +214,10 @@ def test_node_defaults_fit_the_world_size(monkeypatch):
     assert ag["shapes"][0] == ("llama3-8b/qkv", (8192, 4096, 6144))  # full size on GPUs
     assert _configs(monkeypatch, ["bench", "pipeline"], {"RANK": "0", "WORLD_SIZE": "16"})["microbatches"] == 16
     assert _configs(monkeypatch, ["bench", "ring-attention"], {"RANK": "0", "WORLD_SIZE": "3"})["seq"] == 2052
+    # 3 (or 6) ranks: 12 heads, and hidden rounded to 2 x 12 keeps the head dim even (516 gave 43: RoPE refused
+    # it inside every rank, so `bench all --nproc 3` failed)
+    three = _configs(monkeypatch, ["bench", "layers", "--nproc", "3"])
+    assert (three["kv_heads"], three["heads"], three["hidden"]) == (6, 12, 528)
     cpu = _configs(monkeypatch, ["bench", "layers", "--nproc", "2"])
     assert (cpu["kv_heads"], cpu["heads"], cpu["methods"]) == (4, 8, ("baseline", "decomposed", "auto"))
     assert _configs(monkeypatch, ["bench", "matmul-rs", "--nproc", "2"])["methods"] == ("baseline", "decomposed")
@@ -229,6 +233,8 @@ def test_node_defaults_fit_the_world_size(monkeypatch):
     (["bench", "layers", "--seq", "0"], "seq=0: expected an integer >= 1"),
     (["bench", "layers", "--kv-heads", "3", "--heads", "8"], "heads=8, kv_heads=3: expected hidden divisible by heads "
      "and heads by kv_heads"),
+    (["bench", "layers", "--hidden", "516", "--heads", "12", "--kv-heads", "6"], "hidden=516, heads=12: the head dim 43 "
+     "must be even"),
     (["bench", "ag-matmul", "--shapes", "0x8x8", "--nproc", "2"], "shape '0x8x8' = 0x8x8: expected M, K and N >= 1"),
     (["bench", "fsdp", "--width", "0"], "width=0"),
     (["bench", "layers", "--nproc", "0"], "--nproc 0: expected >= 1"),

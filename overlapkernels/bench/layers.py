@@ -42,6 +42,9 @@ class LayersConfig:
         if self.hidden % self.heads or self.heads % self.kv_heads:
             raise ValueError(f"hidden={self.hidden}, heads={self.heads}, kv_heads={self.kv_heads}: expected hidden "
                              "divisible by heads and heads by kv_heads")
+        if self.hidden // self.heads % 2:
+            raise ValueError(f"hidden={self.hidden}, heads={self.heads}: the head dim {self.hidden // self.heads} must be "
+                             "even (RoPE rotates pairs of dimensions)")
         if world and any(n % world for n in (self.seq, self.heads, self.kv_heads, self.ffn_hidden)):
             raise ValueError(f"seq={self.seq}, heads={self.heads}, kv_heads={self.kv_heads} and "
                              f"ffn_hidden={self.ffn_hidden} must be divisible by the world size {world}")
