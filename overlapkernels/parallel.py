@@ -205,6 +205,8 @@ def init_parallel(tp: int = 1, cp: int = 1, pp: int = 1, dp: int = -1, backend: 
     from torch.distributed.device_mesh import init_device_mesh
 
     device_type = "cuda" if uses_nccl() else "cpu"
+    if device_type == "cpu":
+        _compat.let_gloo_workers_finish_at_exit()
     group_timeout = timeout or _compat.group_timeout(dist.group.WORLD) or DEFAULT_TIMEOUT
     with _compat.new_groups_timeout(group_timeout):  # gloo (torch <= 2.7) fixes it at creation
         mesh = init_device_mesh(device_type, tuple(sizes[a] for a in AXES), mesh_dim_names=AXES)

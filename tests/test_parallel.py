@@ -146,14 +146,17 @@ def test_single_process_without_launcher():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     code = ("import overlapkernels as ok, torch.distributed as dist\n"
             "try:\n    ok.init_parallel(tp=2)\nexcept ValueError as exc:\n    print(exc)\n"
-            "d = ok.init_parallel()\nprint(d.world_size, d.tp_size, d.dp_size, d.tp_rank, dist.get_backend())")
+            "from overlapkernels import _compat\nbefore = _compat._gloo_exit_grace['registered']\n"
+            "d = ok.init_parallel()\nprint(d.world_size, d.tp_size, d.dp_size, d.tp_rank, dist.get_backend(), before, "
+            "_compat._gloo_exit_grace['registered'])")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     refused, made = out.stdout.strip().splitlines()
     assert refused == ("tp*cp*pp = 2*1*1 = 2 does not divide world size 1: no launcher set WORLD_SIZE, so this is a "
                        "1-rank world; start the ranks with torchrun --nproc-per-node N (or set RANK, WORLD_SIZE, "
                        "MASTER_ADDR and MASTER_PORT)")
-    assert made.split() == ["1", "1", "1", "0", "gloo"]
+    # and on gloo the pause at exit that lets its worker threads free their last tensors (pytorch#190489)
+    assert made.split() == ["1", "1", "1", "0", "gloo", "False", "True"]
 
 
 def _timeouts_on_rank(kwargs):
