@@ -32,9 +32,10 @@ def by_name(model):
 
 
 def adagrad(model):
-    """State made in the constructor (a nonzero initial sum per element), by shape per group."""
-    return lambda ps: torch.optim.Adagrad([{"params": [p for p in ps if p.dim() >= 2]},
-                                           {"params": [p for p in ps if p.dim() < 2], "lr": 0.2}],
+    """State made in the constructor (a nonzero initial sum per element), by shape per group, over
+    ``model.parameters()``: the frozen ``inp.bias`` gets state too, which fsdp must drop."""
+    return lambda ps: torch.optim.Adagrad([{"params": [p for p in model.parameters() if p.dim() >= 2]},
+                                           {"params": [p for p in model.parameters() if p.dim() < 2], "lr": 0.2}],
                                           lr=0.1, initial_accumulator_value=0.3)
 
 
@@ -69,6 +70,7 @@ def _grouped_on_rank(stage, factory_name):
     model = _model()
     sharded = fsdp.shard(model, stage=stage, optimizer=FACTORIES[factory_name](model))
     _train(sharded, _batches(STEPS, PER_RANK, 2))
+    sharded.optimizer.state_dict()  # what fsdp.save reads: every state entry's key in a group
     return sharded.full_state_dict(), [u.name for u in sharded.all_units]
 
 

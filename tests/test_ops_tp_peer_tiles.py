@@ -201,7 +201,7 @@ def tma_calls_with_straggler_on_rank(ctx, cfg, straggler, calls=3):
     BLOCK_M + 7 rows a chunk (a chunk's second tile reads BLOCK_M - 7 rows of the next, maybe still
     arriving, chunk: masked on store), K = 72 (ragged for 16/64-wide K blocks; 144 bytes a row, a
     tensor map's 16-byte multiple), N = BLOCK_N + 8 (a ragged last column tile), both weight layouts,
-    three calls (epochs, released slots), a straggler whose chunk arrives late: the descriptor loads
+    ``calls`` calls (epochs, released slots), a straggler whose chunk arrives late: the descriptor loads
     must wait for its flag. One ``(call, layout, ag exact, rs exact)`` per call and layout."""
     r, w, dev = ctx.rank, ctx.world_size, ctx.device
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float16

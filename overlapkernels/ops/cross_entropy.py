@@ -99,8 +99,9 @@ def check_target_ids(target: torch.Tensor, vocab, ignore_index: int) -> None:
 @eager_under_compile  # takes a ProcessGroup: see _compat
 def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, ignore_index=-100, label_smoothing=0.0):
     """Per-token loss [...] from vocabulary-parallel logits [..., V/P] and global target ids [...].
-    ``label_smoothing`` as ``F.cross_entropy``'s (eps spread over all V classes): Megatron-core's
-    spreads it over the V - 1 others (eps * V / (V - 1)), so its smoothed losses differ by O(eps / V)."""
+    ``label_smoothing`` as ``F.cross_entropy``'s (eps spread over all V classes), whatever the TP size.
+    Megatron-core's (0.16) differs: eps * v / (v - 1) over the mean log-probability of each rank's own
+    slice of v = V / P entries, so its smoothed loss depends on the TP size and differs between ranks."""
     for name, t in (("logits_shard", logits_shard), ("target", target)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -68,11 +68,14 @@ def units_per_group(module_index: int, name: str, module, params: list, found: d
 def move_onto_masters(optimizer, units: list) -> None:
     """Each param group's ``params`` become its units' masters (``param_names``, where the factory
     named them, the units' names); state the optimizer made in its constructor for the parameters
-    (Adagrad's sums) is sharded as they were, other state (keyed otherwise) kept. All computed
+    (Adagrad's sums) is sharded as they were, state for frozen ones dropped, other state (not keyed
+    by a tensor) kept. All computed
     before anything is assigned: a refusal leaves the optimizer as the factory returned it."""
     groups = [[u for u in units if u.param_group == index] for index in range(len(optimizer.param_groups))]
     ours = {id(p) for u in units for p in u.params}
-    state = {key: value for key, value in optimizer.state.items() if id(key) not in ours}
+    # state keyed otherwise is kept, but not a frozen parameter's (Adagrad makes it for every tensor it
+    # is given): such a tensor is in no group any more, and torch's state_dict() fails on it
+    state = {key: value for key, value in optimizer.state.items() if id(key) not in ours and not torch.is_tensor(key)}
     made = {id(key): value for key, value in optimizer.state.items() if id(key) in ours}
     for unit in units:
         states = [made.get(id(p)) for p in unit.params]
