@@ -160,7 +160,7 @@ def _bench_layers(args) -> int:
                           hidden=_default(args.hidden, _round_up(512, 2 * heads)), heads=heads, kv_heads=kv_heads,
                           ffn_hidden=_default(args.ffn_hidden, _round_up(1792, world)), dtype=args.dtype,
                           methods=tuple(m.strip() for m in methods.split(",")), iters=args.iters, warmup=args.warmup)
-    cfg.validate(_world(args))
+    cfg.validate(world)
     rows, device = _run_ranks(lb.rank_main, lb.config_dict(cfg), args)
     return 0 if rows is None else _report(rows, device, lb.COLUMNS, "transformer block fwd+bwd, TP + SP", args)
 

@@ -51,10 +51,8 @@ class FlatUnit:
         self.numel = sum(self.numels)
         self.padded = -(-self.numel // self.world) * self.world
         self.shard_numel = self.padded // self.world
-        full = torch.zeros(self.padded, dtype=self.master_dtype, device=self.device)
-        full[:self.numel].copy_(torch.cat([p.detach().reshape(-1) for p in params]))
-        start = self.rank * self.shard_numel
-        self.master = nn.Parameter(full[start:start + self.shard_numel].clone())  # what the optimizer updates
+        full = self.flatten(params, self.master_dtype)
+        self.master = nn.Parameter(self.local_shard(full).clone())  # what the optimizer updates
         self.master.grad = torch.zeros_like(self.master)
         self.flat = full.to(self.param_dtype)  # the gathered buffer the parameters view, from attach()
         # context parallelism: each CP rank saw part of the sequence, so every gradient of a model
@@ -67,6 +65,17 @@ class FlatUnit:
         self.grads_ready = 0
         self.clear_grad_flags()
         self.bytes_gathered = self.bytes_reduced = 0  # full-buffer bytes each collective covered
+
+    def flatten(self, tensors: list, dtype: torch.dtype) -> torch.Tensor:
+        """One tensor per parameter (shaped like it) -> the unit's padded flat layout in ``dtype``."""
+        full = torch.zeros(self.padded, dtype=dtype, device=self.device)
+        full[:self.numel].copy_(torch.cat([t.detach().reshape(-1) for t in tensors]))
+        return full
+
+    def local_shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a tensor in the flat layout: elements [r*S, (r+1)*S) (a view)."""
+        start = self.rank * self.shard_numel
+        return full[start:start + self.shard_numel]
 
     # -- parameters ---------------------------------------------------------------------------
     def attach(self) -> None:

@@ -48,6 +48,25 @@ def group_of_params(optimizer, trainable: list, model) -> dict:
     return found
 
 
+def optimizer_and_units(factory, model, plan: list, rest: list, group, **options) -> tuple:
+    """``(optimizer, per unit module its flat units, the root's flat units)``: the factory called with
+    the model's trainable parameters (``plan``'s and ``rest``, in ``model.parameters()`` order), each
+    unit module split by param group, the groups moved onto the units' masters. Before any unit takes
+    its parameters over (``attach``): a refusal, or a factory that raises, leaves the model as it was.
+    ``options``: FlatUnit's."""
+    ours = {id(p) for _, _, params in plan for p in params} | {id(p) for p in rest}
+    trainable = [p for p in model.parameters() if id(p) in ours]
+    optimizer = factory(list(trainable))
+    check_optimizer(optimizer)
+    check_steps_shards(optimizer)
+    found = group_of_params(optimizer, trainable, model)
+    module_units = [units_per_group(i, name, mod, params, found, group, **options)
+                    for i, (name, mod, params) in enumerate(plan)]
+    roots = units_per_group(len(plan), "<root>", model, rest, found, group, **options) if rest else []
+    move_onto_masters(optimizer, [u for made in module_units for u in made] + roots)
+    return optimizer, module_units, roots
+
+
 def units_per_group(module_index: int, name: str, module, params: list, found: dict, group, **options) -> list:
     """A unit module's flat units, one per param group its ``params`` are in (in the order the groups
     first occur), named after the module alone when there is one, else ``name#group<i>`` and
@@ -69,8 +88,8 @@ def move_onto_masters(optimizer, units: list) -> None:
     """Each param group's ``params`` become its units' masters (``param_names``, where the factory
     named them, the units' names); state the optimizer made in its constructor for the parameters
     (Adagrad's sums) is sharded as they were, state for frozen ones dropped, other state (not keyed
-    by a tensor) kept. All computed
-    before anything is assigned: a refusal leaves the optimizer as the factory returned it."""
+    by a tensor) kept. All computed before anything is assigned: a refusal leaves the optimizer as
+    the factory returned it."""
     groups = [[u for u in units if u.param_group == index] for index in range(len(optimizer.param_groups))]
     ours = {id(p) for u in units for p in u.params}
     # state keyed otherwise is kept, but not a frozen parameter's (Adagrad makes it for every tensor it
@@ -118,11 +137,8 @@ def _sharded_state(unit, values: list, key):
     flattened and sliced like the master; a value every parameter holds alike kept once. "step" is
     torch's name for the step counter, kept once even for a 0-d parameter, which it is shaped like."""
     if key != "step" and all(torch.is_tensor(v) and v.shape == p.shape for v, p in zip(values, unit.params)):
-        flat = torch.zeros(unit.padded, dtype=unit.master_dtype if values[0].is_floating_point() else values[0].dtype,
-                           device=unit.device)
-        flat[:unit.numel].copy_(torch.cat([v.detach().reshape(-1) for v in values]))
-        start = unit.rank * unit.shard_numel
-        return flat[start:start + unit.shard_numel].clone()
+        dtype = unit.master_dtype if values[0].is_floating_point() else values[0].dtype
+        return unit.local_shard(unit.flatten(values, dtype)).clone()
     first = values[0]
     if not all(_same(v, first) for v in values[1:]):
         raise ValueError(f"fsdp.shard: the optimizer's state {key!r} differs between parameters of unit {unit.name!r} "

@@ -36,7 +36,7 @@ from ...profiling.ranges import span
 from .flat_unit import check_unit_params
 from .frozen_copies import FrozenComputeCopies
 from .gradless import hold_gradless
-from .param_groups import check_optimizer, check_steps_shards, group_of_params, move_onto_masters, units_per_group
+from .param_groups import optimizer_and_units
 from .state_guards import guard_state_dicts
 from .unit_plan import (check_context_parallel_tags, check_group_holds_replicas, check_sequence_parallel_tags,
                         shared_parameters, unit_modules)
@@ -104,24 +104,11 @@ class ShardedModule(nn.Module):
         for name, _, params in plan + [("<root>", model, rest)] * bool(rest):
             check_unit_params(name, params)  # all before any unit re-points its parameters
         # the user's factory sees the model's own parameters (param groups by name, shape or identity
-        # work as without fsdp) and runs before any unit takes them over: if it raises, or returns
-        # something that is no optimizer, the model is left as it was. Each unit is then split by
-        # param group, and the groups are moved onto the parts' masters (param_groups.py)
-        ours = {id(p) for _, _, params in plan for p in params} | {id(p) for p in rest}
-        trainable = [p for p in model.parameters() if id(p) in ours]
-        self.optimizer = optimizer(list(trainable))
-        check_optimizer(self.optimizer)
-        check_steps_shards(self.optimizer)
-        found = group_of_params(self.optimizer, trainable, model)
-
-        def units_of(index, name, mod, params):
-            return units_per_group(index, name, mod, params, found, group, param_dtype=param_dtype,
-                                   reduce_dtype=reduce_dtype)
-
-        # per unit module, its flat units (one per param group it holds): gathered and prefetched together
-        self._module_units = [units_of(i, name, mod, params) for i, (name, mod, params) in enumerate(plan)]
+        # work as without fsdp); each unit module is then split into one flat unit per param group it
+        # holds, gathered and prefetched together (param_groups.py)
+        self.optimizer, self._module_units, self.roots = optimizer_and_units(
+            optimizer, model, plan, rest, group, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         self.units = [u for made in self._module_units for u in made]
-        self.roots = units_of(len(plan), "<root>", model, rest) if rest else []
         self.root = self.roots[0] if self.roots else None  # (the first: with one param group, the only one)
         self.all_units = self.units + self.roots
         # the one order every rank reduce-scatters gradients in during backward (see _reduce_in_order):
@@ -129,7 +116,6 @@ class ShardedModule(nn.Module):
         self._reduce_order = self.units[::-1] + self.roots
         self._next_reduce = 0
         self._backward_done: set = set()  # units this backward finished here (their gradients are all in)
-        move_onto_masters(self.optimizer, self.all_units)
         for unit in self.all_units:
             unit.attach()
         # frozen parameters in another dtype compute as param_dtype copies, their originals untouched
