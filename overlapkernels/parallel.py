@@ -97,6 +97,16 @@ def uses_nccl(group: dist.ProcessGroup | None = None) -> bool:
     return "cuda:nccl" in config(group)
 
 
+def uses_gloo(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether gloo moves any of ``group``'s tensors: "gloo", or a mixed backend whose CPU tensors go
+    through it ("cpu:gloo,cuda:nccl", torchtitan's), or "undefined" (gloo for CPU tensors)."""
+    group = group or dist.group.WORLD
+    config = getattr(dist, "get_backend_config", None)
+    if config is None:  # torch < 2.2
+        return "gloo" in str(dist.get_backend(group))
+    return "gloo" in config(group)
+
+
 def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """Where ``group``'s tensors live: this rank's current GPU under NCCL, else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if uses_nccl(group) else torch.device("cpu")
@@ -205,7 +215,7 @@ def init_parallel(tp: int = 1, cp: int = 1, pp: int = 1, dp: int = -1, backend: 
     from torch.distributed.device_mesh import init_device_mesh
 
     device_type = "cuda" if uses_nccl() else "cpu"
-    if device_type == "cpu":
+    if uses_gloo():  # also a mixed backend's: its CPU collectives (a loss's sums) run on gloo's threads
         _compat.let_gloo_workers_finish_at_exit()
     group_timeout = timeout or _compat.group_timeout(dist.group.WORLD) or DEFAULT_TIMEOUT
     with _compat.new_groups_timeout(group_timeout):  # gloo (torch <= 2.7) fixes it at creation
@@ -241,3 +251,38 @@ def shared_peers(group_a: dist.ProcessGroup, group_b: dist.ProcessGroup) -> list
     one mesh (the dp group and the tp group), some for the world and any group of 2+ ranks."""
     both = set(dist.get_process_group_ranks(group_a)) & set(dist.get_process_group_ranks(group_b))
     return sorted(both - {dist.get_rank()})
+
+
+
+class RefusedElsewhere(ValueError):
+    """Another rank of the group refused its arguments; names that rank and its reason."""
+
+
+REFUSAL_BYTES = 600  # of each rank's reason that reach the others
+
+
+def refuse_together(error: Exception | None, group: dist.ProcessGroup, what: str, device: torch.device) -> None:
+    """Raises on every rank of ``group`` when any of them refused (``error`` not None there).
+
+    For checks of a rank's own arguments (its stage modules, its sharding), which can hold on some
+    ranks only: refused there alone, the others would go on and wait for the refusing rank until a
+    timeout. Every rank calls this once, refused or not: one all-reduce of the ranks' reasons (600
+    bytes each) on ``device`` (the one the group's later collectives use: under NCCL a rank's own
+    GPU, where ``all_gather_object`` would take whichever is current). The refusing rank raises its
+    own error; the others a ``RefusedElsewhere`` naming the lowest refusing rank and its reason."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    reasons = torch.zeros(world, REFUSAL_BYTES, dtype=torch.uint8)
+    if error is not None:  # "1" first: an empty message still marks the rank
+        mine = ("1" + f"{type(error).__name__}: {error}").encode()[:REFUSAL_BYTES]
+        reasons[rank, :len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    reasons = reasons.to(device)
+    dist.all_reduce(reasons, group=group)  # one row written per rank: the sum is every rank's reason
+    if error is not None:
+        raise error
+    refused = [(r, bytes(row).rstrip(b"\0")[1:].decode(errors="replace"))
+               for r, row in enumerate(reasons.cpu().tolist()) if row[0]]
+    if refused:
+        first, why = refused[0]
+        others = f" (and ranks {[r for r, _ in refused[1:]]})" if len(refused) > 1 else ""
+        raise RefusedElsewhere(f"{what}: rank {first} of the group{others} refused its arguments, so this rank "
+                               f"stops too: {why}")

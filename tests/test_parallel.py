@@ -287,10 +287,11 @@ def test_nccl_is_recognised_in_every_spelling_of_the_backend(world_of_one, monke
     world = dist.group.WORLD
     assert dist.get_backend_config(world) == "cpu:gloo,cuda:gloo"
     assert not parallel.uses_nccl() and parallel.comm_device() == torch.device("cpu")  # gloo
-    for config, nccl in (("cpu:gloo,cuda:nccl", True), ("cuda:nccl", True), ("cpu:gloo", False),
-                         ("cpu:gloo,cuda:gloo", False)):
+    for config, nccl, gloo in (("cpu:gloo,cuda:nccl", True, True), ("cuda:nccl", True, False),
+                               ("cpu:gloo", False, True), ("cpu:gloo,cuda:gloo", False, True)):
         monkeypatch.setattr(parallel.dist, "get_backend_config", lambda group=None, c=config: c)
         assert parallel.uses_nccl(world) is nccl, config
+        assert parallel.uses_gloo(world) is gloo, config  # gloo's threads need the pause at exit
     # and nothing in the package compares the backend's name exactly any more
     package = Path(parallel.__file__).parent
     exact = [f"{path.relative_to(package)}:{n}" for path in package.rglob("*.py")

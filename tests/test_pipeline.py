@@ -173,7 +173,7 @@ def test_integer_activations_cross_stages(rank_pool):
     (nn.Tanh(), ("1f1b", 1, 2, 1), "mse", TypeError, r"^loss_fn=str: expected a callable\(output, target\) -> loss$"),
 ])
 def test_bad_runner_arguments_are_named(stages, schedule, loss_fn, error, match):
-    """Refused in the constructor, which does not communicate (a world of one: the group's size is read)."""
+    """Refused in the constructor, before any P2P (a world of one: the ranks' agreement is trivial)."""
     sched = schedule if schedule is None or isinstance(schedule, str) else \
         pp.make_schedule(*schedule[:3], num_virtual=schedule[3])
     with pytest.raises(error, match=match):
@@ -242,22 +242,23 @@ def test_a_lost_connection_when_posting_names_the_peer(monkeypatch):
 
 
 def _first_p2p_on_rank():
-    """The runner as on NCCL (its flag set over gloo): the record of collectives and P2P batches."""
-    sched = pp.make_schedule("1f1b", 2, 2)
-    runner = pp.PipelineRunner(_stage(_model(2), dist.get_rank()), schedule=sched, loss_fn=F.mse_loss)
-    runner._nccl = True
-    runner._wait = runner._confirm  # gloo's waits (a gloo receive waited twice would wait for another message)
+    """The runner as on NCCL (its flag set over gloo): the record of collectives and P2P batches,
+    in its construction and then in each of two steps."""
     calls, all_reduce, batch = [], dist.all_reduce, dist.batch_isend_irecv
     dist.all_reduce = lambda *a, **k: (calls.append("all_reduce"), all_reduce(*a, **k))[1]
     dist.batch_isend_irecv = lambda ops: (calls.append("p2p"), batch(ops))[1]
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4, WIDTH, generator=g, dtype=torch.float64), torch.randn(4, WIDTH, generator=g, dtype=torch.float64)
     try:
-        steps = []
+        runner = pp.PipelineRunner(_stage(_model(2), dist.get_rank()), schedule=pp.make_schedule("1f1b", 2, 2),
+                                   loss_fn=F.mse_loss)
+        runner._nccl = True
+        runner._wait = runner._confirm  # gloo's waits (a gloo receive waited twice would wait for another message)
+        steps = [calls[:]]
         for _ in range(2):
+            calls.clear()
             runner.step(x if dist.get_rank() == 0 else None, y if dist.get_rank() == 1 else None)
             steps.append(calls[:])
-            calls.clear()
     finally:
         dist.all_reduce, dist.batch_isend_irecv = all_reduce, batch
     return steps
@@ -266,10 +267,41 @@ def _first_p2p_on_rank():
 def test_nccl_first_p2p_follows_a_collective_of_the_whole_group(rank_pool):
     """torch requires the first NCCL call of a group to involve all its ranks when it is a
     batch_isend_irecv (else the communicator is created lazily per pair and can hang; Megatron
-    PR 5240): the runner's first step opens with an all-reduce over the pipeline group, once."""
-    for first, second in rank_pool(2).run(_first_p2p_on_rank):
-        assert first[0] == "all_reduce" and first.count("all_reduce") == 1 and "p2p" in first, first
+    PR 5240): the runner's construction all-reduces over the pipeline group (its ranks agree that
+    none refused its arguments), once; the steps then only exchange P2P."""
+    for made, first, second in rank_pool(2).run(_first_p2p_on_rank):
+        assert made == ["all_reduce"], made
+        assert "all_reduce" not in first and "p2p" in first, first
         assert "all_reduce" not in second and "p2p" in second, second
+
+
+def _refused_on_some_ranks(refusing):
+    """Ranks in ``refusing`` pass two stage modules to a schedule of one per rank (their own
+    argument: the others' are fine) -> (error type, message) of each rank's constructor."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stage = _stage(_model(world), rank)
+    try:
+        pp.PipelineRunner([stage, stage] if rank in refusing else stage, schedule=pp.make_schedule("1f1b", world, 2),
+                          loss_fn=F.mse_loss, timeout=5)
+    except ValueError as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@pytest.mark.parametrize("world, refusing", [(2, (1,)), (3, (1, 2))])
+def test_a_refusal_on_some_ranks_is_raised_on_every_rank(rank_pool, world, refusing):
+    """Was: only the refusing rank raised; the others' first step waited for it until the timeout.
+    Now every rank raises in the constructor, before any P2P: the refusing ones their own error,
+    the others one naming the lowest refusing rank and its reason."""
+    results = rank_pool(world).run(_refused_on_some_ranks, refusing)
+    own = "2 stage modules on this rank, the schedule has 1 per rank"
+    others = f" (and ranks {list(refusing[1:])})" if len(refusing) > 1 else ""
+    for rank, got in enumerate(results):
+        if rank in refusing:
+            assert got == ("ValueError", own), (rank, got)
+        else:
+            assert got == ("RefusedElsewhere", f"PipelineRunner: rank {refusing[0]} of the group{others} refused its "
+                           f"arguments, so this rank stops too: ValueError: {own}"), (rank, got)
 
 
 def _planted_on_rank():

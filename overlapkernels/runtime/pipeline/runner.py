@@ -2,8 +2,8 @@
 
 P2P follows ``p2p.comm_plan``: ``batch_isend_irecv`` batches posted between actions in an order
 that can neither deadlock nor pair the wrong tensors under NCCL (no tags, FIFO per pair, a send
-waits for its receiver); the plan of every rank is checked at construction, before any rank
-communicates. Messages also carry tags, so gloo pairs them by name. A receive is waited for when
+waits for its receiver); the plan of every rank is checked at construction, whose one collective
+lets every rank learn that one refused its own arguments (``refuse_together``) before any P2P. Messages also carry tags, so gloo pairs them by name. A receive is waited for when
 its action needs it, sends at the end of the step, each with a timeout naming the stage,
 microbatch and peer. On NCCL a receive only makes the compute stream wait (a timed host wait would
 stall the host until the transfer lands) and its timeout is checked at the step's end; shape
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...parallel import comm_device, resolve_group, resolve_timeout, shared_peers, uses_nccl
+from ...parallel import comm_device, refuse_together, resolve_group, resolve_timeout, shared_peers, uses_nccl
 from ...profiling.ranges import span
 from .p2p import announcing_microbatch, check_comm_plan, comm_plan
 from .schedule import Schedule
@@ -56,10 +56,14 @@ class PipelineTimeout(RuntimeError):
     """A peer did not send in time; names the stage, microbatch and peer rank."""
 
 
+def _as_list(stage_module_or_modules) -> list:
+    arg = stage_module_or_modules
+    return list(arg) if isinstance(arg, (list, tuple, nn.ModuleList)) else [arg]
+
+
 def _stage_list(stage_module_or_modules) -> list:
     """One stage module, or a list / tuple / ``nn.ModuleList`` of this rank's virtual stages."""
-    arg = stage_module_or_modules
-    mods = list(arg) if isinstance(arg, (list, tuple, nn.ModuleList)) else [arg]
+    mods = _as_list(stage_module_or_modules)
     for i, mod in enumerate(mods):
         if not callable(mod):
             raise TypeError(f"stage_module_or_modules[{i}]={type(mod).__name__}: expected an nn.Module or a callable")
@@ -109,12 +113,43 @@ class PipelineRunner:
     microbatch loss on the last stage's rank, None elsewhere; gradients accumulate in the stage
     modules (zero them, and step the optimizer, yourself). ``timeout`` (s): a peer that does not
     answer raises ``PipelineTimeout`` naming the stage, microbatch and peer; seconds or a timedelta.
+    Construction is collective over ``group`` (one small all-reduce): a rank whose arguments are
+    refused raises its own error, the others ``parallel.RefusedElsewhere`` naming it.
     """
 
     def __init__(self, stage_module_or_modules, group=None, schedule=None, loss_fn=None, *, timeout: float = 300.0,
                  device=None):
         """``device``: where received tensors go; by default that of the stage's first parameter
         or buffer, else the current CUDA device under NCCL and the CPU otherwise."""
+        self.group = resolve_group(group)
+        self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        error = None
+        try:  # a rank's own arguments may be refused on that rank only: every rank learns of it
+            modules, timeout, plan = self._checked(stage_module_or_modules, schedule, loss_fn, timeout)
+        except (ValueError, TypeError) as exc:
+            error = exc
+        self.device = torch.device(device) if device is not None else \
+            _stage_device(_as_list(stage_module_or_modules), self.group)
+        self._nccl = uses_nccl(self.group)
+        # gloo moves host memory only (handed a CUDA tensor it would read device addresses as host
+        # ones): with CUDA stages (N ranks sharing one GPU, gloo for control) messages travel
+        # through CPU copies, as comm.ring does
+        self._staged = not self._nccl and self.device.type != "cpu"
+        # an all-reduce of the whole group, so also what torch needs before a batch_isend_irecv
+        # can be the group's first NCCL call (else NCCL makes communicators per pair and can hang)
+        refuse_together(error, self.group, "PipelineRunner", torch.device("cpu") if self._staged else self.device)
+        self.plan = plan[self.rank]
+        if any(a.op == "W" for acts in schedule.actions for a in acts):
+            for mod in modules:
+                if isinstance(mod, nn.Module):
+                    enable_zero_bubble(mod)
+        self.modules = {chunk * self.world + self.rank: mod for chunk, mod in enumerate(modules)}
+        self.schedule, self.loss_fn, self.timeout = schedule, loss_fn, timeout
+        self.last_stage = schedule.num_stages - 1
+
+    def _checked(self, stage_module_or_modules, schedule, loss_fn, timeout):
+        """The constructor's checks, which do not communicate -> (this rank's stage modules, the
+        timeout in seconds, every rank's comm plan)."""
         if schedule is None or loss_fn is None:
             missing = " and ".join(name for name, v in (("schedule", schedule), ("loss_fn", loss_fn)) if v is None)
             raise ValueError(f"PipelineRunner needs schedule= (from make_schedule) and loss_fn= (a callable(output, "
@@ -128,8 +163,6 @@ class PipelineRunner:
             raise TypeError("timeout=None: expected seconds (int or float) or a datetime.timedelta")
         timeout = resolve_timeout(timeout).total_seconds()
         modules = _stage_list(stage_module_or_modules)
-        self.group = resolve_group(group)
-        self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         _check_sharded_over_other_stages(modules, self.group)
         if schedule.num_ranks != self.world:
             raise ValueError(f"schedule has {schedule.num_ranks} ranks but the pipeline group has {self.world}")
@@ -139,21 +172,7 @@ class PipelineRunner:
         validate(schedule)
         plan = comm_plan(schedule)
         check_comm_plan(schedule, plan)  # every rank checks every rank's plan: all fail alike, before any P2P
-        self.plan = plan[self.rank]
-        if any(a.op == "W" for acts in schedule.actions for a in acts):
-            for mod in modules:
-                if isinstance(mod, nn.Module):
-                    enable_zero_bubble(mod)
-        self.modules = {chunk * self.world + self.rank: mod for chunk, mod in enumerate(modules)}
-        self.device = torch.device(device) if device is not None else _stage_device(modules, self.group)
-        self.schedule, self.loss_fn, self.timeout = schedule, loss_fn, timeout
-        self.last_stage = schedule.num_stages - 1
-        self._joined = False
-        self._nccl = uses_nccl(self.group)
-        # gloo moves host memory only (handed a CUDA tensor it would read device addresses as host
-        # ones): with CUDA stages (N ranks sharing one GPU, gloo for control) messages travel
-        # through CPU copies, as comm.ring does
-        self._staged = not self._nccl and self.device.type != "cpu"
+        return modules, timeout, plan
 
     # -- point to point -----------------------------------------------------------------------
     def _tag(self, msg) -> int:
@@ -281,10 +300,6 @@ class PipelineRunner:
                 raise TypeError(f"{name}={type(t).__name__}: expected a tensor (microbatches split on dim 0)")
             if t is not None and (t.dim() == 0 or t.shape[0] % m):
                 raise ValueError(f"{name}.shape={tuple(t.shape)}: dim 0 must be divisible by {m} microbatches")
-        if not self._joined and self._nccl:
-            # torch: batch_isend_irecv as the group's first NCCL call must involve all its ranks
-            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
-        self._joined = True
         inputs_mb = inputs.chunk(m) if has_first else None
         targets_mb = targets.chunk(m) if has_last else None
         self._sends, self._unconfirmed, self._inbox, self._outbox = [], [], {}, {}
