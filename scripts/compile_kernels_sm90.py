@@ -236,13 +236,17 @@ B, H, HKV, L = 2, 8, 2, 1024
 FLASH = {("bf16", 64): FA.CUDA_FLASH_16BIT[64], ("bf16", 128): FA.CUDA_FLASH_16BIT[128],
          ("bf16", 256): FA.CUDA_FLASH_16BIT[256], ("fp16", 128): FA.CUDA_FLASH_16BIT[128],
          ("fp32", 64): FA.CUDA_FLASH_FP32[64], ("fp32", 128): FA.CUDA_FLASH_FP32[128],
-         ("fp32", 256): FA.CUDA_FLASH_FP32[256], ("bf16", 512): FA.CUDA_FLASH_WIDE, ("fp32", 512): FA.CUDA_FLASH_WIDE}
+         ("fp32", 256): FA.CUDA_FLASH_FP32[256], ("bf16", 512): FA.CUDA_FLASH_WIDE, ("fp32", 512): FA.CUDA_FLASH_WIDE,
+         ("fp32 small-smem", 128): FA.CUDA_FLASH_FP32_SMALL[128]}
+# fp32 compiles twice: IEEE (FMA) and, as under torch's allow_tf32 / fp32_precision="tf32", TF32
+# (mma: other shared memory and registers)
 for (dname, hd), cfgs in FLASH.items():
-    dt = DT[dname]
+    dt = DT[dname.split()[0]]
     if QUICK and (dname, hd) not in (("bf16", 128), ("fp32", 64)):
         continue
-    fixed = dict(HEAD_DIM=hd, DOT_PRECISION=dot_precision(dt))
-    for causal in (True,) if QUICK else (False, True):
+    precisions = ("ieee", "tf32") if dt == torch.float32 and not QUICK else (dot_precision(dt),)
+    for precision, causal in [(p, c) for p in precisions for c in ((True,) if QUICK else (False, True))]:
+        fixed = dict(HEAD_DIM=hd, DOT_PRECISION=precision)
         q, k, v = t(B, H, L, hd, dtype=dt), t(B, HKV, L, hd, dtype=dt), t(B, HKV, L, hd, dtype=dt)
         o, lse = t(B, H, L, hd, dtype=torch.float32), t(B, H, L, dtype=torch.float32)
         do, delta = t(B, H, L, hd, dtype=dt), t(B, H, L, dtype=torch.float32)
@@ -251,7 +255,7 @@ for (dname, hd), cfgs in FLASH.items():
                   lse.stride(0), lse.stride(1))
 
         def tag(cfg):
-            return f"{dname} HEAD_DIM={hd} {cfg} CAUSAL={causal}"
+            return f"{dname} HEAD_DIM={hd} {cfg} CAUSAL={causal}" + (" tf32" if precision == "tf32" else "")
 
         check(f"_flash_fwd_kernel {tag(cfgs.fwd)}", FA._flash_fwd_kernel, q, k, v, o, lse,
               q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

@@ -439,7 +439,8 @@ def test_ring_fp64_on_gpu_takes_the_torch_backend(rank_pool):
     (99, torch.float16, 16, fa.CUDA_FLASH_SMALL[128]), (99, torch.bfloat16, 256, fa.CUDA_FLASH_SMALL[256]),
     (99, torch.bfloat16, 512, fa.CUDA_FLASH_WIDE), (227, torch.float32, 16, fa.CUDA_FLASH_FP32[64]),
     (227, torch.float32, 128, fa.CUDA_FLASH_FP32[128]), (227, torch.float32, 256, fa.CUDA_FLASH_FP32[256]),
-    (99, torch.float32, 64, fa.CUDA_FLASH_FP32[64]), (227, torch.float32, 512, fa.CUDA_FLASH_WIDE)])
+    (99, torch.float32, 64, fa.CUDA_FLASH_FP32[64]), (227, torch.float32, 512, fa.CUDA_FLASH_WIDE),
+    (99, torch.float32, 128, fa.CUDA_FLASH_FP32_SMALL[128]), (99, torch.float32, 256, fa.CUDA_FLASH_FP32[256])])
 def test_flash_config_rules_per_gpu(monkeypatch, smem_kb, dtype, head_dim, want):
     monkeypatch.setattr(fa, "shared_memory_per_block", lambda device: smem_kb << 10)
     assert fa.flash_configs(torch.device("cuda", 0), dtype, head_dim) is want

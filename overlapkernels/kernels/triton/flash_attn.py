@@ -298,7 +298,7 @@ def _same(cfg: FlashConfig) -> FlashConfigs:
 # with 8. fp32 (IEEE: FMA, no tensor cores; tests and fp32 users) spilled 13-45 KB per thread in dK/dV
 # at 64x64 / 32x32 with 4 warps; with 8 warps 32x32 spills none at D=64, 16x16 none at D=128
 # (32x32: ~0.6 KB) and ~0.4 KB at D=256 (16x16 with 4 warps: ~2.3 KB); dQ at D=128 16x64 (84 KB; 32x64
-# took 104 KB, over what ~100 KB GPUs have, which use these fp32 tables too: all fit them up to D=256).
+# took 104 KB, over what ~100 KB GPUs have; with TF32 on 16x64 takes 112 KB there: CUDA_FLASH_FP32_SMALL).
 INTERPRETER_FLASH = _same(FlashConfig(16, 16))
 CUDA_FLASH_16BIT = {64: FlashConfigs(fwd=FlashConfig(128, 64, 8, 3), dkdv=FlashConfig(32, 128, 8, 2),
                                      dq=FlashConfig(128, 64, 8, 3)),
@@ -312,6 +312,12 @@ CUDA_FLASH_FP32 = {64: FlashConfigs(fwd=FlashConfig(32, 64, 8, 2), dkdv=FlashCon
                                      dq=FlashConfig(16, 64, 8, 2)),
                    256: FlashConfigs(fwd=FlashConfig(16, 16, 4, 2), dkdv=FlashConfig(16, 16, 8, 2),
                                      dq=FlashConfig(16, 16, 4, 2))}
+# fp32 on GPUs with ~100 KB of shared memory per block (sm_86/89): with TF32 allowed the kernels use
+# mma, and dQ's 16x64 at D=128 then takes 112 KB in 2 stages (IEEE: 84 KB); in one stage 80 KB, no
+# spills (compiled for sm_86, triton 3.9). The other fp32 tiles fit there with TF32 too.
+CUDA_FLASH_FP32_SMALL = {**CUDA_FLASH_FP32,
+                         128: FlashConfigs(fwd=CUDA_FLASH_FP32[128].fwd, dkdv=CUDA_FLASH_FP32[128].dkdv,
+                                           dq=FlashConfig(16, 64, 8, 1))}
 # 16-bit on GPUs with ~100 KB of shared memory per block (sm_86/89; compiled for sm_86): at D=256
 # 64x32 needs 100 KB in dK/dV and dQ, over the 99 KB such a GPU has.
 CUDA_FLASH_SMALL = {128: _same(FlashConfig(64, 32, 4, 2)),
@@ -349,11 +355,10 @@ def flash_configs(device: torch.device, dtype: torch.dtype, head_dim: int) -> Fl
         return _forced
     if device.type != "cuda":
         return INTERPRETER_FLASH
+    small = shared_memory_per_block(device) < 160 * 1024
     if dtype == torch.float32:
-        return _for_head_dim(CUDA_FLASH_FP32, head_dim)
-    if shared_memory_per_block(device) < 160 * 1024:
-        return _for_head_dim(CUDA_FLASH_SMALL, head_dim)
-    return _for_head_dim(CUDA_FLASH_16BIT, head_dim)
+        return _for_head_dim(CUDA_FLASH_FP32_SMALL if small else CUDA_FLASH_FP32, head_dim)
+    return _for_head_dim(CUDA_FLASH_SMALL if small else CUDA_FLASH_16BIT, head_dim)
 
 
 def _same_layout(k, v):
