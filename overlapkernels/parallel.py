@@ -255,7 +255,8 @@ def shared_peers(group_a: dist.ProcessGroup, group_b: dist.ProcessGroup) -> list
 
 
 class RefusedElsewhere(ValueError):
-    """Another rank of the group refused its arguments; names that rank and its reason."""
+    """Another rank of the group refused (its arguments, or a failure of its own); names that rank
+    and its reason."""
 
 
 REFUSAL_BYTES = 600  # of each rank's reason that reach the others
@@ -264,12 +265,17 @@ REFUSAL_BYTES = 600  # of each rank's reason that reach the others
 def refuse_together(error: Exception | None, group: dist.ProcessGroup, what: str, device: torch.device) -> None:
     """Raises on every rank of ``group`` when any of them refused (``error`` not None there).
 
-    For checks of a rank's own arguments (its stage modules, its sharding), which can hold on some
-    ranks only: refused there alone, the others would go on and wait for the refusing rank until a
-    timeout. Every rank calls this once, refused or not: one all-reduce of the ranks' reasons (600
-    bytes each) on ``device`` (the one the group's later collectives use: under NCCL a rank's own
-    GPU, where ``all_gather_object`` would take whichever is current). The refusing rank raises its
-    own error; the others a ``RefusedElsewhere`` naming the lowest refusing rank and its reason."""
+    For checks of a rank's own arguments or state (its stage modules, an error only it saw), which
+    can hold on some ranks only: raised there alone, the others would go on and wait for that rank
+    until a timeout. Every rank calls this once, refused or not: one all-reduce of a flag on
+    ``device`` (the one the group's later collectives use: under NCCL a rank's own GPU, where
+    ``all_gather_object`` would take whichever is current), and where any rank refused a second
+    one of the ranks' reasons (600 bytes each). The refusing rank raises its own error; the
+    others a ``RefusedElsewhere`` naming the lowest refusing rank and its reason."""
+    refused = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(refused, op=dist.ReduceOp.MAX, group=group)
+    if not refused.item():
+        return
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     reasons = torch.zeros(world, REFUSAL_BYTES, dtype=torch.uint8)
     if error is not None:  # "1" first: an empty message still marks the rank
@@ -279,10 +285,8 @@ def refuse_together(error: Exception | None, group: dist.ProcessGroup, what: str
     dist.all_reduce(reasons, group=group)  # one row written per rank: the sum is every rank's reason
     if error is not None:
         raise error
-    refused = [(r, bytes(row).rstrip(b"\0")[1:].decode(errors="replace"))
-               for r, row in enumerate(reasons.cpu().tolist()) if row[0]]
-    if refused:
-        first, why = refused[0]
-        others = f" (and ranks {[r for r, _ in refused[1:]]})" if len(refused) > 1 else ""
-        raise RefusedElsewhere(f"{what}: rank {first} of the group{others} refused its arguments, so this rank "
-                               f"stops too: {why}")
+    said = [(r, bytes(row).rstrip(b"\0")[1:].decode(errors="replace"))
+            for r, row in enumerate(reasons.cpu().tolist()) if row[0]]
+    first, why = said[0]
+    others = f" (and ranks {[r for r, _ in said[1:]]})" if len(said) > 1 else ""
+    raise RefusedElsewhere(f"{what}: rank {first} of the group{others} refused, so this rank stops too: {why}")

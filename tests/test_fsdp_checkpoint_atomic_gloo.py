@@ -146,3 +146,30 @@ def test_a_failure_on_rank0_during_save_reaches_every_rank(rank_pool, tmp_path):
     want = (f"fsdp.save: moving {path + '.tmp'!r} to {path!r} failed on rank 0: OSError: [Errno 28] No space left "
             "on device", 2)
     assert rank_pool(2).run(_rank0_failure_on_rank, path) == [want, want]
+
+
+def _pending_timeout_on_rank_1(path):
+    """Rank 1 holds a symm/fused call's device timeout not yet raised (checked a call late)."""
+    from pending_timeout import pending_timeout_on
+
+    sharded = fsdp.shard(_net(), stage=2)
+    try:
+        with pending_timeout_on(1, "ok/all_gather_matmul[fused]: rank 1 timed out waiting for chunk 0 from rank 0"):
+            fsdp.save(sharded, path)
+        message = "saved"
+    except (RuntimeError, ValueError) as exc:
+        message = f"{type(exc).__name__}: {exc}"
+    total = torch.ones(1)
+    dist.all_reduce(total)  # nobody is left behind in the save
+    return message, int(total), os.path.exists(path) or os.path.exists(path + ".tmp")
+
+
+def test_a_timeout_pending_on_one_rank_stops_the_save_on_every_rank(rank_pool, tmp_path):
+    """A symm/fused call whose wait timed out computed garbage; its error is raised a call late, so
+    a save right after it would have checkpointed that garbage. fsdp.save first checks every rank's
+    pending errors: all ranks raise, and nothing is written."""
+    timeout = "ok/all_gather_matmul[fused]: rank 1 timed out waiting for chunk 0 from rank 0"
+    rank0, rank1 = rank_pool(2).run(_pending_timeout_on_rank_1, str(tmp_path / "ckpt"))
+    assert rank1 == (f"SignalTimeoutError: {timeout}", 2, False)
+    assert rank0 == (f"RefusedElsewhere: fsdp.save: rank 1 of the group refused, so this rank stops too: "
+                     f"SignalTimeoutError: {timeout}", 2, False)

@@ -120,3 +120,51 @@ def test_symm_and_fused_calls_share_one_workspace_per_op(world):
     for exact, kinds in ThreadWorld(world, timeout=60).run(_methods_alternating_on_rank):
         assert exact == [True] * 10
         assert kinds == ["ag", "rs"], kinds
+
+
+def _stops_mid_protocol_on_rank(ctx, op):
+    """Call 1 on both ranks; then on rank 0 the copy engine refuses its first submission (as an
+    allocation failing mid-call: after this rank signalled its peers) in call 2, and rank 0 calls
+    once more. Rank 1 makes call 2 only."""
+    def call():
+        if op == "ag":
+            return ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 2), ctx, method="symm")
+        return ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 2), ctx, method="symm")
+
+    class OutOfMemory:
+        def submit(self, *args, **kwargs):
+            raise RuntimeError("CUDA out of memory (planted)")
+
+        def synchronize(self):
+            real.synchronize()
+
+    call()
+    real, said = ctx.side_stream(), []
+    ctx.wait_timeout = 1.0  # the waits that fail here: rank 1's for a partial rank 0 never pushed
+    if ctx.rank == 0:
+        ctx.side_stream = OutOfMemory
+    for _ in range(2 if ctx.rank == 0 else 1):
+        try:
+            call()
+            said.append("ok")
+        except Exception as exc:  # noqa: BLE001 - what each call raised is the result
+            said.append(f"{type(exc).__name__}: {str(exc)[:300]}")
+    return said
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_a_call_stopped_mid_protocol_refuses_the_next_at_once(op):
+    """Was: a rank whose call raised after it had signalled its peers (an out-of-memory error
+    between its publish and its pulls or pushes) left its flags a call behind theirs for good, so
+    each of its later calls spun until the wait timeout and then computed with stale slots. Now
+    the workspace remembers why it stopped, and the next call raises that at once."""
+    rank0, rank1 = ThreadWorld(2, timeout=60).run(_stops_mid_protocol_on_rank, op)
+    name = "all_gather_matmul" if op == "ag" else "matmul_reduce_scatter"
+    assert rank0[0] == "RuntimeError: CUDA out of memory (planted)"
+    assert rank0[1].startswith(f"RuntimeError: ok/{name}[symm]: an earlier call on this group stopped mid-protocol "
+                               f"(ok/{name}[symm]: RuntimeError: CUDA out of memory (planted))"), rank0[1]
+    # rank 1: rank 0 published its shard before it stopped (AG: rank 1's call completes); it never
+    # pushed its partial (RS: rank 1's wait for it times out, naming it)
+    assert rank1 == ["ok"] if op == "ag" else \
+        rank1[0].startswith("SignalTimeoutError: ok/matmul_reduce_scatter[symm]: rank 1 timed out waiting for rank 0's "
+                            "partial of chunk 1"), rank1

@@ -300,8 +300,8 @@ def test_a_refusal_on_some_ranks_is_raised_on_every_rank(rank_pool, world, refus
         if rank in refusing:
             assert got == ("ValueError", own), (rank, got)
         else:
-            assert got == ("RefusedElsewhere", f"PipelineRunner: rank {refusing[0]} of the group{others} refused its "
-                           f"arguments, so this rank stops too: ValueError: {own}"), (rank, got)
+            assert got == ("RefusedElsewhere", f"PipelineRunner: rank {refusing[0]} of the group{others} refused, so "
+                           f"this rank stops too: ValueError: {own}"), (rank, got)
 
 
 def _planted_on_rank():

@@ -4,6 +4,8 @@ one node and peer access between the GPUs, torch 2.11's pooled symmetric memory,
 raised on every rank, and the device error records raised a call late. The GPU side runs in
 test_ops_tp_gpu.py (make gpu-check)."""
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -60,7 +62,7 @@ def test_cuda_graph_capture_keeps_peer_memory_methods_out(monkeypatch):
     ok.reset_overlap_stats()
 
 
-@pytest.mark.parametrize("raw", ["0", "-3", "soon", "inf", "nan"])
+@pytest.mark.parametrize("raw", ["0", "-3", "soon", "inf", "nan", "1e10"])
 def test_bad_peer_timeout_is_rejected_by_name(monkeypatch, raw):
     from overlapkernels.comm.process_world import peer_memory_unavailable_reason, peer_wait_timeout
 
@@ -69,6 +71,8 @@ def test_bad_peer_timeout_is_rejected_by_name(monkeypatch, raw):
         peer_memory_unavailable_reason(torch.device("cuda", 0))
     monkeypatch.setenv("OVERLAPKERNELS_PEER_TIMEOUT", "2.5")
     assert peer_wait_timeout() == 2.5
+    monkeypatch.setenv("OVERLAPKERNELS_PEER_TIMEOUT", "1e9")  # the largest: its budget fits an int64 of ns
+    assert peer_wait_timeout() == 1e9
     monkeypatch.delenv("OVERLAPKERNELS_PEER_TIMEOUT")
     assert peer_wait_timeout() == 60.0
 
@@ -265,9 +269,10 @@ def _ipc_peer_not_mappable_on_rank():
     from overlapkernels.kernels import cuda as cuda_lib
 
     world = _bare_cpu_world("ipc")
-    kept = []
+    kept, asked = [], []
 
     def alloc(nbytes, device):
+        asked.append(nbytes)
         kept.append(torch.empty(nbytes, dtype=torch.uint8))
         return kept[-1].data_ptr(), bytes(cuda_lib.IPC_HANDLE_BYTES)
 
@@ -282,13 +287,14 @@ def _ipc_peer_not_mappable_on_rank():
     try:
         with pytest.raises(RuntimeError) as info:
             world.alloc_symmetric((4,), torch.float32)
-        return str(info.value)
+        return str(info.value), asked
     finally:
         cuda_lib.ipc_alloc, cuda_lib.ipc_open = saved
 
 
 def test_a_peer_buffer_ipc_cannot_map_raises_on_every_rank(rank_pool):
-    for said in rank_pool(2).run(_ipc_peer_not_mappable_on_rank):
+    for said, asked in rank_pool(2).run(_ipc_peer_not_mappable_on_rank):
+        assert asked == [2 << 20]  # 16 bytes asked for: a whole 2 MiB granule, no block shared with others
         assert said.startswith("CUDA IPC: rank 1 cannot map rank 0's buffer (ipc_open: CUDA error 101: invalid "
                                "device ordinal). A common cause: each rank sees only its own GPU"), said
 
@@ -307,8 +313,25 @@ def test_pending_device_errors_are_raised_on_demand_and_reported_at_exit(monkeyp
     monkeypatch.setattr(pw, "_worlds", {"k": SimpleNamespace(_errors=SimpleNamespace(flush=flush))})
     with pytest.raises(SignalTimeoutError, match="rank 1 timed out waiting for chunk 0"):
         pw.check_pending_errors()
-    pw.report_pending_errors()
+    assert pw.report_pending_errors() is True
     assert "overlapkernels: SignalTimeoutError: ok/all_gather_matmul[fused]: rank 1" in capsys.readouterr().err
+
+
+def test_a_timeout_pending_at_exit_fails_the_process():
+    """Was: printed at exit, and the process exited 0, so a launcher saw a job whose last step's
+    results were garbage succeed. Now it exits with status 1 (and prints it); nothing pending: 0."""
+    code = ("import atexit, sys\nfrom types import SimpleNamespace\n"
+            "from overlapkernels.comm import process_world as pw\n"
+            "from overlapkernels.kernels.errors import SignalTimeoutError\n"
+            "def flush():\n    raise SignalTimeoutError('ok/matmul_reduce_scatter[symm]: rank 0 timed out')\n"
+            "def clean():\n    pass\n"
+            "pw._worlds['k'] = SimpleNamespace(_errors=SimpleNamespace(flush=flush if sys.argv[1] == 'pending' else clean))\n"
+            "atexit.register(pw.exit_failed_on_pending_errors)\nprint('done')\n")
+    for pending, status in (("pending", 1), ("none", 0)):
+        out = subprocess.run([sys.executable, "-c", code, pending], capture_output=True, text=True, timeout=120)
+        assert out.returncode == status and out.stdout == "done\n", (pending, out.returncode, out.stderr)
+        assert ("overlapkernels: SignalTimeoutError: ok/matmul_reduce_scatter[symm]: rank 0 timed out" in out.stderr) \
+            is (pending == "pending"), out.stderr
 
 
 def test_deferred_error_records_raise_in_call_order():

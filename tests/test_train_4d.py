@@ -187,3 +187,31 @@ def test_bad_ids_are_refused_on_every_rank(rank_pool):
                         "ValueError: target holds ids outside [0, 16) that are not ignore_index=-100, e.g. 16",
                         "ValueError: target holds ids outside [0, 16) that are not ignore_index=-100, e.g. -7",
                         "TypeError: targets must be an integer tensor of token ids, got torch.float32"], said
+
+
+def _pending_timeout_on_rank_1():
+    """dp=2: rank 1 holds a symm/fused call's device timeout not yet raised (checked a call late).
+    The step stops on both ranks before the optimizer, whose weights stay as they were."""
+    from pending_timeout import pending_timeout_on
+
+    dims = ok.init_parallel(dp=2)
+    trainer = Trainer(GPTConfig(**CONFIG), dims, dtype=torch.float64)
+    before = {k: v.clone() for k, v in trainer.sharded.full_state_dict().items() if torch.is_tensor(v)}
+    try:
+        with pending_timeout_on(1, "ok/matmul_reduce_scatter[symm]: rank 1 timed out waiting for rank 0's partial"):
+            trainer.step(torch.zeros(4, 8, dtype=torch.long), torch.zeros(4, 8, dtype=torch.long))
+        said = "stepped"
+    except (RuntimeError, ValueError) as exc:
+        said = f"{type(exc).__name__}: {exc}"
+    after = trainer.sharded.full_state_dict()
+    return said, all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_timeout_pending_on_one_rank_stops_the_step_on_every_rank(rank_pool):
+    """Was: its error surfaced at the next symm/fused call, after the optimizer had applied the
+    timed-out call's garbage (and a checkpoint could have saved it)."""
+    timeout = "SignalTimeoutError: ok/matmul_reduce_scatter[symm]: rank 1 timed out waiting for rank 0's partial"
+    rank0, rank1 = rank_pool(2).run(_pending_timeout_on_rank_1)
+    assert rank1 == (timeout, True)
+    assert rank0 == (f"RefusedElsewhere: Trainer.step: rank 1 of the group refused, so this rank stops too: {timeout}",
+                     True)

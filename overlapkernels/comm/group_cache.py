@@ -5,28 +5,37 @@ torch hands out the same group names again after ``destroy_process_group`` and a
 group the old one's symmetric buffers or answers. ``group_key`` keys by the group object instead,
 and when a name comes back (its old group was destroyed: live groups never share one), or a new
 group appears after others were destroyed, it empties every registered cache of the gone groups'
-entries, so their buffers are freed with them.
+entries. Their values are dropped - except a cache's made with ``keep_values_alive`` (the process
+worlds, which hold symmetric memory): those are kept for the life of the process, as every
+symmetric buffer is. torch's symmetric memory keeps one rendezvous per allocation block and group
+name, and since torch carves ``symm_mem.empty`` tensors out of a memory pool a freed buffer's block
+lives on: a new group under the old name could be handed the old group's peer mappings. And a
+kernel of the old group still in flight would write into freed memory.
 """
 from __future__ import annotations
 
 import torch.distributed as dist
 
 _live: dict = {}   # group name -> the group object last keyed under it (kept alive, so its id stays unique)
-_caches: list = []  # dicts whose keys are tuples holding a group_key
+_caches: list = []  # (dict whose keys are tuples holding a group_key, whether its values outlive it)
+_retired: list = []  # values of keep_values_alive caches whose groups are gone
 
 
-def per_group_cache() -> dict:
-    """A dict whose keys hold ``group_key(group)``; emptied of a group's entries once it is replaced."""
+def per_group_cache(*, keep_values_alive: bool = False) -> dict:
+    """A dict whose keys hold ``group_key(group)``; emptied of a group's entries once it is replaced
+    (``keep_values_alive``: its values are then kept referenced until the process exits)."""
     cache: dict = {}
-    _caches.append(cache)
+    _caches.append((cache, keep_values_alive))
     return cache
 
 
 def _forget(name: str) -> None:
     stale = (name, id(_live.pop(name)))
-    for cache in _caches:
+    for cache, keep in _caches:
         for key in [key for key in cache if stale in key]:
-            del cache[key]
+            value = cache.pop(key)
+            if keep:
+                _retired.append(value)
 
 
 def _registered() -> set | None:

@@ -35,6 +35,8 @@ PEER_MEMORY_ENV = "OVERLAPKERNELS_PEER_MEMORY"
 PEER_MEMORY_KINDS = ("auto", "symm_mem", "ipc")
 TIMEOUT_ENV = "OVERLAPKERNELS_PEER_TIMEOUT"  # seconds a symm/fused device wait may spin (default 60)
 DEFAULT_TIMEOUT_S = 60.0
+IPC_GRANULE = 2 << 20  # bytes: what CUDA IPC allocations are rounded up to
+MAX_TIMEOUT_S = 1e9  # ~31 years: the device clock's budget is nanoseconds in an int64 (9.2e9 s at most)
 
 
 def peer_wait_timeout() -> float:
@@ -47,8 +49,8 @@ def peer_wait_timeout() -> float:
         value = float(raw)
     except ValueError:
         value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
+    if not 0 < value <= MAX_TIMEOUT_S:  # (a larger one overflowed the kernels' budget: a failed launch mid-call)
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive number of seconds, at most {MAX_TIMEOUT_S:.0e}")
     return value
 
 
@@ -266,7 +268,10 @@ class ProcessPeerWorld:
 
         nbytes, handle, problem = max(math.prod(shape), 1) * dtype.itemsize, None, None
         try:
-            ptr, handle = cuda_lib.ipc_alloc(nbytes, self.device)
+            # whole 2 MiB granules: the driver may carve small cudaMallocs out of one larger block, and
+            # an IPC handle then shares the whole block (CUDA programming guide, IPC): two tiny signal
+            # pads of one rank could map onto each other in a peer
+            ptr, handle = cuda_lib.ipc_alloc(-(-nbytes // IPC_GRANULE) * IPC_GRANULE, self.device)
             local = cuda_lib.tensor_at(ptr, shape, dtype, self.device)
             local.fill_(fill)
         except (cuda_lib.CudaLibraryError, RuntimeError) as exc:  # told to every rank, not raised alone
@@ -311,8 +316,8 @@ class ProcessPeerWorld:
 
 # Workspaces hold symmetric buffers that are expensive to set up (a collective rendezvous), so
 # each (group, device) keeps one world for the life of the process, like torch's own
-# symmetric-memory workspace cache.
-_worlds: dict = per_group_cache()
+# symmetric-memory workspace cache - also once its group is destroyed (see group_cache).
+_worlds: dict = per_group_cache(keep_values_alive=True)
 
 
 def _raise_where_any(problems: list, what: str) -> None:
@@ -326,21 +331,50 @@ def process_peer_world(group: dist.ProcessGroup, device: torch.device) -> Proces
     key = (group_key(group), device, requested_peer_memory())
     if key not in _worlds:
         if not _worlds:
-            atexit.register(report_pending_errors)
+            atexit.register(exit_failed_on_pending_errors)
         _worlds[key] = ProcessPeerWorld(group, device)
     return _worlds[key]
 
 
 def check_pending_errors() -> None:
     """Wait for the device error records of every symm/fused call so far and raise the first
-    timeout (errors are otherwise raised one call late, to keep host syncs off the hot path)."""
+    timeout (errors are otherwise raised one call late, to keep host syncs off the hot path).
+    ``ok.check_pending_errors()``; ``fsdp.save`` and the Trainer's step call it, so a timed-out
+    call's garbage is not checkpointed."""
     for world in list(_worlds.values()):
         world._errors.flush()
 
 
-def report_pending_errors() -> None:
-    """At exit: a timeout in the last call would otherwise go unreported."""
+def check_pending_errors_together(group: dist.ProcessGroup, what: str, device: torch.device) -> None:
+    """``check_pending_errors`` on every rank of ``group`` (collective): a timeout pending on any rank
+    raises on all of them, before ``what`` (a checkpoint, an optimizer step) uses the results."""
+    from ..kernels.errors import SignalTimeoutError
+    from ..parallel import refuse_together
+
+    error = None
+    try:
+        check_pending_errors()
+    except SignalTimeoutError as exc:
+        error = exc
+    refuse_together(error, group, what, device)
+
+
+def report_pending_errors() -> bool:
+    """Prints a pending timeout (one in the last call would otherwise go unreported); whether there
+    was one. Never raises."""
     try:
         check_pending_errors()
     except Exception as exc:  # noqa: BLE001 - exiting: report, never raise
         print(f"overlapkernels: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return True
+    return False
+
+
+def exit_failed_on_pending_errors() -> None:
+    """At exit (registered with the first process world): a timeout still pending is printed and
+    the process exits with status 1, not 0 - a launcher or scheduler must see that the job's last
+    results are garbage. (``os._exit``: the remaining exit handlers are skipped.)"""
+    if report_pending_errors():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

@@ -13,6 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..comm.process_world import check_pending_errors_together
 from ..ops.cross_entropy import vocab_parallel_cross_entropy
 from ..ops.sequence_shard import shard_sequence
 from ..parallel import comm_device
@@ -94,6 +95,8 @@ class Trainer:
         self._tokens = max(1, int((targets != self.config.ignore_index).sum()))
         loss = self.runner.step(self.local_batch(tokens) if first else None,
                                 self.local_batch(targets) if last else None)
+        # a symm/fused call whose device wait timed out left garbage (raised a call late): not into the weights
+        check_pending_errors_together(dist.group.WORLD, "Trainer.step", self.device)
         self.sharded.step()
         value = torch.zeros((), dtype=torch.float64, device=self.device)
         if loss is not None:

@@ -67,6 +67,22 @@ class _Workspace:
         # call, not epoch * units: the tile count of a call depends on its K (gemm_config), so two
         # calls of one workspace may count differently.
         self.counted = 0
+        # why a call stopped mid-protocol (after signalling peers, before its own counts and
+        # releases): the flags are out of step with the peers' for good, so every later call of the
+        # workspace would spin until its timeout; it raises this at once instead
+        self.broken = None
+
+    def open_call(self, op: str) -> int:
+        """The next call's epoch; refused on a broken workspace."""
+        if self.broken is not None:
+            raise RuntimeError(f"{op}: an earlier call on this group stopped mid-protocol ({self.broken}); its "
+                               "peer flags are out of step with the other ranks' for good: end the job (every rank), "
+                               "or use method='baseline' / 'decomposed'")
+        self.epoch += 1
+        return self.epoch
+
+    def stopped(self, op: str, exc: BaseException) -> None:
+        self.broken = f"{op}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
 
     @property
     def capacity(self) -> int:
@@ -117,8 +133,14 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
     # one slot per rank: only our shard is published there (peers pull it; nothing is pushed)
     ws = _workspace(world, "ag", a_shard.dtype)
     slots = ws.slots((m, k))
-    ws.epoch += 1
-    epoch, err = ws.epoch, torch.zeros(4, dtype=torch.int32, device=a_shard.device)
+    # everything this call allocates, before it signals anyone: an out-of-memory error after that
+    # would leave the peers' flags a call ahead of ours (see _Workspace.broken)
+    err = torch.zeros(4, dtype=torch.int32, device=a_shard.device)
+    a_flat = torch.empty(w * m, k, dtype=shard.dtype, device=shard.device)  # returned as is, not a view
+    a_full = a_flat.view(w, m, k)
+    outs = [torch.empty(w * m, b.shape[1], dtype=shard.dtype, device=shard.device) for b in bs]
+    op = _op_name("all_gather_matmul", method)
+    epoch = ws.open_call(op)
 
     # 1. publish: once every reader released our slot of call e-1 (one count per read), fill it and
     # tell everyone. One-program waits, not a waiting copy kernel: spinning blocks must stay few
@@ -129,8 +151,6 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
                           code=sig.ERR_CONSUMED_TIMEOUT, rank=r, chunk=r, peer=reader)
     slots.local.copy_(shard)
     signal_published(ws.pads.peer_ptrs, epoch, r, w)
-    a_flat = torch.empty(w * m, k, dtype=shard.dtype, device=shard.device)  # returned as is, not a view
-    a_full = a_flat.view(w, m, k)
     a_full[r].copy_(shard)
 
     # 2. the copy engine pulls the other chunks in ring order
@@ -148,7 +168,6 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
             side.submit(partial(pull, (r + step) % w))
 
         # 3. compute as chunks arrive
-        outs = [torch.empty(w * m, b.shape[1], dtype=shard.dtype, device=shard.device) for b in bs]
         if method == "fused":
             with span("ok/ag_matmul/fused_gemm/compute"):
                 for b, out in zip(bs, outs):
@@ -163,11 +182,12 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
                 with span(f"ok/ag_matmul/chunk{c}/compute"):
                     for b, out in zip(bs, outs):
                         torch.matmul(a_full[c], b, out=out[c * m:(c + 1) * m])
-    except BaseException:
+        side.synchronize()
+    except BaseException as exc:
+        ws.stopped(op, exc)
         _join_quietly(side)
         raise
-    side.synchronize()
-    world.check_errors(err, _op_name("all_gather_matmul", method), epoch)
+    world.check_errors(err, op, epoch)
     return a_flat, outs
 
 
@@ -178,9 +198,10 @@ def _reduce_scatter_partials(world, method: str, dtype, m: int, n: int, device, 
     r, w = world.rank, world.world_size
     ws = _workspace(world, "rs", dtype)
     slots = ws.slots((w, m, n))
-    ws.epoch += 1
-    epoch, err = ws.epoch, torch.zeros(4, dtype=torch.int32, device=device)
+    err = torch.zeros(4, dtype=torch.int32, device=device)
     budget = sig.wait_budget(world.wait_timeout, device)
+    op = _op_name("matmul_reduce_scatter", method)
+    epoch = ws.open_call(op)
     for owner in range(w):  # 1. may we overwrite our slot at every owner?
         if owner != r:
             sig.wait_flag(ws.pads.local[w + owner:w + owner + 1], epoch - 1, err, budget,
@@ -190,10 +211,11 @@ def _reduce_scatter_partials(world, method: str, dtype, m: int, n: int, device, 
         for q in range(w):  # 3. every rank's partial of our chunk is here
             sig.wait_flag(ws.pads.local[q:q + 1], ws.counted, err, budget, code=sig.ERR_PARTIAL_TIMEOUT, rank=r,
                           chunk=r, peer=q)
-    except BaseException:
+        world.side_stream().synchronize()
+    except BaseException as exc:  # (symm: a partial's GEMM ran out of memory after some pushes counted)
+        ws.stopped(op, exc)
         _join_quietly(world.side_stream())
         raise
-    world.side_stream().synchronize()
     acc = torch.zeros(m, n, dtype=accumulation_dtype(dtype), device=device)
     for q in range(w):  # fixed order: bitwise reproducible whatever order partials arrived in
         acc += slots.local[q]
@@ -203,7 +225,7 @@ def _reduce_scatter_partials(world, method: str, dtype, m: int, n: int, device, 
             sig.set_peer_flag(ws.pads, q, w + r, epoch)
     # last, as in ag_matmul: on a GPU it may raise an earlier call's timeout (checked a call late);
     # raised before step 4, this call's slots would stay held and every peer's next call time out
-    world.check_errors(err, _op_name("matmul_reduce_scatter", method), epoch)
+    world.check_errors(err, op, epoch)
     return out
 
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ... import _compat
+from ...comm.process_world import check_pending_errors_together
 from .metadata_json import json_groups, tensor_groups, value_as_json
 
 META = "overlapkernels_fsdp.json"
@@ -231,6 +232,9 @@ def save(sharded, path) -> None:
     path = os.path.normpath(os.fspath(path))  # "ckpt/" would put its own temp folder inside it
     tmp, old = path + ".tmp", path + ".old"
     part, parts = _part(sharded)
+    # a symm/fused call whose device wait timed out computed garbage (its error is raised a call
+    # late): never into a checkpoint, on any rank
+    check_pending_errors_together(dist.group.WORLD, "fsdp.save", sharded.all_units[0].device)
     # leftovers of an interrupted save
     _on_rank0_for_all(lambda: os.path.exists(tmp) and shutil.rmtree(tmp), f"clearing {tmp!r}")
     optim = sharded.optimizer.state_dict()
