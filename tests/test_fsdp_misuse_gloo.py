@@ -3,6 +3,8 @@ tensor-, context- or pipeline-parallel peers (the default, the world, under tp=2
 over a CP group whose parameters say nothing of it, a load into the wrapped model that the next
 step undid, a shard inside a shard - each before any rank communicates; and at stages 1/2 ranks that
 drew different initial weights compute their first step from what the optimizer trains."""
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,6 +28,21 @@ def _refusal(make):
     return None
 
 
+@contextlib.contextmanager
+def _agreement_as_a_local_raise():
+    from overlapkernels.runtime.pipeline import runner
+
+    def local(error, group, what, device):
+        if error is not None:
+            raise error
+
+    real, runner.refuse_together = runner.refuse_together, local
+    try:
+        yield
+    finally:
+        runner.refuse_together = real
+
+
 def _groups_holding_peers_on_rank():
     from overlapkernels.models import GPT, GPTConfig
     from overlapkernels.runtime import pipeline as pp
@@ -44,8 +61,12 @@ def _groups_holding_peers_on_rank():
     said.append(_refusal(lambda: fsdp.shard(nn.Sequential(ContrastiveLoss()), stage=1)))
     dims = ok.init_parallel(pp=2)  # two stages alike in shape: nothing in the model tells them apart
     stage = fsdp.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).double(), stage=2, optimizer=SGD)
-    said.append(_refusal(lambda: pp.PipelineRunner(stage, dims.pp_group, schedule=pp.make_schedule("1f1b", 2, 2),
-                                                   loss_fn=F.mse_loss)))
+    # a check of the rank's own stage: the ranks agree on it in one all-reduce (a rank that refused
+    # alone would leave the others waiting in their first step), tested in test_pipeline.py; here
+    # both refuse, each its own error: the agreement as a local raise, nothing else communicates
+    with _agreement_as_a_local_raise():
+        said.append(_refusal(lambda: pp.PipelineRunner(stage, dims.pp_group, schedule=pp.make_schedule("1f1b", 2, 2),
+                                                       loss_fn=F.mse_loss)))
     return said
 
 

@@ -111,6 +111,18 @@ def _workspace(world, kind: str, dtype) -> _Workspace:
     return world.workspace((kind, dtype), lambda w: _Workspace(w, dtype))
 
 
+def _error_records(world) -> tuple:
+    """(the group's record, this call's): the call's starts as a copy of the group's and is copied
+    back once the call's kernels are joined (device-side copies, no host sync). So once a wait of
+    any call timed out, every later call's waits give up at once (``wait_or_record`` skips while
+    the record is set) and report it. Each call's own record, zeroed, made every call queued behind
+    a dead peer spin a whole budget: the host runs many calls ahead, so the first error reached a
+    host sync only after the sum of their budgets (a 32-layer forward: an hour at the 60 s default).
+    A timeout is thus fatal for the group, as NCCL's watchdog makes one for its communicator."""
+    group_record = world.workspace(("error-record",), lambda w: torch.zeros(4, dtype=torch.int32, device=w.device))
+    return group_record, group_record.clone()
+
+
 def _join_quietly(side) -> None:
     """On an error: wait for the copy stream (it still writes buffers the allocator would reuse),
     without letting a second error hide the first."""
@@ -135,7 +147,7 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
     slots = ws.slots((m, k))
     # everything this call allocates, before it signals anyone: an out-of-memory error after that
     # would leave the peers' flags a call ahead of ours (see _Workspace.broken)
-    err = torch.zeros(4, dtype=torch.int32, device=a_shard.device)
+    group_err, err = _error_records(world)
     a_flat = torch.empty(w * m, k, dtype=shard.dtype, device=shard.device)  # returned as is, not a view
     a_full = a_flat.view(w, m, k)
     outs = [torch.empty(w * m, b.shape[1], dtype=shard.dtype, device=shard.device) for b in bs]
@@ -187,6 +199,7 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
         ws.stopped(op, exc)
         _join_quietly(side)
         raise
+    group_err.copy_(err)
     world.check_errors(err, op, epoch)
     return a_flat, outs
 
@@ -198,7 +211,7 @@ def _reduce_scatter_partials(world, method: str, dtype, m: int, n: int, device, 
     r, w = world.rank, world.world_size
     ws = _workspace(world, "rs", dtype)
     slots = ws.slots((w, m, n))
-    err = torch.zeros(4, dtype=torch.int32, device=device)
+    group_err, err = _error_records(world)
     budget = sig.wait_budget(world.wait_timeout, device)
     op = _op_name("matmul_reduce_scatter", method)
     epoch = ws.open_call(op)
@@ -225,6 +238,7 @@ def _reduce_scatter_partials(world, method: str, dtype, m: int, n: int, device, 
             sig.set_peer_flag(ws.pads, q, w + r, epoch)
     # last, as in ag_matmul: on a GPU it may raise an earlier call's timeout (checked a call late);
     # raised before step 4, this call's slots would stay held and every peer's next call time out
+    group_err.copy_(err)
     world.check_errors(err, op, epoch)
     return out
 

@@ -113,8 +113,9 @@ class PipelineRunner:
     microbatch loss on the last stage's rank, None elsewhere; gradients accumulate in the stage
     modules (zero them, and step the optimizer, yourself). ``timeout`` (s): a peer that does not
     answer raises ``PipelineTimeout`` naming the stage, microbatch and peer; seconds or a timedelta.
-    Construction is collective over ``group`` (one small all-reduce): a rank whose arguments are
-    refused raises its own error, the others ``parallel.RefusedElsewhere`` naming it.
+    Construction is collective over ``group`` (one small all-reduce): a rank whose own stage
+    modules are refused raises its error, the others ``parallel.RefusedElsewhere`` naming it
+    (arguments every rank passes alike - the schedule, the loss - are refused before that).
     """
 
     def __init__(self, stage_module_or_modules, group=None, schedule=None, loss_fn=None, *, timeout: float = 300.0,
@@ -123,9 +124,10 @@ class PipelineRunner:
         or buffer, else the current CUDA device under NCCL and the CPU otherwise."""
         self.group = resolve_group(group)
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        timeout, plan = self._check_shared(schedule, loss_fn, timeout)  # alike on every rank: no exchange
         error = None
-        try:  # a rank's own arguments may be refused on that rank only: every rank learns of it
-            modules, timeout, plan = self._checked(stage_module_or_modules, schedule, loss_fn, timeout)
+        try:  # this rank's own stage modules may be refused on this rank only: every rank learns of it
+            modules = self._check_stages(stage_module_or_modules, schedule)
         except (ValueError, TypeError) as exc:
             error = exc
         self.device = torch.device(device) if device is not None else \
@@ -147,9 +149,9 @@ class PipelineRunner:
         self.schedule, self.loss_fn, self.timeout = schedule, loss_fn, timeout
         self.last_stage = schedule.num_stages - 1
 
-    def _checked(self, stage_module_or_modules, schedule, loss_fn, timeout):
-        """The constructor's checks, which do not communicate -> (this rank's stage modules, the
-        timeout in seconds, every rank's comm plan)."""
+    def _check_shared(self, schedule, loss_fn, timeout) -> tuple:
+        """Checks of what every rank passes alike (so every rank raises alike, before communicating)
+        -> (the timeout in seconds, every rank's comm plan)."""
         if schedule is None or loss_fn is None:
             missing = " and ".join(name for name, v in (("schedule", schedule), ("loss_fn", loss_fn)) if v is None)
             raise ValueError(f"PipelineRunner needs schedule= (from make_schedule) and loss_fn= (a callable(output, "
@@ -162,17 +164,21 @@ class PipelineRunner:
         if timeout is None:  # unlike torch's None (its default), a pipeline step must be able to give up
             raise TypeError("timeout=None: expected seconds (int or float) or a datetime.timedelta")
         timeout = resolve_timeout(timeout).total_seconds()
-        modules = _stage_list(stage_module_or_modules)
-        _check_sharded_over_other_stages(modules, self.group)
         if schedule.num_ranks != self.world:
             raise ValueError(f"schedule has {schedule.num_ranks} ranks but the pipeline group has {self.world}")
-        if len(modules) != schedule.num_virtual:
-            raise ValueError(f"{len(modules)} stage modules on this rank, the schedule has {schedule.num_virtual} "
-                             "per rank")
         validate(schedule)
         plan = comm_plan(schedule)
         check_comm_plan(schedule, plan)  # every rank checks every rank's plan: all fail alike, before any P2P
-        return modules, timeout, plan
+        return timeout, plan
+
+    def _check_stages(self, stage_module_or_modules, schedule) -> list:
+        """Checks of this rank's own stage modules, which may fail here only -> the modules."""
+        modules = _stage_list(stage_module_or_modules)
+        _check_sharded_over_other_stages(modules, self.group)
+        if len(modules) != schedule.num_virtual:
+            raise ValueError(f"{len(modules)} stage modules on this rank, the schedule has {schedule.num_virtual} "
+                             "per rank")
+        return modules
 
     # -- point to point -----------------------------------------------------------------------
     def _tag(self, msg) -> int:
