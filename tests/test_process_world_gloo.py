@@ -185,6 +185,35 @@ def test_peer_memory_needs_every_rank_able_and_one_host(rank_pool):
     assert results == [(True, False, both, two, both[:3])] * 2 + [(False, False, two, two, two)] * 2
 
 
+def _one_host_name_two_machines_on_rank(tmp, boots):
+    """2 ranks with one host name (containers of one image) and boot ids ``boots`` per rank: the
+    world gets peer memory only when the boot ids agree too. Peer memory itself faked."""
+    from overlapkernels.comm import process_world as pw
+
+    r = dist.get_rank()
+    path = f"{tmp}/boot{r}"
+    with open(path, "w") as f:
+        f.write(boots[r] + "\n")
+    saved = pw.peer_memory_unavailable_reason, pw.BOOT_ID_PATH
+    pw.peer_memory_unavailable_reason, pw.BOOT_ID_PATH = (lambda device: None), path
+    pw._group_peer_memory.clear()
+    try:
+        return pw.host_identity(), pw.group_has_peer_memory(dist.group.WORLD, torch.device("cpu"))
+    finally:
+        pw.peer_memory_unavailable_reason, pw.BOOT_ID_PATH = saved
+        pw._group_peer_memory.clear()
+
+
+@pytest.mark.parametrize("boots, able", [(("1111aaaa-x", "2222bbbb-y"), False), (("1111aaaa-x", "1111aaaa-x"), True)])
+def test_one_host_name_on_two_machines_is_not_one_node(rank_pool, tmp_path, boots, able):
+    """Was: ranks compared host names only, and containers on two nodes can share one; their peer
+    memory set-up then failed rank by rank. The kernel's boot id tells machines apart."""
+    import socket
+
+    for r, (host, got) in enumerate(rank_pool(2).run(_one_host_name_two_machines_on_rank, str(tmp_path), boots)):
+        assert host == f"{socket.gethostname()} (boot {boots[r][:8]})" and got is able, (host, got)
+
+
 def test_bad_peer_memory_setting_is_rejected_by_name(monkeypatch):
     from overlapkernels.comm.process_world import peer_memory_unavailable_reason
 

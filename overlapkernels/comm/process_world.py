@@ -96,6 +96,23 @@ def symm_mem_peer_views(handle, offsets: list, local: torch.Tensor, rank: int) -
     return peers
 
 
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
+
+def host_identity() -> str:
+    """Which machine this process runs on: its host name and, where Linux has one, the kernel's boot
+    id. Containers on different nodes can share a host name (one image's, a pod template's), never a
+    boot id; the ranks of one node share both. Peer memory across nodes cannot map, and there the
+    ranks would fail one by one in the middle of setting it up."""
+    name = socket.gethostname()
+    try:
+        with open(BOOT_ID_PATH) as f:
+            boot = f.read().strip()
+    except OSError:  # not Linux, or /proc hidden: the name alone
+        return name
+    return f"{name} (boot {boot[:8]})" if boot else name
+
+
 def requested_peer_memory() -> str:
     return os.environ.get(PEER_MEMORY_ENV, "auto")
 
@@ -139,7 +156,7 @@ def group_has_peer_memory(group: dist.ProcessGroup, device: torch.device) -> boo
         except ValueError as exc:  # a bad setting here: every rank is told, none is left waiting
             able, error = False, str(exc)
         mine = (_device_uuid(device), failing_pairs()) if able else (None, {})
-        everyone = all_gather_objects((socket.gethostname(), able, error, *mine), group, device)
+        everyone = all_gather_objects((host_identity(), able, error, *mine), group, device)
         if errors := [f"rank {dist.get_global_rank(group, r)}: {e}" for r, (_, _, e, *_) in enumerate(everyone) if e]:
             raise ValueError("; ".join(errors))
         _group_peer_memory[key] = (len({host for host, *_ in everyone}) == 1 and all(ok for _, ok, *_ in everyone)
@@ -184,7 +201,7 @@ class ProcessPeerWorld:
         # a rank that cannot take part still joins the exchange (a collective its peers are in) and
         # says why, so every rank raises rather than some waiting for it
         mine = _device_uuid(device) if kind else None
-        exchanged = all_gather_objects((kind, mine, socket.gethostname(), failing_pairs() if kind else {},
+        exchanged = all_gather_objects((kind, mine, host_identity(), failing_pairs() if kind else {},
                                         None if kind else why), group, device)
         if unable := [f"rank {dist.get_global_rank(group, r)}: {w}" for r, (*_, w) in enumerate(exchanged) if w]:
             raise ValueError("; ".join(unable))
