@@ -18,19 +18,28 @@ def _adamw(params):
 
 
 def shard(model, group=None, *, stage=3, optimizer=_adamw, prefetch=1, param_dtype=None, reduce_dtype=None,
-          units=None) -> ShardedModule:
+          units=None, shard_frozen=False) -> ShardedModule:
     """Shard ``model`` over ``group``: the dp group of a ParallelDims, or the world (None) for pure
     data parallelism only - a group that also holds the model's TP or CP peers is refused.
 
     ``optimizer(params)`` is called once with the model's trainable parameters (in
     ``model.parameters()`` order) and returns a torch optimizer over them, param groups included
     (no weight decay for biases and norms, an lr per layer); fsdp then moves each group onto flat
-    1-D shards of its parameters, which the optimizer steps from then on (param_groups.py)."""
+    1-D shards of its parameters, which the optimizer steps from then on (param_groups.py).
+
+    ``shard_frozen=True`` (stage 3): frozen parameters are sharded too (a LoRA base), gathered with
+    their unit and, like its trained ones, readable only inside its forward (frozen_units.py);
+    otherwise every rank keeps them whole."""
     if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or stage not in (1, 2, 3):
         raise ValueError(f"stage={stage!r}: expected 1, 2 or 3")
     if not callable(optimizer):
         raise TypeError(f"optimizer must be a callable taking the model's trainable parameters and returning a "
                         f"torch optimizer over them, got {type(optimizer).__name__}")
+    if not isinstance(shard_frozen, bool):
+        raise TypeError(f"shard_frozen={shard_frozen!r}: expected a bool")
+    if shard_frozen and stage != 3:
+        raise ValueError(f"shard_frozen=True with stage={stage!r}: only stage 3 shards parameters (stages 1 and 2 "
+                         "keep every parameter whole on every rank)")
     if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 0:
         raise ValueError(f"prefetch={prefetch!r}: expected an integer >= 0")
     for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
@@ -40,7 +49,7 @@ def shard(model, group=None, *, stage=3, optimizer=_adamw, prefetch=1, param_dty
         raise RuntimeError("fsdp.shard needs an initialised process group (ok.init_parallel())")
     group = resolve_group(group)
     return ShardedModule(model, group, stage=int(stage), optimizer=optimizer, prefetch=prefetch, param_dtype=param_dtype,
-                         reduce_dtype=reduce_dtype, units=units)
+                         reduce_dtype=reduce_dtype, units=units, shard_frozen=shard_frozen)
 
 
 __all__ = ["shard", "save", "load", "clip_grad_norm_", "ShardedModule"]

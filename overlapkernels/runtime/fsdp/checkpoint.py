@@ -45,7 +45,7 @@ READABLE_FORMATS = (FORMAT, FORMAT_WITH_VALUES)
 
 
 def _units(sharded) -> list:
-    return [[u.name, u.numel] for u in sharded.all_units]
+    return [[u.name, u.numel] for u in sharded.saved_units]
 
 
 def _unit_params(sharded) -> list:
@@ -54,7 +54,7 @@ def _unit_params(sharded) -> list:
     names = {}
     for name, p in sharded.module.named_parameters():
         names.setdefault(id(p), name)
-    return [[[names.get(id(p), "?"), list(shape)] for p, shape in zip(u.params, u.shapes)] for u in sharded.all_units]
+    return [[[names.get(id(p), "?"), list(shape)] for p, shape in zip(u.params, u.shapes)] for u in sharded.saved_units]
 
 
 def _units_by_index(sharded) -> dict:
@@ -105,8 +105,9 @@ def _buffers(sharded) -> dict:
         for name, buf in mod.named_buffers(recurse=False):
             if buf is not None and name not in mod._non_persistent_buffers_set:
                 found[f"{prefix}.{name}" if prefix else name] = buf
+    in_units = {id(p) for u in sharded.frozen_units for p in u.params}  # saved as the units' shards
     for name, p in sharded.module.named_parameters():
-        if not p.requires_grad:
+        if not p.requires_grad and id(p) not in in_units:
             found[name] = p.detach()  # shares the storage: dcp.load fills the parameter
     return found
 
@@ -190,7 +191,8 @@ def _part(sharded) -> tuple[int, int]:
 
 def _state(sharded, optim_state, plan, prefix, buffer_plan) -> dict:
     mesh, rank, units = _mesh(sharded), dist.get_rank(sharded.group), _units_by_index(sharded)
-    state = {f"{prefix}unit{i}/master": _logical(u.master.data, u, mesh) for i, u in enumerate(sharded.all_units)}
+    # trained units' masters, then (stage 3, shard_frozen) the frozen units' shards, alike
+    state = {f"{prefix}unit{i}/master": _logical(u.master.data, u, mesh) for i, u in enumerate(sharded.saved_units)}
     buffers = _buffers(sharded)  # loaded in place, like the masters
     for name, entry in buffer_plan.items():
         key = f"buffers/{name}" if entry["kind"] == "replicated" else f"rank{rank}/buffers/{name}"
@@ -342,7 +344,7 @@ def _check(sharded, path, meta, part, parts) -> str | None:
     if mine["units"] != _units(sharded):
         return f"checkpoint {path!r} holds units {mine['units']} ([name, numel]); this model has {_units(sharded)}"
     if "unit_params" in mine:  # (checkpoints written before 2026-11-30 hold numels only)
-        for unit, saved, have in zip(sharded.all_units, mine["unit_params"], _unit_params(sharded)):
+        for unit, saved, have in zip(sharded.saved_units, mine["unit_params"], _unit_params(sharded)):
             # shapes decide; names only help the message (a wrapper - activation checkpointing,
             # torch.compile - renames parameters without changing the flat layout)
             if [shape for _, shape in saved] != [shape for _, shape in have]:
@@ -431,11 +433,11 @@ def load(sharded, path) -> None:
     with _dcp_errors_as_runtime_errors("fsdp.load", f"reading {path!r}"):
         dcp.load(_state(sharded, template, meta["optim"], _prefix(part, parts), meta.get("buffers", {})),
                  checkpoint_id=path)
-    for unit in sharded.all_units:  # the padding past numel is not in the checkpoint: zeros
+    for unit in sharded.saved_units:  # the padding past numel is not in the checkpoint: zeros
         unit.master.data[_valid(unit):].zero_()
     groups = tensor_groups(meta["param_groups"], sharded.optimizer.param_groups)
     sharded.optimizer.load_state_dict({"state": template, "param_groups": groups})
-    for unit in sharded.all_units:
+    for unit in sharded.saved_units:
         if unit.gathered:
             unit.publish()
     sharded._masters_published = True

@@ -38,12 +38,16 @@ def check_unit_params(name: str, params: list) -> None:
 
 
 class FlatUnit:
-    def __init__(self, name: str, module: nn.Module, params: list, group, *, param_dtype, reduce_dtype):
-        """``params`` passed ``check_unit_params`` (ShardedModule checks every unit before building any)."""
+    def __init__(self, name: str, module: nn.Module, params: list, group, *, param_dtype, reduce_dtype,
+                 trained: bool = True):
+        """``params`` passed ``check_unit_params`` (ShardedModule checks every unit before building any).
+        ``trained=False``: frozen parameters (stage 3, ``frozen_units.py``): the shard is kept in their
+        own dtype, a plain tensor no optimizer sees, and no gradient is ever reduced."""
         self.name, self.module, self.params, self.group = name, module, params, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.device, self.model_dtype = params[0].device, params[0].dtype
-        self.master_dtype = torch.float32 if self.model_dtype.itemsize < 4 else self.model_dtype
+        self.trained = trained
+        self.master_dtype = torch.float32 if trained and self.model_dtype.itemsize < 4 else self.model_dtype
         self.param_dtype = param_dtype or self.model_dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
         self.shapes = [p.shape for p in params]
@@ -52,8 +56,11 @@ class FlatUnit:
         self.padded = -(-self.numel // self.world) * self.world
         self.shard_numel = self.padded // self.world
         full = self.flatten(params, self.master_dtype)
-        self.master = nn.Parameter(self.local_shard(full).clone())  # what the optimizer updates
-        self.master.grad = torch.zeros_like(self.master)
+        if trained:
+            self.master = nn.Parameter(self.local_shard(full).clone())  # what the optimizer updates
+            self.master.grad = torch.zeros_like(self.master)
+        else:
+            self.master = self.local_shard(full).clone()
         self.flat = full.to(self.param_dtype)  # the gathered buffer the parameters view, from attach()
         # context parallelism: each CP rank saw part of the sequence, so every gradient of a model
         # tagged ``context_parallel_group`` is partial; the unit sums its reduced shard over that

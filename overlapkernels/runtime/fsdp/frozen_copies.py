@@ -33,12 +33,13 @@ CAST_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 class FrozenComputeCopies:
-    def __init__(self, model: nn.Module, dtype: torch.dtype):
+    def __init__(self, model: nn.Module, dtype: torch.dtype, sharded: set = frozenset()):
+        """``sharded``: ids of frozen parameters stage 3 shards (gathered in ``dtype``: no copies)."""
         self.dtype = dtype
         self.holders: dict[nn.Module, list[str]] = {}
         for mod in model.modules():
-            names = [name for name, p in mod._parameters.items()
-                     if p is not None and not p.requires_grad and p.dtype in CAST_DTYPES and p.dtype != dtype]
+            names = [name for name, p in mod._parameters.items() if p is not None and not p.requires_grad
+                     and p.dtype in CAST_DTYPES and p.dtype != dtype and id(p) not in sharded]
             if names:
                 self.holders[mod] = names
         # per module, the (name, copy, its version) each open forward shadowed; the root's frames

@@ -11,8 +11,9 @@ partial per TP rank; each unit sums them over the parameter's ``sequence_paralle
 before reducing over DP; under context parallelism each reduced shard is then summed over the
 units' ``context_parallel_group`` (CP peers own the same shard). Mixed precision as in torch FSDP2:
 with ``param_dtype`` the floating inputs of the wrapped model are cast to it, so callers can keep
-feeding fp32; frozen parameters are neither sharded nor cast in place: each forward computes with a
-cast copy of those in another dtype (``frozen_copies.py``), as FSDP2 does.
+feeding fp32; frozen parameters are not cast in place: each forward computes with a cast copy of
+those in another dtype (``frozen_copies.py``), as FSDP2 does - or, at stage 3 with
+``shard_frozen``, they are sharded in units of their own and gathered cast (``frozen_units.py``).
 
 At stages 2/3 a unit reduces as soon as all its parameters have gradients, so every rank of the
 DP (and CP) group must produce gradients for the same units in a step, as the model's code path
@@ -23,7 +24,6 @@ it was, with its optimizer state).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import weakref
 
 import torch
@@ -33,8 +33,10 @@ from torch.utils._pytree import tree_map
 
 from ..._compat import eager_under_compile
 from ...profiling.ranges import span
+from .accounting import Accounting, each_tensor
 from .flat_unit import check_unit_params
 from .frozen_copies import FrozenComputeCopies
+from .frozen_units import FrozenRelease, frozen_units
 from .gradless import hold_gradless
 from .param_groups import optimizer_and_units
 from .state_guards import guard_state_dicts
@@ -42,30 +44,12 @@ from .unit_plan import (check_context_parallel_tags, check_group_holds_replicas,
                         shared_parameters, unit_modules)
 
 
-def _each_tensor(value, fn, depth: int = 0) -> None:
-    """``fn(t)`` for every tensor in a unit's output: inside dicts, lists, tuples (named too), sets
-    and dataclasses, which pytree takes for leaves. Read in place, never rebuilt (torch FSDP's
-    ``_apply_to_tensors`` rebuilds dataclasses with ``replace``, which refuses init=False fields)."""
-    if torch.is_tensor(value):
-        fn(value)
-    elif depth > 32:  # a self-referencing output: enough
-        return
-    elif isinstance(value, dict):
-        for v in value.values():
-            _each_tensor(v, fn, depth + 1)
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        for v in value:
-            _each_tensor(v, fn, depth + 1)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for field in dataclasses.fields(value):
-            _each_tensor(getattr(value, field.name, None), fn, depth + 1)
-
-
-class ShardedModule(nn.Module):
+class ShardedModule(Accounting, nn.Module):
     # The hooks, the end-of-backward callback and step() post collectives, resize storage and keep
     # state: eager under torch.compile (as torch's FSDP2 disables dynamo on its hooks), so a compiled
     # train step that calls backward() and step() runs them as they are, not traced.
-    def __init__(self, model, group, *, stage, optimizer, prefetch, param_dtype, reduce_dtype, units):
+    def __init__(self, model, group, *, stage, optimizer, prefetch, param_dtype, reduce_dtype, units,
+                 shard_frozen=False):
         super().__init__()
         # the tags say which gradients are partial over TP (SP) or CP: put back any that torch
         # dropped with the Parameter objects it replaced, in containers that are not our layers
@@ -87,7 +71,7 @@ class ShardedModule(nn.Module):
         self._keep_gathered = False  # inside no_sync(reshard_after_backward=False), stage 3
         self._backward_armed = False
         self.peak_gathered_bytes = 0
-        modules = unit_modules(model, units)
+        modules = unit_modules(model, units, frozen_too=stage == 3 and shard_frozen)
         # Stage 3 frees a unit's parameters after its forward, so one that two units use (a tied
         # embedding and LM head, or a unit and the root) would be freed under the other's use: it
         # goes to the root unit, which stays gathered, as FSDP2 puts such parameters in the common
@@ -106,25 +90,39 @@ class ShardedModule(nn.Module):
         # the user's factory sees the model's own parameters (param groups by name, shape or identity
         # work as without fsdp); each unit module is then split into one flat unit per param group it
         # holds, gathered and prefetched together (param_groups.py)
-        self.optimizer, self._module_units, self.roots = optimizer_and_units(
+        self.optimizer, trained_units, self.roots = optimizer_and_units(
             optimizer, model, plan, rest, group, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        self.units = [u for made in self._module_units for u in made]
+        self.units = [u for made in trained_units for u in made]
         self.root = self.roots[0] if self.roots else None  # (the first: with one param group, the only one)
-        self.all_units = self.units + self.roots
+        self.all_units = self.units + self.roots  # the trained ones (gradients, optimizer)
+        # stage 3 with shard_frozen: each unit module's frozen parameters in flat units of their own,
+        # gathered and freed with the module's (frozen_units.py)
+        frozen = frozen_units(modules, shared, group, param_dtype=param_dtype) if stage == 3 and shard_frozen else {}
+        self.frozen_units = [u for made in frozen.values() for u in made]
+        self.saved_units = self.all_units + self.frozen_units  # what checkpoints hold, by index
+        by_module = {id(units[0].module): units for units in trained_units}
+        self._module_units = [by_module.get(id(mod), []) + frozen.get(i, []) for i, (_, mod) in enumerate(modules)]
+        self._module_units = [units for units in self._module_units if units]
+        for i, units in enumerate(self._module_units):
+            for unit in units:
+                unit.module_index = i
+        self._frozen_release = FrozenRelease(self._module_units, self._free_frozen)
+        self._open_calls: dict = {}  # module index -> its forward calls' _Call, innermost last
         # the one order every rank reduce-scatters gradients in during backward (see _reduce_in_order):
         # the units' reverse (the order a transformer's backward finishes them in), the root last
         self._reduce_order = self.units[::-1] + self.roots
         self._next_reduce = 0
         self._backward_done: set = set()  # units this backward finished here (their gradients are all in)
-        for unit in self.all_units:
+        for unit in self.saved_units:
             unit.attach()
         # frozen parameters in another dtype compute as param_dtype copies, their originals untouched
-        self._frozen_copies = FrozenComputeCopies(model, param_dtype) if param_dtype is not None else None
+        in_units = {id(p) for u in self.frozen_units for p in u.params}
+        self._frozen_copies = FrozenComputeCopies(model, param_dtype, in_units) if param_dtype is not None else None
         self._param_unit = {id(p): u for u in self.all_units for p in u.params}
         model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         guard_state_dicts(self)
         for units in self._module_units:
-            units[0].module.register_forward_pre_hook(self._pre_forward(units))
+            units[0].module.register_forward_pre_hook(self._pre_forward(units), with_kwargs=True)
             units[0].module.register_forward_hook(self._post_forward(units))
         # a weak reference: torch keeps post-accumulate hooks alive from C++, so a bound method would
         # make param -> hook -> self -> model -> param a cycle gc cannot see, and a dropped wrapper
@@ -134,39 +132,13 @@ class ShardedModule(nn.Module):
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(lambda param: (hook := grad_ready()) and hook(param))
         if stage == 3:
-            for unit in self.units:
+            for unit in self.units + self.frozen_units:
                 unit.free()
         # the masters are slices of each rank's own values (ranks that drew different initial weights
         # train a mixture): stage 3 gathers them at every forward, stages 1/2 at the first training
         # one (not here: shard() itself stays free of collectives)
         self._masters_published = stage == 3
         self._track()
-
-    # -- memory accounting --------------------------------------------------------------------
-    def _track(self) -> None:
-        gathered = sum(u.flat_bytes for u in self.all_units if u.gathered or u.pending_gather is not None)
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
-
-    def memory_stats(self) -> dict:
-        """Bytes this rank keeps between steps (ZeRO's accounting) and the peak of gathered params."""
-        stage = self.stage
-        full_params = sum(u.flat_bytes for u in self.all_units if stage < 3 or u in self.roots)
-        master = sum(u.master.numel() * u.master.element_size() for u in self.all_units)
-        full_grads = sum(u.padded * torch.empty((), dtype=u.reduce_dtype).element_size() for u in self.all_units)
-        optim = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
-                    for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
-        return {"param_bytes": full_params + master, "grad_bytes": full_grads if stage == 1 else master,
-                "optim_bytes": optim, "peak_gathered_param_bytes": self.peak_gathered_bytes}
-
-    def comm_stats(self, reset: bool = False) -> dict:
-        """Bytes of full buffers all-gathered / reduce-scattered since start (or the last reset),
-        comparable with ZeRO's per-step volume: 2 Psi for stages 1-2, 3 Psi for stage 3."""
-        stats = {"gathered_bytes": sum(u.bytes_gathered for u in self.all_units),
-                 "reduced_bytes": sum(u.bytes_reduced for u in self.all_units)}
-        if reset:
-            for u in self.all_units:
-                u.bytes_gathered = u.bytes_reduced = 0
-        return stats
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -179,6 +151,8 @@ class ShardedModule(nn.Module):
         # stages 1/2: the first training forward (a collective, on every rank of the group, as all
         # training forwards are) reads what the optimizer trains; a rank-local no_grad forward first
         # (an eval on rank 0) neither waits for the others nor is published
+        if torch._C._current_autograd_node() is None:  # (a forward that raised left its calls open)
+            self._open_calls.clear()
         if not self._masters_published and torch.is_grad_enabled():
             self._masters_published = True
             for unit in self.all_units:
@@ -212,24 +186,35 @@ class ShardedModule(nn.Module):
 
     def _pre_forward(self, units: list):
         """Hooks per unit module, over its flat units."""
-        def hook(module, args):
-            if self._backward_armed and torch._C._current_autograd_node() is None:
+        index = units[0].module_index
+
+        def hook(module, args, kwargs):
+            in_backward = torch._C._current_autograd_node() is not None
+            if self._backward_armed and not in_backward:
                 # the last backward raised before its end-of-backward callback ran (a forward
                 # during backward, as checkpointing's recompute, has a current node): re-arm it
                 self._backward_armed = False
                 self._reset_backward()
             if self.stage == 3:
                 self._gather_with_neighbours(units, +1)
+            if self._frozen_release.has_frozen(index):  # when its backward is done with the frozen units
+                watch = torch.is_grad_enabled() and not in_backward
+                call = self._frozen_release.watch_inputs(index, args, kwargs) if watch else None
+                self._open_calls.setdefault(index, []).append(call)
         return eager_under_compile(hook)
 
     def _post_forward(self, units: list):
+        index = units[0].module_index
+
         def hook(module, args, output):
+            calls = self._open_calls.get(index)
+            call = calls.pop() if calls else None
             if torch.is_grad_enabled():
                 def arm(t):
                     if t.requires_grad:
-                        t.register_hook(self._pre_backward(units))
+                        t.register_hook(self._pre_backward(units, call))
                         self._step_open = True
-                _each_tensor(output, arm)
+                each_tensor(output, arm)
             if self.stage == 3 and not self._keep_gathered:
                 for unit in units:
                     unit.free(keep_shapes=self._step_open)
@@ -247,13 +232,21 @@ class ShardedModule(nn.Module):
             self._backward_armed = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    def _pre_backward(self, units: list):
+    def _pre_backward(self, units: list, call=None):
         def hook(grad):
             self._arm_end_of_backward()
             if self.stage == 3:
                 self._gather_with_neighbours(units, -1)
+                self._frozen_release.backward_started(units[0].module_index, call)
             return grad
         return eager_under_compile(hook)
+
+    @eager_under_compile
+    def _free_frozen(self, index: int) -> None:
+        if not self._keep_gathered:
+            for unit in self._module_units[index]:
+                if not unit.trained:
+                    unit.free(keep_shapes=True)
 
     @eager_under_compile
     def _grad_ready(self, param) -> None:
@@ -271,6 +264,7 @@ class ShardedModule(nn.Module):
             self._reduce_in_order()  # overlaps the backward of the units before it
         if self.stage == 3 and unit not in self.roots and not self._keep_gathered:
             unit.free(keep_shapes=True)
+            self._frozen_release.trained_unit_done(unit.module_index)
 
     @eager_under_compile
     def _reduce_in_order(self, *, to_the_end: bool = False) -> None:
@@ -291,6 +285,7 @@ class ShardedModule(nn.Module):
         self._backward_done.clear()
         for unit in self.all_units:
             unit.grads_ready = 0
+        self._frozen_release.reset()
 
     def _agree_on_gradients(self, local_flags: list) -> list:
         """Per flag (a unit's or a parameter's), whether any rank of the group (and of its CP group)
@@ -329,11 +324,11 @@ class ShardedModule(nn.Module):
             for unit, anywhere in zip(self.all_units, seen):
                 unit.grad_anywhere = anywhere
         self._reset_backward()
-        for unit in self.all_units:
+        for unit in self.units + self.frozen_units:
             # zero-bubble W may still assign gradients. Not the root: nothing gathers it again
             # before a second backward through a graph built before this one (retain_graph, two
             # losses), which would read freed memory; step() frees it
-            if self.stage == 3 and not self._keep_gathered and unit not in self.roots:
+            if self.stage == 3 and not self._keep_gathered:
                 unit.free(keep_shapes=True)
         for unit in self.all_units:
             unit.finish_reduce()
@@ -372,11 +367,11 @@ class ShardedModule(nn.Module):
             unit.pending_reduce = []
             unit.master.grad = torch.zeros_like(unit.master)
             unit.clear_grad_flags()
-            # stage 3: units kept gathered (no_sync(reshard_after_backward=False), a backward that
-            # raised) go back to their shards; the next forward or backward gathers them again. Not
-            # the root: a backward still to come reads it without gathering it
-            if self.stage == 3 and unit not in self.roots:
-                unit.free(keep_shapes=True)
+        # stage 3: units kept gathered (no_sync(reshard_after_backward=False), a backward that
+        # raised) go back to their shards; the next forward or backward gathers them again. Not
+        # the root: a backward still to come reads it without gathering it
+        for unit in self.units + self.frozen_units if self.stage == 3 else ():
+            unit.free(keep_shapes=True)
         self._backward_armed = False
         self._reset_backward()
 
@@ -408,6 +403,9 @@ class ShardedModule(nn.Module):
         """Optimizer step on the local shards, zero the gradients, re-publish the parameters.
         Parameters without a gradient on any rank are left as they were, with their optimizer
         state (as torch skips them; a step counter shared by the unit still advances)."""
+        if thawed := [u.name for u in self.frozen_units if any(p.requires_grad for p in u.params)]:
+            raise RuntimeError(f"fsdp step: parameters sharded as frozen (shard_frozen) in {thawed} take gradients "
+                               "now; they have no master and no optimizer state: unfreeze before fsdp.shard")
         self._finish_gradients()
         held = hold_gradless(self.all_units, self._param_had_grad, self.optimizer)
         self.optimizer.step()
@@ -422,13 +420,13 @@ class ShardedModule(nn.Module):
         self._masters_published = True
         self._step_open = False
         if self.stage == 3:  # now nothing can assign gradients: freed parameters become size-0
-            for unit in self.all_units:
+            for unit in self.saved_units:
                 unit.free()
 
     def full_state_dict(self) -> dict:
         """Unsharded tensors under the keys of ``model.state_dict()``, on every rank."""
         values = {}
-        for unit in self.all_units:
+        for unit in self.saved_units:
             for p, full in zip(unit.params, unit.full_tensors()):
                 values[id(p)] = full
         out = {}

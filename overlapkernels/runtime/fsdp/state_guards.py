@@ -12,10 +12,11 @@ from __future__ import annotations
 
 def guard_state_dicts(sharded) -> None:
     model = sharded.module
-    for unit in sharded.all_units:
+    for unit in sharded.saved_units:
         unit.module.register_state_dict_pre_hook(_refuse_freed(sharded, unit))
-    trained_ids = {id(p) for unit in sharded.all_units for p in unit.params}
-    for mod in dict.fromkeys([model] + [unit.module for unit in sharded.all_units]):
+    # (frozen ones in units too - stage 3's shard_frozen: a load would reach the gathered copy only)
+    trained_ids = {id(p) for unit in sharded.saved_units for p in unit.params}
+    for mod in dict.fromkeys([model] + [unit.module for unit in sharded.saved_units]):
         trained = {name for name, p in mod.named_parameters(remove_duplicate=False) if id(p) in trained_ids}
         mod.register_load_state_dict_pre_hook(_refuse_load(sharded, trained))
 

@@ -15,7 +15,8 @@ def _callable(mod: nn.Module) -> bool:
     return type(mod).forward is not nn.Module.forward
 
 
-def unit_modules(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
+def unit_modules(model: nn.Module, units, *, frozen_too: bool = False) -> list[tuple[str, nn.Module]]:
+    """``frozen_too``: a child whose parameters are all frozen is a unit too (stage 3 shards them)."""
     if units is None:  # every top-level child that holds parameters; containers are never called, so
         found = []     # their hooks would never fire: a ModuleList/ModuleDict contributes its children
         for name, mod in model.named_children():
@@ -24,7 +25,7 @@ def unit_modules(model: nn.Module, units) -> list[tuple[str, nn.Module]]:
             else:
                 found.append((name, mod))
         # (children without a forward: their parameters go to the root unit, which stays gathered)
-        return [(n, m) for n, m in found if _callable(m) and any(p.requires_grad for p in m.parameters())]
+        return [(n, m) for n, m in found if _callable(m) and any(frozen_too or p.requires_grad for p in m.parameters())]
     classes = tuple(units) if isinstance(units, (list, tuple, set)) else (units,)
     names = {c for c in classes if isinstance(c, str)}
     types = tuple(c for c in classes if isinstance(c, type))
