@@ -255,14 +255,14 @@ def shared_peers(group_a: dist.ProcessGroup, group_b: dist.ProcessGroup) -> list
 
 
 class RefusedElsewhere(ValueError):
-    """Another rank of the group refused (its arguments, or a failure of its own); names that rank
-    and its reason."""
+    """Another rank of the group refused its arguments; names that rank and its reason."""
 
 
 REFUSAL_BYTES = 600  # of each rank's reason that reach the others
 
 
-def refuse_together(error: Exception | None, group: dist.ProcessGroup, what: str, device: torch.device) -> None:
+def refuse_together(error: Exception | None, group: dist.ProcessGroup, what: str, device: torch.device, *,
+                    elsewhere: type = RefusedElsewhere) -> None:
     """Raises on every rank of ``group`` when any of them refused (``error`` not None there).
 
     For checks of a rank's own arguments or state (its stage modules, an error only it saw), which
@@ -271,7 +271,7 @@ def refuse_together(error: Exception | None, group: dist.ProcessGroup, what: str
     ``device`` (the one the group's later collectives use: under NCCL a rank's own GPU, where
     ``all_gather_object`` would take whichever is current), and where any rank refused a second
     one of the ranks' reasons (600 bytes each). The refusing rank raises its own error; the
-    others a ``RefusedElsewhere`` naming the lowest refusing rank and its reason."""
+    others an ``elsewhere`` (``RefusedElsewhere``) naming the lowest refusing rank and its reason."""
     refused = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
     dist.all_reduce(refused, op=dist.ReduceOp.MAX, group=group)
     if not refused.item():
@@ -289,4 +289,5 @@ def refuse_together(error: Exception | None, group: dist.ProcessGroup, what: str
             for r, row in enumerate(reasons.cpu().tolist()) if row[0]]
     first, why = said[0]
     others = f" (and ranks {[r for r, _ in said[1:]]})" if len(said) > 1 else ""
-    raise RefusedElsewhere(f"{what}: rank {first} of the group{others} refused, so this rank stops too: {why}")
+    verb = getattr(elsewhere, "verb", "refused")
+    raise elsewhere(f"{what}: rank {first} of the group{others} {verb}, so this rank stops too: {why}")

@@ -171,5 +171,5 @@ def test_a_timeout_pending_on_one_rank_stops_the_save_on_every_rank(rank_pool, t
     timeout = "ok/all_gather_matmul[fused]: rank 1 timed out waiting for chunk 0 from rank 0"
     rank0, rank1 = rank_pool(2).run(_pending_timeout_on_rank_1, str(tmp_path / "ckpt"))
     assert rank1 == (f"SignalTimeoutError: {timeout}", 2, False)
-    assert rank0 == (f"RefusedElsewhere: fsdp.save: rank 1 of the group refused, so this rank stops too: "
+    assert rank0 == (f"PeerFailedError: fsdp.save: rank 1 of the group failed, so this rank stops too: "
                      f"SignalTimeoutError: {timeout}", 2, False)

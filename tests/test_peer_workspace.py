@@ -2,6 +2,8 @@
 growing symmetric buffer per (op, dtype), shared by symm and fused, not one per shape. Symmetric
 memory is never freed while the process runs (a peer may still map it), so a buffer per shape
 would grow without bound over a training run whose batches differ in length."""
+import threading
+
 import pytest
 import torch
 
@@ -122,10 +124,14 @@ def test_symm_and_fused_calls_share_one_workspace_per_op(world):
         assert kinds == ["ag", "rs"], kinds
 
 
-def _stops_mid_protocol_on_rank(ctx, op):
-    """Call 1 on both ranks; then on rank 0 the copy engine refuses its first submission (as an
-    allocation failing mid-call: after this rank signalled its peers) in call 2, and rank 0 calls
-    once more. Rank 1 makes call 2 only."""
+_planted = threading.local()
+
+
+def _stops_mid_protocol_on_rank(ctx, op, where):
+    """Call 1 on both ranks; then in call 2 on rank 0 the copy engine refuses its first submission
+    (``where="submit"``: as an allocation failing mid-call, after this rank signalled its peers) or
+    the reduce-scatter's fp32 sum cannot be allocated (``"sum"``: before it signals), and rank 0
+    calls once more. Rank 1 makes call 2 only."""
     def call():
         if op == "ag":
             return ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 2), ctx, method="symm")
@@ -141,8 +147,9 @@ def _stops_mid_protocol_on_rank(ctx, op):
     call()
     real, said = ctx.side_stream(), []
     ctx.wait_timeout = 1.0  # the waits that fail here: rank 1's for a partial rank 0 never pushed
-    if ctx.rank == 0:
+    if ctx.rank == 0 and where == "submit":
         ctx.side_stream = OutOfMemory
+    _planted.fail = ctx.rank == 0 and where == "sum"
     for _ in range(2 if ctx.rank == 0 else 1):
         try:
             call()
@@ -152,13 +159,27 @@ def _stops_mid_protocol_on_rank(ctx, op):
     return said
 
 
-@pytest.mark.parametrize("op", ["ag", "rs"])
-def test_a_call_stopped_mid_protocol_refuses_the_next_at_once(op):
+@pytest.fixture
+def sum_allocation_fails(monkeypatch):
+    from overlapkernels.ops import _peer_methods
+
+    def failing(dtype):
+        if getattr(_planted, "fail", False):
+            raise RuntimeError("CUDA out of memory (planted)")
+        return accumulation_dtype(dtype)
+
+    accumulation_dtype = _peer_methods.accumulation_dtype
+    monkeypatch.setattr(_peer_methods, "accumulation_dtype", failing)
+
+
+@pytest.mark.usefixtures("sum_allocation_fails")
+@pytest.mark.parametrize("op, where", [("ag", "submit"), ("rs", "submit"), ("rs", "sum")])
+def test_a_call_stopped_mid_protocol_refuses_the_next_at_once(op, where):
     """Was: a rank whose call raised after it had signalled its peers (an out-of-memory error
     between its publish and its pulls or pushes) left its flags a call behind theirs for good, so
     each of its later calls spun until the wait timeout and then computed with stale slots. Now
     the workspace remembers why it stopped, and the next call raises that at once."""
-    rank0, rank1 = ThreadWorld(2, timeout=60).run(_stops_mid_protocol_on_rank, op)
+    rank0, rank1 = ThreadWorld(2, timeout=60).run(_stops_mid_protocol_on_rank, op, where)
     name = "all_gather_matmul" if op == "ag" else "matmul_reduce_scatter"
     assert rank0[0] == "RuntimeError: CUDA out of memory (planted)"
     assert rank0[1].startswith(f"RuntimeError: ok/{name}[symm]: an earlier call on this group stopped mid-protocol "

@@ -288,6 +288,21 @@ def _refused_on_some_ranks(refusing):
     return None
 
 
+def _bad_device_on_rank_1():
+    rank = dist.get_rank()
+    try:
+        pp.PipelineRunner(_stage(_model(2), rank), schedule=pp.make_schedule("1f1b", 2, 2), loss_fn=F.mse_loss,
+                          timeout=5, device="gpu0" if rank == 1 else None)
+    except (ValueError, RuntimeError) as exc:
+        return type(exc).__name__
+    return None
+
+
+def test_a_bad_device_on_one_rank_is_raised_on_every_rank(rank_pool):
+    """torch.device's own error on rank 1 (a per-rank argument), told to rank 0 by the agreement."""
+    assert rank_pool(2).run(_bad_device_on_rank_1) == ["RefusedElsewhere", "RuntimeError"]
+
+
 @pytest.mark.parametrize("world, refusing", [(2, (1,)), (3, (1, 2))])
 def test_a_refusal_on_some_ranks_is_raised_on_every_rank(rank_pool, world, refusing):
     """Was: only the refusing rank raised; the others' first step waited for it until the timeout.

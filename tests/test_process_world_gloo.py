@@ -265,17 +265,27 @@ def _bare_cpu_world(peer_memory):
     return world
 
 
-def _symm_mem_without_a_handle_on_rank():
+def _symm_mem_without_a_handle_on_rank(foreign=False):
     """torch symmetric memory stood in for on CPU: rendezvous gives rank 1 no handle (newer torch
-    warns and returns None for a tensor outside its pool). Every rank must raise, naming rank 1,
-    not rank 1 alone while rank 0 waits in the next collective."""
+    warns and returns None for a tensor outside its pool), or with ``foreign`` one of a 3-rank
+    group (torch caches a rendezvous per block and group name; names come back). Every rank must
+    raise, naming rank 1, not rank 1 alone while rank 0 waits in the next collective."""
     import torch.distributed._symmetric_memory as symm_mem
 
     world = _bare_cpu_world("symm_mem")
     saved = {name: getattr(symm_mem, name) for name in ("enable_symm_mem_for_group", "empty", "rendezvous")}
     symm_mem.enable_symm_mem_for_group = lambda name: None
     symm_mem.empty = lambda shape, dtype, device: torch.empty(shape, dtype=dtype, device=device)
-    symm_mem.rendezvous = lambda t, name: None if dist.get_rank() == 1 else _PooledSymmHandle([t])
+    def rendezvous(t, name):
+        if dist.get_rank() != 1:
+            return _PooledSymmHandle([t])
+        if not foreign:
+            return None
+        handle = _PooledSymmHandle([t, t, t])
+        handle.world_size, handle.rank = 3, 1
+        return handle
+
+    symm_mem.rendezvous = rendezvous
     try:
         with pytest.raises(RuntimeError) as info:
             world.alloc_symmetric((4,), torch.float32)
@@ -285,10 +295,11 @@ def _symm_mem_without_a_handle_on_rank():
             setattr(symm_mem, name, fn)
 
 
-def test_symm_mem_without_a_handle_raises_on_every_rank(rank_pool):
-    want = ("torch symmetric memory gave no handle on ranks [1] of the group; OVERLAPKERNELS_PEER_MEMORY=ipc on "
-            "every rank uses CUDA IPC instead")
-    assert rank_pool(2).run(_symm_mem_without_a_handle_on_rank) == [want, want]
+@pytest.mark.parametrize("foreign", [False, True])
+def test_symm_mem_without_a_handle_raises_on_every_rank(rank_pool, foreign):
+    want = ("torch symmetric memory gave no handle (or one of another group's size or rank) on ranks [1] of the "
+            "group; OVERLAPKERNELS_PEER_MEMORY=ipc on every rank uses CUDA IPC instead")
+    assert rank_pool(2).run(_symm_mem_without_a_handle_on_rank, foreign) == [want, want]
 
 
 def _ipc_peer_not_mappable_on_rank():
@@ -348,17 +359,19 @@ def test_pending_device_errors_are_raised_on_demand_and_reported_at_exit(monkeyp
 
 def test_a_timeout_pending_at_exit_fails_the_process():
     """Was: printed at exit, and the process exited 0, so a launcher saw a job whose last step's
-    results were garbage succeed. Now it exits with status 1 (and prints it); nothing pending: 0."""
+    results were garbage succeed. Now it exits with status 1 (and prints it); nothing pending: 0.
+    The check is registered at import, so handlers registered later still run before it."""
     code = ("import atexit, sys\nfrom types import SimpleNamespace\n"
             "from overlapkernels.comm import process_world as pw\n"
             "from overlapkernels.kernels.errors import SignalTimeoutError\n"
             "def flush():\n    raise SignalTimeoutError('ok/matmul_reduce_scatter[symm]: rank 0 timed out')\n"
             "def clean():\n    pass\n"
             "pw._worlds['k'] = SimpleNamespace(_errors=SimpleNamespace(flush=flush if sys.argv[1] == 'pending' else clean))\n"
-            "atexit.register(pw.exit_failed_on_pending_errors)\nprint('done')\n")
+            "atexit.register(print, 'a handler registered after import overlapkernels ran')\nprint('done')\n")
     for pending, status in (("pending", 1), ("none", 0)):
         out = subprocess.run([sys.executable, "-c", code, pending], capture_output=True, text=True, timeout=120)
-        assert out.returncode == status and out.stdout == "done\n", (pending, out.returncode, out.stderr)
+        assert out.returncode == status, (pending, out.returncode, out.stderr)
+        assert out.stdout == "done\na handler registered after import overlapkernels ran\n", out.stdout
         assert ("overlapkernels: SignalTimeoutError: ok/matmul_reduce_scatter[symm]: rank 0 timed out" in out.stderr) \
             is (pending == "pending"), out.stderr
 

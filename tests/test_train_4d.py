@@ -213,5 +213,5 @@ def test_a_timeout_pending_on_one_rank_stops_the_step_on_every_rank(rank_pool):
     timeout = "SignalTimeoutError: ok/matmul_reduce_scatter[symm]: rank 1 timed out waiting for rank 0's partial"
     rank0, rank1 = rank_pool(2).run(_pending_timeout_on_rank_1)
     assert rank1 == (timeout, True)
-    assert rank0 == (f"RefusedElsewhere: Trainer.step: rank 1 of the group refused, so this rank stops too: {timeout}",
+    assert rank0 == (f"PeerFailedError: Trainer.step: rank 1 of the group failed, so this rank stops too: {timeout}",
                      True)

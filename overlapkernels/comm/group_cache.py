@@ -21,6 +21,11 @@ _caches: list = []  # (dict whose keys are tuples holding a group_key, whether i
 _retired: list = []  # values of keep_values_alive caches whose groups are gone
 
 
+def retired() -> list:
+    """The values ``keep_values_alive`` caches dropped with their groups (still referenced)."""
+    return list(_retired)
+
+
 def per_group_cache(*, keep_values_alive: bool = False) -> dict:
     """A dict whose keys hold ``group_key(group)``; emptied of a group's entries once it is replaced
     (``keep_values_alive``: its values are then kept referenced until the process exits)."""

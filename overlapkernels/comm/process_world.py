@@ -267,12 +267,16 @@ class ProcessPeerWorld:
         # not tensor addresses. Ranks exchange their offsets rather than assume them equal; None
         # where rendezvous gave no handle (newer torch warns and returns None for a tensor outside
         # its pool), so that every rank raises, not only that one while the others wait.
-        offset = None if handle is None else local.data_ptr() - handle.buffer_ptrs[self.rank]
+        # A handle of another group (torch caches rendezvous per block and group name, and names
+        # come back after destroy_process_group) counts as none.
+        foreign = handle is not None and (getattr(handle, "world_size", self.world_size) != self.world_size
+                                          or getattr(handle, "rank", self.rank) != self.rank)
+        offset = None if handle is None or foreign else local.data_ptr() - handle.buffer_ptrs[self.rank]
         offsets = all_gather_objects(offset, self.group, self.device)
         if None in offsets:
             missing = [r for r, o in enumerate(offsets) if o is None]
-            raise RuntimeError(f"torch symmetric memory gave no handle on ranks {missing} of the group; "
-                               f"{PEER_MEMORY_ENV}=ipc on every rank uses CUDA IPC instead")
+            raise RuntimeError(f"torch symmetric memory gave no handle (or one of another group's size or rank) on "
+                               f"ranks {missing} of the group; {PEER_MEMORY_ENV}=ipc on every rank uses CUDA IPC instead")
         # nobody may write into a peer's buffer before that peer's fill has landed
         torch.cuda.current_stream(self.device).synchronize()
         self.barrier()
@@ -347,8 +351,6 @@ def _raise_where_any(problems: list, what: str) -> None:
 def process_peer_world(group: dist.ProcessGroup, device: torch.device) -> ProcessPeerWorld:
     key = (group_key(group), device, requested_peer_memory())
     if key not in _worlds:
-        if not _worlds:
-            atexit.register(exit_failed_on_pending_errors)
         _worlds[key] = ProcessPeerWorld(group, device)
     return _worlds[key]
 
@@ -358,22 +360,24 @@ def check_pending_errors() -> None:
     timeout (errors are otherwise raised one call late, to keep host syncs off the hot path).
     ``ok.check_pending_errors()``; ``fsdp.save`` and the Trainer's step call it, so a timed-out
     call's garbage is not checkpointed."""
-    for world in list(_worlds.values()):
+    from .group_cache import retired
+
+    for world in list(_worlds.values()) + [w for w in retired() if isinstance(w, ProcessPeerWorld)]:
         world._errors.flush()
 
 
 def check_pending_errors_together(group: dist.ProcessGroup, what: str, device: torch.device) -> None:
     """``check_pending_errors`` on every rank of ``group`` (collective): a timeout pending on any rank
     raises on all of them, before ``what`` (a checkpoint, an optimizer step) uses the results."""
-    from ..kernels.errors import SignalTimeoutError
+    from ..kernels.errors import PeerFailedError
     from ..parallel import refuse_together
 
     error = None
     try:
         check_pending_errors()
-    except SignalTimeoutError as exc:
+    except Exception as exc:  # noqa: BLE001 - a device error too: every rank must learn of it
         error = exc
-    refuse_together(error, group, what, device)
+    refuse_together(error, group, what, device, elsewhere=PeerFailedError)
 
 
 def report_pending_errors() -> bool:
@@ -388,10 +392,18 @@ def report_pending_errors() -> bool:
 
 
 def exit_failed_on_pending_errors() -> None:
-    """At exit (registered with the first process world): a timeout still pending is printed and
-    the process exits with status 1, not 0 - a launcher or scheduler must see that the job's last
-    results are garbage. (``os._exit``: the remaining exit handlers are skipped.)"""
+    """At exit: a timeout still pending is printed and the process exits with status 1, not 0 - a
+    launcher or scheduler must see that the job's last results are garbage. Registered when this
+    module is imported (``import overlapkernels``), so it runs after the exit handlers registered
+    later (the user's, wandb's); ``os._exit`` skips those registered before, so logging is shut
+    down (flushed) here first. An exit status the program asked for (``sys.exit(3)``) becomes 1."""
     if report_pending_errors():
+        import logging
+
+        logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+
+
+atexit.register(exit_failed_on_pending_errors)

@@ -54,7 +54,6 @@ class ThreadRank:
         self._alloc_seq = 0
         self._workspaces: dict = {}
         self._side = None
-        self._errors = None
 
     def workspace(self, key, factory):
         """Buffers kept across calls (symmetric ones, epoch counters); ``factory(self)`` builds them
@@ -76,11 +75,9 @@ class ThreadRank:
     def check_errors(self, err: torch.Tensor, op: str, epoch: int) -> None:
         """Raise at once if a device-side wait of this call timed out (a test world: sync is fine;
         on a GPU only once the stream is idle: see raise_if_timed_out)."""
-        if self._errors is None:
-            from ..kernels.triton.signals import DeferredErrorCheck
+        from ..kernels.triton.signals import raise_if_timed_out
 
-            self._errors = DeferredErrorCheck()  # (its raise_now only: it names a repeated timeout as such)
-        self._errors.raise_now(err, op, epoch)
+        raise_if_timed_out(err, op, epoch)
 
     def barrier(self) -> None:
         self.world._in_barrier.add(self.rank)

@@ -5,5 +5,12 @@ class SignalTimeoutError(RuntimeError):
     """A device-side wait gave up; the message names the op, rank and chunk it waited for."""
 
 
+class PeerFailedError(SignalTimeoutError):
+    """Another rank of the group had a symm/fused timeout (or device error) pending: this rank stops
+    too (``fsdp.save``, ``Trainer.step``). The message names that rank and its error."""
+
+    verb = "failed"  # (parallel.refuse_together's message)
+
+
 class CudaLibraryError(RuntimeError):
     """The CUDA library is missing, of another ABI version, or a call into it failed."""

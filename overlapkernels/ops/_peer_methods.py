@@ -67,9 +67,10 @@ class _Workspace:
         # call, not epoch * units: the tile count of a call depends on its K (gemm_config), so two
         # calls of one workspace may count differently.
         self.counted = 0
-        # why a call stopped mid-protocol (after signalling peers, before its own counts and
-        # releases): the flags are out of step with the peers' for good, so every later call of the
-        # workspace would spin until its timeout; it raises this at once instead
+        # why a call stopped on this rank alone once under way (out of memory, an interrupt): its
+        # flags and epoch are out of step with the peers' for good - a later call would spin until
+        # its timeout, or pair with the peers' next call and compute with stale slots - so every
+        # later call of the workspace raises this at once instead
         self.broken = None
 
     def open_call(self, op: str) -> int:
@@ -111,18 +112,6 @@ def _workspace(world, kind: str, dtype) -> _Workspace:
     return world.workspace((kind, dtype), lambda w: _Workspace(w, dtype))
 
 
-def _error_records(world) -> tuple:
-    """(the group's record, this call's): the call's starts as a copy of the group's and is copied
-    back once the call's kernels are joined (device-side copies, no host sync). So once a wait of
-    any call timed out, every later call's waits give up at once (``wait_or_record`` skips while
-    the record is set) and report it. Each call's own record, zeroed, made every call queued behind
-    a dead peer spin a whole budget: the host runs many calls ahead, so the first error reached a
-    host sync only after the sum of their budgets (a 32-layer forward: an hour at the 60 s default).
-    A timeout is thus fatal for the group, as NCCL's watchdog makes one for its communicator."""
-    group_record = world.workspace(("error-record",), lambda w: torch.zeros(4, dtype=torch.int32, device=w.device))
-    return group_record, group_record.clone()
-
-
 def _join_quietly(side) -> None:
     """On an error: wait for the copy stream (it still writes buffers the allocator would reuse),
     without letting a second error hide the first."""
@@ -144,38 +133,36 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
                 lambda: warmup.all_gather_matmul(world, method, shard, bs, budget))
     # one slot per rank: only our shard is published there (peers pull it; nothing is pushed)
     ws = _workspace(world, "ag", a_shard.dtype)
-    slots = ws.slots((m, k))
-    # everything this call allocates, before it signals anyone: an out-of-memory error after that
-    # would leave the peers' flags a call ahead of ours (see _Workspace.broken)
-    group_err, err = _error_records(world)
-    a_flat = torch.empty(w * m, k, dtype=shard.dtype, device=shard.device)  # returned as is, not a view
-    a_full = a_flat.view(w, m, k)
-    outs = [torch.empty(w * m, b.shape[1], dtype=shard.dtype, device=shard.device) for b in bs]
+    slots = ws.slots((m, k))  # (growing it is collective, every rank told of a failure)
     op = _op_name("all_gather_matmul", method)
-    epoch = ws.open_call(op)
+    epoch, side = ws.open_call(op), world.side_stream()
+    try:  # from here on a failure on this rank alone puts its flags out of step: see _Workspace.broken
+        err = torch.zeros(4, dtype=torch.int32, device=a_shard.device)
+        a_flat = torch.empty(w * m, k, dtype=shard.dtype, device=shard.device)  # returned as is, not a view
+        a_full = a_flat.view(w, m, k)
+        outs = [torch.empty(w * m, b.shape[1], dtype=shard.dtype, device=shard.device) for b in bs]
 
-    # 1. publish: once every reader released our slot of call e-1 (one count per read), fill it and
-    # tell everyone. One-program waits, not a waiting copy kernel: spinning blocks must stay few
-    # (they hold SMs that peers' kernels may need when ranks share a GPU).
-    for reader in range(w):
-        if reader != r:
-            sig.wait_flag(ws.pads.local[w + reader:w + reader + 1], epoch - 1, err, budget,
-                          code=sig.ERR_CONSUMED_TIMEOUT, rank=r, chunk=r, peer=reader)
-    slots.local.copy_(shard)
-    signal_published(ws.pads.peer_ptrs, epoch, r, w)
-    a_full[r].copy_(shard)
+        # 1. publish: once every reader released our slot of call e-1 (one count per read), fill it
+        # and tell everyone. One-program waits, not a waiting copy kernel: spinning blocks must stay
+        # few (they hold SMs that peers' kernels may need when ranks share a GPU).
+        for reader in range(w):
+            if reader != r:
+                sig.wait_flag(ws.pads.local[w + reader:w + reader + 1], epoch - 1, err, budget,
+                              code=sig.ERR_CONSUMED_TIMEOUT, rank=r, chunk=r, peer=reader)
+        slots.local.copy_(shard)
+        signal_published(ws.pads.peer_ptrs, epoch, r, w)
+        a_full[r].copy_(shard)
 
-    # 2. the copy engine pulls the other chunks in ring order
-    def pull(src):
-        with span(f"ok/ag_matmul/chunk{src}/comm"):
-            sig.wait_flag(ws.pads.local[src:src + 1], epoch, err, budget, code=sig.ERR_READY_TIMEOUT, rank=r,
-                          chunk=src, peer=src)
-            a_full[src].copy_(slots.peer(src))
-            sig.add_peer_flag(ws.pads, src, w + r, 1)
-            sig.set_flag_now(ws.arrived[src:src + 1], epoch)
+        # 2. the copy engine pulls the other chunks in ring order (it writes a_full and err until
+        # joined: joined on an error too)
+        def pull(src):
+            with span(f"ok/ag_matmul/chunk{src}/comm"):
+                sig.wait_flag(ws.pads.local[src:src + 1], epoch, err, budget, code=sig.ERR_READY_TIMEOUT, rank=r,
+                              chunk=src, peer=src)
+                a_full[src].copy_(slots.peer(src))
+                sig.add_peer_flag(ws.pads, src, w + r, 1)
+                sig.set_flag_now(ws.arrived[src:src + 1], epoch)
 
-    side = world.side_stream()
-    try:  # the copy stream writes a_full and err until joined: join it on an error too
         for step in range(1, w):
             side.submit(partial(pull, (r + step) % w))
 
@@ -199,7 +186,6 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
         ws.stopped(op, exc)
         _join_quietly(side)
         raise
-    group_err.copy_(err)
     world.check_errors(err, op, epoch)
     return a_flat, outs
 
@@ -210,35 +196,37 @@ def _reduce_scatter_partials(world, method: str, dtype, m: int, n: int, device, 
     returns how many count units each owner waits for."""
     r, w = world.rank, world.world_size
     ws = _workspace(world, "rs", dtype)
-    slots = ws.slots((w, m, n))
-    group_err, err = _error_records(world)
+    slots = ws.slots((w, m, n))  # (growing it is collective, every rank told of a failure)
     budget = sig.wait_budget(world.wait_timeout, device)
     op = _op_name("matmul_reduce_scatter", method)
     epoch = ws.open_call(op)
-    for owner in range(w):  # 1. may we overwrite our slot at every owner?
-        if owner != r:
-            sig.wait_flag(ws.pads.local[w + owner:w + owner + 1], epoch - 1, err, budget,
-                          code=sig.ERR_CONSUMED_TIMEOUT, rank=r, chunk=owner, peer=owner)
-    try:  # the copy stream reads the partials and writes err until joined: join it on an error too
-        ws.counted += fill_slots(slots, ws.pads, err)  # 2.
+    try:  # from here on a failure on this rank alone puts its flags out of step: see _Workspace.broken
+        err = torch.zeros(4, dtype=torch.int32, device=device)
+        acc = torch.zeros(m, n, dtype=accumulation_dtype(dtype), device=device)
+        out = torch.empty(m, n, dtype=dtype, device=device)
+        for owner in range(w):  # 1. may we overwrite our slot at every owner?
+            if owner != r:
+                sig.wait_flag(ws.pads.local[w + owner:w + owner + 1], epoch - 1, err, budget,
+                              code=sig.ERR_CONSUMED_TIMEOUT, rank=r, chunk=owner, peer=owner)
+        # 2. (symm: the copy stream reads the partials and writes err until joined: joined on an
+        # error too; a partial's GEMM may run out of memory after other pushes were counted)
+        ws.counted += fill_slots(slots, ws.pads, err)
         for q in range(w):  # 3. every rank's partial of our chunk is here
             sig.wait_flag(ws.pads.local[q:q + 1], ws.counted, err, budget, code=sig.ERR_PARTIAL_TIMEOUT, rank=r,
                           chunk=r, peer=q)
         world.side_stream().synchronize()
-    except BaseException as exc:  # (symm: a partial's GEMM ran out of memory after some pushes counted)
+        for q in range(w):  # fixed order: bitwise reproducible whatever order partials arrived in
+            acc += slots.local[q]
+        out.copy_(acc)
+        for q in range(w):  # 4. release our slots for the next call
+            if q != r:
+                sig.set_peer_flag(ws.pads, q, w + r, epoch)
+    except BaseException as exc:
         ws.stopped(op, exc)
         _join_quietly(world.side_stream())
         raise
-    acc = torch.zeros(m, n, dtype=accumulation_dtype(dtype), device=device)
-    for q in range(w):  # fixed order: bitwise reproducible whatever order partials arrived in
-        acc += slots.local[q]
-    out = acc.to(dtype)
-    for q in range(w):  # 4. release our slots for the next call
-        if q != r:
-            sig.set_peer_flag(ws.pads, q, w + r, epoch)
     # last, as in ag_matmul: on a GPU it may raise an earlier call's timeout (checked a call late);
     # raised before step 4, this call's slots would stay held and every peer's next call time out
-    group_err.copy_(err)
     world.check_errors(err, op, epoch)
     return out
 

@@ -314,7 +314,8 @@ CUDA_FLASH_FP32 = {64: FlashConfigs(fwd=FlashConfig(32, 64, 8, 2), dkdv=FlashCon
                                      dq=FlashConfig(16, 16, 4, 2))}
 # fp32 on GPUs with ~100 KB of shared memory per block (sm_86/89): with TF32 allowed the kernels use
 # mma, and dQ's 16x64 at D=128 then takes 112 KB in 2 stages (IEEE: 84 KB); in one stage 80 KB, no
-# spills (compiled for sm_86, triton 3.9). The other fp32 tiles fit there with TF32 too.
+# spills (compiled for sm_86, triton 3.9; checked by hand: compile_kernels_sm90.py compiles for sm_90
+# only). The other fp32 tiles up to D=256 fit there with TF32 too (D=512 does not: a test path).
 CUDA_FLASH_FP32_SMALL = {**CUDA_FLASH_FP32,
                          128: FlashConfigs(fwd=CUDA_FLASH_FP32[128].fwd, dkdv=CUDA_FLASH_FP32[128].dkdv,
                                            dq=FlashConfig(16, 64, 8, 1))}

@@ -226,13 +226,10 @@ class DeferredErrorCheck:
         self._pending: list = []
         # backward's calls submit from autograd's device thread, forward's from the caller's
         self._lock = threading.Lock()
-        # the first timeout raised: later calls' records repeat it (a group's record is sticky:
-        # _peer_methods._error_records), so they say that they skipped their waits because of it
-        self.first = None
 
     def submit(self, err: torch.Tensor, op: str, epoch: int) -> None:
         if err.device.type != "cuda":
-            self.raise_now(err, op, epoch)
+            raise_if_timed_out(err, op, epoch)
             return
         host = torch.empty(4, dtype=torch.int32, pin_memory=True)
         stream = torch.cuda.current_stream(err.device)
@@ -253,22 +250,11 @@ class DeferredErrorCheck:
         event.synchronize()
         return host, op, epoch
 
-    def raise_now(self, host, op: str, epoch: int) -> None:
-        """Raise the record's timeout at once (a host sync on a GPU: see raise_if_timed_out)."""
-        try:
-            raise_if_timed_out(host, op, epoch)
-        except SignalTimeoutError as exc:
-            if self.first is None:
-                self.first = str(exc)
-                raise
-            raise SignalTimeoutError(f"{op} (call {epoch}) skipped its waits: a call before it on this group timed out "
-                                     f"({self.first})") from None
-
     def poll(self) -> None:
         while (record := self._next(wait=False)) is not None:
-            self.raise_now(*record)
+            raise_if_timed_out(*record)
 
     def flush(self) -> None:
         """Wait for every pending record and raise the first error."""
         while (record := self._next(wait=True)) is not None:
-            self.raise_now(*record)
+            raise_if_timed_out(*record)

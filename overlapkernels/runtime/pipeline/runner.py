@@ -56,14 +56,10 @@ class PipelineTimeout(RuntimeError):
     """A peer did not send in time; names the stage, microbatch and peer rank."""
 
 
-def _as_list(stage_module_or_modules) -> list:
-    arg = stage_module_or_modules
-    return list(arg) if isinstance(arg, (list, tuple, nn.ModuleList)) else [arg]
-
-
 def _stage_list(stage_module_or_modules) -> list:
     """One stage module, or a list / tuple / ``nn.ModuleList`` of this rank's virtual stages."""
-    mods = _as_list(stage_module_or_modules)
+    arg = stage_module_or_modules
+    mods = list(arg) if isinstance(arg, (list, tuple, nn.ModuleList)) else [arg]
     for i, mod in enumerate(mods):
         if not callable(mod):
             raise TypeError(f"stage_module_or_modules[{i}]={type(mod).__name__}: expected an nn.Module or a callable")
@@ -125,21 +121,21 @@ class PipelineRunner:
         self.group = resolve_group(group)
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         timeout, plan = self._check_shared(schedule, loss_fn, timeout)  # alike on every rank: no exchange
-        error = None
-        try:  # this rank's own stage modules may be refused on this rank only: every rank learns of it
+        error, modules = None, []
+        try:  # this rank's own stage modules (and device) may be refused on this rank only: every rank learns of it
             modules = self._check_stages(stage_module_or_modules, schedule)
-        except (ValueError, TypeError) as exc:
+            self.device = torch.device(device) if device is not None else _stage_device(modules, self.group)
+        except (ValueError, TypeError, RuntimeError) as exc:
             error = exc
-        self.device = torch.device(device) if device is not None else \
-            _stage_device(_as_list(stage_module_or_modules), self.group)
+        # an all-reduce of the whole group, so also what torch needs before a batch_isend_irecv
+        # can be the group's first NCCL call (else NCCL makes communicators per pair and can hang);
+        # on the group's own device (this rank's GPU under NCCL), not the stage's, which may be wrong
+        refuse_together(error, self.group, "PipelineRunner", comm_device(self.group))
         self._nccl = uses_nccl(self.group)
         # gloo moves host memory only (handed a CUDA tensor it would read device addresses as host
         # ones): with CUDA stages (N ranks sharing one GPU, gloo for control) messages travel
         # through CPU copies, as comm.ring does
         self._staged = not self._nccl and self.device.type != "cpu"
-        # an all-reduce of the whole group, so also what torch needs before a batch_isend_irecv
-        # can be the group's first NCCL call (else NCCL makes communicators per pair and can hang)
-        refuse_together(error, self.group, "PipelineRunner", torch.device("cpu") if self._staged else self.device)
         self.plan = plan[self.rank]
         if any(a.op == "W" for acts in schedule.actions for a in acts):
             for mod in modules:
