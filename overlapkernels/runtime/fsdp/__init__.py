@@ -40,6 +40,9 @@ def shard(model, group=None, *, stage=3, optimizer=_adamw, prefetch=1, param_dty
     if shard_frozen and stage != 3:
         raise ValueError(f"shard_frozen=True with stage={stage!r}: only stage 3 shards parameters (stages 1 and 2 "
                          "keep every parameter whole on every rank)")
+    if shard_frozen and not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"shard_frozen=True: {type(model).__name__} has no trainable parameter; fsdp.shard wraps a "
+                         "model to train (a frozen reference or teacher model is not supported yet)")
     if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 0:
         raise ValueError(f"prefetch={prefetch!r}: expected an integer >= 0")
     for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):

@@ -39,6 +39,9 @@ class Accounting:
         full_params = sum(u.flat_bytes for u in self.all_units if stage < 3 or u in self.roots)
         master = sum(u.master.numel() * u.master.element_size() for u in self.all_units)
         frozen = sum(u.master.numel() * u.master.element_size() for u in self.saved_units if not u.trained)
+        in_units = {id(p) for u in self.saved_units for p in u.params}
+        whole = {id(p): p for p in self.module.parameters() if not p.requires_grad and id(p) not in in_units}
+        frozen += sum(p.numel() * p.element_size() for p in whole.values())  # kept whole on every rank
         full_grads = sum(u.padded * torch.empty((), dtype=u.reduce_dtype).element_size() for u in self.all_units)
         optim = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
                     for t in state.values() if torch.is_tensor(t) and t.dim() > 0)

@@ -342,7 +342,11 @@ def _check(sharded, path, meta, part, parts) -> str | None:
                 f"{parts}: only the dp size may change")
     mine = meta["parts"][part] if "parts" in meta else meta
     if mine["units"] != _units(sharded):
-        return f"checkpoint {path!r} holds units {mine['units']} ([name, numel]); this model has {_units(sharded)}"
+        frozen = [any("#frozen" in name for name, _ in units) for units in (mine["units"], _units(sharded))]
+        hint = ("; one was sharded with shard_frozen=True and the other without: shard the same way to load"
+                if frozen[0] != frozen[1] else "")
+        return (f"checkpoint {path!r} holds units {mine['units']} ([name, numel]); this model has "
+                f"{_units(sharded)}{hint}")
     if "unit_params" in mine:  # (checkpoints written before 2026-11-30 hold numels only)
         for unit, saved, have in zip(sharded.saved_units, mine["unit_params"], _unit_params(sharded)):
             # shapes decide; names only help the message (a wrapper - activation checkpointing,

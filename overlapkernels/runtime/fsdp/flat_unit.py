@@ -23,6 +23,15 @@ from ...comm.collectives import all_reduce_coalesced
 from ...profiling.ranges import span
 
 
+_WIRE_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """What a collective moves: the tensor, or its bytes where a backend may lack the dtype (a frozen
+    fp8 weight: gloo has no float8; an all-gather only moves bytes)."""
+    return t if t.dtype in _WIRE_DTYPES else t.view(torch.uint8)
+
+
 def check_unit_params(name: str, params: list) -> None:
     """What a unit of ``params`` needs: one device, one dtype, one context-parallel group. Checked for
     every unit before any re-points its parameters into a flat buffer, so a refused ``shard()``
@@ -67,6 +76,7 @@ class FlatUnit:
         # group (CP peers own the same shard), at any stage, before the optimizer sees it
         self.cp_group = getattr(params[0], "context_parallel_group", None)
         self.gathered = True
+        self._gathered_version = self._versions()  # frozen units: a write since shows as a change
         self.pending_gather = None   # (work, staged shard) of an async gather in flight
         self.pending_reduce = []     # (work, output) of async reduce-scatters in flight
         self.grads_ready = 0
@@ -103,6 +113,11 @@ class FlatUnit:
             p.data = self.flat[offset:offset + n].view(shape)
             offset += n
 
+    def _versions(self) -> tuple:
+        """The parameters' version counters (each its own: ``p.data = view`` does not share the
+        buffer's), which an in-place write advances."""
+        return tuple(p._version for p in self.params)
+
     @property
     def flat_bytes(self) -> int:
         return self.padded * self.flat.element_size()
@@ -111,6 +126,11 @@ class FlatUnit:
     def free(self, *, keep_shapes: bool = False) -> None:
         """Drop the gathered parameters (stage 3, between uses)."""
         self.wait_gather()
+        if self.gathered and not self.trained and self._versions() != self._gathered_version:
+            # the only copy of a frozen parameter is the shard: a write into the gathered one is lost
+            raise RuntimeError(f"fsdp unit {self.name!r}: a forward wrote its frozen parameters in place (an EMA "
+                               "codebook kept as a frozen Parameter?); sharded (shard_frozen=True) that write would "
+                               "be lost when the unit is freed. Keep such a tensor as a buffer, or shard_frozen=False")
         if self.gathered:
             self.flat.untyped_storage().resize_(0)
             self.gathered = False
@@ -136,12 +156,13 @@ class FlatUnit:
             self._view_params()
         staged = self.master.detach().to(self.param_dtype)
         with span(f"ok/fsdp/{self.name}/gather/comm"):
-            work = all_gather_single(self.flat, staged, group=self.group, async_op=async_op)
+            work = all_gather_single(_wire(self.flat), _wire(staged), group=self.group, async_op=async_op)
         self.bytes_gathered += self.flat_bytes
         if async_op:
             self.pending_gather = (work, staged)
         else:
             self.gathered = True
+            self._gathered_version = self._versions()
 
     @eager_under_compile  # (collectives and storage resizes: see ShardedModule)
     def wait_gather(self) -> None:
@@ -150,6 +171,7 @@ class FlatUnit:
             self.pending_gather = None
             self._view_params()
             self.gathered = True
+            self._gathered_version = self._versions()
 
     # -- gradients ----------------------------------------------------------------------------
     @eager_under_compile  # (collectives and storage resizes: see ShardedModule)
@@ -221,14 +243,15 @@ class FlatUnit:
     def publish(self) -> None:
         """After the optimizer step: the new master shards, gathered into the full parameters."""
         if self.gathered:
-            all_gather_single(self.flat, self.master.detach().to(self.param_dtype), group=self.group)
+            all_gather_single(_wire(self.flat), _wire(self.master.detach().to(self.param_dtype)), group=self.group)
             self.bytes_gathered += self.flat_bytes
+            self._gathered_version = self._versions()
 
     @eager_under_compile  # (collectives and storage resizes: see ShardedModule)
     def full_tensors(self) -> list:
         """The unit's parameters, unsharded, in the model's dtype (a collective)."""
         full = torch.empty(self.padded, dtype=self.master_dtype, device=self.device)
-        all_gather_single(full, self.master.detach().contiguous(), group=self.group)
+        all_gather_single(_wire(full), _wire(self.master.detach().contiguous()), group=self.group)
         out, offset = [], 0
         for shape, n in zip(self.shapes, self.numels):
             out.append(full[offset:offset + n].view(shape).to(self.model_dtype, copy=True))

@@ -9,20 +9,24 @@ their own dtype; checkpoints hold it like a master (``fsdp.save``), reshardable.
 When to free them after backward: a trained unit is freed once all its parameters have their
 gradients - every op that read them has run. A frozen weight has no gradient to tell that; it is
 read by the ops leading back to the module's inputs (dX = dY W) and to its trained parameters. So
-the module's frozen units are freed once both are done: every gradient-taking input of each of its
-forward calls has its gradient (a tensor hook, which fires once that input's gradient is complete,
-so every op of the module on the way to it has run), and its trained units are done. Whatever is
-still gathered at the end of backward (an input whose gradient never came) is freed there. A
-module called again before its next backward (two forwards, one backward; a pipeline's F F B B)
-is gathered again by its output's gradient hook before each backward, so an early free costs a
-gather, never a read of freed memory. Not seen: a tensor that the module reads without taking it
-as an argument (a closure's), as under FSDP2.
+each forward call passes its gradient-taking inputs through an identity autograd Function (FSDP2's
+RegisterPostBackwardFunction), whose backward runs once the module's own ops have given them their
+gradients - per call and per traversal of its graph (retain_graph), whatever else consumes the
+inputs. The module's frozen units are freed once no call whose backward started (its output's
+gradient hook, which also gathers them) still waits for that, and its trained units are done; what
+is still gathered at the end of backward is freed there. A call with a gradient-taking input
+pytree cannot reach (inside a custom object) keeps them to the end of backward.
+Like FSDP2's, the wrapping makes the module's inputs outputs of a custom Function: a module that
+changes its input in place is refused by torch there (shard_frozen=False does not wrap). And when
+a module called twice is gathered again between its calls' backwards depends on autograd's order,
+so ranks must run the same code (as FSDP2 needs; trained units are reduced in a fixed order).
 """
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .accounting import each_tensor
 from .flat_unit import FlatUnit
 from .frozen_copies import CAST_DTYPES
 
@@ -48,16 +52,30 @@ def frozen_units(modules: list, skip: set, group, *, param_dtype) -> dict:
 
 
 class _Call:
-    """One forward call of a unit module: its inputs whose gradients are still to come."""
+    """One forward call of a unit module whose backward may read its frozen units."""
+    opaque = False  # some gradient-taking input hides where pytree cannot replace it: held to the end
 
-    def __init__(self, waiting: int):
-        self.waiting = waiting
+
+class _InputsDone(torch.autograd.Function):
+    """Identity on a call's gradient-taking inputs (FSDP2's RegisterPostBackwardFunction): its backward
+    runs once the module's own ops have given those inputs their gradients, once per traversal of
+    this call's graph, whatever else consumes the inputs."""
+
+    @staticmethod
+    def forward(ctx, release, index, call, *inputs):
+        ctx.release, ctx.index, ctx.call = release, index, call
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.release._input_done(ctx.index, ctx.call)
+        return (None, None, None, *grads)
 
 
 class FrozenRelease:
     """Per unit module with frozen units: which of its forward calls' backwards are under way (their
-    output's gradient came, not all their inputs' yet) and how many of its trained units are not
-    done this backward. ``free(index)`` frees that module's frozen units."""
+    output's gradient came, their inputs' not yet) and how many of its trained units are not done
+    this backward. ``free(index)`` frees that module's frozen units."""
 
     def __init__(self, module_units: list, free):
         self.trained = {units[0].module_index: sum(u.trained for u in units) for units in module_units
@@ -70,25 +88,33 @@ class FrozenRelease:
         return index in self.trained
 
     def watch_inputs(self, index: int, args, kwargs):
-        """In the module's forward pre-hook: a ``_Call`` whose inputs' gradients are watched, or None
-        (no input takes a gradient: then only its trained units' gradients matter)."""
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t) and t.requires_grad]
-        inputs = list({id(t): t for t in inputs}.values())
-        if not inputs:
-            return None
-        call = _Call(len(inputs))
-        for t in inputs:
-            t.register_hook(lambda grad, call=call: self._input_done(index, call))
-        return call
+        """In the module's forward pre-hook -> (its ``_Call`` or None when no input takes a gradient,
+        the args and kwargs to run it with: the gradient-taking tensors through ``_InputsDone``)."""
+        leaves, spec = tree_flatten((args, kwargs))
+        where = [i for i, t in enumerate(leaves) if torch.is_tensor(t) and t.requires_grad]
+        hidden = []  # inside dataclasses and other objects pytree takes for leaves
+        each_tensor([t for t in leaves if not torch.is_tensor(t)],
+                    lambda t: hidden.append(t) if t.requires_grad else None)
+        if not where and not hidden:
+            return None, args, kwargs
+        call = _Call()
+        call.opaque = bool(hidden)
+        if where:
+            outs = _InputsDone.apply(self, index, call, *[leaves[i] for i in where])
+            for i, t in zip(where, outs):
+                leaves[i] = t
+            args, kwargs = tree_unflatten(leaves, spec)
+        else:
+            call.opaque = True
+        return call, args, kwargs
 
     def backward_started(self, index: int, call) -> None:
         """The call's output got its gradient (its backward starts; the module was gathered)."""
-        if call is not None and call.waiting > 0:
+        if call is not None:
             self.busy[index].add(call)
 
     def _input_done(self, index: int, call) -> None:
-        call.waiting -= 1
-        if call.waiting == 0:
+        if not call.opaque:
             self.busy[index].discard(call)
             self._maybe_free(index)
 

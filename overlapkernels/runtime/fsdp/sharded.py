@@ -198,9 +198,12 @@ class ShardedModule(Accounting, nn.Module):
             if self.stage == 3:
                 self._gather_with_neighbours(units, +1)
             if self._frozen_release.has_frozen(index):  # when its backward is done with the frozen units
-                watch = torch.is_grad_enabled() and not in_backward
-                call = self._frozen_release.watch_inputs(index, args, kwargs) if watch else None
+                call = None  # (in backward too: a reentrant checkpoint's recompute is what backward runs)
+                if torch.is_grad_enabled():
+                    call, args, kwargs = self._frozen_release.watch_inputs(index, args, kwargs)
                 self._open_calls.setdefault(index, []).append(call)
+                return args, kwargs
+            return None
         return eager_under_compile(hook)
 
     def _post_forward(self, units: list):

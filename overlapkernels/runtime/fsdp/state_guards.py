@@ -14,11 +14,14 @@ def guard_state_dicts(sharded) -> None:
     model = sharded.module
     for unit in sharded.saved_units:
         unit.module.register_state_dict_pre_hook(_refuse_freed(sharded, unit))
-    # (frozen ones in units too - stage 3's shard_frozen: a load would reach the gathered copy only)
-    trained_ids = {id(p) for unit in sharded.saved_units for p in unit.params}
+    trained_ids = {id(p) for unit in sharded.all_units for p in unit.params}
+    # frozen ones in units too (stage 3's shard_frozen): a load would reach the gathered copy only
+    sharded_ids = {id(p) for unit in sharded.frozen_units for p in unit.params}
     for mod in dict.fromkeys([model] + [unit.module for unit in sharded.saved_units]):
-        trained = {name for name, p in mod.named_parameters(remove_duplicate=False) if id(p) in trained_ids}
-        mod.register_load_state_dict_pre_hook(_refuse_load(sharded, trained))
+        named = list(mod.named_parameters(remove_duplicate=False))
+        trained = {name for name, p in named if id(p) in trained_ids}
+        frozen = {name for name, p in named if id(p) in sharded_ids}
+        mod.register_load_state_dict_pre_hook(_refuse_load(sharded, trained, frozen))
 
 
 def _refuse_freed(sharded, unit):
@@ -31,12 +34,18 @@ def _refuse_freed(sharded, unit):
     return hook
 
 
-def _refuse_load(sharded, trained: set):
+def _refuse_load(sharded, trained: set, frozen: set):
     def hook(module, state_dict, prefix, *_):
-        if loaded := sorted(k[len(prefix):] for k in state_dict if k.startswith(prefix) and k[len(prefix):] in trained):
+        names = [k[len(prefix):] for k in state_dict if k.startswith(prefix)]
+        if loaded := sorted(k for k in names if k in trained):
             raise RuntimeError(
                 f"load_state_dict() into {type(module).__name__} after fsdp.shard, of the trained parameters "
                 f"{', '.join(loaded[:3])}{' ...' if len(loaded) > 3 else ''}: the optimizer trains master "
                 f"shards of them (stage {sharded.stage}), which a load would not reach, so the next step would "
                 "undo it. Load before fsdp.shard, or use fsdp.load (frozen parameters and buffers load)")
+        if loaded := sorted(k for k in names if k in frozen):
+            raise RuntimeError(
+                f"load_state_dict() into {type(module).__name__} after fsdp.shard, of the frozen parameters "
+                f"{', '.join(loaded[:3])}{' ...' if len(loaded) > 3 else ''}: shard_frozen keeps only shards of them, "
+                "which a load would not reach. Load before fsdp.shard, or use fsdp.load")
     return hook
