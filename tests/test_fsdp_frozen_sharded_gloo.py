@@ -385,3 +385,23 @@ def test_a_frozen_fp8_weight_is_gathered_as_bytes_and_counted_alike():
 def test_a_model_without_trainable_parameters_is_refused_by_name():
     with pytest.raises(ValueError, match=r"^shard_frozen=True: Frozen has no trainable parameter"):
         fsdp.shard(Frozen(), stage=3, shard_frozen=True)
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("shard_frozen", [False, True])
+def test_checkpointing_without_early_stop_reads_gathered_units(shard_frozen):
+    """torch.utils.checkpoint without early stop runs the whole recompute, so the unit's post-forward
+    hook ran inside backward and freed the units under the recomputed saved tensors (a read of freed
+    storage, trained units too). Now a forward inside backward leaves them to its backward."""
+    torch.manual_seed(0)
+    ref = Model().double()
+    sharded = fsdp.shard(copy.deepcopy(ref), stage=3, optimizer=SGD, shard_frozen=shard_frozen)
+    ref_opt = SGD([p for p in ref.parameters() if p.requires_grad])
+    (x, y), = _batches(1, 2, 1)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        _loss(sharded(x), y).backward()
+        _loss(ref(x), y).backward()
+    sharded.step()
+    ref_opt.step()
+    full = sharded.full_state_dict()
+    assert all(torch.allclose(full[n], w, rtol=0, atol=1e-12) for n, w in ref.state_dict().items())

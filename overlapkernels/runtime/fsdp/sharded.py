@@ -218,7 +218,10 @@ class ShardedModule(Accounting, nn.Module):
                         t.register_hook(self._pre_backward(units, call))
                         self._step_open = True
                 each_tensor(output, arm)
-            if self.stage == 3 and not self._keep_gathered:
+            # not inside backward: there a forward is checkpointing's recompute, whose saved tensors the
+            # backward about to run reads (torch's early stop ends it before this hook; without early
+            # stop this freed them under it); its backward, or the end of backward, frees them
+            if self.stage == 3 and not self._keep_gathered and torch._C._current_autograd_node() is None:
                 for unit in units:
                     unit.free(keep_shapes=self._step_open)
             return output
