@@ -1,4 +1,5 @@
-"""Compile-only check of overlapkernels' Triton kernels for sm_90 (H100/H200), no GPU needed.
+"""Compile-only check of overlapkernels' Triton kernels for sm_90 (H100/H200), no GPU needed (and of
+the flash tables for GPUs with ~100 KB of shared memory a block, for sm_86 against 99 KB).
 
 The interpreter that runs the kernels in CPU tests accepts code the compiler rejects; this catches
 that. Arguments go through triton's own JIT binder (what kernel[grid](...) runs), so the signature,
@@ -39,6 +40,14 @@ from overlapkernels.kernels.triton.tile_gemm import dot_precision
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = make_backend(TARGET)
 SMEM_LIMIT = 227 * 1024
+
+
+def use_target(arch: int, smem_kb: int) -> None:
+    """Compile what follows for ``sm_<arch>`` against ``smem_kb`` KB of shared memory a block."""
+    global TARGET, BACKEND, SMEM_LIMIT
+    TARGET, SMEM_LIMIT = GPUTarget("cuda", arch, 32), smem_kb * 1024
+    BACKEND = make_backend(TARGET)
+
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUICK = "--quick" in sys.argv[1:]
 FILTER = next((a for a in sys.argv[1:] if a != "--quick"), "")
@@ -72,9 +81,11 @@ def ptxas_usage(ptx):
     from triton.backends.nvidia.compiler import get_ptxas
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
-    ptxas = get_ptxas(90)  # triton 3.3: a (path, version) tuple; later a NVIDIATool with .path
+    arch = TARGET.arch
+    ptxas = get_ptxas(arch)  # triton 3.3: a (path, version) tuple; later a NVIDIATool with .path
     ptxas = ptxas[0] if isinstance(ptxas, tuple) else ptxas.path
-    log = subprocess.run([ptxas, "-lineinfo", "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"],
+    gpu = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+    log = subprocess.run([ptxas, "-lineinfo", "-v", f"--gpu-name={gpu}", f.name, "-o", "/dev/null"],
                          capture_output=True, text=True).stderr
     os.remove(f.name)
     regs = re.search(r"Used (\d+) registers", log)
@@ -138,7 +149,7 @@ def check(label, kernel, *args, ptx_has=(), ptx_re=(), ptx_not=(), beside_flag_k
             if flag_kernel:
                 assert md.num_warps == 1 and regs <= FLAG_KERNEL_MAX_REGS and not spill_st, (md.num_warps, regs, spill_st)
         mma = "wgmma" if "wgmma" in ck.asm["ptx"] else "mma" if "mma.sync" in ck.asm["ptx"] else "no-mma"
-        flag = f" {mma}" + flag0 + ("  ** OVER 227 KB **" if md.shared > SMEM_LIMIT else "")
+        flag = f" {mma}" + flag0 + (f"  ** OVER {SMEM_LIMIT // 1024} KB **" if md.shared > SMEM_LIMIT else "")
         line = (f"OK    {label}: shared={md.shared} B ({md.shared / 1024:.1f} KB) warps={md.num_warps} "
                 f"stages={md.num_stages} cubin={len(ck.asm['cubin'])} B [{time.time() - t0:.1f}s]{flag}")
     except Exception as e:  # noqa: BLE001
@@ -233,42 +244,52 @@ for add in (True, False):
 
 # --- flash attention: the configs flash_configs hands out on GPUs ---------------------------------
 B, H, HKV, L = 2, 8, 2, 1024
-FLASH = {("bf16", 64): FA.CUDA_FLASH_16BIT[64], ("bf16", 128): FA.CUDA_FLASH_16BIT[128],
-         ("bf16", 256): FA.CUDA_FLASH_16BIT[256], ("fp16", 128): FA.CUDA_FLASH_16BIT[128],
-         ("fp32", 64): FA.CUDA_FLASH_FP32[64], ("fp32", 128): FA.CUDA_FLASH_FP32[128],
-         ("fp32", 256): FA.CUDA_FLASH_FP32[256], ("bf16", 512): FA.CUDA_FLASH_WIDE, ("fp32", 512): FA.CUDA_FLASH_WIDE,
-         ("fp32 small-smem", 128): FA.CUDA_FLASH_FP32_SMALL[128]}
-# fp32 compiles twice: IEEE (FMA) and, as under torch's allow_tf32 / fp32_precision="tf32", TF32
-# (mma: other shared memory and registers)
-for (dname, hd), cfgs in FLASH.items():
-    dt = DT[dname.split()[0]]
-    if QUICK and (dname, hd) not in (("bf16", 128), ("fp32", 64)):
-        continue
-    precisions = ("ieee", "tf32") if dt == torch.float32 and not QUICK else (dot_precision(dt),)
-    for precision, causal in [(p, c) for p in precisions for c in ((True,) if QUICK else (False, True))]:
-        fixed = dict(HEAD_DIM=hd, DOT_PRECISION=precision)
-        q, k, v = t(B, H, L, hd, dtype=dt), t(B, HKV, L, hd, dtype=dt), t(B, HKV, L, hd, dtype=dt)
-        o, lse = t(B, H, L, hd, dtype=torch.float32), t(B, H, L, dtype=torch.float32)
-        do, delta = t(B, H, L, hd, dtype=dt), t(B, H, L, dtype=torch.float32)
-        dq, dk, dv = o, t(B, HKV, L, hd, dtype=torch.float32), t(B, HKV, L, hd, dtype=torch.float32)
-        common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                  lse.stride(0), lse.stride(1))
 
-        def tag(cfg):
-            return f"{dname} HEAD_DIM={hd} {cfg} CAUSAL={causal}" + (" tf32" if precision == "tf32" else "")
 
-        check(f"_flash_fwd_kernel {tag(cfgs.fwd)}", FA._flash_fwd_kernel, q, k, v, o, lse,
-              q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-              o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-              H // HKV, L, L, hd, 0, 0, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.fwd.meta())
-        check(f"_flash_bwd_dkdv_kernel {tag(cfgs.dkdv)}", FA._flash_bwd_dkdv_kernel, q, k, v, do, lse, delta, dk, dv,
-              *common, dk.stride(0), dk.stride(1), dk.stride(2), H // HKV, L, L, hd, 0, 0, 0.125,
-              0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.dkdv.meta())
-        check(f"_flash_bwd_dq_kernel {tag(cfgs.dq)}", FA._flash_bwd_dq_kernel, q, k, v, do, lse, delta, dq,
-              *common, dq.stride(0), dq.stride(1), dq.stride(2), H // HKV, L, L, hd, 0, 0, 0.125,
-              0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.dq.meta())
+def check_flash(tables: dict, where: str = "", quick_keys=()) -> None:
+    """Each (dtype name, head dim) -> FlashConfigs, causal and not; fp32 twice: IEEE (FMA) and, as
+    under torch's allow_tf32 / fp32_precision="tf32", TF32 (mma: other shared memory and registers)."""
+    for (dname, hd), cfgs in tables.items():
+        dt = DT[dname]
+        if QUICK and (dname, hd) not in quick_keys:
+            continue
+        precisions = ("ieee", "tf32") if dt == torch.float32 and not QUICK else (dot_precision(dt),)
+        for precision, causal in [(p, c) for p in precisions for c in ((True,) if QUICK else (False, True))]:
+            fixed = dict(HEAD_DIM=hd, DOT_PRECISION=precision)
+            q, k, v = t(B, H, L, hd, dtype=dt), t(B, HKV, L, hd, dtype=dt), t(B, HKV, L, hd, dtype=dt)
+            o, lse = t(B, H, L, hd, dtype=torch.float32), t(B, H, L, dtype=torch.float32)
+            do, delta = t(B, H, L, hd, dtype=dt), t(B, H, L, dtype=torch.float32)
+            dq, dk, dv = o, t(B, HKV, L, hd, dtype=torch.float32), t(B, HKV, L, hd, dtype=torch.float32)
+            common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                      lse.stride(0), lse.stride(1))
+
+            def tag(cfg):
+                return f"{where}{dname} HEAD_DIM={hd} {cfg} CAUSAL={causal}" + (" tf32" if precision == "tf32" else "")
+
+            check(f"_flash_fwd_kernel {tag(cfgs.fwd)}", FA._flash_fwd_kernel, q, k, v, o, lse,
+                  q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                  o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+                  H // HKV, L, L, hd, 0, 0, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.fwd.meta())
+            check(f"_flash_bwd_dkdv_kernel {tag(cfgs.dkdv)}", FA._flash_bwd_dkdv_kernel, q, k, v, do, lse, delta,
+                  dk, dv, *common, dk.stride(0), dk.stride(1), dk.stride(2), H // HKV, L, L, hd, 0, 0, 0.125,
+                  0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.dkdv.meta())
+            check(f"_flash_bwd_dq_kernel {tag(cfgs.dq)}", FA._flash_bwd_dq_kernel, q, k, v, do, lse, delta, dq,
+                  *common, dq.stride(0), dq.stride(1), dq.stride(2), H // HKV, L, L, hd, 0, 0, 0.125,
+                  0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.dq.meta())
+
+
+check_flash({("bf16", 64): FA.CUDA_FLASH_16BIT[64], ("bf16", 128): FA.CUDA_FLASH_16BIT[128],
+             ("bf16", 256): FA.CUDA_FLASH_16BIT[256], ("fp16", 128): FA.CUDA_FLASH_16BIT[128],
+             ("fp32", 64): FA.CUDA_FLASH_FP32[64], ("fp32", 128): FA.CUDA_FLASH_FP32[128],
+             ("fp32", 256): FA.CUDA_FLASH_FP32[256], ("bf16", 512): FA.CUDA_FLASH_WIDE,
+             ("fp32", 512): FA.CUDA_FLASH_WIDE}, quick_keys=(("bf16", 128), ("fp32", 64)))
+# GPUs with ~100 KB a block (sm_86/89: 99 KB) get the small-memory tables (D <= 256; wider is a test path)
+use_target(86, 99)
+check_flash({("bf16", 128): FA.CUDA_FLASH_SMALL[128], ("bf16", 256): FA.CUDA_FLASH_SMALL[256],
+             ("fp32", 64): FA.CUDA_FLASH_FP32_SMALL[64], ("fp32", 128): FA.CUDA_FLASH_FP32_SMALL[128],
+             ("fp32", 256): FA.CUDA_FLASH_FP32_SMALL[256]}, where="sm_86 ")
 
 failed = sum(r.startswith("FAIL") for r in results)
 print(f"\n{sum(r.startswith('OK') for r in results)} OK, {failed} FAIL, "
-      f"{sum('OVER 227' in r for r in results)} over the shared-memory limit")
+      f"{sum('** OVER' in r for r in results)} over the shared-memory limit")
 sys.exit(1 if failed else 0)
