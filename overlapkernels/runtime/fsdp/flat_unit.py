@@ -126,11 +126,8 @@ class FlatUnit:
     def free(self, *, keep_shapes: bool = False) -> None:
         """Drop the gathered parameters (stage 3, between uses)."""
         self.wait_gather()
-        if self.gathered and not self.trained and self._versions() != self._gathered_version:
-            # the only copy of a frozen parameter is the shard: a write into the gathered one is lost
-            raise RuntimeError(f"fsdp unit {self.name!r}: a forward wrote its frozen parameters in place (an EMA "
-                               "codebook kept as a frozen Parameter?); sharded (shard_frozen=True) that write would "
-                               "be lost when the unit is freed. Keep such a tensor as a buffer, or shard_frozen=False")
+        # the only copy of a frozen parameter is the shard: a write into the gathered one would be lost
+        written = self.gathered and not self.trained and self._versions() != self._gathered_version
         if self.gathered:
             self.flat.untyped_storage().resize_(0)
             self.gathered = False
@@ -138,6 +135,11 @@ class FlatUnit:
             empty = self.flat.new_empty(0)
             for p in self.params:
                 p.data = empty
+        if written:  # (after the free: the module is left usable)
+            raise RuntimeError(f"fsdp unit {self.name!r}: a forward wrote its frozen parameters in place (an EMA "
+                               "codebook kept as a frozen Parameter, nn.Embedding(max_norm=...)'s renorm?); sharded "
+                               "(shard_frozen=True) that write is lost when the unit is freed. Keep such a tensor as "
+                               "a buffer, or shard_frozen=False")
 
     @eager_under_compile  # (collectives and storage resizes: see ShardedModule)
     def gather(self, *, async_op: bool = False) -> None:

@@ -14,8 +14,9 @@ RegisterPostBackwardFunction), whose backward runs once the module's own ops hav
 gradients - per call and per traversal of its graph (retain_graph), whatever else consumes the
 inputs. The module's frozen units are freed once no call whose backward started (its output's
 gradient hook, which also gathers them) still waits for that, and its trained units are done; what
-is still gathered at the end of backward is freed there. A call with a gradient-taking input
-pytree cannot reach (inside a custom object) keeps them to the end of backward.
+is still gathered at the end of backward is freed there. A call none of whose arguments takes a
+gradient, or with one inside a container or object, keeps them to the end of backward (see
+``watch_inputs``). Writes through ``.data`` to a sharded frozen parameter are not detected (lost).
 Like FSDP2's, the wrapping makes the module's inputs outputs of a custom Function: a module that
 changes its input in place is refused by torch there (shard_frozen=False does not wrap). And when
 a module called twice is gathered again between its calls' backwards depends on autograd's order,
@@ -24,7 +25,6 @@ so ranks must run the same code (as FSDP2 needs; trained units are reduced in a 
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .accounting import each_tensor
 from .flat_unit import FlatUnit
@@ -88,25 +88,28 @@ class FrozenRelease:
         return index in self.trained
 
     def watch_inputs(self, index: int, args, kwargs):
-        """In the module's forward pre-hook -> (its ``_Call`` or None when no input takes a gradient,
-        the args and kwargs to run it with: the gradient-taking tensors through ``_InputsDone``)."""
-        leaves, spec = tree_flatten((args, kwargs))
-        where = [i for i, t in enumerate(leaves) if torch.is_tensor(t) and t.requires_grad]
-        hidden = []  # inside dataclasses and other objects pytree takes for leaves
-        each_tensor([t for t in leaves if not torch.is_tensor(t)],
-                    lambda t: hidden.append(t) if t.requires_grad else None)
-        if not where and not hidden:
-            return None, args, kwargs
+        """In the module's forward pre-hook (grad enabled) -> (its ``_Call``, the args and kwargs to
+        run it with). The gradient-taking tensors among the arguments themselves go through one
+        ``_InputsDone`` (each tensor once, so one passed twice stays one object); nothing else is
+        rebuilt (a list or dict the module appends to stays the caller's). The call is ``opaque`` -
+        its frozen units held to the end of backward - where a gradient-taking tensor hides inside a
+        container or object, or where no argument takes a gradient: a gradient can still reach its
+        frozen ops through a tensor the module reads otherwise (an attribute, a trained parameter of
+        another module), which no hook sees (FSDP2 keeps such a call's parameters alike)."""
         call = _Call()
-        call.opaque = bool(hidden)
-        if where:
-            outs = _InputsDone.apply(self, index, call, *[leaves[i] for i in where])
-            for i, t in zip(where, outs):
-                leaves[i] = t
-            args, kwargs = tree_unflatten(leaves, spec)
-        else:
-            call.opaque = True
-        return call, args, kwargs
+        top = {id(t): t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.requires_grad}
+        nested = []
+        each_tensor([v for v in (*args, *kwargs.values()) if not torch.is_tensor(v)],
+                    lambda t: nested.append(t) if t.requires_grad else None)
+        call.opaque = bool(nested) or not top
+        if not top:
+            return call, args, kwargs
+        passed = dict(zip(top, _InputsDone.apply(self, index, call, *top.values())))
+
+        def through(v):
+            return passed.get(id(v), v) if torch.is_tensor(v) else v
+
+        return call, tuple(through(v) for v in args), {k: through(v) for k, v in kwargs.items()}
 
     def backward_started(self, index: int, call) -> None:
         """The call's output got its gradient (its backward starts; the module was gathered)."""
