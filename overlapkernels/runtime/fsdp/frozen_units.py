@@ -51,6 +51,17 @@ def frozen_units(modules: list, skip: set, group, *, param_dtype) -> dict:
     return made
 
 
+def _split(value, tensors: list, others: list) -> None:
+    """The tensors among an argument and inside its (nested) tuples; everything else in ``others``."""
+    if torch.is_tensor(value):
+        tensors.append(value)
+    elif isinstance(value, tuple):
+        for item in value:
+            _split(item, tensors, others)
+    else:
+        others.append(value)
+
+
 class _Call:
     """One forward call of a unit module whose backward may read its frozen units."""
     opaque = False  # some gradient-taking input hides where pytree cannot replace it: held to the end
@@ -64,6 +75,7 @@ class _InputsDone(torch.autograd.Function):
     @staticmethod
     def forward(ctx, release, index, call, *inputs):
         ctx.release, ctx.index, ctx.call = release, index, call
+        ctx.set_materialize_grads(False)  # an input the module ignores keeps a None gradient, not zeros
         return inputs
 
     @staticmethod
@@ -89,25 +101,32 @@ class FrozenRelease:
 
     def watch_inputs(self, index: int, args, kwargs):
         """In the module's forward pre-hook (grad enabled) -> (its ``_Call``, the args and kwargs to
-        run it with). The gradient-taking tensors among the arguments themselves go through one
-        ``_InputsDone`` (each tensor once, so one passed twice stays one object); nothing else is
-        rebuilt (a list or dict the module appends to stays the caller's). The call is ``opaque`` -
+        run it with). The gradient-taking tensors among the arguments and inside their tuples go
+        through one ``_InputsDone`` (each tensor once, so one passed twice stays one object); nothing
+        mutable is rebuilt (a list or dict the module appends to stays the caller's). The call is ``opaque`` -
         its frozen units held to the end of backward - where a gradient-taking tensor hides inside a
         container or object, or where no argument takes a gradient: a gradient can still reach its
         frozen ops through a tensor the module reads otherwise (an attribute, a trained parameter of
         another module), which no hook sees (FSDP2 keeps such a call's parameters alike)."""
-        call = _Call()
-        top = {id(t): t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.requires_grad}
+        call, tensors, others = _Call(), [], []
+        for v in (*args, *kwargs.values()):
+            _split(v, tensors, others)
+        top = {id(t): t for t in tensors if t.requires_grad}
         nested = []
-        each_tensor([v for v in (*args, *kwargs.values()) if not torch.is_tensor(v)],
-                    lambda t: nested.append(t) if t.requires_grad else None)
+        each_tensor(others, lambda t: nested.append(t) if t.requires_grad else None)
         call.opaque = bool(nested) or not top
         if not top:
             return call, args, kwargs
         passed = dict(zip(top, _InputsDone.apply(self, index, call, *top.values())))
 
         def through(v):
-            return passed.get(id(v), v) if torch.is_tensor(v) else v
+            if torch.is_tensor(v):
+                return passed.get(id(v), v)
+            if isinstance(v, tuple):  # immutable: rebuilt (a subclass it cannot rebuild stays as it was)
+                items = [through(x) for x in v]
+                if any(a is not b for a, b in zip(items, v)):
+                    return tuple(items) if type(v) is tuple else v._make(items) if hasattr(v, "_make") else v
+            return v
 
         return call, tuple(through(v) for v in args), {k: through(v) for k, v in kwargs.items()}
 

@@ -195,7 +195,11 @@ class ShardedModule(Accounting, nn.Module):
                 # during backward, as checkpointing's recompute, has a current node): re-arm it
                 self._backward_armed = False
                 self._reset_backward()
-            if self.stage == 3:
+            if self.stage == 3 and in_backward:  # checkpointing's recompute: the modules after it are done;
+                for unit in units:                 # prefetching them re-gathered what nothing frees before the
+                    unit.gather()                  # end of backward (the whole model), and whether it issued
+                self._track()                      # a gather depended on this rank's unused parameters
+            elif self.stage == 3:
                 self._gather_with_neighbours(units, +1)
             if self._frozen_release.has_frozen(index):  # when its backward is done with the frozen units
                 call = None  # (in backward too: a reentrant checkpoint's recompute is what backward runs)
