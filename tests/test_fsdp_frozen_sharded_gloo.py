@@ -537,3 +537,25 @@ def test_an_argument_the_module_ignores_keeps_no_gradient():
         got = sharded.full_state_dict()
         want = want or got
         assert torch.equal(got["vec"], want["vec"]) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_create_graph_at_stage_3_is_warned_about(stage):
+    """A gradient penalty's double backward reads stage 3's freed units (unsupported): was only
+    torch's 'setStorage ... size 0' at the second backward; now a warning names the cause first.
+    Stage 2 keeps whole parameters: no warning, and the penalty trains."""
+    import warnings
+
+    torch.manual_seed(0)
+    sharded = fsdp.shard(nn.Sequential(LoRA(), nn.Linear(D_IN, 3)).double(), stage=stage, optimizer=SGD)
+    x = torch.randn(2, D_IN, dtype=torch.float64, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = sharded(x)
+        g, = torch.autograd.grad(out.sum(), x, create_graph=True)
+    said = [str(w.message) for w in caught if "create_graph" in str(w.message)]
+    assert len(said) == (stage == 3) and all(m.startswith("fsdp stage 3: a backward with create_graph=True") for m in said)
+    if stage == 2:
+        (out.sum() + (g ** 2).sum()).backward()
+        sharded.step()

@@ -24,6 +24,7 @@ it was, with its optimizer state).
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 
 import torch
@@ -70,6 +71,7 @@ class ShardedModule(Accounting, nn.Module):
         self._sync = True
         self._keep_gathered = False  # inside no_sync(reshard_after_backward=False), stage 3
         self._backward_armed = False
+        self._warned_create_graph = False
         self.peak_gathered_bytes = 0
         modules = unit_modules(model, units, frozen_too=stage == 3 and shard_frozen)
         # Stage 3 frees a unit's parameters after its forward, so one that two units use (a tied
@@ -245,6 +247,13 @@ class ShardedModule(Accounting, nn.Module):
     def _pre_backward(self, units: list, call=None):
         def hook(grad):
             self._arm_end_of_backward()
+            if self.stage == 3 and torch.is_grad_enabled() and not self._warned_create_graph:
+                # (grad mode is on inside a backward only under create_graph)
+                self._warned_create_graph = True
+                warnings.warn("fsdp stage 3: a backward with create_graph=True (a gradient penalty, double "
+                              "backward): its graph reads the units' parameters after they are freed again, which "
+                              "nothing re-gathers, so a backward through it fails (setStorage ... size 0); use "
+                              "stage 1 or 2 for that", stacklevel=2)
             if self.stage == 3:
                 self._gather_with_neighbours(units, -1)
                 self._frozen_release.backward_started(units[0].module_index, call)
