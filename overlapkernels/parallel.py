@@ -90,21 +90,20 @@ def uses_nccl(group: dist.ProcessGroup | None = None) -> bool:
     every message through host copies. The backend config maps each device type to its backend
     ("cpu:gloo,cuda:gloo" for gloo alone, which copies CUDA tensors through the host), also under
     TORCH_DISTRIBUTED_DEBUG=DETAIL, whose wrapper hides the backend's class."""
-    group = group or dist.group.WORLD
-    config = getattr(dist, "get_backend_config", None)
-    if config is None:  # torch < 2.2
-        return "nccl" in str(dist.get_backend(group))
-    return "cuda:nccl" in config(group)
+    return "nccl" in _backend_config(group)
 
 
 def uses_gloo(group: dist.ProcessGroup | None = None) -> bool:
     """Whether gloo moves any of ``group``'s tensors: "gloo", or a mixed backend whose CPU tensors go
     through it ("cpu:gloo,cuda:nccl", torchtitan's), or "undefined" (gloo for CPU tensors)."""
+    return "gloo" in _backend_config(group)
+
+
+def _backend_config(group: dist.ProcessGroup | None) -> str:
+    """"cpu:gloo,cuda:nccl" and the like: each device type's backend (torch < 2.2: its name)."""
     group = group or dist.group.WORLD
     config = getattr(dist, "get_backend_config", None)
-    if config is None:  # torch < 2.2
-        return "gloo" in str(dist.get_backend(group))
-    return "gloo" in config(group)
+    return str(dist.get_backend(group)) if config is None else config(group)
 
 
 def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
@@ -251,43 +250,3 @@ def shared_peers(group_a: dist.ProcessGroup, group_b: dist.ProcessGroup) -> list
     one mesh (the dp group and the tp group), some for the world and any group of 2+ ranks."""
     both = set(dist.get_process_group_ranks(group_a)) & set(dist.get_process_group_ranks(group_b))
     return sorted(both - {dist.get_rank()})
-
-
-
-class RefusedElsewhere(ValueError):
-    """Another rank of the group refused its arguments; names that rank and its reason."""
-
-
-REFUSAL_BYTES = 600  # of each rank's reason that reach the others
-
-
-def refuse_together(error: Exception | None, group: dist.ProcessGroup, what: str, device: torch.device, *,
-                    elsewhere: type = RefusedElsewhere) -> None:
-    """Raises on every rank of ``group`` when any of them refused (``error`` not None there).
-
-    For checks of a rank's own arguments or state (its stage modules, an error only it saw), which
-    can hold on some ranks only: raised there alone, the others would go on and wait for that rank
-    until a timeout. Every rank calls this once, refused or not: one all-reduce of a flag on
-    ``device`` (the one the group's later collectives use: under NCCL a rank's own GPU, where
-    ``all_gather_object`` would take whichever is current), and where any rank refused a second
-    one of the ranks' reasons (600 bytes each). The refusing rank raises its own error; the
-    others an ``elsewhere`` (``RefusedElsewhere``) naming the lowest refusing rank and its reason."""
-    refused = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
-    dist.all_reduce(refused, op=dist.ReduceOp.MAX, group=group)
-    if not refused.item():
-        return
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    reasons = torch.zeros(world, REFUSAL_BYTES, dtype=torch.uint8)
-    if error is not None:  # "1" first: an empty message still marks the rank
-        mine = ("1" + f"{type(error).__name__}: {error}").encode()[:REFUSAL_BYTES]
-        reasons[rank, :len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-    reasons = reasons.to(device)
-    dist.all_reduce(reasons, group=group)  # one row written per rank: the sum is every rank's reason
-    if error is not None:
-        raise error
-    said = [(r, bytes(row).rstrip(b"\0")[1:].decode(errors="replace"))
-            for r, row in enumerate(reasons.cpu().tolist()) if row[0]]
-    first, why = said[0]
-    others = f" (and ranks {[r for r, _ in said[1:]]})" if len(said) > 1 else ""
-    verb = getattr(elsewhere, "verb", "refused")
-    raise elsewhere(f"{what}: rank {first} of the group{others} {verb}, so this rank stops too: {why}")

@@ -66,6 +66,32 @@ def all_gather_objects(obj, group=None, device=None) -> list:
     return everyone
 
 
+class RefusedElsewhere(ValueError):
+    """Another rank of the group refused its arguments; names that rank and its reason."""
+
+
+def refuse_together(error: Exception | None, group: dist.ProcessGroup, what: str, device: torch.device, *,
+                    elsewhere: type = RefusedElsewhere, verb: str = "refused") -> None:
+    """Raises on every rank of ``group`` when any of them refused (``error`` not None there).
+
+    For checks of a rank's own arguments or state (its stage modules, an error only it saw), which
+    can hold on some ranks only: raised there alone, the others would go on and wait for that rank
+    until a timeout. Every rank calls this once, refused or not: one all-reduce of a flag on
+    ``device`` (what the group's collectives use), and only where some rank refused an exchange of
+    the reasons. The refusing rank raises its own error; the others an ``elsewhere`` naming the
+    lowest refusing rank and its reason."""
+    refused = torch.tensor([error is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(refused, op=dist.ReduceOp.MAX, group=group)
+    if not refused.item():
+        return
+    reasons = all_gather_objects(None if error is None else f"{type(error).__name__}: {error}", group, device)
+    if error is not None:
+        raise error
+    said = [(r, why) for r, why in enumerate(reasons) if why is not None]
+    others = f" (and ranks {[r for r, _ in said[1:]]})" if len(said) > 1 else ""
+    raise elsewhere(f"{what}: rank {said[0][0]} of the group{others} {verb}, so this rank stops too: {said[0][1]}")
+
+
 def all_reduce_coalesced(tensors: list, group=None) -> None:
     """Sum each tensor over ranks in place, as one all-reduce of a flat buffer per (dtype, device)
     (one launch and one latency instead of one per tensor, e.g. for many small gradients). Per

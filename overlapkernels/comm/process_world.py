@@ -24,7 +24,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_objects
+from .collectives import all_gather_objects, refuse_together
 from .group_cache import group_key, per_group_cache
 from .peer_access import failing_pairs, peer_access_problem
 from .side_stream import CudaSideStream, hardware_queues
@@ -370,14 +370,13 @@ def check_pending_errors_together(group: dist.ProcessGroup, what: str, device: t
     """``check_pending_errors`` on every rank of ``group`` (collective): a timeout pending on any rank
     raises on all of them, before ``what`` (a checkpoint, an optimizer step) uses the results."""
     from ..kernels.errors import PeerFailedError
-    from ..parallel import refuse_together
 
     error = None
     try:
         check_pending_errors()
     except Exception as exc:  # noqa: BLE001 - a device error too: every rank must learn of it
         error = exc
-    refuse_together(error, group, what, device, elsewhere=PeerFailedError)
+    refuse_together(error, group, what, device, elsewhere=PeerFailedError, verb="failed")
 
 
 def report_pending_errors() -> bool:

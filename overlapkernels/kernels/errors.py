@@ -9,8 +9,6 @@ class PeerFailedError(SignalTimeoutError):
     """Another rank of the group had a symm/fused timeout (or device error) pending: this rank stops
     too (``fsdp.save``, ``Trainer.step``). The message names that rank and its error."""
 
-    verb = "failed"  # (parallel.refuse_together's message)
-
 
 class CudaLibraryError(RuntimeError):
     """The CUDA library is missing, of another ABI version, or a call into it failed."""

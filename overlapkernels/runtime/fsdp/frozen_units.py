@@ -64,7 +64,7 @@ def _split(value, tensors: list, others: list) -> None:
 
 class _Call:
     """One forward call of a unit module whose backward may read its frozen units."""
-    opaque = False  # some gradient-taking input hides where pytree cannot replace it: held to the end
+    opaque = False  # a gradient may reach its frozen ops unseen (watch_inputs): held to the end of backward
 
 
 class _InputsDone(torch.autograd.Function):

@@ -40,7 +40,7 @@ from .frozen_copies import FrozenComputeCopies
 from .frozen_units import FrozenRelease, frozen_units
 from .gradless import hold_gradless
 from .param_groups import optimizer_and_units
-from .state_guards import guard_state_dicts
+from .state_guards import full_state_dict, guard_state_dicts
 from .unit_plan import (check_context_parallel_tags, check_group_holds_replicas, check_sequence_parallel_tags,
                         shared_parameters, unit_modules)
 
@@ -175,13 +175,13 @@ class ShardedModule(Accounting, nn.Module):
 
     def _gather_with_neighbours(self, units: list, direction: int) -> None:
         """Stage 3: a unit module's flat units (one per param group), then - asynchronously, to
-        overlap its compute - those of the next ``prefetch`` unit modules in ``direction``. All of
-        the module's own first: collectives of a group run in order, so one of them behind the
-        prefetch would wait for it."""
+        overlap its compute - those of the next ``prefetch`` unit modules in ``direction`` (0: none).
+        All of the module's own first: collectives of a group run in order, so one of them behind
+        the prefetch would wait for it."""
         for unit in units:
             unit.gather()
         i, mods = units[0].module_index, self._module_units
-        for k in range(1, self.prefetch + 1):
+        for k in range(1, self.prefetch + 1) if direction else ():
             for nxt in mods[i + direction * k] if 0 <= i + direction * k < len(mods) else ():
                 nxt.gather(async_op=True)
         self._track()
@@ -197,12 +197,11 @@ class ShardedModule(Accounting, nn.Module):
                 # during backward, as checkpointing's recompute, has a current node): re-arm it
                 self._backward_armed = False
                 self._reset_backward()
-            if self.stage == 3 and in_backward:  # checkpointing's recompute: the modules after it are done;
-                for unit in units:                 # prefetching them re-gathered what nothing frees before the
-                    unit.gather()                  # end of backward (the whole model), and whether it issued
-                self._track()                      # a gather depended on this rank's unused parameters
-            elif self.stage == 3:
-                self._gather_with_neighbours(units, +1)
+            if self.stage == 3:
+                # no prefetch for checkpointing's recompute (in backward): the modules after it are done,
+                # nothing would free them before the end of backward, and whether it gathered depended
+                # on this rank's unused parameters
+                self._gather_with_neighbours(units, 0 if in_backward else +1)
             if self._frozen_release.has_frozen(index):  # when its backward is done with the frozen units
                 call = None  # (in backward too: a reentrant checkpoint's recompute is what backward runs)
                 if torch.is_grad_enabled():
@@ -443,20 +442,5 @@ class ShardedModule(Accounting, nn.Module):
                 unit.free()
 
     def full_state_dict(self) -> dict:
-        """Unsharded tensors under the keys of ``model.state_dict()``, on every rank."""
-        values = {}
-        for unit in self.saved_units:
-            for p, full in zip(unit.params, unit.full_tensors()):
-                values[id(p)] = full
-        out = {}
-        self._reading_full_state = True  # only for the keys: the values come from the masters
-        try:
-            entries = self.module.state_dict(keep_vars=True)
-        finally:
-            self._reading_full_state = False
-        for name, t in entries.items():
-            if id(t) in values:
-                out[name] = values[id(t)]
-            else:  # buffers, and non-tensor extra state (Megatron's _extra_state)
-                out[name] = t.detach().clone() if torch.is_tensor(t) else t
-        return out
+        """Unsharded tensors under the keys of ``model.state_dict()``, on every rank (a collective)."""
+        return full_state_dict(self)

@@ -1,13 +1,16 @@
-"""What ``state_dict`` / ``load_state_dict`` of an fsdp-wrapped model refuse, and why.
+"""What ``state_dict`` / ``load_state_dict`` of an fsdp-wrapped model refuse, and why; and the
+unsharded state dict fsdp offers instead (``full_state_dict``).
 
 Stage 3 frees a unit's parameters between forwards, so a state dict of them would be empty. And at
 every stage a load of a unit's parameters would reach only the gathered copy, which the next step
 overwrites from the masters (the optimizer's): refused, not silently undone - at the model, before
-anything loads, and at each unit's module (a load that starts there). Frozen parameters and buffers
-are in no unit and still load. ``sharded.full_state_dict()`` and ``fsdp.save`` / ``fsdp.load`` are
+anything loads, and at each unit's module (a load that starts there); so are frozen parameters that
+stage 3's ``shard_frozen`` shards. Other frozen parameters and buffers are in no unit and still load. ``sharded.full_state_dict()`` and ``fsdp.save`` / ``fsdp.load`` are
 the ways in and out.
 """
 from __future__ import annotations
+
+import torch
 
 
 def guard_state_dicts(sharded) -> None:
@@ -49,3 +52,19 @@ def _refuse_load(sharded, trained: set, frozen: set):
                 f"{', '.join(loaded[:3])}{' ...' if len(loaded) > 3 else ''}: shard_frozen keeps only shards of them, "
                 "which a load would not reach. Load before fsdp.shard, or use fsdp.load")
     return hook
+
+
+def full_state_dict(sharded) -> dict:
+    """Unsharded tensors under the keys of ``model.state_dict()``, on every rank (a collective)."""
+    values = {}
+    for unit in sharded.saved_units:
+        for p, full in zip(unit.params, unit.full_tensors()):
+            values[id(p)] = full
+    sharded._reading_full_state = True  # only for the keys (_refuse_freed): the values come from the masters
+    try:
+        entries = sharded.module.state_dict(keep_vars=True)
+    finally:
+        sharded._reading_full_state = False
+    # buffers, and non-tensor extra state (Megatron's _extra_state), as they are
+    return {name: values[id(t)] if id(t) in values else t.detach().clone() if torch.is_tensor(t) else t
+            for name, t in entries.items()}

@@ -3,9 +3,9 @@
 P2P follows ``p2p.comm_plan``: ``batch_isend_irecv`` batches posted between actions in an order
 that can neither deadlock nor pair the wrong tensors under NCCL (no tags, FIFO per pair, a send
 waits for its receiver); the plan of every rank is checked at construction, whose one collective
-lets every rank learn that one refused its own arguments (``refuse_together``) before any P2P. Messages also carry tags, so gloo pairs them by name. A receive is waited for when
-its action needs it, sends at the end of the step, each with a timeout naming the stage,
-microbatch and peer. On NCCL a receive only makes the compute stream wait (a timed host wait would
+lets every rank learn that one refused its own arguments (``refuse_together``) before any P2P.
+Messages also carry tags, so gloo pairs them by name. A receive is waited for when its action
+needs it, sends at the end of the step, each with a timeout naming the stage, microbatch and peer. On NCCL a receive only makes the compute stream wait (a timed host wait would
 stall the host until the transfer lands) and its timeout is checked at the step's end; shape
 messages, which the host reads, are waited for at once, so a peer dead at a step's start is
 named. One that dies mid-step can instead surface through NCCL's watchdog (the process group's
@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...parallel import comm_device, refuse_together, resolve_group, resolve_timeout, shared_peers, uses_nccl
+from ...comm.collectives import refuse_together
+from ...parallel import comm_device, resolve_group, resolve_timeout, shared_peers, uses_nccl
 from ...profiling.ranges import span
 from .p2p import announcing_microbatch, check_comm_plan, comm_plan
 from .schedule import Schedule
@@ -110,7 +111,7 @@ class PipelineRunner:
     modules (zero them, and step the optimizer, yourself). ``timeout`` (s): a peer that does not
     answer raises ``PipelineTimeout`` naming the stage, microbatch and peer; seconds or a timedelta.
     Construction is collective over ``group`` (one small all-reduce): a rank whose own stage
-    modules are refused raises its error, the others ``parallel.RefusedElsewhere`` naming it
+    modules are refused raises its error, the others ``comm.collectives.RefusedElsewhere`` naming it
     (arguments every rank passes alike - the schedule, the loss - are refused before that).
     """
 
@@ -121,7 +122,7 @@ class PipelineRunner:
         self.group = resolve_group(group)
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         timeout, plan = self._check_shared(schedule, loss_fn, timeout)  # alike on every rank: no exchange
-        error, modules = None, []
+        error = None
         try:  # this rank's own stage modules (and device) may be refused on this rank only: every rank learns of it
             modules = self._check_stages(stage_module_or_modules, schedule)
             self.device = torch.device(device) if device is not None else _stage_device(modules, self.group)
