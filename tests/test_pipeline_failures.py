@@ -1,6 +1,8 @@
 """The pipeline executor when a peer fails mid-step: a dead peer or one that dies on a given
 microbatch is a PipelineTimeout naming it, an activation that changes shape within a step is refused
-by name. Each test runs a pool of its own (a failed step leaves messages in flight)."""
+by name. Each of those runs a pool of its own (a failed step leaves messages in flight). And a
+rank refusing its own arguments at construction: every rank raises (the shared pool: nothing is in
+flight then)."""
 import os
 import re
 from datetime import timedelta
@@ -134,3 +136,47 @@ def test_a_stage_changing_its_received_input_in_place_is_told_why():
     assert second.startswith("RuntimeError: stage 1 microbatch 0: the stage modifies its input in place"), second
     assert "make that first op out of place" in second
     assert first.startswith("PipelineTimeout: stage 0 microbatch 0: no gradient from rank 1"), first
+
+
+def _refused_on_some_ranks(refusing):
+    """Ranks in ``refusing`` pass two stage modules to a schedule of one per rank (their own
+    argument: the others' are fine) -> (error type, message) of each rank's constructor."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stage = _stage(_model(world), rank)
+    try:
+        pp.PipelineRunner([stage, stage] if rank in refusing else stage, schedule=pp.make_schedule("1f1b", world, 2),
+                          loss_fn=F.mse_loss, timeout=5)
+    except ValueError as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def _bad_device_on_rank_1():
+    rank = dist.get_rank()
+    try:
+        pp.PipelineRunner(_stage(_model(2), rank), schedule=pp.make_schedule("1f1b", 2, 2), loss_fn=F.mse_loss,
+                          timeout=5, device="gpu0" if rank == 1 else None)
+    except (ValueError, RuntimeError) as exc:
+        return type(exc).__name__
+    return None
+
+
+def test_a_bad_device_on_one_rank_is_raised_on_every_rank(rank_pool):
+    """torch.device's own error on rank 1 (a per-rank argument), told to rank 0 by the agreement."""
+    assert rank_pool(2).run(_bad_device_on_rank_1) == ["RefusedElsewhere", "RuntimeError"]
+
+
+@pytest.mark.parametrize("world, refusing", [(2, (1,)), (3, (1, 2))])
+def test_a_refusal_on_some_ranks_is_raised_on_every_rank(rank_pool, world, refusing):
+    """Was: only the refusing rank raised; the others' first step waited for it until the timeout.
+    Now every rank raises in the constructor, before any P2P: the refusing ones their own error,
+    the others one naming the lowest refusing rank and its reason."""
+    results = rank_pool(world).run(_refused_on_some_ranks, refusing)
+    own = "2 stage modules on this rank, the schedule has 1 per rank"
+    others = f" (and ranks {list(refusing[1:])})" if len(refusing) > 1 else ""
+    for rank, got in enumerate(results):
+        if rank in refusing:
+            assert got == ("ValueError", own), (rank, got)
+        else:
+            assert got == ("RefusedElsewhere", f"PipelineRunner: rank {refusing[0]} of the group{others} refused, so "
+                           f"this rank stops too: ValueError: {own}"), (rank, got)

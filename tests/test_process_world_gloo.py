@@ -1,11 +1,9 @@
 """The process world's peer-memory rules on gloo ranks and in-process: which peer memory a group
 gets (torch symmetric memory or CUDA IPC) and why not, its settings (wait timeout, reserved SMs),
 one node and peer access between the GPUs, torch 2.11's pooled symmetric memory, set-up failures
-raised on every rank, and the device error records raised a call late. The GPU side runs in
-test_ops_tp_gpu.py (make gpu-check)."""
+raised on every rank (the device error records raised a call late: test_device_error_records.py).
+The GPU side runs in test_ops_tp_gpu.py (make gpu-check)."""
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -337,73 +335,6 @@ def test_a_peer_buffer_ipc_cannot_map_raises_on_every_rank(rank_pool):
         assert asked == [2 << 20]  # 16 bytes asked for: a whole 2 MiB granule, no block shared with others
         assert said.startswith("CUDA IPC: rank 1 cannot map rank 0's buffer (ipc_open: CUDA error 101: invalid "
                                "device ordinal). A common cause: each rank sees only its own GPU"), said
-
-
-def test_pending_device_errors_are_raised_on_demand_and_reported_at_exit(monkeypatch, capsys):
-    """symm/fused on GPUs raise a wait's timeout one call late (no host sync per call): the last
-    call's must still surface - check_pending_errors() raises it, the exit hook prints it."""
-    from types import SimpleNamespace
-
-    from overlapkernels.comm import process_world as pw
-    from overlapkernels.kernels.errors import SignalTimeoutError
-
-    def flush():
-        raise SignalTimeoutError("ok/all_gather_matmul[fused]: rank 1 timed out waiting for chunk 0 from rank 0")
-
-    monkeypatch.setattr(pw, "_worlds", {"k": SimpleNamespace(_errors=SimpleNamespace(flush=flush))})
-    with pytest.raises(SignalTimeoutError, match="rank 1 timed out waiting for chunk 0"):
-        pw.check_pending_errors()
-    assert pw.report_pending_errors() is True
-    assert "overlapkernels: SignalTimeoutError: ok/all_gather_matmul[fused]: rank 1" in capsys.readouterr().err
-
-
-def test_a_timeout_pending_at_exit_fails_the_process():
-    """Was: printed at exit, and the process exited 0, so a launcher saw a job whose last step's
-    results were garbage succeed. Now it exits with status 1 (and prints it); nothing pending: 0.
-    The check is registered at import, so handlers registered later still run before it."""
-    code = ("import atexit, sys\nfrom types import SimpleNamespace\n"
-            "from overlapkernels.comm import process_world as pw\n"
-            "from overlapkernels.kernels.errors import SignalTimeoutError\n"
-            "def flush():\n    raise SignalTimeoutError('ok/matmul_reduce_scatter[symm]: rank 0 timed out')\n"
-            "def clean():\n    pass\n"
-            "pw._worlds['k'] = SimpleNamespace(_errors=SimpleNamespace(flush=flush if sys.argv[1] == 'pending' else clean))\n"
-            "atexit.register(print, 'a handler registered after import overlapkernels ran')\nprint('done')\n")
-    for pending, status in (("pending", 1), ("none", 0)):
-        out = subprocess.run([sys.executable, "-c", code, pending], capture_output=True, text=True, timeout=120)
-        assert out.returncode == status, (pending, out.returncode, out.stderr)
-        assert out.stdout == "done\na handler registered after import overlapkernels ran\n", out.stdout
-        assert ("overlapkernels: SignalTimeoutError: ok/matmul_reduce_scatter[symm]: rank 0 timed out" in out.stderr) \
-            is (pending == "pending"), out.stderr
-
-
-def test_deferred_error_records_raise_in_call_order():
-    """The queue behind a call-late timeout (CUDA events faked): poll raises only records whose
-    copy has landed, oldest first, and stops at the first pending one; flush waits for the rest."""
-    from overlapkernels.kernels.errors import SignalTimeoutError
-    from overlapkernels.kernels.triton import signals
-
-    class Event:
-        def __init__(self, done):
-            self.done, self.waited = done, False
-
-        def query(self):
-            return self.done
-
-        def synchronize(self):
-            self.waited = True
-
-    fine = torch.zeros(4, dtype=torch.int32)
-    timed_out = torch.tensor([signals.ERR_READY_TIMEOUT.value, 1, 2, 0], dtype=torch.int32)
-    check = signals.DeferredErrorCheck()
-    events = [Event(True), Event(False), Event(True)]
-    check._pending = [(events[0], fine, "op0", 1), (events[1], timed_out, "op1", 2), (events[2], fine, "op2", 3)]
-    check.poll()  # the first record is clean; the second has not landed: nothing raised, it stays
-    assert [p[2] for p in check._pending] == ["op1", "op2"]
-    with pytest.raises(SignalTimeoutError, match=r"op1: rank 1 timed out waiting for chunk 2 from rank 0 \(call 2\)"):
-        check.flush()
-    assert events[1].waited and [p[2] for p in check._pending] == ["op2"]
-    check.flush()
-    assert check._pending == [] and events[2].waited
 
 
 def _peer_world_with_a_bad_setting_on_one_rank():
