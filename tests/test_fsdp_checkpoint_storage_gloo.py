@@ -15,7 +15,7 @@ from test_fsdp_gloo import _net
 def _blind_rank_on_rank(path, blind_in):
     """Rank 1 cannot see what rank 0 writes (storage not shared by the nodes), in ``blind_in``: both
     ranks raise naming rank 1, none waits in a collective (the pool would report a timeout)."""
-    from overlapkernels.runtime.fsdp import checkpoint as ck
+    from overlapkernels.runtime.fsdp import checkpoint_files as ck
 
     sharded = fsdp.shard(_net(), stage=2)
     if blind_in == "load":
@@ -79,7 +79,7 @@ def test_a_tensor_learning_rate_saves_and_loads_as_a_tensor(rank_pool, tmp_path)
 def test_a_checkpoint_that_shows_up_late_is_waited_for(tmp_path, monkeypatch):
     """A network filesystem may show another node's rename a little late: a rank looks again (listing
     the folder refreshes the view) before it calls the checkpoint unreachable."""
-    from overlapkernels.runtime.fsdp import checkpoint as ck
+    from overlapkernels.runtime.fsdp import checkpoint_files as ck
 
     path = tmp_path / "c"
     calls = []

@@ -272,9 +272,3 @@ def test_a_frozen_fp8_weight_is_gathered_as_bytes_and_counted_alike():
         stats.append(sharded.memory_stats()["param_bytes"])
         assert sharded.full_state_dict()["0.w8"].dtype == torch.float8_e4m3fn
     assert torch.equal(outs[0], outs[1]) and stats[0] == stats[1], stats
-
-
-@pytest.mark.usefixtures("world_of_one")
-def test_a_model_without_trainable_parameters_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"^shard_frozen=True: Frozen has no trainable parameter"):
-        fsdp.shard(Frozen(), stage=3, shard_frozen=True)

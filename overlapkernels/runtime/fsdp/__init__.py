@@ -29,7 +29,10 @@ def shard(model, group=None, *, stage=3, optimizer=_adamw, prefetch=1, param_dty
 
     ``shard_frozen=True`` (stage 3): frozen parameters are sharded too (a LoRA base), gathered with
     their unit and, like its trained ones, readable only inside its forward (frozen_units.py);
-    otherwise every rank keeps them whole."""
+    otherwise every rank keeps them whole. A model with no trainable parameter at all (a distillation
+    teacher, a DPO reference model) is sharded that way for inference: ``optimizer`` is not called,
+    ``step`` is refused, and the model's forward - under ``no_grad`` or with gradients flowing
+    through it to a trained input - gathers one unit module at a time."""
     if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or stage not in (1, 2, 3):
         raise ValueError(f"stage={stage!r}: expected 1, 2 or 3")
     if not callable(optimizer):
@@ -40,9 +43,15 @@ def shard(model, group=None, *, stage=3, optimizer=_adamw, prefetch=1, param_dty
     if shard_frozen and stage != 3:
         raise ValueError(f"shard_frozen=True with stage={stage!r}: only stage 3 shards parameters (stages 1 and 2 "
                          "keep every parameter whole on every rank)")
-    if shard_frozen and not any(p.requires_grad for p in model.parameters()):
-        raise ValueError(f"shard_frozen=True: {type(model).__name__} has no trainable parameter; fsdp.shard wraps a "
-                         "model to train (a frozen reference or teacher model is not supported yet)")
+    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else None
+    if params is None:
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not params:
+        raise ValueError(f"fsdp.shard: {type(model).__name__} has no parameter: nothing to shard")
+    if not shard_frozen and not any(p.requires_grad for p in params):
+        raise ValueError(f"fsdp.shard: {type(model).__name__} has no trainable parameter, and with shard_frozen=False "
+                         "frozen parameters stay whole on every rank: nothing would be sharded. To shard a frozen "
+                         "model (a distillation teacher, a reference model) for inference: stage=3, shard_frozen=True")
     if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 0:
         raise ValueError(f"prefetch={prefetch!r}: expected an integer >= 0")
     for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):

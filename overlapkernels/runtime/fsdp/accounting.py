@@ -43,7 +43,8 @@ class Accounting:
         whole = {id(p): p for p in self.module.parameters() if not p.requires_grad and id(p) not in in_units}
         frozen += sum(p.numel() * p.element_size() for p in whole.values())  # kept whole on every rank
         full_grads = sum(u.padded * torch.empty((), dtype=u.reduce_dtype).element_size() for u in self.all_units)
-        optim = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
+        states = self.optimizer.state.values() if self.optimizer is not None else ()  # (None: a frozen model)
+        optim = sum(t.numel() * t.element_size() for state in states
                     for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
         return {"param_bytes": full_params + master + frozen, "grad_bytes": full_grads if stage == 1 else master,
                 "optim_bytes": optim, "peak_gathered_param_bytes": self.peak_gathered_bytes}

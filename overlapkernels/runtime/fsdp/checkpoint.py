@@ -28,17 +28,15 @@ import hashlib
 import json
 import os
 import shutil
-import time
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ... import _compat
 from ...comm.process_world import check_pending_errors_together
+from .checkpoint_files import META, _every_rank_sees, _find, _on_rank0_for_all, _sees, _switch
 from .metadata_json import json_groups, tensor_groups, value_as_json
 
-META = "overlapkernels_fsdp.json"
 FORMAT = 2  # 1 (per-rank keys, same world size only) was never released: not readable
 FORMAT_WITH_VALUES = 3  # adds "value" entries: optimizer state that is not a tensor, kept in the metadata
 READABLE_FORMATS = (FORMAT, FORMAT_WITH_VALUES)
@@ -61,7 +59,8 @@ def _units_by_index(sharded) -> dict:
     """Optimizer parameter index -> the unit whose master it is (the state-dict numbering runs
     through the param groups in order, which a custom optimizer factory may have rearranged)."""
     unit_of = {id(u.master): u for u in sharded.all_units}
-    order = [p for group in sharded.optimizer.param_groups for p in group["params"]]
+    groups = sharded.optimizer.param_groups if sharded.optimizer is not None else ()  # (None: a frozen model)
+    order = [p for group in groups for p in group["params"]]
     strays = [idx for idx, p in enumerate(order) if id(p) not in unit_of]
     if strays:
         raise ValueError(f"optimizer parameters {strays} are not units' masters: fsdp checkpoints hold only what "
@@ -156,10 +155,19 @@ def _plan_optim(sharded, optim_state) -> tuple:
     return {**plan, **_agree(local, sharded.group)}, None
 
 
+def _optimizer_state(sharded) -> dict:
+    """The optimizer's state_dict, or an empty one for a frozen model (no optimizer: shard_frozen)."""
+    return sharded.optimizer.state_dict() if sharded.optimizer is not None else {"state": {}, "param_groups": []}
+
+
+def _device(sharded) -> torch.device:
+    return sharded.saved_units[0].device  # (a frozen model has frozen units only)
+
+
 def _mesh(sharded):
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh.from_group(sharded.group, sharded.all_units[0].device.type)
+    return DeviceMesh.from_group(sharded.group, _device(sharded).type)
 
 
 def _valid(unit) -> int:
@@ -236,10 +244,10 @@ def save(sharded, path) -> None:
     part, parts = _part(sharded)
     # a symm/fused call whose device wait timed out computed garbage (its error is raised a call
     # late): never into a checkpoint, on any rank
-    check_pending_errors_together(dist.group.WORLD, "fsdp.save", sharded.all_units[0].device)
+    check_pending_errors_together(dist.group.WORLD, "fsdp.save", _device(sharded))
     # leftovers of an interrupted save
     _on_rank0_for_all(lambda: os.path.exists(tmp) and shutil.rmtree(tmp), f"clearing {tmp!r}")
-    optim = sharded.optimizer.state_dict()
+    optim = _optimizer_state(sharded)
     (plan, problem), buffer_plan = _plan_optim(sharded, optim["state"]), _plan_buffers(sharded)
     mine = {"world_size": dist.get_world_size(sharded.group), "stage": sharded.stage, "units": _units(sharded),
             "unit_params": _unit_params(sharded), "param_groups": json_groups(optim["param_groups"]), "optim": plan, "buffers": buffer_plan}
@@ -270,65 +278,6 @@ def save(sharded, path) -> None:
     _on_rank0_for_all(write_meta, f"writing {os.path.join(tmp, META)!r}")
     _on_rank0_for_all(lambda: _switch(tmp, path, old), f"moving {tmp!r} to {path!r}")
     _every_rank_sees(path, "fsdp.save")
-
-
-# How long a rank keeps looking for a checkpoint another rank wrote before calling it unreachable:
-# NFS caches directory lookups (acdirmin, 30 s by default, but listing the folder revalidates it)
-VISIBILITY_WAIT_S = 10.0
-
-
-def _sees(path: str) -> bool:
-    """Whether this rank sees the checkpoint at ``path``, waiting up to VISIBILITY_WAIT_S for it."""
-    meta = os.path.join(path, META)
-    # the ranks that see it wait in a collective meanwhile: stay well inside the group's timeout
-    timeout = _compat.group_timeout(dist.group.WORLD)
-    wait = min(VISIBILITY_WAIT_S, timeout.total_seconds() / 4) if timeout is not None else VISIBILITY_WAIT_S
-    deadline = time.monotonic() + wait
-    while not os.path.exists(meta):
-        if time.monotonic() >= deadline:
-            return False
-        with contextlib.suppress(OSError):  # listing the parent refreshes a network filesystem's view
-            os.listdir(os.path.dirname(path) or ".")
-        time.sleep(0.2)
-    return True
-
-
-def _every_rank_sees(path: str, what: str) -> None:
-    """Raise on every rank unless every rank sees the checkpoint at ``path`` (a collective). Rank 0
-    alone renames and writes the metadata: on storage that is not shared by all nodes, the others'
-    shards stayed in their own temp folders, and a load would find nothing there."""
-    seen = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, _sees(path))
-    if blind := [r for r, ok in enumerate(seen) if not ok]:
-        raise RuntimeError(f"{what}: ranks {blind} cannot see the checkpoint {path!r} that rank 0 sees; every rank "
-                           "must reach it through one filesystem shared by all nodes")
-
-
-def _switch(tmp: str, path: str, old: str) -> None:
-    if os.path.exists(path):
-        if os.path.exists(old):  # a crash after the last switch left both: path is the newer
-            shutil.rmtree(old)
-        os.replace(path, old)
-    # (path missing and old present: a crash between the two renames - old is the one to keep)
-    os.replace(tmp, path)
-    if os.path.exists(old):
-        shutil.rmtree(old)
-
-
-def _on_rank0_for_all(fn, what: str) -> None:
-    """Run ``fn`` on world rank 0 and tell every rank how it went (a collective, so it is also the
-    barrier after it): a failure there (a full disk, a permission) raises on every rank instead of
-    leaving the others waiting for a rank that already gave up."""
-    error = None
-    if dist.get_rank() == 0:
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
-            error = exc
-    told = [None if error is None else f"{type(error).__name__}: {error}"]
-    dist.broadcast_object_list(told, src=0)
-    if told[0] is not None:
-        raise RuntimeError(f"fsdp.save: {what} failed on rank 0: {told[0]}") from error
 
 
 def _check(sharded, path, meta, part, parts) -> str | None:
@@ -377,20 +326,6 @@ def _check(sharded, path, meta, part, parts) -> str | None:
     return None
 
 
-def _find(path: str) -> tuple:
-    """(the checkpoint's path, its metadata, None), or (path, None, the error to raise on every rank)."""
-    if not os.path.exists(os.path.join(path, META)) and os.path.exists(os.path.join(path + ".old", META)):
-        path += ".old"  # a save was interrupted between its two renames
-    meta_file = os.path.join(path, META)
-    if not os.path.exists(meta_file):
-        return path, None, FileNotFoundError(f"no overlapkernels FSDP checkpoint at {path!r}")
-    try:
-        with open(meta_file) as f:
-            return path, json.load(f), None
-    except (OSError, ValueError) as exc:
-        return path, None, RuntimeError(f"fsdp.load: cannot read {meta_file!r}: {type(exc).__name__}: {exc}")
-
-
 def load(sharded, path) -> None:
     """Restore parameters and optimizer state saved by ``save`` (same model, unit split and
     tp/pp/cp layout; any dp size). A collective over the world, like ``save``."""
@@ -419,7 +354,7 @@ def load(sharded, path) -> None:
         raise ValueError(problem)
     meta = meta["parts"][part] if "parts" in meta else meta
     rank = dist.get_rank(sharded.group)
-    device = sharded.all_units[0].device
+    device = _device(sharded)
     template, units = {}, _units_by_index(sharded)
     for name, entry in meta["optim"].items():  # what was saved decides the layout, not the shapes now
         idx, key = name.split("/", 1)
@@ -439,8 +374,9 @@ def load(sharded, path) -> None:
                  checkpoint_id=path)
     for unit in sharded.saved_units:  # the padding past numel is not in the checkpoint: zeros
         unit.master.data[_valid(unit):].zero_()
-    groups = tensor_groups(meta["param_groups"], sharded.optimizer.param_groups)
-    sharded.optimizer.load_state_dict({"state": template, "param_groups": groups})
+    if sharded.optimizer is not None:
+        groups = tensor_groups(meta["param_groups"], sharded.optimizer.param_groups)
+        sharded.optimizer.load_state_dict({"state": template, "param_groups": groups})
     for unit in sharded.saved_units:
         if unit.gathered:
             unit.publish()

@@ -56,6 +56,8 @@ def optimizer_and_units(factory, model, plan: list, rest: list, group, **options
     ``options``: FlatUnit's."""
     ours = {id(p) for _, _, params in plan for p in params} | {id(p) for p in rest}
     trainable = [p for p in model.parameters() if id(p) in ours]
+    if not trainable:  # a frozen model sharded for inference (shard_frozen): nothing to optimize
+        return None, [], []
     optimizer = factory(list(trainable))
     check_optimizer(optimizer)
     check_steps_shards(optimizer)

@@ -308,6 +308,8 @@ class ShardedModule(Accounting, nn.Module):
     def _agree_on_gradients(self, local_flags: list) -> list:
         """Per flag (a unit's or a parameter's), whether any rank of the group (and of its CP group)
         has it set."""
+        if not local_flags:  # no trained unit (a frozen model): the same on every rank, nothing to agree on
+            return []
         flags = torch.tensor(local_flags, dtype=torch.int32, device=self.all_units[0].device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         # under CP a reduced shard is then summed over the CP group: its ranks must agree too, or
@@ -421,6 +423,9 @@ class ShardedModule(Accounting, nn.Module):
         """Optimizer step on the local shards, zero the gradients, re-publish the parameters.
         Parameters without a gradient on any rank are left as they were, with their optimizer
         state (as torch skips them; a step counter shared by the unit still advances)."""
+        if self.optimizer is None:
+            raise RuntimeError(f"fsdp step: {type(self.module).__name__} was sharded with no trainable parameter "
+                               "(a frozen model, for inference): there is nothing to step")
         if thawed := [u.name for u in self.frozen_units if any(p.requires_grad for p in u.params)]:
             raise RuntimeError(f"fsdp step: parameters sharded as frozen (shard_frozen) in {thawed} take gradients "
                                "now; they have no master and no optimizer state: unfreeze before fsdp.shard")
