@@ -20,6 +20,7 @@ from nccl_like import replay_like_nccl
 WIDTH = 5
 _ORIGINAL_POST = pp.PipelineRunner._post
 _ORIGINAL_RUN = pp.WeightGradStore.run
+_ORIGINAL_INIT = pp.WeightGradStore.__init__
 
 
 def _model(num_stages, layers_per_stage=2):
@@ -54,13 +55,16 @@ def _executor_on_rank(kind, m, v, module_list=False, device="cpu"):
     stages = [_stage(model, c * p + rank) for c in range(v)]
     runner = pp.PipelineRunner(nn.ModuleList(stages) if module_list else stages if v > 1 else stages[0],
                                schedule=sched, loss_fn=F.mse_loss)
-    log, deferred = [], []
+    log, deferred, opened, held = [], [], [], []  # held: stores (microbatches' W inputs) not run yet, at each W
     pp.PipelineRunner._post = _recording_post(log)
-    pp.WeightGradStore.run = lambda self: (deferred.append(len(self.closures)), _ORIGINAL_RUN(self))[1]
+    pp.WeightGradStore.__init__ = lambda self: (opened.append(1), _ORIGINAL_INIT(self))[1]
+    pp.WeightGradStore.run = lambda self: (deferred.append(len(self.closures)), held.append(len(opened) - len(held)),
+                                           _ORIGINAL_RUN(self))[2]
     try:
         loss = runner.step(x if rank == 0 else None, y if sched.rank_of(sched.num_stages - 1) == rank else None)
     finally:
         pp.PipelineRunner._post, pp.WeightGradStore.run = _ORIGINAL_POST, _ORIGINAL_RUN
+        pp.WeightGradStore.__init__ = _ORIGINAL_INIT
     if loss is not None:
         torch.testing.assert_close(loss, F.mse_loss(ref(x), y), atol=1e-12, rtol=1e-12)
     for c in range(v):
@@ -70,6 +74,8 @@ def _executor_on_rank(kind, m, v, module_list=False, device="cpu"):
                                        msg=lambda msg, n=name: f"stage {s} {n}: {msg}")
     # zb-h1 splits unasked: each W runs the deferred weight gradients of the stage's 2 linears
     assert deferred == ([2] * m if kind == "zb-h1" else []), deferred
+    # ... and at most p microbatches' weight-gradient inputs wait for their W at once (1F1B's peak; was m)
+    assert max(held, default=0) <= p < m, (held, p, m)
     return loss is not None, log
 
 

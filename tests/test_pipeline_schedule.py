@@ -34,11 +34,14 @@ def test_simulator_reproduces_published_bubbles(p, m):
         res = pp.simulate(pp.make_schedule(kind, p, m), t_f=1.0, t_b=1.0)
         assert res.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
         assert res.peak_activations == ([m] * p if kind == "gpipe" else [p - r for r in range(p)])
+        assert res.peak_held == res.peak_activations  # (no W: B frees everything)
     one_f_one_b = pp.simulate(pp.make_schedule("1f1b", p, m), t_f=1.0, t_b=2.0)  # BW = B + W
     zb = pp.simulate(pp.make_schedule("zb-h1", p, m), t_f=1.0, t_b=1.0, t_w=1.0)
     idle = lambda r: r.makespan * p - sum(r.busy)  # noqa: E731
     assert idle(zb) == pytest.approx(idle(one_f_one_b) / 3)  # ZB-H1: a third of 1F1B's bubble
     assert zb.peak_activations == one_f_one_b.peak_activations
+    # what W still reads stays bounded by 1F1B's peak, p, on every rank (was m: every W at the end)
+    assert zb.peak_held == [min(p, m)] * p
     if m % p == 0:
         for v in (1, 2):
             res = pp.simulate(pp.make_schedule("interleaved-1f1b", p, m, num_virtual=v))
@@ -100,13 +103,14 @@ def test_deadlock_and_broken_schedules_are_named():
     with pytest.raises(pp.ScheduleError, match=r"^deadlock: BW0.0 needs BW1.0, which rank 1 queues after F1.1 "):
         pp.validate(sched)
     sched = pp.make_schedule("zb-h1", 2, 2)  # a W (weight gradient) before the B it needs
-    assert [str(a) for a in sched.actions[1]] == ["F1.0", "B1.0", "F1.1", "B1.1", "W1.0", "W1.1"]
-    sched.actions[1][1], sched.actions[1][4] = sched.actions[1][4], sched.actions[1][1]
+    # (rank 1 runs its first W last: the cool-down bubble it fills)
+    assert [str(a) for a in sched.actions[1]] == ["F1.0", "B1.0", "F1.1", "B1.1", "W1.1", "W1.0"]
+    sched.actions[1][1], sched.actions[1][5] = sched.actions[1][5], sched.actions[1][1]
     with pytest.raises(pp.ScheduleError, match=r"^deadlock: W1.0 needs B1.0, which rank 1 queues after it; "):
         pp.validate(sched)
     sched = pp.make_schedule("zb-h1", 2, 2)  # a B whose W is missing: its weight gradients would be lost
     sched.actions[1].pop()
-    with pytest.raises(pp.ScheduleError, match=r"^stage 1 microbatch 1: B and W must both appear$"):
+    with pytest.raises(pp.ScheduleError, match=r"^stage 1 microbatch 0: B and W must both appear$"):
         pp.validate(sched)
     sched = pp.make_schedule("gpipe", 2, 2)
     sched.actions[0].pop()

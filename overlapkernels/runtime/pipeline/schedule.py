@@ -95,52 +95,24 @@ def _interleaved(p, m, v):
 
 
 def _zb_h1(p, m):
-    """ZB-H1 (Qi et al. 2024): 1F1B's order and activation memory with B and W split, the W
-    passes moved into what would be bubbles. Built by list scheduling with unit op costs: a ready
-    B goes first, an F only within 1F1B's in-flight limit (p - r microbatches on rank r), a W only
-    when neither can run. With t_f = t_b = t_w its bubble is a third of 1F1B's (the tests check)."""
-    queue = {r: [] for r in range(p)}
-    done_f = set()
-    finish = {}
-    t_free = [0] * p
-    next_f = [0] * p
-    next_b = [0] * p
-    pending_w = {r: [] for r in range(p)}
-    remaining = p * m * 3
-    time = 0
-    while remaining:
-        progressed = False
-        for r in range(p):
-            if t_free[r] > time:
+    """ZB-H1 (Qi et al. 2024, figure 3): 1F1B's order with each BW split into B and then its W at
+    once, except rank r's first r W's, which move to the end of its list: rank r runs its last B
+    r slots before rank 0 does and would idle until the step ends, so they fill that cool-down
+    bubble. With t_f = t_b = t_w its bubble is a third of 1F1B's, and
+    rank r holds at most p - r microbatches' activations plus r microbatches' W inputs: p at most,
+    1F1B's peak (the tests check both). Running every W as late as possible instead fills the same
+    bubble but keeps all m microbatches' W inputs alive until the end of the step."""
+    out = []
+    for r, acts in enumerate(_one_f_one_b(p, m)):
+        order, tail = [], []
+        for a in acts:
+            if a.op != "BW":
+                order.append(a)
                 continue
-            choice = None
-            b_mb = next_b[r]
-            if b_mb < m and (r, b_mb) in done_f and (r == p - 1 or finish.get(("B", r + 1, b_mb), 1e9) <= time):
-                choice = Action("B", r, b_mb)
-                next_b[r] += 1
-            else:
-                f_mb = next_f[r]
-                in_flight = next_f[r] - next_b[r]
-                if f_mb < m and in_flight < p - r and (r == 0 or finish.get(("F", r - 1, f_mb), 1e9) <= time):
-                    choice = Action("F", r, f_mb)
-                    next_f[r] += 1
-                elif pending_w[r]:
-                    choice = pending_w[r].pop(0)
-            if choice is None:
-                continue
-            queue[r].append(choice)
-            finish[(choice.op, r, choice.microbatch)] = time + 1
-            if choice.op == "F":
-                done_f.add((r, choice.microbatch))
-            elif choice.op == "B":
-                pending_w[r].append(Action("W", r, choice.microbatch))
-            t_free[r] = time + 1
-            remaining -= 1
-            progressed = True
-        time += 1
-        if not progressed and time > 10 * p * m + 10:
-            raise RuntimeError("zb-h1 construction made no progress")  # cannot happen for valid p, m
-    return [queue[r] for r in range(p)]
+            order.append(Action("B", r, a.microbatch))
+            (tail if a.microbatch < r else order).append(Action("W", r, a.microbatch))
+        out.append(order + tail)
+    return out
 
 
 def make_schedule(kind: str, num_stages: int, num_microbatches: int, *, num_virtual: int = 1) -> Schedule:

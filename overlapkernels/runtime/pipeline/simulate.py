@@ -24,8 +24,12 @@ class SimResult:
     makespan: float
     bubble_fraction: float
     busy: list
-    peak_activations: list
+    peak_activations: list  # per rank: the most microbatches whose F ran and whose B (or BW) has not
     timeline: list  # per rank: [(start, end, Action)]
+    # per rank: the most microbatches whose F ran and whose W (or BW) has not. Under a W-split schedule
+    # a microbatch's B frees its activations but its W still reads the linears' inputs and output
+    # gradients, held until then; equal to peak_activations for schedules without W
+    peak_held: list = None
 
 
 def _deps(action, last_stage):
@@ -113,8 +117,8 @@ def simulate(schedule: Schedule, *, t_f: float = 1.0, t_b: float = 1.0, t_w: flo
     pos = [0] * p
     free = [0.0] * p
     timeline = [[] for _ in range(p)]
-    live = [set() for _ in range(p)]
-    peak = [0] * p
+    live, held = [set() for _ in range(p)], [set() for _ in range(p)]
+    peak, peak_held = [0] * p, [0] * p
     total = sum(len(a) for a in schedule.actions)
     finished = 0
     while finished < total:
@@ -146,10 +150,13 @@ def simulate(schedule: Schedule, *, t_f: float = 1.0, t_b: float = 1.0, t_w: flo
         finished += 1
         if a.op == "F":
             live[r].add((a.stage, a.microbatch))
-            peak[r] = max(peak[r], len(live[r]))
-        elif a.op in ("B", "BW"):
+            held[r].add((a.stage, a.microbatch))
+            peak[r], peak_held[r] = max(peak[r], len(live[r])), max(peak_held[r], len(held[r]))
+        if a.op in ("B", "BW"):
             live[r].discard((a.stage, a.microbatch))
+        if a.op in ("W", "BW"):
+            held[r].discard((a.stage, a.microbatch))
     makespan = max(free)
     busy = [sum(e - s for s, e, _ in tl) for tl in timeline]
     bubble = (makespan * p - sum(busy)) / (makespan * p) if makespan > 0 else 0.0
-    return SimResult(schedule, makespan, bubble, busy, peak, timeline)
+    return SimResult(schedule, makespan, bubble, busy, peak, timeline, peak_held)
