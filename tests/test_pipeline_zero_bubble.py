@@ -125,3 +125,65 @@ def test_zero_bubble_defers_on_cuda():
     store.run()
     ref(x).sum().backward()
     torch.testing.assert_close(model.weight.grad, ref.weight.grad, atol=0, rtol=0)
+
+
+def _penalty_and_per_sample_grads(model, x):
+    """(a gradient penalty's gradients - a second derivative -, per-sample weight gradients by
+    torch.func, the Jacobian of the output) through ``model``."""
+    xg = x.clone().requires_grad_()
+    (gx,) = torch.autograd.grad(model(xg).pow(2).sum(), xg, create_graph=True)
+    penalty = torch.autograd.grad(gx.pow(2).sum(), list(model.parameters()))
+    params = dict(model.named_parameters())
+
+    def loss(ps, sample):
+        return torch.func.functional_call(model, ps, (sample[None],)).pow(2).sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+    return penalty, per_sample, torch.func.jacrev(model)(x[0])
+
+
+def test_split_linears_still_differentiate_twice_and_transform_outside_a_b_step():
+    """Was: once split (a zb-h1 runner built on the stage), an nn.Linear refused create_graph=True
+    (a gradient penalty) and torch.func (vmap, grad, jacrev) for good, also outside the pipeline;
+    inside ``deferring``, a second derivative computes its weight gradients at once (nothing deferred)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    model = pp.enable_zero_bubble(copy.deepcopy(ref))
+    assert pp.splits_weight_grad(model[0]) and "forward" in vars(model[0])
+    x = torch.randn(6, 4, dtype=torch.float64)
+    (penalty, per_sample, jacobian), want = (_penalty_and_per_sample_grads(m, x) for m in (model, ref))
+    for got, expected in zip([*penalty, *per_sample.values(), jacobian], [*want[0], *want[1].values(), want[2]]):
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+    store = pp.WeightGradStore()
+    with deferring(store):
+        xg = x.clone().requires_grad_()
+        (gx,) = torch.autograd.grad(model(xg).sum(), xg, create_graph=True)
+        assert not store.closures
+        gx.pow(2).sum().backward()  # (a plain backward: what it gives the weights may wait for W)
+    store.run()
+    xg = x.clone().requires_grad_()
+    (gx,) = torch.autograd.grad(ref(xg).sum(), xg, create_graph=True)
+    gx.pow(2).sum().backward()
+    for got, want in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-12, rtol=0)
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_zero_bubble_refuses_torch_fsdp_which_would_drop_deferred_gradients():
+    """Was: a zb-h1 stage under torch's FSDP2 (fully_shard) trained nothing, silently: its
+    post-backward reduce-scatter runs before W gives the gradients, which then land in resharded
+    parameters and are never reduced (every grad None). Refused like DDP, by the runner before it
+    changes anything."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    stage = nn.Sequential(nn.Linear(4, 4), fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1,))))
+    message = (r"^Sequential.1 is FSDPModule: a W-split schedule \(zb-h1\) defers weight gradients past FSDP2's "
+               r"post-backward reduce-scatter; wrap the stage in overlapkernels' fsdp.shard, or use a 1F1B schedule")
+    with pytest.raises(ValueError, match=message):
+        pp.PipelineRunner(stage, dist.group.WORLD, schedule=pp.make_schedule("zb-h1", 1, 2), loss_fn=F.mse_loss)
+    assert "forward" not in vars(stage[0])  # refused before any layer was split
+    with pytest.raises(ValueError, match=message):
+        pp.enable_zero_bubble(stage)
+    pp.PipelineRunner(stage, dist.group.WORLD, schedule=pp.make_schedule("1f1b", 1, 2), loss_fn=F.mse_loss)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from .._compat import eager_under_compile
 from ._autocast import autocast_dtype
-from ._autograd import first_order_only
 from .weight_grad_store import defer
 
 
@@ -20,14 +20,22 @@ class Linear(torch.autograd.Function):
     | out    | [..., N]   |                  |                   |                                       |
     """
 
+    # forward and setup_context apart, and a generated vmap rule: torch.func (grad, vmap, jacrev)
+    # transforms it as it does F.linear
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight, bias)
-        ctx.grad_targets = (weight, bias)  # the parameters themselves: see weight_grad_store.defer
+    def forward(x, weight, bias):
         return F.linear(x, weight, bias)
 
     @staticmethod
-    @first_order_only("linear", "its weight gradient may be deferred to the pipeline's W step, outside autograd")
+    def setup_context(ctx, inputs, output):
+        x, weight, bias = inputs
+        ctx.save_for_backward(x, weight, bias)
+        ctx.grad_targets = (weight, bias)  # the parameters themselves: see weight_grad_store.defer
+
+    @staticmethod
+    @eager_under_compile
     def backward(ctx, grad_out):
         x, weight, bias = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
@@ -39,7 +47,9 @@ class Linear(torch.autograd.Function):
             g2 = grad_out.reshape(-1, grad_out.shape[-1])
             return [g2.T @ x.reshape(-1, x.shape[-1]) if kind == "w" else g2.sum(0) for _, kind in wanted]
 
-        if defer([t for t, _ in wanted], weight_grads):
+        # under create_graph=True (a second derivative, grad mode on in here) nothing is deferred: the
+        # gradients are computed now, by ops autograd records, so a gradient penalty differentiates them
+        if not torch.is_grad_enabled() and defer([t for t, _ in wanted], weight_grads):
             return grad_x, None, None
         grads = dict(zip((kind for _, kind in wanted), weight_grads()))
         return grad_x, grads.get("w"), grads.get("b")

@@ -31,7 +31,7 @@ from ...profiling.ranges import span
 from .p2p import announcing_microbatch, check_comm_plan, comm_plan
 from .schedule import Schedule
 from .simulate import validate
-from .weight_grad import WeightGradStore, deferring, enable_zero_bubble
+from .weight_grad import WeightGradStore, check_zero_bubble, deferring, enable_zero_bubble
 
 # A shape message names the activation's dtype by its index here: every dtype this torch has, in
 # one order on every rank (ranks of a job run one torch). Tensors travel as their bytes (``_bytes``),
@@ -122,6 +122,7 @@ class PipelineRunner:
         self.group = resolve_group(group)
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         timeout, plan = self._check_shared(schedule, loss_fn, timeout)  # alike on every rank: no exchange
+        self._splits_w = any(a.op == "W" for acts in schedule.actions for a in acts)
         error = None
         try:  # this rank's own stage modules (and device) may be refused on this rank only: every rank learns of it
             modules = self._check_stages(stage_module_or_modules, schedule)
@@ -138,7 +139,7 @@ class PipelineRunner:
         # through CPU copies, as comm.ring does
         self._staged = not self._nccl and self.device.type != "cpu"
         self.plan = plan[self.rank]
-        if any(a.op == "W" for acts in schedule.actions for a in acts):
+        if self._splits_w:
             for mod in modules:
                 if isinstance(mod, nn.Module):
                     enable_zero_bubble(mod)
@@ -175,6 +176,9 @@ class PipelineRunner:
         if len(modules) != schedule.num_virtual:
             raise ValueError(f"{len(modules)} stage modules on this rank, the schedule has {schedule.num_virtual} "
                              "per rank")
+        for mod in modules if self._splits_w else ():  # (enabled only once every rank agreed)
+            if isinstance(mod, nn.Module):
+                check_zero_bubble(mod)
         return modules
 
     # -- point to point -----------------------------------------------------------------------

@@ -19,7 +19,7 @@ from ...layers.linear import DefersWeightGrad
 from ...ops.linear import linear
 from ...ops.weight_grad_store import WeightGradStore, deferring
 
-__all__ = ["WeightGradStore", "deferring", "splits_weight_grad", "enable_zero_bubble"]
+__all__ = ["WeightGradStore", "deferring", "splits_weight_grad", "enable_zero_bubble", "check_zero_bubble"]
 
 
 def _zb_forward(self, x):
@@ -43,22 +43,42 @@ def splits_weight_grad(module: nn.Module) -> bool:
     return isinstance(module.weight, nn.Parameter) and (module.bias is None or isinstance(module.bias, nn.Parameter))
 
 
+def _hook_reducers() -> list:
+    """(class, what reduces in its hooks) of torch's data-parallel wrappers that reduce gradients
+    in backward hooks: DDP, FSDP2 (``fully_shard``'s FSDPModule) and FSDP1."""
+    from torch.distributed import fsdp
+    from torch.nn.parallel import DistributedDataParallel
+
+    found = [(DistributedDataParallel, "DistributedDataParallel", "DDP's reduction hooks")]
+    for attr, hooks in (("FSDPModule", "FSDP2's post-backward reduce-scatter"),
+                        ("FullyShardedDataParallel", "FSDP's post-backward reduce-scatter")):
+        if (cls := getattr(fsdp, attr, None)) is not None:  # (FSDPModule: torch >= 2.6)
+            found.append((cls, attr, hooks))
+    return found
+
+
+def check_zero_bubble(module: nn.Module) -> None:
+    """Refuse a module that is or holds a wrapper reducing gradients in backward hooks (DDP, torch's
+    FSDP2 or FSDP1): a deferred gradient reaches ``.grad`` after backward, past those hooks (they
+    see no gradient for those weights), so it is never reduced - DP replicas drift apart, and under
+    FSDP every deferred gradient is lost silently. Use ``fsdp.shard`` over the stage (it reduces
+    what W adds), or a 1F1B schedule."""
+    reducers = _hook_reducers()
+    for name, sub in module.named_modules():
+        for cls, kind, hooks in reducers:
+            if isinstance(sub, cls):
+                raise ValueError(f"{type(module).__name__}{'.' + name if name else ''} is {kind}: a W-split "
+                                 f"schedule (zb-h1) defers weight gradients past {hooks}; wrap the stage in "
+                                 "overlapkernels' fsdp.shard, or use a 1F1B schedule (all-reducing gradients after "
+                                 "runner.step)")
+
+
 def enable_zero_bubble(module: nn.Module) -> nn.Module:
     """Make the layers inside ``module`` that can (see ``splits_weight_grad``) defer their weight
     gradients under a W-split schedule; ``PipelineRunner`` calls it for such schedules. Outside a
-    B action they compute them at once, as before.
-
-    Refused for a module that is or holds ``DistributedDataParallel``: a deferred gradient reaches
-    ``.grad`` after backward, past the gradient hooks DDP reduces in (they see no gradient for those
-    weights), so DP replicas would drift apart. Use ``fsdp.shard`` over the stage, or all-reduce
-    the gradients yourself after ``runner.step``."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    for name, sub in module.named_modules():
-        if isinstance(sub, DistributedDataParallel):
-            raise ValueError(f"{type(module).__name__}{'.' + name if name else ''} is DistributedDataParallel: a "
-                             "W-split schedule (zb-h1) defers weight gradients past DDP's reduction hooks; wrap the "
-                             "stage in fsdp.shard, or all-reduce gradients after runner.step with a 1F1B schedule")
+    B action they compute them at once, as before (``ops.linear``: double backward and torch.func
+    too). Refused as ``check_zero_bubble`` says."""
+    check_zero_bubble(module)
     for sub in module.modules():
         if isinstance(sub, DefersWeightGrad):
             sub.defer_weight_grad = True
