@@ -130,6 +130,8 @@ def test_deadlock_and_broken_schedules_are_named():
         (lambda acts: acts[0].append(A("F", -2, 0)), r"^rank 0: F-2.0 is outside 2 stages x 2 microbatches$"),
         (lambda acts: acts[1].append(A("BW", 1, 2)), r"^rank 1: BW1.2 is outside 2 stages x 2 microbatches$"),
         (lambda acts: acts[0].append(A("F", 0, 1)), r"^rank 0: F0.1 appears twice$"),
+        (lambda acts: acts[0].append(("F", 0, 1)), r"^rank 0: \('F', 0, 1\) is a tuple, not an Action\(op, stage, "
+                                                    r"microbatch\)$"),
     ]:
         for check in (pp.validate, pp.simulate):
             sched = pp.make_schedule("gpipe", 2, 2)
@@ -149,6 +151,17 @@ def test_bad_arguments_name_the_allowed_values():
         pp.make_schedule("gpipe", 2, 0)
     with pytest.raises(ValueError, match=r"num_microbatches=True: expected an integer >= 1"):
         pp.make_schedule("1f1b", 2, True)  # a bool is not a count, though Python calls it an int
+    numpy = pytest.importorskip("numpy")  # a numpy count is one (was refused as "not an integer")
+    sched = pp.make_schedule("1f1b", numpy.int64(2), numpy.int64(3))
+    assert (sched.num_ranks, sched.num_microbatches) == (2, 3) and type(sched.num_microbatches) is int
+    # not a schedule: a TypeError naming what was expected (was an AttributeError from inside)
+    for call in (lambda: pp.simulate("1f1b"), lambda: pp.validate(None)):
+        with pytest.raises(TypeError, match=r"^schedule=(str|NoneType): expected a Schedule \(make_schedule"):
+            call()
+    with pytest.raises(TypeError, match=r"^render: expected a Schedule or a SimResult \(simulate's\), got NoneType$"):
+        pp.render(None)
+    with pytest.raises(TypeError, match=r"^path=5: expected a file path"):
+        pp.render(pp.make_schedule("1f1b", 2, 2), path=5)
 
 
 def test_render_text():
@@ -202,10 +215,25 @@ def test_simulate_refuses_costs_that_are_not_finite_times(cost, value):
         pp.simulate(pp.make_schedule("1f1b", 2, 2), **{cost: value})
 
 
+def _png_width(path) -> int:
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(head[16:20], "big")
+
+
 def test_render_png(tmp_path):
+    """Its width follows the timeline's cells, not the times' unit: measured times in ms made a
+    PNG 198000 pixels wide, in us matplotlib refused to draw it ("image too large")."""
     pytest.importorskip("matplotlib")  # the [bench] extra; without it render draws no PNG
     pp.render(pp.make_schedule("zb-h1", 3, 4), str(tmp_path / "zb.png"))
     assert (tmp_path / "zb.png").stat().st_size > 0
+    widths = []
+    for scale in (1, 1e3, 1e6):  # seconds, milliseconds, microseconds
+        res = pp.simulate(pp.make_schedule("1f1b", 4, 8), t_f=0.12 * scale, t_b=0.24 * scale)
+        pp.render(res, tmp_path / f"ms{scale:g}.png")
+        widths.append(_png_width(tmp_path / f"ms{scale:g}.png"))
+    assert widths[0] == widths[1] == widths[2] < 10_000, widths
 
 
 def test_render_without_matplotlib_says_no_png_was_written(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """Text (and optionally PNG) timelines of a schedule or a simulation."""
 from __future__ import annotations
 
+import os
 import warnings
 
 from .schedule import Schedule
@@ -22,6 +23,10 @@ def _grid(res) -> float:
 def render(sched_or_res, path: str | None = None) -> str:
     """A text timeline, one row per rank (unit op costs for a bare schedule). With ``path`` and
     matplotlib installed, also a PNG there (without it, a warning says none was written)."""
+    if not isinstance(sched_or_res, (Schedule, SimResult)):
+        raise TypeError(f"render: expected a Schedule or a SimResult (simulate's), got {type(sched_or_res).__name__}")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path={path!r}: expected a file path (str or os.PathLike) for the PNG, or None")
     res = sched_or_res if isinstance(sched_or_res, SimResult) else simulate(sched_or_res, t_w=1.0) \
         if _has_split(sched_or_res) else simulate(sched_or_res)
     unit = _grid(res)
@@ -60,7 +65,10 @@ def _png(res: SimResult, path: str) -> None:
                       stacklevel=3)
         return
     colors = {"F": "tab:blue", "B": "tab:orange", "BW": "tab:orange", "W": "tab:green"}
-    fig, ax = plt.subplots(figsize=(max(6, res.makespan / 2), 0.6 * len(res.timeline) + 1))
+    # half an inch per cell of the text grid, whatever the unit of the times (a makespan in us is
+    # not a width in inches), within what a viewer opens
+    cells = res.makespan / _grid(res)
+    fig, ax = plt.subplots(figsize=(min(max(6, cells / 2), 60), 0.6 * len(res.timeline) + 1))
     for r, tl in enumerate(res.timeline):
         for start, end, a in tl:
             ax.barh(r, end - start, left=start, color=colors[a.op], edgecolor="black")

@@ -6,6 +6,7 @@ or "BW" (both). Stage s lives on rank s % p; with ``num_virtual`` v each rank ho
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 KINDS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -42,7 +43,7 @@ def _check(kind, p, m, v):
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: expected one of {list(KINDS)}")
     for name, value in (("num_stages", p), ("num_microbatches", m), ("num_virtual", v)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name}={value!r}: expected an integer >= 1")
     if v != 1 and kind != "interleaved-1f1b":
         raise ValueError(f"num_virtual={v} needs kind='interleaved-1f1b' (got {kind!r})")
@@ -120,7 +121,7 @@ def make_schedule(kind: str, num_stages: int, num_microbatches: int, *, num_virt
     group's size, as in the issue's API); with ``num_virtual`` v each rank holds v stages, so the
     model is cut into ``num_stages * v`` pieces (``Schedule.num_stages``)."""
     _check(kind, num_stages, num_microbatches, num_virtual)
-    p, m, v = num_stages, num_microbatches, num_virtual
+    p, m, v = int(num_stages), int(num_microbatches), int(num_virtual)  # (a numpy integer: a plain int)
     actions = {"gpipe": lambda: _gpipe(p, m), "1f1b": lambda: _one_f_one_b(p, m),
                "interleaved-1f1b": lambda: _interleaved(p, m, v), "zb-h1": lambda: _zb_h1(p, m)}[kind]()
     return Schedule(kind, p, m, v, actions)

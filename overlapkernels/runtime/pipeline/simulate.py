@@ -11,7 +11,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from .schedule import OPS, Schedule
+from .schedule import OPS, Action, Schedule
 
 
 class ScheduleError(ValueError):
@@ -79,12 +79,17 @@ def validate(schedule: Schedule) -> None:
 
 def _check_actions(schedule: Schedule) -> None:
     """Every action once, on its stage's rank; every (stage, microbatch) forward and backward."""
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule={type(schedule).__name__}: expected a Schedule (make_schedule(kind, num_ranks, "
+                        "num_microbatches))")
     p, m, stages = schedule.num_ranks, schedule.num_microbatches, schedule.num_stages
     if len(schedule.actions) != p:
         raise ScheduleError(f"{len(schedule.actions)} action lists for {p} ranks")
     seen = set()
     for rank, acts in enumerate(schedule.actions):
         for a in acts:
+            if not isinstance(a, Action):
+                raise ScheduleError(f"rank {rank}: {a!r} is a {type(a).__name__}, not an Action(op, stage, microbatch)")
             if a.op not in OPS:
                 raise ScheduleError(f"rank {rank}: {a} has unknown op {a.op!r}")
             if not (0 <= a.stage < stages and 0 <= a.microbatch < m):
