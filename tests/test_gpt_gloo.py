@@ -1,7 +1,7 @@
 """The small GPT under TP (+SP), CP and both vs the same GPT at TP = CP = 1 from the same dense
 weights: same loss, same gathered gradients after one backward."""
 import math
-
+import re
 import warnings
 
 import pytest
@@ -160,6 +160,13 @@ def _bad_seq_on_rank():
             assert f"GPTConfig.num_heads={bad!r}: expected an integer >= 1" in str(exc)
         else:
             raise AssertionError(f"num_heads={bad!r} accepted")
+    for name, bad, said in (("ignore_index", 0.5, "GPTConfig.ignore_index=0.5: expected an int"),
+                            ("ignore_index", None, "GPTConfig.ignore_index=None: expected an int"),
+                            ("sequence_parallel", "no", "GPTConfig.sequence_parallel='no': expected a bool")):
+        with pytest.raises(TypeError, match=f"^{re.escape(said)}"):
+            GPTConfig(**{**CONFIG, name: bad})
+    numpy = pytest.importorskip("numpy")  # numpy's integers are sizes too, as the layers take them
+    assert GPTConfig(**{**CONFIG, "num_heads": numpy.int64(CONFIG["num_heads"])}).num_heads == CONFIG["num_heads"]
     one = torch.ones(1)
     dist.all_reduce(one)
     return True

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 import overlapkernels as ok
-from overlapkernels.layers import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear,
-                                   VocabParallelEmbedding)
+from overlapkernels.layers import (ColumnParallelLinear, LayerNorm, ParallelMLP, ParallelSelfAttention, RMSNorm,
+                                   RowParallelLinear, VocabParallelEmbedding)
 from overlapkernels.layers.norm import mark_sequence_parallel
 from comm_guard import no_communication
 from test_layers_gloo import F64, _groups, _randn
@@ -73,6 +73,28 @@ def _bad_layers_on_rank():
         (lambda: RowParallelLinear(4, 0, tp), r"^out_features=0: expected an integer >= 1$"),
         (lambda: ParallelMLP(8, True, tp), r"^ffn_hidden=True: expected an integer >= 1$"),
         (lambda: VocabParallelEmbedding(16, 0, tp), r"^embedding_dim=0: expected an integer >= 1$"),
+        (lambda: RMSNorm(0), r"^hidden=0: expected an integer >= 1$"),  # (built an empty norm)
+        (lambda: LayerNorm(0), r"^hidden=0: expected an integer >= 1$"),
+        # switches are bools: "no" is truthy, so it silently meant on (and another input shape)
+        (lambda: ColumnParallelLinear(4, 4, tp, sequence_parallel="no"), TypeError,
+         r"^sequence_parallel='no': expected a bool$"),
+        (lambda: ColumnParallelLinear(4, 4, tp, gather_output="yes"), TypeError, r"^gather_output='yes': expected a bool$"),
+        (lambda: RowParallelLinear(4, 4, tp, input_is_parallel=None), TypeError,
+         r"^input_is_parallel=None: expected a bool$"),
+        (lambda: RowParallelLinear(4, 4, tp, bias="False"), TypeError, r"^bias='False': expected a bool$"),
+        (lambda: ParallelMLP(8, 4, tp, sequence_parallel="False"), TypeError, r"^sequence_parallel='False'"),
+        (lambda: ParallelSelfAttention(8, 2, 2, tp, sequence_parallel=2), TypeError, r"^sequence_parallel=2: expected"),
+        (lambda: VocabParallelEmbedding(8, 4, tp, sequence_parallel="on"), TypeError, r"^sequence_parallel='on'"),
+        (lambda: RMSNorm(4, sequence_parallel="no", group=tp), TypeError, r"^sequence_parallel='no': expected a bool$"),
+        # cross entropy's ignore_index is an int, as F.cross_entropy's (5.0 ignored class 5, 1.5 nothing,
+        # None failed inside after the first all-reduce); a 0-d logits_shard has no vocabulary dim
+        (lambda: ok.vocab_parallel_cross_entropy(torch.ones(2, 3), torch.zeros(2, dtype=torch.long), tp,
+                                                 ignore_index=5.0), TypeError,
+         r"^ignore_index=5.0: expected an int \(a target id to ignore, -100 by default\)$"),
+        (lambda: ok.vocab_parallel_cross_entropy(torch.ones(2, 3), torch.zeros(2, dtype=torch.long), tp,
+                                                 ignore_index=None), TypeError, r"^ignore_index=None: expected an int"),
+        (lambda: ok.vocab_parallel_cross_entropy(torch.tensor(1.0), torch.tensor(0), tp),
+         r"^logits_shard.shape=\(\): expected \[..., V/P\]"),
     ]
     for i, (make, *error, pattern) in enumerate(cases):
         error = error[0] if error else ValueError
@@ -116,3 +138,40 @@ def _cp_group_arguments_on_rank():
 
 def test_cp_group_is_checked_at_construction_and_one_rank_splits_nothing(rank_pool):
     assert rank_pool(2).run(_cp_group_arguments_on_rank) == [([True] * 3, True)] * 2
+
+
+def _layout_mismatch_on_rank():
+    """x (or the GPT's ids) straight from shard_sequence in one layout, handed to an attention (a GPT)
+    built with the other: it computed with the wrong positions and masks, silently (max error ~4 on
+    O(1) outputs); refused now as unshard_sequence and ring_attention refuse it, before communicating."""
+    from overlapkernels.models.gpt import GPT, GPTConfig
+
+    world = dist.get_world_size()
+    dims = ok.init_parallel(cp=world)
+    layer = ParallelSelfAttention(8, 2, 2, ok.init_parallel().tp_group, cp_group=dims.cp_group, dtype=F64)
+    x_local = ok.shard_sequence(_randn(8, 1, 8, seed=1), dims.cp_group, dim=0, layout="contiguous")
+    said = []
+    with no_communication():
+        try:
+            layer(x_local)
+        except ValueError as exc:
+            said.append(str(exc))
+    config = GPTConfig(vocab_size=16, hidden=8, num_layers=1, num_heads=2, num_kv_heads=2, ffn_hidden=16,
+                       max_seq_len=16)
+    gpt = GPT(config, dims, dtype=F64)
+    ids = ok.shard_sequence(torch.zeros(1, 8, dtype=torch.long), dims.cp_group, dim=1, layout="contiguous")
+    with no_communication():
+        try:
+            gpt(ids)
+        except ValueError as exc:
+            said.append(str(exc))
+    good = layer(ok.shard_sequence(_randn(8, 1, 8, seed=1), dims.cp_group, dim=0))  # the layer's zigzag: runs
+    return said, good.shape
+
+
+def test_a_cp_shard_in_another_layout_than_the_layers_is_refused(rank_pool):
+    for said, shape in rank_pool(2).run(_layout_mismatch_on_rank):
+        assert shape == (4, 1, 8) and len(said) == 2, said
+        assert said[0].startswith("ParallelSelfAttention: x was laid out with layout='contiguous' (by shard_sequence "
+                                  "or ring_attention) but layout='zigzag' was passed"), said[0]
+        assert said[1].startswith("GPT: tokens was laid out with layout='contiguous'"), said[1]

@@ -6,9 +6,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from ..ops._validate import check_flag
 from ..ops.dispatch import check_method
 from ..ops.ring_attention import ring_attention
-from ..ops.sequence_shard import check_layout, segments
+from ..ops.sequence_shard import check_layout, check_layout_tag, segments
 from ..parallel import resolve_group
 from .linear import (DefersWeightGrad, RowParallelLinear, _MegatronExtraState, check_input, check_size, column_parallel,
                      redraw_sharded_,
@@ -56,7 +57,8 @@ class ParallelSelfAttention(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn
         cp_group = None if cp_group is None else resolve_group(cp_group, "cp_group")
         self.cp_group = None if cp_group is None or dist.get_world_size(cp_group) == 1 else cp_group
         self.cp_layout = check_layout(cp_layout, "cp_layout")
-        self.sequence_parallel, self.method, self.rope_base = sequence_parallel, check_method(method), rope_base
+        self.sequence_parallel = sequence_parallel = check_flag(sequence_parallel, "sequence_parallel")
+        self.method, self.rope_base = check_method(method), rope_base
         d = self.head_dim
         self.init_method = init_method
         self.q_weight = sharded_parameter((num_heads * d, hidden), 0, self.group, init_method, dtype, device)
@@ -80,6 +82,8 @@ class ParallelSelfAttention(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn
         check_input(self, x, self.q_weight.shape[1], "hidden")
         if x.dim() != 3:
             raise ValueError(f"x must be [S, B, hidden], got shape {tuple(x.shape)}")
+        if self.cp_group is not None:  # x straight from shard_sequence in another layout: wrong positions and masks
+            check_layout_tag(x, "x", 0, self.cp_group, self.cp_layout, type(self).__name__)
         if self.cp_group is None or self.cp_layout != "zigzag":
             return
         tp = dist.get_world_size(self.group) if self.sequence_parallel else 1

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..ops._validate import check_ids
+from ..ops._validate import check_flag, check_ids
 from ..ops.tp_regions import reduce_from_tp_region, reduce_scatter_first_dim
 from ..parallel import resolve_group
 from .linear import check_size, divide, redraw_sharded_, sharded_parameter
@@ -37,7 +37,7 @@ class VocabParallelEmbedding(KeepsTags, nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, check_size(embedding_dim, "embedding_dim")
         per_rank = divide(num_embeddings, world, "num_embeddings")
         self.vocab_start_index, self.vocab_end_index = rank * per_rank, (rank + 1) * per_rank
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel = check_flag(sequence_parallel, "sequence_parallel")
         self.init_method = init_method
         self.weight = sharded_parameter((num_embeddings, embedding_dim), 0, self.group, init_method, dtype, device)
         remember_tensor_parallel(self)

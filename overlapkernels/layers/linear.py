@@ -8,12 +8,11 @@ included), so per-rank state dicts interchange. Initialisation builds the full w
 """
 from __future__ import annotations
 
-import numbers
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..ops._validate import check_flag, check_size
 from ..ops.all_gather_matmul import all_gather_linear
 from ..ops.dispatch import check_method
 from ..ops.linear import linear
@@ -26,14 +25,6 @@ from .tags import KeepsTags, mark_tensor_parallel, remember_tensor_parallel
 
 def default_init(weight: torch.Tensor) -> None:
     nn.init.normal_(weight, mean=0.0, std=0.02)  # Megatron's init_method_normal(0.02)
-
-
-def check_size(value, what: str) -> int:
-    """A layer size (features, heads): an integer >= 1 (torch's own layers fail later, or build an
-    empty or negative-sized layer, for 0, -4 or 2.0)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{what}={value!r}: expected an integer >= 1")
-    return int(value)
 
 
 def divide(total: int, parts: int, what: str) -> int:
@@ -135,7 +126,9 @@ class ColumnParallelLinear(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn.
         world = dist.get_world_size(self.group)
         self.in_features, self.out_features = check_size(in_features, "in_features"), out_features
         self.output_size_per_partition = divide(out_features, world, "out_features")
-        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        bias = check_flag(bias, "bias")
+        self.gather_output = check_flag(gather_output, "gather_output")
+        self.sequence_parallel = sequence_parallel = check_flag(sequence_parallel, "sequence_parallel")
         self.method = check_method(method)
         if sequence_parallel and gather_output:
             raise ValueError("gather_output=True with sequence_parallel=True is not supported (as in Megatron)")
@@ -178,7 +171,9 @@ class RowParallelLinear(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn.Mod
         world = dist.get_world_size(self.group)
         self.in_features, self.out_features = in_features, check_size(out_features, "out_features")
         self.input_size_per_partition = divide(in_features, world, "in_features")
-        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        bias = check_flag(bias, "bias")
+        self.input_is_parallel = input_is_parallel = check_flag(input_is_parallel, "input_is_parallel")
+        self.sequence_parallel = sequence_parallel = check_flag(sequence_parallel, "sequence_parallel")
         self.method = check_method(method)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel=True needs input_is_parallel=True (as in Megatron)")

@@ -5,6 +5,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from ..ops._validate import check_flag
 from ..ops.dispatch import check_method
 from ..parallel import resolve_group
 from .linear import (DefersWeightGrad, RowParallelLinear, _MegatronExtraState, check_input, check_size, column_parallel,
@@ -22,7 +23,8 @@ class ParallelMLP(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn.Module):
         self.group = resolve_group(group)
         hidden, ffn_hidden = check_size(hidden, "hidden"), check_size(ffn_hidden, "ffn_hidden")
         divide(ffn_hidden, dist.get_world_size(self.group), "ffn_hidden")
-        self.sequence_parallel, self.method = sequence_parallel, check_method(method)
+        self.sequence_parallel = sequence_parallel = check_flag(sequence_parallel, "sequence_parallel")
+        self.method = check_method(method)
         self.init_method = init_method
         self.gate_weight = sharded_parameter((ffn_hidden, hidden), 0, self.group, init_method, dtype, device)
         self.up_weight = sharded_parameter((ffn_hidden, hidden), 0, self.group, init_method, dtype, device)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..comm.collectives import all_reduce_coalesced
+from ..ops._validate import check_flag, check_size
 from .tags import SEQUENCE_PARALLEL, KeepsTags, remembered
 
 
@@ -46,8 +47,8 @@ class RMSNorm(KeepsTags, nn.Module):
     def __init__(self, hidden, eps=1e-5, *, sequence_parallel=False, group=None, dtype=None, device=None):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
-        mark_sequence_parallel(self.weight, sequence_parallel, group, owner=self)
+        self.weight = nn.Parameter(torch.ones(check_size(hidden, "hidden"), dtype=dtype, device=device))
+        mark_sequence_parallel(self.weight, check_flag(sequence_parallel, "sequence_parallel"), group, owner=self)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -60,7 +61,8 @@ class RMSNorm(KeepsTags, nn.Module):
 
 class LayerNorm(KeepsTags, nn.LayerNorm):
     def __init__(self, hidden, eps=1e-5, *, sequence_parallel=False, group=None, dtype=None, device=None):
-        super().__init__(hidden, eps=eps, dtype=dtype, device=device)
+        super().__init__(check_size(hidden, "hidden"), eps=eps, dtype=dtype, device=device)
+        sequence_parallel = check_flag(sequence_parallel, "sequence_parallel")
         for p in self.parameters():
             mark_sequence_parallel(p, sequence_parallel, group, owner=self)
 

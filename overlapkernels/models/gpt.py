@@ -21,8 +21,9 @@ from ..layers.embedding import check_token_ids
 from ..layers.linear import default_init
 from ..layers.norm import allreduce_sequence_parallel_grads
 from ..layers.tags import KeepsTags, mark_context_parallel
-from ..ops.cross_entropy import check_target_ids, vocab_parallel_cross_entropy
-from ..ops.sequence_shard import shard_sequence
+from ..ops._validate import check_flag, check_size
+from ..ops.cross_entropy import check_ignore_index, check_target_ids, vocab_parallel_cross_entropy
+from ..ops.sequence_shard import check_layout_tag, shard_sequence
 
 
 @dataclass
@@ -41,9 +42,9 @@ class GPTConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden", "max_seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name}={value!r}: expected an integer >= 1")
+            setattr(self, name, check_size(getattr(self, name), f"GPTConfig.{name}"))  # (numpy's ints too)
+        self.sequence_parallel = check_flag(self.sequence_parallel, "GPTConfig.sequence_parallel")
+        self.ignore_index = check_ignore_index(self.ignore_index, "GPTConfig.ignore_index")
 
 
 class GPT(KeepsTags, nn.Module):
@@ -147,6 +148,8 @@ class GPT(KeepsTags, nn.Module):
             if x.dim() == 2 and x.shape[1] * self.dims.cp_size > self.config.max_seq_len:  # [B, S/CP] ids
                 raise ValueError(f"sequence length {x.shape[1] * self.dims.cp_size} > "
                                  f"max_seq_len={self.config.max_seq_len}")
+            if self.cp_group is not None:  # ids sharded by shard_sequence in another layout than the config's
+                check_layout_tag(x, "tokens", 1, self.cp_group, self.config.cp_layout, "GPT")
             x = self.embed(x)
             if not self.sequence_parallel:
                 x = x.transpose(0, 1)  # [S, B, hidden]

@@ -3,6 +3,7 @@ under TORCH_DISTRIBUTED_DEBUG=DETAIL compares calls, and errors, before that).""
 from __future__ import annotations
 
 import contextlib
+import numbers
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,23 @@ def group_size(group) -> int:
 
 def is_peer_world(group) -> bool:
     return hasattr(group, "alloc_symmetric")
+
+
+def check_size(value, what: str) -> int:
+    """A layer size (features, heads): an integer >= 1 (torch's own layers fail later, or build an
+    empty or negative-sized layer, for 0, -4 or 2.0)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{what}={value!r}: expected an integer >= 1")
+    return int(value)
+
+
+def check_flag(value, name: str) -> bool:
+    """A switch: a bool, numpy's too, or 0 / 1 (torch's own layers take ``bias=0``). Anything else
+    is refused, a string above all: ``sequence_parallel="no"`` is truthy, so it would silently
+    mean on (and another input shape)."""
+    if (isinstance(value, numbers.Integral) and value in (0, 1)) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise TypeError(f"{name}={value!r}: expected a bool")
 
 
 def check_not_dtensor(name: str, value) -> None:

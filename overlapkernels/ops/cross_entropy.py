@@ -10,6 +10,8 @@ ignore_index=..., label_smoothing=...)``.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.distributed as dist
 
@@ -97,6 +99,13 @@ def check_target_ids(target: torch.Tensor, vocab, ignore_index: int) -> None:
 
 
 @eager_under_compile  # takes a ProcessGroup: see _compat
+def check_ignore_index(value, name: str = "ignore_index") -> int:
+    """An int, as ``F.cross_entropy`` takes (a float such as 5.0 would ignore class 5, 1.5 nothing)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}={value!r}: expected an int (a target id to ignore, -100 by default)")
+    return int(value)
+
+
 def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, ignore_index=-100, label_smoothing=0.0):
     """Per-token loss [...] from vocabulary-parallel logits [..., V/P] and global target ids [...].
     ``label_smoothing`` as ``F.cross_entropy``'s (eps spread over all V classes), whatever the TP size.
@@ -107,6 +116,9 @@ def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, ignore_ind
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         check_not_dtensor(name, t)
     check_float_dtype("logits_shard", logits_shard)  # (F.cross_entropy refuses integer logits too)
+    if logits_shard.dim() < 1:
+        raise ValueError("logits_shard.shape=(): expected [..., V/P] (a vocabulary dimension last)")
+    ignore_index = check_ignore_index(ignore_index)
     if logits_shard.shape[:-1] != target.shape:
         raise ValueError(f"target shape {tuple(target.shape)} must equal logits_shard.shape[:-1] "
                          f"{tuple(logits_shard.shape[:-1])}")
