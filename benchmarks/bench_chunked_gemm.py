@@ -86,6 +86,8 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench_chunked_gemm: no CUDA GPU (pass --device cpu for a smoke run)", file=sys.stderr)
         return 2
+    if device.type == "cuda":  # do_bench's events and sync, and the row's GPU name, use the current device
+        torch.cuda.set_device(device)
     shapes = args.shapes.split(",")
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown or min(args.worlds + args.rows) < 1:

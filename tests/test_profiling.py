@@ -231,6 +231,35 @@ def test_gpu_op_windows_span_the_work_their_host_range_launched():
     assert rows[0]["hidden"] == 38 / 40 and rows[1]["hidden"] == 0.0
 
 
+def test_a_range_around_backward_spans_what_the_autograd_thread_launched():
+    """On CUDA the autograd engine launches backward's kernels from its own device thread: a range
+    around ``loss.backward()`` on the main thread (fsdp's backward, a pipeline step) launched only
+    the seed gradient's fill there, and its window shrank to that 2 us kernel (0 comm, 0 compute).
+    Launches made inside no op range of their thread count for the process's ranges open then."""
+    def ev(cat, name, ts, dur, tid, corr=None, pid=100):
+        e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": pid, "tid": tid}
+        return {**e, "args": {"correlation": corr}} if corr is not None else e
+
+    events = [
+        ev("user_annotation", "ok/fsdp[zero3]/backward", 0, 1000, 1),
+        ev("cuda_runtime", "cudaLaunchKernel", 5, 2, 1, corr=1),  # the seed gradient, on the main thread
+        ev("cuda_runtime", "cudaLaunchKernel", 22, 2, 2, corr=2),  # the autograd thread: a dgrad GEMM,
+        ev("cuda_runtime", "cudaLaunchKernel", 62, 2, 2, corr=3),  # a reduce-scatter,
+        ev("cuda_runtime", "cudaLaunchKernel", 80, 2, 2, corr=4),  # the next GEMM
+        ev("cuda_runtime", "cudaLaunchKernel", 1500, 2, 2, corr=5),  # after the range closed: not its
+        ev("kernel", "void at::native::vectorized_elementwise_kernel<4, FillFunctor<float>>(int)", 10, 2, 7, corr=1,
+           pid=0),
+        ev("kernel", "sm90_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize128x128x32", 25, 300, 7, corr=2, pid=0),
+        ev("kernel", "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 70, 400, 20,
+           corr=3, pid=0),
+        ev("kernel", "sm90_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize128x128x32", 330, 200, 7, corr=4, pid=0),
+        ev("kernel", "sm90_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize128x128x32", 1600, 50, 7, corr=5, pid=0),
+    ]
+    (row,) = overlap_report(events)
+    assert (row["start_us"], row["dur_us"], row["comm_us"], row["compute_us"], row["both_us"]) == (10, 520, 400, 500, 395)
+    assert row["hidden"] == 395 / 400
+
+
 def _fwd_bwd_ranges(trace_dir):
     """Every op forward and backward on 2 gloo ranks under the profiler -> the range names seen."""
     from overlapkernels.ops.ring_attention import ring_attention

@@ -153,9 +153,13 @@ def _launched_windows(events: list[dict]) -> list[tuple[str, float, float]] | No
     ``/compute`` ranges (and inside c10d's ``nccl:*`` ones): the op's window would shrink to the
     few kernels launched directly in it. Here every launch (``cuda_runtime`` / ``cuda_driver``
     events) made on the op range's thread between its start and end counts, through the
-    correlation id it shares with its kernel or copy; the window spans that GPU work. A range that
-    launched nothing keeps its host interval. None where the trace links no launch to GPU work (no
-    correlation ids): then the GPU ranges are all there is (``_op_windows``)."""
+    correlation id it shares with its kernel or copy; the window spans that GPU work. So does every
+    launch the process made inside no op range of its own thread while the range was open: on CUDA
+    the autograd engine launches backward's kernels from a device thread of its own, so a range
+    around ``loss.backward()`` (fsdp's backward, a pipeline step) launched only the seed gradient
+    itself, and its window had shrunk to that one fill kernel. A range that launched nothing keeps
+    its host interval. None where the trace links no launch to GPU work (no correlation ids): then
+    the GPU ranges are all there is (``_op_windows``)."""
     work: dict = {}
     for e in events:
         if e.get("cat") in GPU_WORK_CATS and (c := _correlation(e)) is not None:
@@ -167,15 +171,26 @@ def _launched_windows(events: list[dict]) -> list[tuple[str, float, float]] | No
             launches[(e.get("pid"), e.get("tid"))].append((e["ts"], c))
     if not launches:
         return None
-    for calls in launches.values():
+    ranges = sorted((e for e in events if e.get("cat") not in GPU_CATS | LAUNCH_CATS and OP_RANGE.match(e["name"])),
+                    key=lambda e: e["ts"])
+    open_on = defaultdict(list)  # (pid, tid) -> the op ranges' host intervals
+    for e in ranges:
+        open_on[(e.get("pid"), e.get("tid"))].append((e["ts"], e["ts"] + e["dur"]))
+    # per process, the launches made outside every op range of their thread (the autograd engine's)
+    unowned = defaultdict(list)
+    for (pid, tid), calls in launches.items():
+        calls.sort()
+        spans = open_on.get((pid, tid), ())
+        unowned[pid] += [(ts, c) for ts, c in calls if not any(lo <= ts <= hi for lo, hi in spans)]
+    for calls in unowned.values():
         calls.sort()
     windows = []
-    for e in sorted((e for e in events if e.get("cat") not in GPU_CATS | LAUNCH_CATS and OP_RANGE.match(e["name"])),
-                    key=lambda e: e["ts"]):
+    for e in ranges:
         lo, hi = e["ts"], e["ts"] + e["dur"]
-        calls = launches.get((e.get("pid"), e.get("tid")), [])
-        first, last = bisect.bisect_left(calls, (lo,)), bisect.bisect_right(calls, (hi, math.inf))
-        spans = [work[c] for _, c in calls[first:last]]
+        spans = []
+        for calls in (launches.get((e.get("pid"), e.get("tid")), []), unowned.get(e.get("pid"), [])):
+            first, last = bisect.bisect_left(calls, (lo,)), bisect.bisect_right(calls, (hi, math.inf))
+            spans += [work[c] for _, c in calls[first:last]]
         windows.append((e["name"], min(s[0] for s in spans), max(s[1] for s in spans)) if spans else (e["name"], lo, hi))
     return windows
 
