@@ -39,6 +39,25 @@ def _end_process_group(made_here: bool, code: int) -> None:
         dist.destroy_process_group()
 
 
+DEFAULT_NPROC = 4
+
+
+def _resolve_nproc(args) -> None:
+    """Under a launcher the world it made decides: a different --nproc is refused, not ignored (RANK
+    and WORLD_SIZE left set by a scheduler or a notebook made ``--nproc 4`` run one rank, silently)."""
+    if not hasattr(args, "nproc"):
+        return
+    if _launched():
+        world = int(os.environ["WORLD_SIZE"])
+        if args.nproc is not None and args.nproc != world:
+            raise ValueError(f"--nproc {args.nproc}: this process was launched into a world of {world} ranks (RANK "
+                             "and WORLD_SIZE are set), which decides; drop --nproc, or unset RANK and WORLD_SIZE to "
+                             "spawn CPU ranks")
+        args.nproc = world
+    elif args.nproc is None:
+        args.nproc = DEFAULT_NPROC
+
+
 def _launched() -> bool:
     """True under torchrun (or any launcher that sets the env:// variables)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -48,6 +67,7 @@ def _run_ranks(rank_main, config: dict, args) -> tuple[list[dict] | None, str]:
     """Run ``rank_main(config)`` on the launched ranks (torchrun) or on ``--nproc`` spawned CPU
     ranks -> (rank 0's rows, or None on other ranks; device type). With ``--profile DIR`` every
     rank writes a torch.profiler chrome trace there."""
+    _resolve_nproc(args)
     trace_dir = getattr(args, "profile", None)
     if trace_dir:
         from functools import partial
@@ -279,6 +299,7 @@ def _on_gpus() -> bool:
 
 def _world(args) -> int:
     """The number of ranks the run will have: torchrun's, or the --nproc ranks to spawn."""
+    _resolve_nproc(args)
     if _launched():
         return int(os.environ["WORLD_SIZE"])
     if args.nproc < 1:
@@ -316,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dp", type=int, default=1, help="data-parallel size (tp*pp*cp*dp ranks in all)")
     demo.add_argument("--steps", type=int, default=20, help="training steps")
     demo.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | zb-h1")
-    demo.add_argument("--nproc", type=int, default=4, help="CPU ranks to spawn when not under torchrun")
+    demo.add_argument("--nproc", type=int, help=f"CPU ranks to spawn when not under torchrun (default {DEFAULT_NPROC})")
     demo.add_argument("--timeout", type=float, default=600.0, help="seconds before spawned ranks are killed")
     demo.set_defaults(func=_demo)
 
@@ -376,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     _rank_args(pl, iters=3, warmup=1)
     pl.set_defaults(func=_bench_pipeline)
     every = kinds.add_parser("all", help="every bench kind in turn (small sizes on CPU ranks)")
-    every.add_argument("--nproc", type=int, default=4, help="CPU ranks to spawn when not under torchrun")
+    every.add_argument("--nproc", type=int, help=f"CPU ranks to spawn when not under torchrun (default {DEFAULT_NPROC})")
     every.add_argument("--csv", metavar="FILE")
     every.add_argument("--json", metavar="FILE", dest="json_out")
     _output_dir_args(every)
@@ -404,7 +425,7 @@ def _profile_report(args) -> int:
 
 
 def _rank_args(parser, *, iters: int, warmup: int) -> None:
-    parser.add_argument("--nproc", type=int, default=4, help="CPU ranks to spawn when not under torchrun")
+    parser.add_argument("--nproc", type=int, help=f"CPU ranks to spawn when not under torchrun (default {DEFAULT_NPROC})")
     parser.add_argument("--iters", type=int, default=iters)
     parser.add_argument("--warmup", type=int, default=warmup)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before spawned ranks are killed")
@@ -426,6 +447,7 @@ def main(argv=None) -> int:
     global _depth
     args = build_parser().parse_args(argv)
     try:
+        _resolve_nproc(args)
         if args.command == "bench":
             from .bench.report import check_output_paths
 

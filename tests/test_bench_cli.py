@@ -306,3 +306,21 @@ def test_bare_profile_and_plot_take_default_folders():
     assert (args.profile, args.plot) == ("traces", "p")
     args = cli.build_parser().parse_args(["bench", "fsdp"])
     assert (args.profile, args.plot) == (None, None)
+
+
+def test_nproc_against_a_launched_world_is_refused_not_ignored(monkeypatch, capsys):
+    """RANK and WORLD_SIZE=1 left set (a scheduler, a notebook) made `--nproc 4` run one rank, silently;
+    without --nproc the launched world decides, as before."""
+    from overlapkernels import cli
+
+    monkeypatch.setattr(cli, "_run_ranks", lambda *a: pytest.fail("ranks started"))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert cli.main(["bench", "layers", "--nproc", "4"]) == 2
+    assert ("--nproc 4: this process was launched into a world of 1 ranks (RANK and WORLD_SIZE are set), which "
+            "decides; drop --nproc") in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["bench", "layers"])
+    assert cli._world(args) == 1 and args.nproc == 1
+    monkeypatch.delenv("RANK")
+    args = cli.build_parser().parse_args(["bench", "layers"])
+    assert cli._world(args) == cli.DEFAULT_NPROC == 4
