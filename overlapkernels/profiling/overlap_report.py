@@ -64,7 +64,8 @@ LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})  # cudaLaunchKernel, cu
 
 
 def load_events(trace) -> list[dict]:
-    """The complete ("X") events of a chrome trace: a path, a parsed object with ``traceEvents``,
+    """The complete ("X") events of a chrome trace, and its begin/end ("B"/"E") pairs as complete
+    events: a path, a parsed object with ``traceEvents``,
     or a list of events. Anything else is a ValueError naming the trace and what was expected."""
     where = "the trace"
     if isinstance(trace, (str, bytes)) or hasattr(trace, "__fspath__"):
@@ -88,10 +89,17 @@ def load_events(trace) -> list[dict]:
         trace = trace["traceEvents"]
     if not isinstance(trace, list):
         raise ValueError(f"{where}: {type(trace).__name__} where a list of trace events was expected")
-    events = []
+    events, begun = [], defaultdict(list)  # (pid, tid) -> [(ts, index, "B"/"E" event)]
     for i, e in enumerate(trace):
         if not isinstance(e, dict):
             raise ValueError(f"{where}: event {i} is {type(e).__name__} {e!r:.40}; expected an object")
+        if e.get("ph") in ("B", "E"):
+            ts = e.get("ts")
+            if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+                raise ValueError(f"{where}: duration event {i} ({e.get('name')!r}, ph {e['ph']!r}) needs a finite "
+                                 f"numeric 'ts', got {ts!r}")
+            begun[(e.get("pid"), e.get("tid"))].append((ts, i, e))
+            continue
         if e.get("ph") != "X":
             continue
         if not isinstance(e.get("name"), str) or any(
@@ -102,7 +110,26 @@ def load_events(trace) -> list[dict]:
             raise ValueError(f"{where}: complete event {i} ({e['name']!r}) needs a finite 'ts' and a finite 'dur' >= 0, "
                              f"got ts={e['ts']!r}, dur={e['dur']!r}")
         events.append(e)
-    return events
+    return events + _paired(begun)
+
+
+def _paired(begun: dict) -> list[dict]:
+    """Begin/end ("B"/"E") duration events - what some converters (Nsight's, Perfetto's) write
+    instead of complete ones - as complete events: on each thread an E closes the latest open B
+    (the trace format's nesting rule). A B never closed is left out (a trace cut short)."""
+    complete = []
+    for thread in begun.values():
+        stack = []
+        for ts, _, e in sorted(thread, key=lambda t: (t[0], t[1])):
+            if e["ph"] == "B":
+                stack.append(e)
+            elif stack:
+                b = stack.pop()
+                if not isinstance(b.get("name"), str):
+                    continue
+                complete.append({**b, "ph": "X", "dur": ts - b["ts"], "args": {**(b.get("args") or {}),
+                                                                               **(e.get("args") or {})}})
+    return complete
 
 
 def _timeline(events: list[dict]) -> list[dict]:
