@@ -299,3 +299,34 @@ def test_gpt_under_fsdp2_over_a_mesh_with_cp_peers_is_refused(rank_pool):
     assert rank_pool(4).run(_gpt_fsdp2_over_dp_and_cp_on_rank) == [
         "sync_grads: torch's FSDP2 shards these parameters over a mesh that holds CP peers (it averaged their "
         "partial gradients, 1/cp of the sum)"] * 4
+
+
+def _deepcopy_on_rank():
+    """copy.deepcopy of a model holding our layers (an EMA copy, a DPO reference, a teacher) failed:
+    torch cannot copy a ProcessGroup. The copy shares the groups (parameter tags too), owns its
+    parameters, computes what the original computes, and is not moved by the original's training."""
+    import copy
+
+    dims = ok.init_parallel(tp=2, cp=dist.get_world_size() // 2)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CONFIG), dims, dtype=torch.float64)
+    wrapped = torch.nn.Sequential(model)  # reached through a plain container too
+    twin = copy.deepcopy(wrapped)[0]
+    shared = [(twin.dims.tp_group is dims.tp_group),
+              all(getattr(p, "sequence_parallel_group", None) is getattr(q, "sequence_parallel_group", None)
+                  for p, q in zip(twin.parameters(), model.parameters())),
+              any(getattr(p, "sequence_parallel_group", None) is dims.tp_group for p in twin.parameters())]
+    distinct = all(p.data_ptr() != q.data_ptr() and torch.equal(p, q)
+                   for p, q in zip(twin.parameters(), model.parameters()))
+    g = torch.Generator().manual_seed(1)
+    tokens, targets = (torch.randint(0, CONFIG["vocab_size"], (2, 8), generator=g) for _ in range(2))
+    before = twin.loss(tokens, targets).detach()
+    same = torch.equal(model.loss(tokens, targets).detach(), before)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    return shared, distinct, same, torch.equal(twin.loss(tokens, targets).detach(), before)
+
+
+def test_a_model_of_our_layers_deep_copies_sharing_its_groups(rank_pool):
+    assert rank_pool(4).run(_deepcopy_on_rank) == [([True] * 3, True, True, True)] * 4

@@ -14,6 +14,10 @@ too - ``to_empty()`` after building on the meta device, ``.to()`` across device 
 """
 from __future__ import annotations
 
+import copy
+
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from .. import _compat
@@ -126,3 +130,31 @@ class KeepsTags:
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
         retag(self, recurse=False)
+
+    def __deepcopy__(self, memo):
+        """``copy.deepcopy`` (an EMA copy, a frozen reference or teacher model) copies everything but
+        the process groups, which the copy shares: they are handles to the job's communicators, and
+        torch refuses to copy one ("cannot pickle ProcessGroup"), so the copy of any model holding
+        our layers failed (megatron-core's layers fail alike)."""
+        for group in _groups_in(self.__dict__, 0):
+            memo.setdefault(id(group), group)
+        for p in self._parameters.values():  # their tags, should a torch's Parameter copy its attributes
+            for group in _groups_in(vars(p) if p is not None else {}, 0):
+                memo.setdefault(id(group), group)
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__dict__, memo))
+        retag(new, recurse=False)  # torch's Parameter.__deepcopy__ drops the tags (attributes) it holds
+        return new
+
+
+def _groups_in(value, depth: int) -> list:
+    """The process groups held in ``value`` (dicts, lists, tuples, objects' attributes; not in child
+    modules, whose own ``__deepcopy__`` finds theirs, nor in tensors' data)."""
+    if isinstance(value, dist.ProcessGroup):
+        return [value]
+    if depth > 4 or isinstance(value, (nn.Module, torch.Tensor, str, bytes, int, float, type(None))):
+        return []
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple, set)) else \
+        vars(value).values() if hasattr(value, "__dict__") and not isinstance(value, type) else ()
+    return [g for item in items for g in _groups_in(item, depth + 1)]
