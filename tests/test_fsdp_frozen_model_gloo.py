@@ -109,6 +109,13 @@ def test_gradients_flow_through_a_sharded_frozen_model(rank_pool):
 
 def _checkpoint_on_rank(path):
     teacher = fsdp.shard(_teacher(seed=2), stage=3, shard_frozen=True)
+    trained_path = path + "-trained"
+    fsdp.save(fsdp.shard(_net(), stage=3), trained_path)
+    try:  # a trained model's checkpoint: its units are not the frozen model's; the message says the way
+        fsdp.load(teacher, trained_path)
+        hint = "loaded"
+    except ValueError as exc:
+        hint = str(exc).split("]]; ", 1)[-1]
     fsdp.save(teacher, path)
     other = fsdp.shard(_teacher(seed=5), stage=3, shard_frozen=True)
     want = teacher.full_state_dict()
@@ -120,12 +127,14 @@ def _checkpoint_on_rank(path):
         refused = "nothing"
     except RuntimeError as exc:
         refused = str(exc)
-    return differed, all(torch.equal(got[k], want[k]) for k in want), refused
+    return differed, all(torch.equal(got[k], want[k]) for k in want), refused, hint
 
 
 def test_a_frozen_model_checkpoints_and_refuses_to_step(rank_pool, tmp_path):
-    for differed, same, refused in rank_pool(2).run(_checkpoint_on_rank, str(tmp_path / "teacher")):
+    for differed, same, refused, hint in rank_pool(2).run(_checkpoint_on_rank, str(tmp_path / "teacher")):
         assert (differed, same) == (True, True)
+        assert hint.startswith("a frozen model (a reference, a teacher) takes a trained model's weights before it is "
+                               "sharded: fsdp.load the checkpoint into the trained model's ShardedModule"), hint
         assert refused == ("fsdp step: Net was sharded with no trainable parameter (a frozen model, for "
                            "inference): there is nothing to step"), refused
 
@@ -142,6 +151,10 @@ class Empty(nn.Module):
                                r"model .*: stage=3, shard_frozen=True$"),
     (Empty, dict(shard_frozen=True), ValueError, r"^fsdp.shard: Empty has no parameter: nothing to shard$"),
     (lambda: "net", {}, TypeError, r"^model must be a torch.nn.Module, got str$"),
+    # frozen parameters outside every unit module: they stay whole, so nothing would be sharded (then
+    # fsdp.save failed with an IndexError)
+    (lambda: nn.Linear(4, 4).requires_grad_(False), dict(shard_frozen=True), ValueError,
+     r"^fsdp.shard: Linear has no trainable parameter, and none of its frozen ones lies in a unit module"),
 ])
 def test_models_with_nothing_to_shard_are_refused_by_name(model, kwargs, error, match):
     """The first used to fail inside torch's optimizer ("optimizer got an empty parameter list")."""

@@ -79,8 +79,8 @@ def _bad_layers_on_rank():
         (lambda: ColumnParallelLinear(4, 4, tp, sequence_parallel="no"), TypeError,
          r"^sequence_parallel='no': expected a bool$"),
         (lambda: ColumnParallelLinear(4, 4, tp, gather_output="yes"), TypeError, r"^gather_output='yes': expected a bool$"),
-        (lambda: RowParallelLinear(4, 4, tp, input_is_parallel=None), TypeError,
-         r"^input_is_parallel=None: expected a bool$"),
+        (lambda: RowParallelLinear(4, 4, tp, input_is_parallel="True"), TypeError,
+         r"^input_is_parallel='True': expected a bool$"),
         (lambda: RowParallelLinear(4, 4, tp, bias="False"), TypeError, r"^bias='False': expected a bool$"),
         (lambda: ParallelMLP(8, 4, tp, sequence_parallel="False"), TypeError, r"^sequence_parallel='False'"),
         (lambda: ParallelSelfAttention(8, 2, 2, tp, sequence_parallel=2), TypeError, r"^sequence_parallel=2: expected"),
@@ -105,6 +105,12 @@ def _bad_layers_on_rank():
             assert type(exc) is error and re.search(pattern, str(exc)), (i, repr(exc))
         else:
             raise AssertionError(f"case {i}: no {error.__name__}")
+    # what torch's own layers take for a switch stays accepted: numpy's bools, bool tensors, None (off)
+    numpy = pytest.importorskip("numpy")
+    with no_communication():
+        assert ColumnParallelLinear(4, 4, tp, bias=None).bias is None
+        assert RowParallelLinear(4, 4, tp, sequence_parallel=numpy.True_).sequence_parallel is True
+        assert RMSNorm(4, sequence_parallel=torch.tensor(False)).weight.shape == (4,)
     stray = torch.nn.Parameter(torch.ones(2))
     with pytest.raises(ValueError, match="does not hold this parameter"), no_communication():
         mark_sequence_parallel(stray, True, tp, owner=torch.nn.Linear(2, 2))

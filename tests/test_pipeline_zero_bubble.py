@@ -187,3 +187,10 @@ def test_zero_bubble_refuses_torch_fsdp_which_would_drop_deferred_gradients():
     with pytest.raises(ValueError, match=message):
         pp.enable_zero_bubble(stage)
     pp.PipelineRunner(stage, dist.group.WORLD, schedule=pp.make_schedule("1f1b", 1, 2), loss_fn=F.mse_loss)
+    # torch's composable DDP too: replicas ended with different gradients, silently
+    from torch.distributed._composable import replicate
+
+    replicated = nn.Sequential(nn.Linear(4, 4), replicate(nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match=r"^Sequential.1 is under replicate\(\) \(composable DDP\): a W-split schedule "
+                                         r"\(zb-h1\) defers weight gradients past its gradient all-reduce hooks"):
+        pp.enable_zero_bubble(replicated)

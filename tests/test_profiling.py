@@ -278,6 +278,14 @@ def test_a_range_around_backward_spans_what_the_autograd_thread_launched():
     (row,) = overlap_report(events)
     assert (row["start_us"], row["dur_us"], row["comm_us"], row["compute_us"], row["both_us"]) == (10, 520, 400, 500, 395)
     assert row["hidden"] == 395 / 400
+    # the thread world: ranks are threads of one process, each with op ranges of its own; what rank 1
+    # launches outside its ops (at 30, while rank 0's op is open) is not rank 0's
+    ranks = [ev("user_annotation", "ok/all_gather_matmul[fused]", 0, 50, 1), ev("cuda_runtime", "cudaLaunchKernel", 2, 1, 1, corr=1),
+             ev("user_annotation", "ok/all_gather_matmul[fused]", 100, 50, 3), ev("cuda_runtime", "cudaLaunchKernel", 30, 1, 3, corr=2),
+             ev("cuda_runtime", "cudaLaunchKernel", 101, 1, 3, corr=3),
+             ev("kernel", "sm90_xmma_gemm_bf16", 5, 40, 7, corr=1, pid=0), ev("kernel", "sm90_xmma_gemm_bf16", 45, 2000, 7, corr=2, pid=0),
+             ev("kernel", "sm90_xmma_gemm_bf16", 2050, 10, 7, corr=3, pid=0)]
+    assert [(r["start_us"], r["dur_us"]) for r in overlap_report(ranks)] == [(5, 40), (2050, 10)]
 
 
 def _fwd_bwd_ranges(trace_dir):

@@ -33,10 +33,16 @@ def check_size(value, what: str) -> int:
 
 
 def check_flag(value, name: str) -> bool:
-    """A switch: a bool, numpy's too, or 0 / 1 (torch's own layers take ``bias=0``). Anything else
-    is refused, a string above all: ``sequence_parallel="no"`` is truthy, so it would silently
-    mean on (and another input shape)."""
-    if (isinstance(value, numbers.Integral) and value in (0, 1)) or type(value).__name__ == "bool_":
+    """A switch: a bool (numpy's, or a one-element bool tensor, too), 0 / 1, or None for off (torch's
+    own layers read ``bias=None`` and ``bias=0`` as no bias). Anything else is refused, a string
+    above all: ``sequence_parallel="no"`` is truthy, so it would silently mean on (and another input
+    shape)."""
+    if value is None:
+        return False
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    # numpy's bool scalar (named bool_ before numpy 2, bool since) and 0-d bool arrays or tensors
+    if str(getattr(value, "dtype", "")) in ("bool", "torch.bool") and tuple(getattr(value, "shape", (0,))) == ():
         return bool(value)
     raise TypeError(f"{name}={value!r}: expected a bool")
 

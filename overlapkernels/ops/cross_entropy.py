@@ -98,7 +98,6 @@ def check_target_ids(target: torch.Tensor, vocab, ignore_index: int) -> None:
               f"vocab_parallel_cross_entropy: target ids outside [0, {vocab}), not ignore_index={ignore_index}")
 
 
-@eager_under_compile  # takes a ProcessGroup: see _compat
 def check_ignore_index(value, name: str = "ignore_index") -> int:
     """An int, as ``F.cross_entropy`` takes (a float such as 5.0 would ignore class 5, 1.5 nothing)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -106,6 +105,7 @@ def check_ignore_index(value, name: str = "ignore_index") -> int:
     return int(value)
 
 
+@eager_under_compile  # takes a ProcessGroup: see _compat
 def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, ignore_index=-100, label_smoothing=0.0):
     """Per-token loss [...] from vocabulary-parallel logits [..., V/P] and global target ids [...].
     ``label_smoothing`` as ``F.cross_entropy``'s (eps spread over all V classes), whatever the TP size.

@@ -181,7 +181,7 @@ def _launched_windows(events: list[dict]) -> list[tuple[str, float, float]] | No
     few kernels launched directly in it. Here every launch (``cuda_runtime`` / ``cuda_driver``
     events) made on the op range's thread between its start and end counts, through the
     correlation id it shares with its kernel or copy; the window spans that GPU work. So does every
-    launch the process made inside no op range of its own thread while the range was open: on CUDA
+    launch made while the range was open by a thread of the process that opens no op range: on CUDA
     the autograd engine launches backward's kernels from a device thread of its own, so a range
     around ``loss.backward()`` (fsdp's backward, a pipeline step) launched only the seed gradient
     itself, and its window had shrunk to that one fill kernel. A range that launched nothing keeps
@@ -203,12 +203,14 @@ def _launched_windows(events: list[dict]) -> list[tuple[str, float, float]] | No
     open_on = defaultdict(list)  # (pid, tid) -> the op ranges' host intervals
     for e in ranges:
         open_on[(e.get("pid"), e.get("tid"))].append((e["ts"], e["ts"] + e["dur"]))
-    # per process, the launches made outside every op range of their thread (the autograd engine's)
+    # per process, the launches of threads that open no op range at all (the autograd engine's device
+    # threads): not those of a thread that has ranges of its own, such as another rank's in the thread
+    # world (ranks are threads of one process there), whose work outside its ops is no other rank's
     unowned = defaultdict(list)
     for (pid, tid), calls in launches.items():
         calls.sort()
-        spans = open_on.get((pid, tid), ())
-        unowned[pid] += [(ts, c) for ts, c in calls if not any(lo <= ts <= hi for lo, hi in spans)]
+        if (pid, tid) not in open_on:
+            unowned[pid] += calls
     for calls in unowned.values():
         calls.sort()
     windows = []

@@ -294,6 +294,10 @@ def _check(sharded, path, meta, part, parts) -> str | None:
         frozen = [any("#frozen" in name for name, _ in units) for units in (mine["units"], _units(sharded))]
         hint = ("; one was sharded with shard_frozen=True and the other without: shard the same way to load"
                 if frozen[0] != frozen[1] else "")
+        if frozen[1] and sharded.optimizer is None and not frozen[0]:  # a trained model's, into a frozen one
+            hint = ("; a frozen model (a reference, a teacher) takes a trained model's weights before it is sharded: "
+                    "fsdp.load the checkpoint into the trained model's ShardedModule, and load_state_dict its "
+                    "full_state_dict() into the frozen model before fsdp.shard")
         return (f"checkpoint {path!r} holds units {mine['units']} ([name, numel]); this model has "
                 f"{_units(sharded)}{hint}")
     if "unit_params" in mine:  # (checkpoints written before 2026-11-30 hold numels only)

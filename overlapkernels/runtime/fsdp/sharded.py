@@ -40,7 +40,7 @@ from .frozen_copies import FrozenComputeCopies
 from .frozen_units import FrozenRelease, frozen_units
 from .gradless import hold_gradless
 from .param_groups import optimizer_and_units
-from .state_guards import full_state_dict, guard_state_dicts
+from .state_guards import check_steppable, full_state_dict, guard_state_dicts
 from .unit_plan import (check_context_parallel_tags, check_group_holds_replicas, check_sequence_parallel_tags,
                         shared_parameters, unit_modules)
 
@@ -101,6 +101,10 @@ class ShardedModule(Accounting, nn.Module):
         # gathered and freed with the module's (frozen_units.py)
         frozen = frozen_units(modules, shared, group, param_dtype=param_dtype) if stage == 3 and shard_frozen else {}
         self.frozen_units = [u for made in frozen.values() for u in made]
+        if self.optimizer is None and not self.frozen_units:  # (before any unit takes its parameters over)
+            raise ValueError(f"fsdp.shard: {type(model).__name__} has no trainable parameter, and none of its frozen "
+                             "ones lies in a unit module (a module the root calls, or one units= names): nothing "
+                             "would be sharded")
         self.saved_units = self.all_units + self.frozen_units  # what checkpoints hold, by index
         by_module = {id(units[0].module): units for units in trained_units}
         self._module_units = [by_module.get(id(mod), []) + frozen.get(i, []) for i, (_, mod) in enumerate(modules)]
@@ -423,12 +427,7 @@ class ShardedModule(Accounting, nn.Module):
         """Optimizer step on the local shards, zero the gradients, re-publish the parameters.
         Parameters without a gradient on any rank are left as they were, with their optimizer
         state (as torch skips them; a step counter shared by the unit still advances)."""
-        if self.optimizer is None:
-            raise RuntimeError(f"fsdp step: {type(self.module).__name__} was sharded with no trainable parameter "
-                               "(a frozen model, for inference): there is nothing to step")
-        if thawed := [u.name for u in self.frozen_units if any(p.requires_grad for p in u.params)]:
-            raise RuntimeError(f"fsdp step: parameters sharded as frozen (shard_frozen) in {thawed} take gradients "
-                               "now; they have no master and no optimizer state: unfreeze before fsdp.shard")
+        check_steppable(self)
         self._finish_gradients()
         held = hold_gradless(self.all_units, self._param_had_grad, self.optimizer)
         self.optimizer.step()

@@ -68,3 +68,14 @@ def full_state_dict(sharded) -> dict:
     # buffers, and non-tensor extra state (Megatron's _extra_state), as they are
     return {name: values[id(t)] if id(t) in values else t.detach().clone() if torch.is_tensor(t) else t
             for name, t in entries.items()}
+
+
+def check_steppable(sharded) -> None:
+    """Before ``step``: a frozen model has nothing to step, and a parameter sharded as frozen that
+    takes gradients now has no master or optimizer state to receive them."""
+    if sharded.optimizer is None:
+        raise RuntimeError(f"fsdp step: {type(sharded.module).__name__} was sharded with no trainable parameter "
+                           "(a frozen model, for inference): there is nothing to step")
+    if thawed := [u.name for u in sharded.frozen_units if any(p.requires_grad for p in u.params)]:
+        raise RuntimeError(f"fsdp step: parameters sharded as frozen (shard_frozen) in {thawed} take gradients "
+                           "now; they have no master and no optimizer state: unfreeze before fsdp.shard")

@@ -44,8 +44,9 @@ def splits_weight_grad(module: nn.Module) -> bool:
 
 
 def _hook_reducers() -> list:
-    """(class, what reduces in its hooks) of torch's data-parallel wrappers that reduce gradients
-    in backward hooks: DDP, FSDP2 (``fully_shard``'s FSDPModule) and FSDP1."""
+    """(class, name, what reduces in its hooks) of torch's data-parallel wrappers that reduce
+    gradients in backward hooks: DDP, FSDP2 (``fully_shard``'s FSDPModule), FSDP1 and composable
+    DDP (``replicate``, found by name: class None)."""
     from torch.distributed import fsdp
     from torch.nn.parallel import DistributedDataParallel
 
@@ -54,19 +55,29 @@ def _hook_reducers() -> list:
                         ("FullyShardedDataParallel", "FSDP's post-backward reduce-scatter")):
         if (cls := getattr(fsdp, attr, None)) is not None:  # (FSDPModule: torch >= 2.6)
             found.append((cls, attr, hooks))
-    return found
+    # torch's composable DDP marks the module it applies to (its class varies with the torch version)
+    return found + [(None, "under replicate() (composable DDP)", "its gradient all-reduce hooks")]
+
+
+def _composable_apis(module: nn.Module) -> list:
+    """The names of torch's composable APIs applied to ``module`` (replicate, fully_shard)."""
+    try:
+        from torch.distributed._composable.contract import _get_registry
+    except ImportError:
+        return []
+    return list(_get_registry(module) or ())
 
 
 def check_zero_bubble(module: nn.Module) -> None:
     """Refuse a module that is or holds a wrapper reducing gradients in backward hooks (DDP, torch's
-    FSDP2 or FSDP1): a deferred gradient reaches ``.grad`` after backward, past those hooks (they
-    see no gradient for those weights), so it is never reduced - DP replicas drift apart, and under
+    FSDP2, FSDP1 or replicate()): a deferred gradient reaches ``.grad`` after backward, past those
+    hooks (they see no gradient for those weights), so it is never reduced - DP replicas drift apart, and under
     FSDP every deferred gradient is lost silently. Use ``fsdp.shard`` over the stage (it reduces
     what W adds), or a 1F1B schedule."""
     reducers = _hook_reducers()
     for name, sub in module.named_modules():
         for cls, kind, hooks in reducers:
-            if isinstance(sub, cls):
+            if isinstance(sub, cls) if cls is not None else "replicate" in _composable_apis(sub):
                 raise ValueError(f"{type(module).__name__}{'.' + name if name else ''} is {kind}: a W-split "
                                  f"schedule (zb-h1) defers weight gradients past {hooks}; wrap the stage in "
                                  "overlapkernels' fsdp.shard, or use a 1F1B schedule (all-reducing gradients after "
