@@ -34,6 +34,13 @@ BAD_AG = [
     (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3, device="meta")), ValueError,
      r"b is on meta but a_shard is on cpu"),
     (lambda: ok.all_gather_matmul([[1.0]], torch.ones(1, 3)), TypeError, r"a_shard must be a torch.Tensor, got list"),
+    # sparse or nested operands: decomposed failed after its ring had started, baseline took a sparse b
+    (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.eye(8).to_sparse(), method="decomposed"), TypeError,
+     r"^b is a sparse_coo tensor; these ops take dense \(strided\) tensors"),
+    (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), torch.eye(8).to_sparse()), TypeError,
+     r"^b is a sparse_coo tensor"),
+    (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8).to_sparse(), torch.ones(8, 2)), TypeError,
+     r"^a is a sparse_coo tensor"),
     (lambda: ok.all_gather_matmul(torch.ones(4, 8), "w"), TypeError, r"b must be a \[K, N\] tensor or a non-empty"),
     (lambda: ok.all_gather_matmul(torch.ones(4, 8), []), TypeError, r"non-empty list/tuple of them, got list \(empty\)"),
     (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3), gather_dim=0.0), TypeError,

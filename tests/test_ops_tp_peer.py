@@ -158,6 +158,20 @@ def _auto_on_rank(ctx):
     return torch.equal(out, torch.full((4 * ctx.world_size, 2), 8.0))
 
 
+def _auto_world_of_one_on_rank(ctx):
+    ok.reset_overlap_stats()
+    ag = ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 2), ctx)
+    rs = ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 2), ctx)
+    return torch.equal(ag, torch.full((4, 2), 8.0)) and torch.equal(rs, ag), dict(ok.overlap_stats())
+
+
+def test_auto_in_a_thread_world_of_one_runs_and_counts_what_ran():
+    """auto chose baseline for a world of one, which a thread-world group refuses: the default call
+    raised, and overlap_stats counted a baseline call that never ran."""
+    (ran, stats), = ThreadWorld(1, timeout=60).run(_auto_world_of_one_on_rank)
+    assert ran and stats == {("all_gather_matmul", "symm"): 1, ("matmul_reduce_scatter", "symm"): 1}, stats
+
+
 def test_auto_picks_fused_in_a_peer_world(caplog):
     with caplog.at_level("DEBUG", logger="overlapkernels.ops"):
         assert ThreadWorld(2).run(_auto_on_rank) == [True, True]

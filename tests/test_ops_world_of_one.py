@@ -79,3 +79,16 @@ def test_all_gather_linear_takes_its_weights_from_any_sequence():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         outs = all_gather_linear(x, (w for w in (w1, w2)))
     assert [o.dtype for o in outs] == [torch.bfloat16] * 2
+
+
+@pytest.mark.parametrize("method", ["baseline", "decomposed"])
+def test_the_gathered_input_takes_a_gradient_only_when_the_shard_does(method):
+    """As torch.cat(all_gather(a)): with a frozen a_shard and a trained b, gathered_a required grad,
+    and a loss built from it alone ran a backward (a re-gather on every rank) for nothing."""
+    b = torch.randn(8, 3, requires_grad=True)
+    gathered, out = ok.all_gather_matmul(torch.randn(4, 8), b, return_gathered=True, method=method)
+    assert not gathered.requires_grad and out.requires_grad
+    a = torch.randn(4, 8, requires_grad=True)
+    gathered, out = ok.all_gather_matmul(a, b, return_gathered=True, method=method)
+    gathered.sum().backward()
+    assert torch.equal(a.grad, torch.ones(4, 8))

@@ -59,6 +59,9 @@ def check_tensor(name: str, value, min_dim: int = 1) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     check_not_dtensor(name, value)
+    if value.layout != torch.strided or value.is_nested:  # (a sparse b failed after the ring had started)
+        raise TypeError(f"{name} is a {'nested' if value.is_nested else str(value.layout).replace('torch.', '')} "
+                        "tensor; these ops take dense (strided) tensors (.to_dense() of a sparse one)")
     if value.dim() < min_dim:
         raise ValueError(f"{name} must have at least {min_dim} dims, got shape {tuple(value.shape)}")
     return value

@@ -69,6 +69,8 @@ class AllGatherMatmul(torch.autograd.Function):
         ctx.transposed, ctx.grad_targets = transposed, ws  # the weights themselves: see weight_grad_store.defer
         ctx.save_for_backward(a_full if save_gathered else a_shard, *ws)
         ctx.set_materialize_grads(False)
+        if not ctx.needs_input_grad[0]:  # as torch.cat(all_gather(a)) of an a without gradient
+            ctx.mark_non_differentiable(a_full)
         return (a_full, *outs)
 
     @staticmethod

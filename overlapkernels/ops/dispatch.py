@@ -142,8 +142,9 @@ def choose(op: str, method: str, *, world_size: int, rows_per_rank: int, step_by
     intensity = step_flops / max(step_bytes, 1)
     if method != "auto":
         choice = Choice(method, "requested")
-    elif world_size == 1:
-        choice = Choice("baseline", "world size 1: nothing to overlap")
+    elif world_size == 1:  # (a thread world runs no collectives: its copy of the one shard and one GEMM)
+        choice = Choice("symm", "world size 1 in a peer-memory world: nothing to overlap") if peer_memory else \
+            Choice("baseline", "world size 1: nothing to overlap")
     elif not gemm:  # (not a fallback: strict_overlap has nothing to insist on)
         choice = Choice("symm", "no GEMM in this call: a copy-engine gather") if peer_memory else \
             Choice("baseline", "no GEMM in this call: one all-gather collective, nothing to overlap")
