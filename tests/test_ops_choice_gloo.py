@@ -27,12 +27,14 @@ def _auto_and_strict_on_rank():
         with ok.strict_overlap():
             ok.all_gather_matmul(big, w_big)  # fine: overlapped
             ok.all_gather_matmul(small, w_small, method="baseline")  # explicit: not a fallback
+            empty = ok.all_gather_matmul(small[:0], w_small)  # nothing to overlap: not policed (it raised)
+            assert empty.shape == (0, 3)
             ok.all_gather_matmul(small, w_small)
         strict_error = None
     except ok.StrictOverlapError as exc:
         strict_error = str(exc)
     # the refused call never ran: only the two strict calls that did are counted
-    ran = {("all_gather_matmul", "decomposed"): 1, ("all_gather_matmul", "baseline"): 1}
+    ran = {("all_gather_matmul", "decomposed"): 1, ("all_gather_matmul", "baseline"): 2}
     assert dict(ok.overlap_stats()) == {k: stats.get(k, 0) + ran.get(k, 0) for k in {*stats, *ran}}
     return dict(stats), {k: list(v) for k, v in stats.reasons.items()}, strict_error, _strict_backward_error()
 

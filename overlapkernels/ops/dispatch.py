@@ -177,7 +177,8 @@ def choose(op: str, method: str, *, world_size: int, rows_per_rank: int, step_by
     else:
         choice = Choice("decomposed", f"gloo ring message {step_bytes} B, {intensity:.0f} flop/B: async P2P "
                                       "overlaps the CPU matmul (CPU benchmark)")
-    if _strict.get() and method == "auto" and world_size > 1 and gemm and choice.method == "baseline":
+    # (an empty call - no rows, or nothing to multiply - has nothing to overlap: not policed, as a world of one)
+    if _strict.get() and method == "auto" and world_size > 1 and gemm and step_flops > 0 and choice.method == "baseline":
         raise StrictOverlapError(f"{op}: strict_overlap() is active but the call would run unoverlapped "
                                  f"(method={method!r} -> baseline: {choice.reason})")
     record(op, choice)
