@@ -25,8 +25,8 @@ def render(sched_or_res, path: str | None = None) -> str:
     matplotlib installed, also a PNG there (without it, a warning says none was written)."""
     if not isinstance(sched_or_res, (Schedule, SimResult)):
         raise TypeError(f"render: expected a Schedule or a SimResult (simulate's), got {type(sched_or_res).__name__}")
-    if path is not None and not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path={path!r}: expected a file path (str or os.PathLike) for the PNG, or None")
+    if path is not None and not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"path={path!r}: expected a file path (str, bytes or os.PathLike) for the PNG, or None")
     res = sched_or_res if isinstance(sched_or_res, SimResult) else simulate(sched_or_res, t_w=1.0) \
         if _has_split(sched_or_res) else simulate(sched_or_res)
     unit = _grid(res)
@@ -46,7 +46,7 @@ def render(sched_or_res, path: str | None = None) -> str:
                 row[i] = str(a).ljust(width)
         lines.append(f"rank {r}: " + "".join(row))
     if path:
-        _png(res, path)
+        _png(res, os.fsdecode(path))  # (matplotlib reads bytes as a file object)
     return "\n".join(lines)
 
 
