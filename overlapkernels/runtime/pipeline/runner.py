@@ -110,6 +110,8 @@ class PipelineRunner:
     microbatch loss on the last stage's rank, None elsewhere; gradients accumulate in the stage
     modules (zero them, and step the optimizer, yourself). ``timeout`` (s): a peer that does not
     answer raises ``PipelineTimeout`` naming the stage, microbatch and peer; seconds or a timedelta.
+    A step that fails once it has exchanged messages leaves the runner refusing further steps (its
+    messages may still be in flight under the tags the next step would reuse).
     Construction is collective over ``group`` (one small all-reduce): a rank whose own stage
     modules are refused raises its error, the others ``comm.collectives.RefusedElsewhere`` naming it
     (arguments every rank passes alike - the schedule, the loss - are refused before that).
@@ -145,6 +147,7 @@ class PipelineRunner:
                     enable_zero_bubble(mod)
         self.modules = {chunk * self.world + self.rank: mod for chunk, mod in enumerate(modules)}
         self.schedule, self.loss_fn, self.timeout = schedule, loss_fn, timeout
+        self._posted, self._failed = False, None  # (a step that failed after posting: see step)
         self.last_stage = schedule.num_stages - 1
 
     def _check_shared(self, schedule, loss_fn, timeout) -> tuple:
@@ -219,6 +222,7 @@ class PipelineRunner:
         """The one place P2P leaves this rank: one ``batch_isend_irecv`` per batch of the plan."""
         ops = [dist.P2POp(dist.isend if msg.send else dist.irecv, _bytes(t), dist.get_global_rank(self.group, msg.peer),
                           self.group, self._tag(msg)) for msg, t in zip(batch, tensors)]
+        self._posted = True
         try:
             with span("ok/pipeline/post/comm"):
                 return dist.batch_isend_irecv(ops)
@@ -298,6 +302,10 @@ class PipelineRunner:
     def step(self, inputs=None, targets=None):
         """Run one schedule; returns the mean microbatch loss on the last stage, None elsewhere.
         Gradients accumulate in the stage modules (equal to the full batch's)."""
+        if self._failed is not None:
+            raise RuntimeError(f"PipelineRunner: an earlier step failed after it had started exchanging messages "
+                               f"({self._failed}); its messages may still be in flight, and this step's would pair "
+                               "with them (same tags): build a new runner over new process groups, or restart the job")
         m = self.schedule.num_microbatches
         has_first, has_last = 0 in self.modules, self.last_stage in self.modules
         for name, t, needed in (("inputs", inputs, has_first), ("targets", targets, has_last)):
@@ -310,6 +318,7 @@ class PipelineRunner:
         inputs_mb = inputs.chunk(m) if has_first else None
         targets_mb = targets.chunk(m) if has_last else None
         self._sends, self._unconfirmed, self._inbox, self._outbox = [], [], {}, {}
+        self._posted = False
         # Shapes cross each boundary once per step, not once per runner: a middle stage never sees
         # the batch, so only a message can tell it that this step's batch (a sequence length, a
         # last smaller batch) differs from the previous one; a cache would misread it. 80 bytes.
@@ -318,16 +327,24 @@ class PipelineRunner:
         self.compute_s = {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0}  # time in module compute, per op kind
         self._events = []
         step_start = time.perf_counter()
-        with span(f"ok/pipeline[{self.schedule.kind}]"):  # op window: P2P vs the stages' compute
-            for k, a in enumerate(self.schedule.actions[self.rank]):
-                self._post_point(self.plan[k])
-                with span(f"ok/pipeline/{a}"):
-                    self._run_action(a, inputs_mb, targets_mb, state, stores, losses)
-            self._post_point(self.plan[-1])
-            for work, msg in self._sends + self._unconfirmed:  # sends: done once their peers received
-                self._confirm(work, msg)
-        # nothing of this step outlives it (the next step would otherwise start with its tensors held)
-        self._sends, self._unconfirmed, self._inbox, self._outbox = [], [], {}, {}
+        try:
+            with span(f"ok/pipeline[{self.schedule.kind}]"):  # op window: P2P vs the stages' compute
+                for k, a in enumerate(self.schedule.actions[self.rank]):
+                    self._post_point(self.plan[k])
+                    with span(f"ok/pipeline/{a}"):
+                        self._run_action(a, inputs_mb, targets_mb, state, stores, losses)
+                self._post_point(self.plan[-1])
+                for work, msg in self._sends + self._unconfirmed:  # sends: done once their peers received
+                    self._confirm(work, msg)
+        except BaseException as exc:
+            # receives this rank posted (and peers' sends) outlive the step under the tags the next
+            # step reuses: a retry would compute with the failed step's messages, so there is none
+            if self._posted:
+                self._failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            raise
+        finally:
+            # nothing of this step outlives it (the next step would otherwise start with its tensors held)
+            self._sends, self._unconfirmed, self._inbox, self._outbox = [], [], {}, {}
         if self._events:  # CUDA: the step's kernels are done before its time is read
             self._events[-1][2].synchronize()
             for op, start, end in self._events:
