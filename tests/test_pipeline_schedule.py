@@ -48,6 +48,14 @@ def test_simulator_reproduces_published_bubbles(p, m):
             assert res.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
 
 
+def test_interleaved_with_one_chunk_per_rank_is_1f1b():
+    """Megatron's interleaved warm-up at v=1 held 2p - 1 microbatches on rank 0, 1F1B's p (same bubble)."""
+    for p, m in ((2, 4), (4, 8), (3, 9)):
+        got, want = pp.make_schedule("interleaved-1f1b", p, m), pp.make_schedule("1f1b", p, m)
+        assert [[str(a) for a in acts] for acts in got.actions] == [[str(a) for a in acts] for acts in want.actions]
+        assert pp.simulate(got).peak_activations == [p - r for r in range(p)]
+
+
 @pytest.mark.parametrize("p, v, m", [(2, 2, 2), (2, 2, 4), (4, 2, 8), (4, 3, 8)])
 def test_interleaved_peak_activations_are_megatrons_warmup_plus_one(p, v, m):
     """Megatron's interleaved 1F1B runs (p - r - 1) * 2 + (v - 1) * p warm-up forwards (of model

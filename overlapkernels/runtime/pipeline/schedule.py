@@ -86,7 +86,9 @@ def _interleaved(p, m, v):
 
     out = []
     for r in range(p):
-        warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
+        # Megatron's warm-up; with one chunk per rank (which Megatron never interleaves) 1F1B's: the
+        # same bubble, and a peak of p - r microbatches, not 2 (p - r) - 1
+        warmup = min((p - r - 1) * 2 + (v - 1) * p if v > 1 else p - r - 1, total)
         acts = [fwd(k, r) for k in range(warmup)]
         for i in range(total - warmup):
             acts += [fwd(warmup + i, r), bwd(i, r)]
