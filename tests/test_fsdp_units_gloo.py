@@ -267,13 +267,14 @@ def _gradless_in_a_unit_on_rank(stage, case, opt_name):
     is None."""
     world, rank = dist.get_world_size(), dist.get_rank()
     make = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-            "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.1)}[opt_name]
+            "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.1),
+            "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, weight_decay=0.1)}[opt_name]
     torch.manual_seed(0)
     ref = BranchNet().double()
     sharded = fsdp.shard(copy.deepcopy(ref), stage=stage, optimizer=make)
     ref_opt = make(list(ref.parameters()))
     for step, (x, y) in enumerate(_batches(4, 2, world)):
-        use_b = step < 2 or case == "frozen"
+        use_b = step > 0 if case == "first" else step < 2 or case == "frozen"
         if step == 2 and case == "frozen":
             for model in (ref, sharded.module):
                 model.blk.b.requires_grad_(False)
@@ -294,3 +295,13 @@ def _gradless_in_a_unit_on_rank(stage, case, opt_name):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_parameter_without_gradient_in_a_unit_with_gradients_is_left_alone(rank_pool, stage, case, opt_name):
     assert rank_pool(2).run(_gradless_in_a_unit_on_rank, stage, case, opt_name) == [True, True]
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "rmsprop"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_parameter_without_gradient_in_its_units_first_step_gets_no_state_then(rank_pool, stage, opt_name):
+    """Skipped in step 0 only: the optimizer makes its state (momentum, square averages) in that step,
+    and the parameter's slice of it kept what its zero gradient plus weight decay put there, where
+    torch makes none until the parameter's first gradient (weights off by up to 0.1 after 3 steps).
+    (Not AdamW: its step counter is shared by the unit, a known difference.)"""
+    assert rank_pool(2).run(_gradless_in_a_unit_on_rank, stage, "first", opt_name) == [True, True]

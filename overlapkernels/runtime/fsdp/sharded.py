@@ -38,7 +38,7 @@ from .accounting import Accounting, each_tensor
 from .flat_unit import check_unit_params
 from .frozen_copies import FrozenComputeCopies
 from .frozen_units import FrozenRelease, frozen_units
-from .gradless import hold_gradless
+from .gradless import hold_gradless, restore_gradless
 from .param_groups import optimizer_and_units
 from .state_guards import check_steppable, full_state_dict, guard_state_dicts
 from .unit_plan import (check_context_parallel_tags, check_group_holds_replicas, check_sequence_parallel_tags,
@@ -431,9 +431,7 @@ class ShardedModule(Accounting, nn.Module):
         self._finish_gradients()
         held = hold_gradless(self.all_units, self._param_had_grad, self.optimizer)
         self.optimizer.step()
-        with torch.no_grad():
-            for tensor, where, before in held:
-                tensor[where] = before
+        restore_gradless(held, self.optimizer)
         for unit in self.all_units:
             unit.master.grad = torch.zeros_like(unit.master)
             unit.clear_grad_flags()
