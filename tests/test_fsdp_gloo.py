@@ -239,10 +239,17 @@ def test_bad_arguments():
             fsdp.shard(nn.Linear(2, 2), stage=bad)
     with pytest.raises(ValueError, match="prefetch=True"):
         fsdp.shard(nn.Linear(2, 2), prefetch=True)
-    with pytest.raises(ValueError, match=r"^param_dtype=torch.int8: expected a floating torch.dtype or None$"):
+    dtypes = r"expected torch.float64, float32, float16, bfloat16 or None$"
+    with pytest.raises(ValueError, match=r"^param_dtype=torch.int8: " + dtypes):
         fsdp.shard(nn.Linear(2, 2), param_dtype=torch.int8)
-    with pytest.raises(ValueError, match=r"^reduce_dtype='bf16': expected a floating torch.dtype or None$"):
+    with pytest.raises(ValueError, match=r"^reduce_dtype='bf16': " + dtypes):
         fsdp.shard(nn.Linear(2, 2), reduce_dtype="bf16")
+    with pytest.raises(ValueError, match=r"^reduce_dtype=torch.float8_e4m3fn: " + dtypes):  # (failed in backward)
+        fsdp.shard(nn.Linear(2, 2), reduce_dtype=torch.float8_e4m3fn)
+    for call in (fsdp.save, fsdp.load):  # (an AttributeError about 'group' from inside)
+        with pytest.raises(TypeError, match=rf"^fsdp.{call.__name__}: expected a ShardedModule \(from fsdp.shard\), "
+                                            r"got Linear$"):
+            call(nn.Linear(2, 2), "ckpt")
 
 
 def _bad_units_on_rank():
@@ -265,12 +272,18 @@ def _bad_units_on_rank():
     late = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()))
     before = [(p, p.data_ptr(), p.dtype) for p in late.parameters()]
     said = []
+    two = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     for make in (lambda: fsdp.shard(Mixed()), lambda: fsdp.shard(nn.Sequential(nn.Linear(2, 2)), units="Block"),
-                 lambda: fsdp.shard(half_cp), lambda: fsdp.shard(late), lambda: fsdp.shard(MixedDevices())):
+                 lambda: fsdp.shard(half_cp), lambda: fsdp.shard(late), lambda: fsdp.shard(MixedDevices()),
+                 # every entry of units must match (a misspelt name gave a coarser split, silently)
+                 lambda: fsdp.shard(two, units=[nn.Linear, "Lineer"]), lambda: fsdp.shard(two, units=[nn.Linear, 3]),
+                 # a ShardedModule sharded again (world 1 took it, and stage 2 then trained nothing)
+                 lambda: fsdp.shard(fsdp.shard(nn.Sequential(nn.Linear(2, 2)), dist.new_group([0])
+                                               if dist.get_world_size() == 1 else None))):
         try:
             with no_communication():  # refused before any collective, not after one every rank ran
                 make()
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             said.append(str(exc))
     assert [(p, p.data_ptr(), p.dtype) for p in late.parameters()] == before, "a refused shard() changed the model"
     total = torch.ones(1)
@@ -280,7 +293,10 @@ def _bad_units_on_rank():
 
 def test_units_that_cannot_be_built_are_refused(rank_pool):
     for said, total in rank_pool(2).run(_bad_units_on_rank):
-        assert len(said) == 5 and total == 2, said
+        assert len(said) == 8 and total == 2, said
+        assert said[5] == "units=[<class 'torch.nn.modules.linear.Linear'>, 'Lineer']: 'Lineer' matches no submodule of Sequential"
+        assert said[6] == "units=[<class 'torch.nn.modules.linear.Linear'>, 3]: 3 is neither a module class nor a class name"
+        assert said[7].startswith("fsdp.shard: ShardedModule already holds a ShardedModule at '<model>'"), said[7]
         assert said[0].startswith("unit 'a': parameters must share one device and dtype, got devices ['cpu'] and "
                                   "dtypes ['torch.float32', 'torch.float64']"), said[0]
         assert said[1] == "units='Block': no submodule of Sequential matches"

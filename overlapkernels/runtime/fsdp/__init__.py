@@ -55,8 +55,9 @@ def shard(model, group=None, *, stage=3, optimizer=_adamw, prefetch=1, param_dty
     if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 0:
         raise ValueError(f"prefetch={prefetch!r}: expected an integer >= 0")
     for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
-        if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
-            raise ValueError(f"{name}={dt!r}: expected a floating torch.dtype or None")
+        # (fp8 is floating too, but neither computes nor reduces: it failed in the first backward)
+        if dt is not None and dt not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"{name}={dt!r}: expected torch.float64, float32, float16, bfloat16 or None")
     if not dist.is_initialized():
         raise RuntimeError("fsdp.shard needs an initialised process group (ok.init_parallel())")
     group = resolve_group(group)

@@ -236,9 +236,17 @@ def _prefix(part: int, parts: int) -> str:
     return "" if parts == 1 else f"part{part}/"
 
 
+def _check_sharded(sharded, op: str) -> None:
+    from .sharded import ShardedModule  # (sharded.py imports this file's helpers indirectly)
+
+    if not isinstance(sharded, ShardedModule):
+        raise TypeError(f"fsdp.{op}: expected a ShardedModule (from fsdp.shard), got {type(sharded).__name__}")
+
+
 def save(sharded, path) -> None:
     """Write a checkpoint of ``sharded`` (a collective over the world: every rank calls it, with the
     same path)."""
+    _check_sharded(sharded, "save")
     path = os.path.normpath(os.fspath(path))  # "ckpt/" would put its own temp folder inside it
     tmp, old = path + ".tmp", path + ".old"
     part, parts = _part(sharded)
@@ -333,6 +341,7 @@ def _check(sharded, path, meta, part, parts) -> str | None:
 def load(sharded, path) -> None:
     """Restore parameters and optimizer state saved by ``save`` (same model, unit split and
     tp/pp/cp layout; any dp size). A collective over the world, like ``save``."""
+    _check_sharded(sharded, "load")
     path = os.path.normpath(os.fspath(path))
     part, parts = _part(sharded)
     # rank 0 picks the checkpoint and reads its metadata for everyone: ranks deciding alone could

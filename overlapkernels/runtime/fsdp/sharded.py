@@ -56,7 +56,9 @@ class ShardedModule(Accounting, nn.Module):
         # dropped with the Parameter objects it replaced, in containers that are not our layers
         from ...layers.tags import retag
         retag(model)
-        if inner := next((name for name, mod in model.named_modules() if isinstance(mod, ShardedModule)), None):
+        # (the model itself is named "": a ShardedModule handed to shard again was let through)
+        if (inner := next((name for name, mod in model.named_modules() if isinstance(mod, ShardedModule)), None)) \
+                is not None:
             raise ValueError(f"fsdp.shard: {type(model).__name__} already holds a ShardedModule at {inner or '<model>'!r}; "
                              "shard the whole model once, and pick its units with units= (FSDP2's per-block "
                              "fully_shard is units=TransformerBlock here)")

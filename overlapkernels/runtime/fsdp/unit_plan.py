@@ -27,6 +27,8 @@ def unit_modules(model: nn.Module, units, *, frozen_too: bool = False) -> list[t
         # (children without a forward: their parameters go to the root unit, which stays gathered)
         return [(n, m) for n, m in found if _callable(m) and any(frozen_too or p.requires_grad for p in m.parameters())]
     classes = tuple(units) if isinstance(units, (list, tuple, set)) else (units,)
+    if bad := [c for c in classes if not isinstance(c, (str, type))]:
+        raise TypeError(f"units={units!r}: {bad[0]!r} is neither a module class nor a class name")
     names = {c for c in classes if isinstance(c, str)}
     types = tuple(c for c in classes if isinstance(c, type))
     found, claimed = [], set()
@@ -38,6 +40,11 @@ def unit_modules(model: nn.Module, units, *, frozen_too: bool = False) -> list[t
             claimed.add(name)
     if not found:
         raise ValueError(f"units={units!r}: no submodule of {type(model).__name__} matches")
+    # each entry must match: a misspelt class name silently gave a coarser split (more memory at stage 3)
+    present = [m for n, m in model.named_modules() if m is not model]
+    if unmatched := [c for c in classes if not any(isinstance(m, c) if isinstance(c, type) else type(m).__name__ == c
+                                                   for m in present)]:
+        raise ValueError(f"units={units!r}: {unmatched[0]!r} matches no submodule of {type(model).__name__}")
     return found
 
 
