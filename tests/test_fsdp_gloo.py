@@ -246,6 +246,10 @@ def test_bad_arguments():
         fsdp.shard(nn.Linear(2, 2), reduce_dtype="bf16")
     with pytest.raises(ValueError, match=r"^reduce_dtype=torch.float8_e4m3fn: " + dtypes):  # (failed in backward)
         fsdp.shard(nn.Linear(2, 2), reduce_dtype=torch.float8_e4m3fn)
+    # param_dtype casts parameters, not buffers: BatchNorm failed deep in its first forward
+    with pytest.raises(ValueError, match=r"^param_dtype=torch.bfloat16: BatchNorm1d '1' computes its parameters with "
+                                         r"torch.float32 buffers, which param_dtype does not cast"):
+        fsdp.shard(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), param_dtype=torch.bfloat16)
     for call in (fsdp.save, fsdp.load):  # (an AttributeError about 'group' from inside)
         with pytest.raises(TypeError, match=rf"^fsdp.{call.__name__}: expected a ShardedModule \(from fsdp.shard\), "
                                             r"got Linear$"):
