@@ -305,3 +305,47 @@ def test_a_parameter_without_gradient_in_its_units_first_step_gets_no_state_then
     torch makes none until the parameter's first gradient (weights off by up to 0.1 after 3 steps).
     (Not AdamW: its step counter is shared by the unit, a known difference.)"""
     assert rank_pool(2).run(_gradless_in_a_unit_on_rank, stage, "first", opt_name) == [True, True]
+
+
+def _written_after_shard_on_rank(stage, when):
+    """Parameters written in place after fsdp.shard (model.apply(init) after wrapping, an edit
+    between steps): the next publish overwrote them from the masters, silently (weights off by ~1.4).
+    Stages 1/2 take the write into each rank's master shard (a root parameter at stage 3 too);
+    stage 3 keeps non-root parameters empty outside forward, so the write is lost: refused."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    make = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
+
+    def rewrite(model):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.fill_(0.01 * len(name))
+
+    torch.manual_seed(0)
+    ref = BranchNet().double()
+    sharded = fsdp.shard(copy.deepcopy(ref), stage=stage, optimizer=make)
+    ref_opt = make(list(ref.parameters()))
+    try:
+        for step, (x, y) in enumerate(_batches(3, 2, world)):
+            if (when, step) in (("before", 0), ("between", 1)):
+                rewrite(ref)
+                rewrite(sharded.module)
+            ref_opt.zero_grad()
+            _loss(ref(x), y).backward()
+            ref_opt.step()
+            mine = slice(rank * 2, (rank + 1) * 2)
+            _loss(sharded(x[mine]), y[mine]).backward()
+            sharded.step()
+    except RuntimeError as exc:
+        return str(exc)
+    got = sharded.full_state_dict()
+    return all(torch.allclose(got[n], w, atol=1e-12, rtol=0) for n, w in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("when", ["before", "between"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_parameters_written_after_shard_are_taken_or_refused(rank_pool, stage, when):
+    got = rank_pool(2).run(_written_after_shard_on_rank, stage, when)
+    if stage < 3:
+        assert got == [True, True], got
+    else:
+        assert all(g.startswith("fsdp unit 'blk': its parameters were written in place while sharded (stage 3") for g in got), got

@@ -76,7 +76,8 @@ class FlatUnit:
         # group (CP peers own the same shard), at any stage, before the optimizer sees it
         self.cp_group = getattr(params[0], "context_parallel_group", None)
         self.gathered = True
-        self._gathered_version = self._versions()  # frozen units: a write since shows as a change
+        self._gathered_version = self._versions()  # a write since shows as a change (take_written, free)
+        self._freed_version = None  # the versions when stage 3 emptied the parameters
         self.pending_gather = None   # (work, staged shard) of an async gather in flight
         self.pending_reduce = []     # (work, output) of async reduce-scatters in flight
         self.grads_ready = 0
@@ -101,6 +102,7 @@ class FlatUnit:
         builder does it only once nothing can fail any more (the optimizer factory is the user's
         code): a refused ``shard()`` leaves the model as it was."""
         self._view_params()
+        self._gathered_version = self._versions()
         for p in self.params:  # fsdp sums these over TP itself; the layers' helper leaves them alone
             if getattr(p, "sequence_parallel", False) and getattr(p, "sequence_parallel_group", None) is not None:
                 p._fsdp_sums_sequence_parallel = True
@@ -135,6 +137,7 @@ class FlatUnit:
             empty = self.flat.new_empty(0)
             for p in self.params:
                 p.data = empty
+        self._freed_version = self._versions()  # a write into the freed parameters shows as a change
         if written:  # (after the free: the module is left usable)
             raise RuntimeError(f"fsdp unit {self.name!r}: a forward wrote its frozen parameters in place (an EMA "
                                "codebook kept as a frozen Parameter, nn.Embedding(max_norm=...)'s renorm?); sharded "
@@ -148,6 +151,11 @@ class FlatUnit:
             if not async_op:
                 self.wait_gather()
             return
+        if self._freed_version is not None and self._versions() != self._freed_version:
+            raise RuntimeError(f"fsdp unit {self.name!r}: its parameters were written in place while sharded (stage 3 "
+                               "keeps them empty outside their module's forward: model.apply(init) after "
+                               "fsdp.shard?); the write was lost. Initialise before fsdp.shard, or restore through "
+                               "fsdp.load")
         self.flat.untyped_storage().resize_(self.flat_bytes)
         # an async gather's parameters view the buffer only once it has landed (wait_gather): read
         # outside the unit's forward before that, they are empty at a step's first forward (an
@@ -240,6 +248,16 @@ class FlatUnit:
 
     def has_full_grads(self) -> bool:
         return any(p.grad is not None for p in self.params)
+
+    def take_written(self) -> None:
+        """Stages 1/2 (a trained unit stays gathered): parameters written in place since the last
+        gather or publish (``model.apply(init)`` after fsdp.shard, an edit between steps) become this
+        rank's master shard, as the write would change the parameters without fsdp; the next publish
+        overwrote them from the masters, silently. Each rank takes its own shard of what it wrote."""
+        if self.trained and self.gathered and self._versions() != self._gathered_version:
+            with torch.no_grad():
+                self.master.copy_(self.local_shard(self.flat))
+            self._gathered_version = self._versions()
 
     @eager_under_compile  # (collectives and storage resizes: see ShardedModule)
     def publish(self) -> None:

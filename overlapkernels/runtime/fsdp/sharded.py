@@ -161,6 +161,8 @@ class ShardedModule(Accounting, nn.Module):
         # (an eval on rank 0) neither waits for the others nor is published
         if torch._C._current_autograd_node() is None:  # (a forward that raised left its calls open)
             self._open_calls.clear()
+        for unit in self.all_units:  # parameters written in place since the last publish (stages 1/2, roots)
+            unit.take_written()
         if not self._masters_published and torch.is_grad_enabled():
             self._masters_published = True
             for unit in self.all_units:
@@ -241,10 +243,9 @@ class ShardedModule(Accounting, nn.Module):
     # -- backward -----------------------------------------------------------------------------
     @eager_under_compile
     def _arm_end_of_backward(self) -> None:
-        """Once per backward: flush whatever is left at its end (reductions, the agreement on which
-        units stepped). From a unit output's gradient hook or, where no unit output carries one
-        (a model whose only trainable parameters are the root's), from the first gradient to land:
-        without it stages 2/3 never marked a unit as having gradients and step() dropped them."""
+        """Once per backward: flush what is left at its end (reductions, which units stepped). From a
+        unit output's gradient hook or, for a model whose only trainable parameters are the root's,
+        from the first gradient to land (stages 2/3 had dropped those)."""
         if not self._backward_armed:
             self._backward_armed = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -411,14 +412,11 @@ class ShardedModule(Accounting, nn.Module):
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, *, dims=None, error_if_nonfinite=False,
                         foreach=None) -> torch.Tensor:
-        """Clip the gradients by the norm of the whole model's gradient, as torch's
-        ``clip_grad_norm_`` does for an unsharded model; returns that norm (the same on every
-        rank). Call it on every rank between backward and ``step``. ``dims`` (a ParallelDims):
-        the model is also split over TP/PP/CP (the norm then spans the world, each element counted
-        once); None: pure data parallelism over this module's group. A rank holding several
-        ShardedModules (an interleaved pipeline's chunks) clips them together with
-        ``fsdp.clip_grad_norm_(chunks, ...)``: one call per module would clip each by its own norm.
-        ``error_if_nonfinite`` and ``foreach`` as in torch."""
+        """Clip by the whole model's gradient norm, as torch's ``clip_grad_norm_`` unsharded; returns
+        it (the same on every rank). On every rank, between backward and ``step``. ``dims`` (a
+        ParallelDims): also split over TP/PP/CP (the norm spans the world, each element once); None:
+        data parallelism over this group. Several ShardedModules of a rank (interleaved chunks) clip
+        together with ``fsdp.clip_grad_norm_(chunks, ...)``. ``error_if_nonfinite``, ``foreach``: torch's."""
         from .clip import clip_grad_norm_  # clip.py checks its modules are ShardedModules: imports this file
 
         return clip_grad_norm_([self], max_norm, norm_type, dims=dims, error_if_nonfinite=error_if_nonfinite,
@@ -430,6 +428,8 @@ class ShardedModule(Accounting, nn.Module):
         Parameters without a gradient on any rank are left as they were, with their optimizer
         state (as torch skips them; a step counter shared by the unit still advances)."""
         check_steppable(self)
+        for unit in self.all_units:  # a write between backward and step: what the optimizer steps from
+            unit.take_written()
         self._finish_gradients()
         held = hold_gradless(self.all_units, self._param_had_grad, self.optimizer)
         self.optimizer.step()
