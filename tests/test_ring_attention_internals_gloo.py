@@ -200,3 +200,63 @@ def _head_dim_zero_on_rank():
 def test_head_dim_zero_gives_an_empty_result_not_a_division_by_zero(rank_pool):
     """SDPA returns an empty result for D = 0; the default scale 1/sqrt(D) must not raise first."""
     assert rank_pool(2).run(_head_dim_zero_on_rank) == [((1, 4, 2, 0), (1, 2, 4), (1, 4, 2, 0))] * 2
+
+
+def _failing_step_on_rank(where):
+    """A rank-local error inside a ring step (an out-of-memory, a kernel's limit) left that step's
+    posted exchange unwaited: gloo's pair was then unusable and the next collective of the group
+    hung on every rank. Now the step's exchanges are waited for before the error propagates."""
+    import overlapkernels.kernels.attention_ref as ref
+
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True)
+    module, name = (ra, "_attend_block") if where == "forward" else (ref, "block_backward")
+    original = getattr(module, name)
+
+    def planted(*args, **kwargs):
+        raise RuntimeError("planted: out of memory")
+
+    setattr(module, name, planted)
+    try:
+        ok.ring_attention(q, q, q).sum().backward()
+        said = "no error"
+    except RuntimeError as exc:
+        said = str(exc)
+    finally:
+        setattr(module, name, original)
+    dist.barrier()  # hung (until the pool's timeout) before
+    return said
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_an_error_inside_a_ring_step_leaves_the_group_usable(rank_pool, where):
+    assert rank_pool(2).run(_failing_step_on_rank, where) == ["planted: out of memory"] * 2
+
+
+def _kernel_limits_on_rank():
+    """The Triton kernels' limits (the CUDA default backend) were checked inside the ring's first
+    step, after its exchange was posted: now before anything is sent, like every other bad input.
+    Sparse inputs are refused by name too (torch's own errors before)."""
+    from comm_guard import no_communication
+
+    said = []
+    default = ra.default_backend
+    ra.default_backend = lambda q: "triton"  # (what CUDA tensors get)
+    try:
+        big = torch.ones(65536, 2, 1, 2)  # 65536 batch rows: past CUDA's grid axis
+        with no_communication():
+            for call in (lambda: ok.ring_attention(big, big, big),
+                         lambda: ok.ring_attention(torch.eye(4).reshape(1, 1, 4, 4).to_sparse(), big, big)):
+                try:
+                    call()
+                except (ValueError, TypeError) as exc:
+                    said.append(str(exc))
+    finally:
+        ra.default_backend = default
+    return said
+
+
+def test_kernel_limits_and_sparse_inputs_are_refused_before_the_ring(rank_pool):
+    for said in rank_pool(2).run(_kernel_limits_on_rank):
+        assert said[0].startswith("flash attention (Triton): q.shape=(65536, 1, 2, 2): batch and heads must each be "
+                                  "<= 65535"), said
+        assert said[1].startswith("q is a sparse_coo tensor; these ops take dense (strided) tensors"), said

@@ -7,6 +7,7 @@ current stream wait for them, so compute and communication overlap without host 
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -88,3 +89,20 @@ class Ring:
 def wait_all(works) -> None:
     for work in works or ():
         work.wait()
+
+
+@contextlib.contextmanager
+def settled_on_error(*pending):
+    """Run a step's compute with exchanges posted (``pending``: lists of works, or None): if it
+    raises, those are waited for before the error propagates. An exchange posted and never waited
+    for leaves gloo's pair unusable (torch issue #132644): every later collective of the group hung,
+    on every rank, after a rank-local error (an out-of-memory, a kernel's limit) in a ring step.
+    A peer that goes on to its next step still waits for this rank there, until the group's timeout."""
+    try:
+        yield
+    except BaseException:
+        for works in pending:
+            for work in works or ():
+                with contextlib.suppress(Exception):  # the original error is the one to raise
+                    work.wait()
+        raise

@@ -18,13 +18,13 @@ import numbers
 import torch
 
 from .._compat import eager_under_compile
-from ..comm.ring import Ring, wait_all
+from ..comm.ring import Ring, settled_on_error, wait_all
 from ..kernels import attention_ref
 from ..parallel import resolve_group
 from ..profiling.ranges import span
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands
 from ._autograd import first_order_only
-from ._validate import check_float_dtype, check_not_dtensor, same_call_on_every_rank
+from ._validate import check_float_dtype, check_tensor, same_call_on_every_rank
 from .sequence_shard import check_layout, check_layout_tag, segments, tag_layout
 
 FORMATS = ("bshd", "sbhd")
@@ -98,7 +98,7 @@ def ring_forward(q, k, v, group, causal, scale, layout, backend):
             nxt = bufs[step % 2]
             pending = ring.exchange([k_cur, v_cur], r + 1, list(nxt), r - 1, tag=KV_TAG)
         kb, vb = _kv_for_step(k_cur, v_cur, k, v, step)
-        with span(f"ok/ring_attention/step{step}/compute"):
+        with span(f"ok/ring_attention/step{step}/compute"), settled_on_error(pending):
             _attend_block(out, lse, q, kb, vb, kern, scale, layout, world, r, (r - step) % world, causal)
         if pending:
             with span(f"ok/ring_attention/step{step}/comm"):
@@ -148,7 +148,8 @@ def ring_backward(q, k, v, out, lse, dout, dlse, group, causal, scale, layout, b
         kb, vb = _kv_for_step(k_cur, v_cur, k, v, step)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-        with span(f"ok/ring_attention/backward/step{step}/compute"):
+        with span(f"ok/ring_attention/backward/step{step}/compute"), \
+                settled_on_error(kv_pending, grad_inflight[0] if grad_inflight else None):
             for (qo, qs, ql), (ko, ks, kl), masked in _block_pairs(layout, world, r, (r - step) % world, length,
                                                                    causal):
                 dq_b, dk_b, dv_b = kern.block_backward(q[:, :, qo:qo + ql], kb[:, :, ko:ko + kl],
@@ -227,9 +228,7 @@ def _from_bhsd(x, qkv_format):
 
 def _validate(q, k, v, qkv_format, layout, softmax_scale):
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        check_not_dtensor(name, t)
+        check_tensor(name, t)  # a tensor, not a DTensor, not sparse or nested
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D ({qkv_format}), got shape {tuple(t.shape)}")
     if qkv_format not in FORMATS:
@@ -296,7 +295,10 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, lay
         scale = _check_scale(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(max(q.shape[-1], 1))
         call.args = dict(q=q, k=k, v=v, causal=causal, softmax_scale=scale, layout=layout,
                          qkv_format=qkv_format)
-    backend = default_backend(q)
+        backend = default_backend(q)
+        if backend == "triton":  # the kernels' own limits, before the ring exchanges anything
+            _backend(backend).check_inputs(_to_bhsd(q, qkv_format).shape, _to_bhsd(k, qkv_format).shape, q.dtype,
+                                           q.device)
     with span("ok/ring_attention"), autocast_off(q.device):  # the kernels keep fp32 softmax statistics
         out, lse = RingAttention.apply(_to_bhsd(q, qkv_format), _to_bhsd(k, qkv_format), _to_bhsd(v, qkv_format),
                                        group, causal, scale, layout, backend)

@@ -16,6 +16,7 @@ ring attention passes; a strided view whose sequence stride is H*D needs S*H*D <
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -238,22 +239,40 @@ def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr
 
 
 def _check(q, k, v):
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"flash attention (Triton): dtype {q.dtype} not supported; expected float32, float16 or "
-                         "bfloat16 (the torch backend takes float64)")
-    if bf16_miscomputed(q.dtype, q.device):
-        raise ValueError(bf16_message("flash attention (Triton)"))
+    _check_dtype(q.dtype, q.device)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"flash attention (Triton): {name} needs a contiguous last dim, got strides {t.stride()}")
-        # the grid's axes 1 and 2 (heads, batch) stop at 65535; offsets within one head are 32-bit
-        if max(t.shape[0], t.shape[1]) > GRID_AXIS_MAX:
-            raise ValueError(f"flash attention (Triton): {name}.shape={tuple(t.shape)}: batch and heads must each be "
-                             f"<= {GRID_AXIS_MAX} (CUDA's grid limit); split the batch or the heads")
-        if t.shape[2] and (t.shape[2] - 1) * t.stride(2) + t.shape[3] > 2 ** 31:  # (its last offset: 2^31 - 1)
-            raise ValueError(f"flash attention (Triton): {name} of shape {tuple(t.shape)}, strides {t.stride()}: one "
-                             "head spans 2^31 elements or more (32-bit offsets within a head); pass contiguous "
-                             "[B, H, S, D] blocks")
+        _check_sizes(name, tuple(t.shape), t.stride())
+
+
+def check_inputs(q_shape, kv_shape, dtype, device) -> None:
+    """The kernels' limits for contiguous [B, H, S, D] q and k/v of these shapes: what ``_check``
+    refuses inside a ring's first step, checked before the ring starts exchanging (refused there,
+    the step's posted exchange was never waited for and every rank of the group hung)."""
+    _check_dtype(dtype, device)
+    for name, shape in (("q", tuple(q_shape)), ("k", tuple(kv_shape)), ("v", tuple(kv_shape))):
+        strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        _check_sizes(name, shape, strides)
+
+
+def _check_dtype(dtype, device) -> None:
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"flash attention (Triton): dtype {dtype} not supported; expected float32, float16 or "
+                         "bfloat16 (the torch backend takes float64)")
+    if bf16_miscomputed(dtype, device):
+        raise ValueError(bf16_message("flash attention (Triton)"))
+
+
+def _check_sizes(name: str, shape: tuple, strides: tuple) -> None:
+    # the grid's axes 1 and 2 (heads, batch) stop at 65535; offsets within one head are 32-bit
+    if max(shape[0], shape[1]) > GRID_AXIS_MAX:
+        raise ValueError(f"flash attention (Triton): {name}.shape={shape}: batch and heads must each be "
+                         f"<= {GRID_AXIS_MAX} (CUDA's grid limit); split the batch or the heads")
+    if shape[2] and (shape[2] - 1) * strides[2] + shape[3] > 2 ** 31:  # (its last offset: 2^31 - 1)
+        raise ValueError(f"flash attention (Triton): {name} of shape {shape}, strides {strides}: one "
+                         "head spans 2^31 elements or more (32-bit offsets within a head); pass contiguous "
+                         "[B, H, S, D] blocks")
 
 
 @dataclass(frozen=True)
