@@ -192,3 +192,26 @@ def _guard_bites_on_rank():
 
 def test_communication_guard_bites(rank_pool):
     assert rank_pool(2).run(_guard_bites_on_rank) == [[True] * 7] * 2
+
+
+def _failing_chunk_on_rank():
+    """An error in a decomposed ring step's compute (an out-of-memory) after the step's exchange was
+    posted: the exchange is waited for before the error propagates, so the group's next collective
+    runs (it hung on every rank: gloo's pair is unusable after an unwaited exchange)."""
+    from overlapkernels.ops._collective_methods import ring_all_gather
+
+    def on_chunk(c, chunk):
+        if c != dist.get_rank():  # a received chunk: the next exchange is in flight
+            raise RuntimeError("planted: out of memory")
+
+    try:
+        ring_all_gather(torch.ones(2, 3), dist.group.WORLD, on_chunk)
+        said = "no error"
+    except RuntimeError as exc:
+        said = str(exc)
+    dist.barrier()
+    return said
+
+
+def test_an_error_inside_a_decomposed_step_leaves_the_group_usable(rank_pool):
+    assert rank_pool(4).run(_failing_chunk_on_rank) == ["planted: out of memory"] * 4

@@ -13,7 +13,7 @@ import contextlib
 import torch
 
 from ..comm.collectives import all_gather, reduce_scatter
-from ..comm.ring import Ring, wait_all
+from ..comm.ring import Ring, settled_on_error, wait_all
 from ..profiling.ranges import span
 
 
@@ -85,7 +85,7 @@ def ring_all_gather(a_shard: torch.Tensor, group, on_chunk, *, alternate_streams
             if s + 1 < world:
                 with span(f"ok/{name}/chunk{(chunk + 1) % world}/comm"):
                     pending = ring.exchange(a_full[chunk], r - 1, a_full[(chunk + 1) % world], r + 1)
-            with span(f"ok/{name}/chunk{chunk}/compute"):
+            with span(f"ok/{name}/chunk{chunk}/compute"), settled_on_error(pending):  # (see settled_on_error)
                 on_chunk(chunk, a_full[chunk])
     streams.join()
     return a_flat
@@ -140,7 +140,7 @@ def matmul_rs_decomposed(a: torch.Tensor, b: torch.Tensor, group) -> torch.Tenso
     recv = [a.new_empty((m, b.shape[1]), dtype=acc_dtype) for _ in range(2)]
     pending, acc = None, None
     for s in range(world):
-        with span(f"ok/matmul_rs/chunk{(r - 1 - s) % world}/compute"):
+        with span(f"ok/matmul_rs/chunk{(r - 1 - s) % world}/compute"), settled_on_error(pending):
             partial = chunks[(r - 1 - s) % world] @ b  # overlaps the previous step's transfer
         with span(f"ok/matmul_rs/chunk{(r - 1 - s) % world}/comm"):  # chunk's running sum: in, add, out
             if s == 0:
