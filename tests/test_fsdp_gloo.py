@@ -248,8 +248,11 @@ def test_bad_arguments():
         fsdp.shard(nn.Linear(2, 2), reduce_dtype=torch.float8_e4m3fn)
     # param_dtype casts parameters, not buffers: BatchNorm failed deep in its first forward
     with pytest.raises(ValueError, match=r"^param_dtype=torch.bfloat16: BatchNorm1d '1' computes its parameters with "
-                                         r"torch.float32 buffers, which param_dtype does not cast"):
+                                         r"torch.float32 running statistics, which param_dtype does not cast"):
         fsdp.shard(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), param_dtype=torch.bfloat16)
+    rope = nn.Linear(2, 2)  # an fp32 cache beside parameters (RoPE's cos/sin) computes fine in mixed dtypes: left
+    rope.register_buffer("cos", torch.ones(2), persistent=False)
+    assert fsdp._check_buffers_compute_in(rope, torch.bfloat16) is None
     for call in (fsdp.save, fsdp.load):  # (an AttributeError about 'group' from inside)
         with pytest.raises(TypeError, match=rf"^fsdp.{call.__name__}: expected a ShardedModule \(from fsdp.shard\), "
                                             r"got Linear$"):

@@ -68,16 +68,20 @@ def shard(model, group=None, *, stage=3, optimizer=_adamw, prefetch=1, param_dty
 
 
 def _check_buffers_compute_in(model, param_dtype) -> None:
-    """``param_dtype`` casts parameters and inputs, not buffers: a module computing with both (BatchNorm's
-    running statistics) failed deep in its forward ("expected scalar type BFloat16 but found Float").
-    Refused by name here. (torch's FSDP1 keeps BatchNorm in full precision instead: not done here.)"""
+    """``param_dtype`` casts parameters and inputs, not buffers: a norm computing its parameters
+    with running statistics (BatchNorm, InstanceNorm tracking them) failed deep in its forward
+    ("expected scalar type BFloat16 but found Float"). Refused by name here. (torch's FSDP1 keeps
+    BatchNorm in full precision instead: not done here. Other modules with floating buffers - a
+    RoPE cache beside projections - compute in mixed dtypes fine and are left alone.)"""
+    norms = getattr(torch.nn.modules.batchnorm, "_NormBase", torch.nn.modules.batchnorm._BatchNorm)
     for name, mod in model.named_modules():
-        floating = [b for b in mod.buffers(recurse=False) if b.is_floating_point() and b.dtype != param_dtype]
-        if floating and any(True for _ in mod.parameters(recurse=False)):
+        stats = [b for b in (getattr(mod, "running_mean", None), getattr(mod, "running_var", None))
+                 if torch.is_tensor(b) and b.is_floating_point() and b.dtype != param_dtype]
+        if isinstance(mod, norms) and stats and any(True for _ in mod.parameters(recurse=False)):
             raise ValueError(f"param_dtype={param_dtype}: {type(mod).__name__} {name or '<model>'!r} computes its "
-                             f"parameters with {floating[0].dtype} buffers, which param_dtype does not cast (BatchNorm's "
-                             "running statistics): shard without param_dtype, cast the model itself "
-                             "(model.to(dtype)), or use a norm without buffers (GroupNorm, LayerNorm)")
+                             f"parameters with {stats[0].dtype} running statistics, which param_dtype does not "
+                             "cast: shard without param_dtype, cast the model itself (model.to(dtype)), or use a "
+                             "norm without them (GroupNorm, LayerNorm)")
 
 
 __all__ = ["shard", "save", "load", "clip_grad_norm_", "ShardedModule"]
