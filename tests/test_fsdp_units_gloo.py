@@ -268,7 +268,8 @@ def _gradless_in_a_unit_on_rank(stage, case, opt_name):
     world, rank = dist.get_world_size(), dist.get_rank()
     make = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
             "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.1),
-            "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, weight_decay=0.1)}[opt_name]
+            "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, weight_decay=0.1),
+            "rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-2)}[opt_name]  # (its step_size starts at lr)
     torch.manual_seed(0)
     ref = BranchNet().double()
     sharded = fsdp.shard(copy.deepcopy(ref), stage=stage, optimizer=make)
@@ -297,7 +298,7 @@ def test_a_parameter_without_gradient_in_a_unit_with_gradients_is_left_alone(ran
     assert rank_pool(2).run(_gradless_in_a_unit_on_rank, stage, case, opt_name) == [True, True]
 
 
-@pytest.mark.parametrize("opt_name", ["sgd", "rmsprop"])
+@pytest.mark.parametrize("opt_name", ["sgd", "rmsprop", "rprop"])
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_parameter_without_gradient_in_its_units_first_step_gets_no_state_then(rank_pool, stage, opt_name):
     """Skipped in step 0 only: the optimizer makes its state (momentum, square averages) in that step,
@@ -349,3 +350,59 @@ def test_parameters_written_after_shard_are_taken_or_refused(rank_pool, stage, w
         assert got == [True, True], got
     else:
         assert all(g.startswith("fsdp unit 'blk': its parameters were written in place while sharded (stage 3") for g in got), got
+
+
+class InitsInForward(nn.Module):
+    """Writes its weight in place in its first forward (a lazy, data-dependent init; Embedding's
+    max_norm renorm writes alike)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.done = nn.Linear(D_IN, D_IN), False
+
+    def forward(self, x):
+        if not self.done:
+            with torch.no_grad():
+                nn.init.constant_(self.fc.weight, 0.5)
+            self.done = True
+        return torch.tanh(self.fc(x))
+
+
+def _written_in_forward_on_rank(stage):
+    """Stage 3 freed the unit after its forward without taking the write: lost (off by ~1)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    make = lambda ps: torch.optim.SGD(ps, lr=0.05)  # noqa: E731
+    torch.manual_seed(0)
+    ref = nn.Sequential(InitsInForward(), nn.Linear(D_IN, 3)).double()
+    sharded = fsdp.shard(copy.deepcopy(ref), stage=stage, optimizer=make)
+    ref_opt = make(list(ref.parameters()))
+    for x, y in _batches(2, 2, world):
+        ref_opt.zero_grad()
+        _loss(ref(x), y).backward()
+        ref_opt.step()
+        _loss(sharded(x[rank * 2:(rank + 1) * 2]), y[rank * 2:(rank + 1) * 2]).backward()
+        sharded.step()
+    got = sharded.full_state_dict()
+    return all(torch.allclose(got[n], w, atol=1e-12, rtol=0) for n, w in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_forward_writing_its_trained_parameters_is_taken(rank_pool, stage):
+    assert rank_pool(2).run(_written_in_forward_on_rank, stage) == [True, True]
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_only_written_elements_are_taken_and_in_full_precision_elsewhere():
+    """A version bump took the whole bf16 gathered shard into the fp32 masters: every parameter of the
+    unit rounded to bf16 (a no-op write, or one parameter's, at every forward)."""
+    torch.manual_seed(0)
+    sharded = fsdp.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), stage=1, param_dtype=torch.bfloat16)
+    before = [u.master.detach().clone() for u in sharded.all_units]
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in before)  # (masters finer than bf16)
+    with torch.no_grad():
+        sharded.module[0].weight.add_(0)  # a write that changes nothing
+        sharded.module[1].bias.fill_(2.0)
+    sharded(torch.randn(2, 4))
+    after = {u.name: u.master.detach() for u in sharded.all_units}
+    assert torch.equal(after["0"], before[0]) and after["1"][-1] == 2.0
+    assert torch.equal(after["1"][:-1], before[1][:-1])

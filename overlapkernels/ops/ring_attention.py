@@ -97,8 +97,8 @@ def ring_forward(q, k, v, group, causal, scale, layout, backend):
         if step + 1 < world:
             nxt = bufs[step % 2]
             pending = ring.exchange([k_cur, v_cur], r + 1, list(nxt), r - 1, tag=KV_TAG)
-        kb, vb = _kv_for_step(k_cur, v_cur, k, v, step)
         with span(f"ok/ring_attention/step{step}/compute"), settled_on_error(pending):
+            kb, vb = _kv_for_step(k_cur, v_cur, k, v, step)
             _attend_block(out, lse, q, kb, vb, kern, scale, layout, world, r, (r - step) % world, causal)
         if pending:
             with span(f"ok/ring_attention/step{step}/comm"):
@@ -145,11 +145,11 @@ def ring_backward(q, k, v, out, lse, dout, dlse, group, causal, scale, layout, b
             nxt = kv_bufs[step % 2]
             with span(comm):
                 kv_pending = ring.exchange([k_cur, v_cur], r + 1, list(nxt), r - 1, tag=KV_TAG)
-        kb, vb = _kv_for_step(k_cur, v_cur, k, v, step)
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         with span(f"ok/ring_attention/backward/step{step}/compute"), \
                 settled_on_error(kv_pending, grad_inflight[0] if grad_inflight else None):
+            kb, vb = _kv_for_step(k_cur, v_cur, k, v, step)
+            dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+            dv = torch.zeros(v.shape, dtype=acc, device=v.device)
             for (qo, qs, ql), (ko, ks, kl), masked in _block_pairs(layout, world, r, (r - step) % world, length,
                                                                    causal):
                 dq_b, dk_b, dv_b = kern.block_backward(q[:, :, qo:qo + ql], kb[:, :, ko:ko + kl],

@@ -239,7 +239,7 @@ def _prefix(part: int, parts: int) -> str:
 def _check_sharded(sharded, op: str) -> None:
     from .sharded import ShardedModule  # (sharded.py imports this file's helpers indirectly)
 
-    if not isinstance(sharded, ShardedModule):
+    if not isinstance(getattr(sharded, "_orig_mod", sharded), ShardedModule):  # (torch.compile's wrapper: fine)
         raise TypeError(f"fsdp.{op}: expected a ShardedModule (from fsdp.shard), got {type(sharded).__name__}")
 
 

@@ -128,6 +128,7 @@ class FlatUnit:
     def free(self, *, keep_shapes: bool = False) -> None:
         """Drop the gathered parameters (stage 3, between uses)."""
         self.wait_gather()
+        self.take_written()  # a trained unit's forward that wrote its parameters (stage 3's free)
         # the only copy of a frozen parameter is the shard: a write into the gathered one would be lost
         written = self.gathered and not self.trained and self._versions() != self._gathered_version
         if self.gathered:
@@ -250,13 +251,18 @@ class FlatUnit:
         return any(p.grad is not None for p in self.params)
 
     def take_written(self) -> None:
-        """Stages 1/2 (a trained unit stays gathered): parameters written in place since the last
-        gather or publish (``model.apply(init)`` after fsdp.shard, an edit between steps) become this
-        rank's master shard, as the write would change the parameters without fsdp; the next publish
-        overwrote them from the masters, silently. Each rank takes its own shard of what it wrote."""
+        """A gathered trained unit whose parameters were written in place since the last gather or
+        publish (``model.apply(init)`` after fsdp.shard, an edit between steps at stages 1/2; a
+        forward's own write, as ``nn.Embedding(max_norm=...)``'s renorm, at any stage): the elements
+        of this rank's shard that changed become its master's, as the write would change the
+        parameters without fsdp (the next publish, or stage 3's free, dropped them silently). Only
+        those: the rest of the master keeps its precision under a lower ``param_dtype``. Each rank
+        takes its own shard of what it wrote. (A write through ``.data`` is not seen: no version.)"""
         if self.trained and self.gathered and self._versions() != self._gathered_version:
             with torch.no_grad():
-                self.master.copy_(self.local_shard(self.flat))
+                shard, kept = self.local_shard(self.flat), self.master.detach().to(self.param_dtype)
+                changed = (shard != kept) & ~(shard.isnan() & kept.isnan())
+                self.master[changed] = shard[changed].to(self.master.dtype)
             self._gathered_version = self._versions()
 
     @eager_under_compile  # (collectives and storage resizes: see ShardedModule)

@@ -30,10 +30,18 @@ def hold_gradless(units: list, param_had_grad: list, optimizer) -> list:
     return held
 
 
+# torch's optimizer state that starts at zero when made lazily at a parameter's first gradient (SGD's
+# and RMSprop's momentum, the Adam family's moments, RMSprop's and Adadelta's averages, ASGD's average,
+# Rprop's previous gradient). Others start elsewhere (Rprop's step_size at lr; a parameter's clone in
+# schedule-free optimizers): left as the step left them, which for a zero gradient is their start.
+ZERO_STARTED_STATE = frozenset({"momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "square_avg",
+                                "grad_avg", "exp_inf", "acc_delta", "ax", "prev"})
+
+
 def restore_gradless(held: list, optimizer) -> None:
-    """After the optimizer's step: the held elements as they were, and the state this step created
-    (a unit's first step: momentum, Adam's moments are made lazily) zero in their slices, as torch
-    would first make it for them at their first gradient (zeros; SGD with dampening != 0 starts
+    """After the optimizer's step: the held elements as they were, and the zero-started state this
+    step created (a unit's first step: momentum, Adam's moments are made lazily) zero in their slices,
+    as torch would first make it for them at their first gradient (SGD with dampening != 0 starts
     from the undamped gradient instead, which this does not reproduce)."""
     with torch.no_grad():
         for master, slices, keys_before, copies in held:
@@ -41,7 +49,7 @@ def restore_gradless(held: list, optimizer) -> None:
                 tensor[where] = before
             state = optimizer.state.get(master, {})
             for key, t in state.items():
-                if key not in keys_before and _elementwise(t, master):
+                if key not in keys_before and key in ZERO_STARTED_STATE and _elementwise(t, master):
                     for where in slices:
                         t[where] = 0
 

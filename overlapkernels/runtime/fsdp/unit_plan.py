@@ -40,11 +40,8 @@ def unit_modules(model: nn.Module, units, *, frozen_too: bool = False) -> list[t
             claimed.add(name)
     if not found:
         raise ValueError(f"units={units!r}: no submodule of {type(model).__name__} matches")
-    # each entry must match: a misspelt class name silently gave a coarser split (more memory at stage 3)
-    present = [m for n, m in model.named_modules() if m is not model]
-    if unmatched := [c for c in classes if not any(isinstance(m, c) if isinstance(c, type) else type(m).__name__ == c
-                                                   for m in present)]:
-        raise ValueError(f"units={units!r}: {unmatched[0]!r} matches no submodule of {type(model).__name__}")
+    # (an entry that matches nothing here is not refused: one units= serves every pipeline stage, and a
+    # stage without an embedding has none to match)
     return found
 
 
