@@ -406,3 +406,26 @@ def test_only_written_elements_are_taken_and_in_full_precision_elsewhere():
     after = {u.name: u.master.detach() for u in sharded.all_units}
     assert torch.equal(after["0"], before[0]) and after["1"][-1] == 2.0
     assert torch.equal(after["1"][:-1], before[1][:-1])
+
+
+def _load_after_an_early_exit_on_rank(path):
+    """An eval forward that skipped a unit left that unit's prefetch in flight, carrying the masters of
+    then; fsdp.load republished gathered units only, so the unit's next forward computed with the
+    pre-load weights (and a forward's write then took them into the masters)."""
+    torch.manual_seed(0)
+    sharded = fsdp.shard(BranchNet().double(), stage=3, prefetch=1, units=(nn.Linear,),
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
+    x = torch.randn(2, D_IN, dtype=torch.float64)
+    fsdp.save(sharded, path)
+    with torch.no_grad():
+        want = sharded(x)
+    _loss(sharded(x), torch.zeros(2, 3, dtype=torch.float64)).backward()
+    sharded.step()  # the weights move away from the checkpoint
+    with torch.no_grad():
+        sharded.module.blk.a(x)  # a unit alone: its neighbour's prefetch is left in flight
+        fsdp.load(sharded, path)
+        return torch.equal(sharded(x), want)
+
+
+def test_a_load_after_an_early_exit_computes_with_the_loaded_weights(rank_pool, tmp_path):
+    assert rank_pool(2).run(_load_after_an_early_exit_on_rank, str(tmp_path / "ckpt")) == [True, True]

@@ -382,6 +382,8 @@ def load(sharded, path) -> None:
         # torch keeps Adam's step (a scalar) on the CPU
         template.setdefault(int(idx), {})[key] = torch.zeros(shape, dtype=getattr(torch, entry["dtype"]),
                                                              device=device if shape else "cpu")
+    for unit in sharded.saved_units:  # a prefetch in flight (an eval forward left early) lands first: it
+        unit.wait_gather()            # carries the old masters, and is republished below like any gathered unit
     with _dcp_errors_as_runtime_errors("fsdp.load", f"reading {path!r}"):
         dcp.load(_state(sharded, template, meta["optim"], _prefix(part, parts), meta.get("buffers", {})),
                  checkpoint_id=path)
