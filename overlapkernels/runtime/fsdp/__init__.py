@@ -43,9 +43,9 @@ def shard(model, group=None, *, stage=3, optimizer=_adamw, prefetch=1, param_dty
     if shard_frozen and stage != 3:
         raise ValueError(f"shard_frozen=True with stage={stage!r}: only stage 3 shards parameters (stages 1 and 2 "
                          "keep every parameter whole on every rank)")
-    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else None
-    if params is None:
+    if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    params = list(model.parameters())
     if not params:
         raise ValueError(f"fsdp.shard: {type(model).__name__} has no parameter: nothing to shard")
     if not shard_frozen and not any(p.requires_grad for p in params):

@@ -78,7 +78,6 @@ class FlatUnit:
         self.gathered = True
         self._gathered_version = self._versions()  # a write since shows as a change (take_written, free)
         self._freed_version = None  # the versions when stage 3 emptied the parameters
-        self._sent = None  # a trained unit's shard as last gathered or published (take_written); None: the master's cast
         self.pending_gather = None   # (work, staged shard) of an async gather in flight
         self.pending_reduce = []     # (work, output) of async reduce-scatters in flight
         self.grads_ready = 0
@@ -134,7 +133,7 @@ class FlatUnit:
         written = self.gathered and not self.trained and self._versions() != self._gathered_version
         if self.gathered:
             self.flat.untyped_storage().resize_(0)
-            self.gathered, self._sent = False, None
+            self.gathered = False
         if not keep_shapes:
             empty = self.flat.new_empty(0)
             for p in self.params:
@@ -174,13 +173,12 @@ class FlatUnit:
             self.pending_gather = (work, staged)
         else:
             self.gathered = True
-            self._gathered_version, self._sent = self._versions(), staged if self.trained else None
+            self._gathered_version = self._versions()
 
     @eager_under_compile  # (collectives and storage resizes: see ShardedModule)
     def wait_gather(self) -> None:
         if self.pending_gather is not None:
             self.pending_gather[0].wait()
-            self._sent = self.pending_gather[1] if self.trained else None
             self.pending_gather = None
             self._view_params()
             self.gathered = True
@@ -262,23 +260,20 @@ class FlatUnit:
         takes its own shard of what it wrote. (A write through ``.data`` is not seen: no version.)"""
         if self.trained and self.gathered and self._versions() != self._gathered_version:
             with torch.no_grad():
-                # against what this rank's shard held before the write (what was sent into it), not the
-                # master's cast: a write equal to that cast (a reset to 1.0 of a bf16 1.0 over 1.02) counts
-                shard = self.local_shard(self.flat)
-                kept = self._sent if self._sent is not None else self.master.detach().to(self.param_dtype)
+                # what the shard held before the write: the master's cast, as every gather and publish
+                # sends it (fsdp.load lets a prefetch in flight land first, so none is stale)
+                shard, kept = self.local_shard(self.flat), self.master.detach().to(self.param_dtype)
                 changed = (shard != kept) & ~(shard.isnan() & kept.isnan())
                 self.master[changed] = shard[changed].to(self.master.dtype)
-                self._sent = shard.clone()
             self._gathered_version = self._versions()
 
     @eager_under_compile  # (collectives and storage resizes: see ShardedModule)
     def publish(self) -> None:
         """After the optimizer step: the new master shards, gathered into the full parameters."""
         if self.gathered:
-            staged = self.master.detach().to(self.param_dtype)
-            all_gather_single(_wire(self.flat), _wire(staged), group=self.group)
+            all_gather_single(_wire(self.flat), _wire(self.master.detach().to(self.param_dtype)), group=self.group)
             self.bytes_gathered += self.flat_bytes
-            self._gathered_version, self._sent = self._versions(), staged if self.trained else None
+            self._gathered_version = self._versions()
 
     @eager_under_compile  # (collectives and storage resizes: see ShardedModule)
     def full_tensors(self) -> list:
