@@ -10,6 +10,7 @@ import traceback
 
 from .bench.kind_gate import KindGate as _KindGate, KindSkipped as _KindSkipped, exit_now as _exit_now, \
     must_stop as _must_stop
+from .bench.report import publish_rows
 
 
 def _info(args) -> int:
@@ -97,36 +98,6 @@ def _run_ranks(rank_main, config: dict, args) -> tuple[list[dict] | None, str]:
         return pool.run(rank_main, config)[0], "cpu"
 
 
-def _report(rows: list[dict], device: str, columns, title: str, args) -> int:
-    from .bench.report import append_csv, append_json, environment, format_table
-
-    if not rows:
-        print(f"# {title}: no rows (every requested method was skipped, see above)")
-        return 1
-    env = environment(device)
-    rows = [{"bench": args.kind, **row, **env} for row in rows]  # which kind made a row of a shared file
-    if getattr(args, "profile", None):  # the profiler slowed every call: such rows must not pass for plain ones
-        rows = [{**row, "settings": f"{row['settings']} profiled".strip()} for row in rows]
-    first = rows[0]
-    print(f"# {title}: {first['world_size']} ranks, backend {first['backend']}, {env['device']}"
-          f"{' ' + env['gpu_name'] if env['gpu_name'] else ''}; torch {env['torch']}; median of {args.iters} "
-          f"calls after {args.warmup} warm-up")
-    print(format_table(rows, columns))
-    if args.csv:
-        append_csv(args.csv, rows)
-        print(f"# appended {len(rows)} rows to {args.csv}")
-    if getattr(args, "json_out", None):
-        append_json(args.json_out, rows)
-        print(f"# appended {len(rows)} rows to {args.json_out}")
-    if getattr(args, "plot", None):
-        from .bench.plot import plot_rows
-
-        os.makedirs(args.plot, exist_ok=True)
-        png = os.path.join(args.plot, f"{args.kind}.png")
-        print(f"# plot: {png}" if plot_rows(args.kind, rows, png) else "# plot: matplotlib not installed")
-    return 0
-
-
 def _bench_collectives(args) -> int:
     from .bench.collectives import COLUMNS, CollectivesConfig, config_dict, rank_main
     from .bench.metrics import parse_size_range
@@ -136,7 +107,7 @@ def _bench_collectives(args) -> int:
                                dtype=args.dtype, iters=args.iters, warmup=args.warmup)
     config.validate()  # before any rank is started or communicates
     rows, device = _run_ranks(rank_main, config_dict(config), args)
-    return 0 if rows is None else _report(rows, device, COLUMNS, "collectives (busbw as nccl-tests)", args)
+    return 0 if rows is None else publish_rows(rows, device, COLUMNS, "collectives (busbw as nccl-tests)", args)
 
 
 def _bench_tp_op(args) -> int:
@@ -150,7 +121,7 @@ def _bench_tp_op(args) -> int:
     config.validate(_world(args))
     rows, device = _run_ranks(tp_ops.rank_main, tp_ops.config_dict(config), args)
     title = f"{args.kind} (E = 1 - (T - T_gemm)/(T_baseline - T_gemm))"
-    return 0 if rows is None else _report(rows, device, tp_ops.COLUMNS, title, args)
+    return 0 if rows is None else publish_rows(rows, device, tp_ops.COLUMNS, title, args)
 
 
 def _bench_ring(args) -> int:
@@ -164,7 +135,7 @@ def _bench_ring(args) -> int:
     cfg.validate(_world(args))  # before any rank starts
     rows, device = _run_ranks(rb.rank_main, rb.config_dict(cfg), args)
     title = "ring attention (E = 1 - (T_ring - T_compute)/(T_allgather - T_compute), forward)"
-    return 0 if rows is None else _report(rows, device, rb.COLUMNS, title, args)
+    return 0 if rows is None else publish_rows(rows, device, rb.COLUMNS, title, args)
 
 
 def _bench_layers(args) -> int:
@@ -182,7 +153,7 @@ def _bench_layers(args) -> int:
                           methods=tuple(m.strip() for m in methods.split(",")), iters=args.iters, warmup=args.warmup)
     cfg.validate(world)
     rows, device = _run_ranks(lb.rank_main, lb.config_dict(cfg), args)
-    return 0 if rows is None else _report(rows, device, lb.COLUMNS, "transformer block fwd+bwd, TP + SP", args)
+    return 0 if rows is None else publish_rows(rows, device, lb.COLUMNS, "transformer block fwd+bwd, TP + SP", args)
 
 
 def _bench_fsdp(args) -> int:
@@ -191,7 +162,7 @@ def _bench_fsdp(args) -> int:
     cfg = fb.FsdpConfig(layers=args.layers, width=args.width, batch=args.batch, iters=args.iters, warmup=args.warmup)
     cfg.validate()
     rows, device = _run_ranks(fb.rank_main, fb.config_dict(cfg), args)
-    return 0 if rows is None else _report(rows, device, fb.COLUMNS, "fsdp step per ZeRO stage (comm in Psi)", args)
+    return 0 if rows is None else publish_rows(rows, device, fb.COLUMNS, "fsdp step per ZeRO stage (comm in Psi)", args)
 
 
 def _bench_pipeline(args) -> int:
@@ -203,7 +174,7 @@ def _bench_pipeline(args) -> int:
                                  warmup=args.warmup)
     cfg.validate(_world(args))
     rows, device = _run_ranks(pb.rank_main, pb.config_dict(cfg), args)
-    return 0 if rows is None else _report(rows, device, pb.COLUMNS, "pipeline: measured vs simulated", args)
+    return 0 if rows is None else publish_rows(rows, device, pb.COLUMNS, "pipeline: measured vs simulated", args)
 
 
 # every bench kind, with sizes small enough for CPU ranks when not under torchrun

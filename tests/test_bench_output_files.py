@@ -116,7 +116,6 @@ def test_rows_describe_the_gpu_this_process_runs_on_not_nvml_gpu_0(monkeypatch):
 def test_rows_measured_under_the_profiler_say_so_in_their_settings(tmp_path, monkeypatch, capsys):
     from types import SimpleNamespace
 
-    from overlapkernels import cli
     from overlapkernels.bench import report
 
     monkeypatch.setattr(report, "environment", lambda device: {"device": "cpu (x86_64)", "gpu_name": "", "torch": "t",
@@ -126,6 +125,6 @@ def test_rows_measured_under_the_profiler_say_so_in_their_settings(tmp_path, mon
         path = tmp_path / f"{bool(profile)}.csv"
         args = SimpleNamespace(kind="collectives", iters=1, warmup=0, csv=str(path), json_out=None, plot=None,
                                profile=profile)
-        assert cli._report([{"world_size": 2, "backend": "gloo", "time_us": 1.0}], "cpu", [("time_us", "t", ".1f")],
-                           "collectives", args) == 0
+        assert report.publish_rows([{"world_size": 2, "backend": "gloo", "time_us": 1.0}], "cpu",
+                                   [("time_us", "t", ".1f")], "collectives", args) == 0
         assert [row["settings"] for row in _rows(path)[1]] == [want]

@@ -197,3 +197,18 @@ def test_malformed_metadata_is_refused_by_every_rank(rank_pool, tmp_path):
             ("RuntimeError", f"fsdp.load: cannot read {meta_file!r}: JSONDecodeError: Expecting property name enclosed "
                              "in double quotes: line 1 column 2")]
     assert rank_pool(2).run(_malformed_metadata_on_rank, path) == [want, want]
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_compiled_sharded_module_saves_and_loads(tmp_path):
+    """torch.compile(sharded) forwards attributes to the ShardedModule: save and load take it (the
+    type check for a module that is not sharded at all refused it for a while)."""
+    torch.manual_seed(0)
+    sharded = fsdp.shard(_net(), stage=2)
+    compiled = torch.compile(sharded)
+    fsdp.save(compiled, tmp_path / "ckpt")
+    want = sharded.full_state_dict()
+    with torch.no_grad():
+        sharded.all_units[0].master.add_(1.0)
+    fsdp.load(compiled, tmp_path / "ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(sharded.full_state_dict().values(), want.values()))

@@ -266,3 +266,33 @@ def check_output_paths(csv=None, json_out=None, plot=None, profile=None) -> None
         except ImportError:
             raise ValueError(f"--plot {plot}: needs matplotlib, which is not installed "
                              "(pip install 'overlapkernels[bench]')") from None
+
+
+def publish_rows(rows: list[dict], device: str, columns, title: str, args) -> int:
+    """A bench command's rows, with the environment: a table on stdout, then the CSV, JSON and plot
+    its arguments ask for. 1 when there are none (every requested method was skipped)."""
+    if not rows:
+        print(f"# {title}: no rows (every requested method was skipped, see above)")
+        return 1
+    env = environment(device)
+    rows = [{"bench": args.kind, **row, **env} for row in rows]  # which kind made a row of a shared file
+    if getattr(args, "profile", None):  # the profiler slowed every call: such rows must not pass for plain ones
+        rows = [{**row, "settings": f"{row['settings']} profiled".strip()} for row in rows]
+    first = rows[0]
+    print(f"# {title}: {first['world_size']} ranks, backend {first['backend']}, {env['device']}"
+          f"{' ' + env['gpu_name'] if env['gpu_name'] else ''}; torch {env['torch']}; median of {args.iters} "
+          f"calls after {args.warmup} warm-up")
+    print(format_table(rows, columns))
+    if args.csv:
+        append_csv(args.csv, rows)
+        print(f"# appended {len(rows)} rows to {args.csv}")
+    if getattr(args, "json_out", None):
+        append_json(args.json_out, rows)
+        print(f"# appended {len(rows)} rows to {args.json_out}")
+    if getattr(args, "plot", None):
+        from .plot import plot_rows
+
+        os.makedirs(args.plot, exist_ok=True)
+        png = os.path.join(args.plot, f"{args.kind}.png")
+        print(f"# plot: {png}" if plot_rows(args.kind, rows, png) else "# plot: matplotlib not installed")
+    return 0
