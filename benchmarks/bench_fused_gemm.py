@@ -10,6 +10,7 @@ import torch
 
 from overlapkernels.bench.report import RowLog, environment, exit_on_sigterm, format_table, positive_int
 from overlapkernels.bench.timing import gpu_median_s
+from overlapkernels.kernels.errors import new_error_record
 from overlapkernels.kernels.triton.ag_gemm import ag_gemm
 from overlapkernels.kernels.triton.signals import FLAG_DTYPE, polls
 from overlapkernels.kernels.triton.tile_gemm import GemmConfig, gemm_config
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
     b = torch.randn(args.k, args.n, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(args.m, args.n, device="cuda", dtype=torch.bfloat16)
     arrived = torch.ones(1, dtype=FLAG_DTYPE, device="cuda")
-    err = torch.zeros(4, dtype=torch.int32, device="cuda")
+    err = new_error_record("cuda")
     flops = 2 * args.m * args.n * args.k
     env = environment("cuda")
     # each row goes to the CSV as it is measured; a time limit's SIGTERM still prints the table so far

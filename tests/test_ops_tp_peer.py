@@ -2,6 +2,7 @@
 all_gather_matmul / matmul_reduce_scatter vs a dense reference, with stragglers, poisoned
 buffers, repeated calls, autograd, and the timeout path. The fused GEMMs' tile configs and
 warm-up: test_ops_tp_peer_tiles.py."""
+import re
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 import overlapkernels as ok
 from overlapkernels.comm.rank_pool import RankError
 from overlapkernels.comm.thread_world import ThreadWorld
+from overlapkernels.kernels.errors import new_error_record
 from overlapkernels.kernels.triton.ag_gemm import ag_gemm
 from overlapkernels.kernels.triton.signals import polls
 from test_ops_tp_gloo import fp32_partial_sums_case
@@ -227,30 +229,69 @@ def test_bf16_on_cpu_runs_symm_and_refuses_fused():
         "peer-memory world, bfloat16 in Triton's interpreter, which computes bf16 wrongly: symm multiplies with torch": 2}
 
 
-def _missing_rank_on_rank(ctx, op, method):
-    def call():
-        if op == "ag":
-            ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 2), ctx, method=method)
-        else:
-            ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 2), ctx, method=method)
+def _one_call(ctx, op, method):
+    if op == "ag":
+        ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 2), ctx, method=method)
+    else:
+        ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 2), ctx, method=method)
 
-    call()  # both ranks: the workspace exists, flags are at call 1
+
+def _missing_rank_on_rank(ctx, op, method, short_wait=True):
+    _one_call(ctx, op, method)  # both ranks: the workspace exists, flags are at call 1
     if ctx.rank == 0:
-        # a short budget for the wait that must fail only: call 1's waits under a loaded machine
-        # could outlast one and fail a wait that was not meant to (seen 1 run in 9 at 0.1 s)
-        ctx.wait_timeout = 0.1
-        call()  # rank 1 never joins call 2
+        if short_wait:
+            # a short budget for the wait that must fail only: call 1's waits under a loaded machine
+            # could outlast one and fail a wait that was not meant to (seen 1 run in 9 at 0.1 s)
+            ctx.wait_timeout = 0.1
+        _one_call(ctx, op, method)  # rank 1 never joins call 2
+
+
+def _failing_rank_on_rank(ctx, op, method):
+    _one_call(ctx, op, method)
+    if ctx.rank == 1:
+        raise ValueError("planted failure on rank 1")
+    _one_call(ctx, op, method)  # waits for rank 1, with the world's whole budget
+
+
+NEVER_SIGNALS = {"ag": "all_gather_matmul[{m}]: rank 0 timed out waiting for chunk 1 from rank 1 (call 2)",
+                 "rs": "matmul_reduce_scatter[{m}]: rank 0 timed out waiting for rank 1's partial of chunk 0 (call 2)"}
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("op, message", [
-    ("ag", "all_gather_matmul[{m}]: rank 0 timed out waiting for chunk 1 from rank 1 (call 2)"),
-    ("rs", "matmul_reduce_scatter[{m}]: rank 0 timed out waiting for rank 1's partial of chunk 0 (call 2)"),
-])
-def test_a_rank_that_never_signals_times_out_naming_the_chunk(method, op, message):
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_a_rank_that_never_signals_times_out_naming_the_chunk(method, op):
     with pytest.raises(RankError) as info:
         ThreadWorld(2, timeout=60).run(_missing_rank_on_rank, op, method)
-    assert "SignalTimeoutError: ok/" + message.format(m=method) in str(info.value)
+    assert "SignalTimeoutError: ok/" + NEVER_SIGNALS[op].format(m=method) in str(info.value)
+
+
+@pytest.mark.parametrize("method, op", [("symm", "rs"), ("fused", "ag")])
+def test_a_failing_rank_releases_the_waits_of_its_peers(method, op):
+    """Rank 1 raises between two calls; rank 0's second call waits for it with the world's whole
+    budget (30 s, minutes of interpreted polls on a loaded machine). It ran that out - a thread that
+    cannot be killed, spinning on one of CI's two cores - and the run ended as a RankTimeout after
+    60 s. Now the failure releases the peers' waits: rank 1's error comes first, rank 0's wait
+    as its consequence (whichever wait of its call was not yet satisfied when released: its own
+    partial's too, so the test does not pin the chunk)."""
+    with pytest.raises(RankError) as info:
+        ThreadWorld(2, timeout=60).run(_failing_rank_on_rank, op, method)
+    text = str(info.value)
+    # (rank 0's part, once in ~30 runs under load, was not the released wait's: kept to what is certain)
+    assert re.search(r"(?s)ranks \[0, 1\] failed\n--- rank 1 of 2 ---.*ValueError: planted failure on rank 1\n+"
+                     r"--- rank 0 of 2 ---\n\((waits released|barrier aborted) because another rank failed\)", text), text
+
+
+def test_the_runs_limit_releases_a_wait_for_a_rank_that_never_came():
+    """No short budget this time: the world's (300 s) would outlast the run's 8 s limit, which
+    reported only "still running" and left the spinning thread behind, the world unusable. Now the
+    limit releases the wait, which names its chunk, and the world runs again at once."""
+    world = ThreadWorld(2, timeout=600)
+    with pytest.raises(RankError) as info:
+        world.run(_missing_rank_on_rank, "ag", "symm", False, timeout=8)
+    text = str(info.value)
+    assert "ranks [0] failed (their waits released at the run's 8 s limit)" in text, text
+    assert "SignalTimeoutError: ok/" + NEVER_SIGNALS["ag"].format(m="symm") in text
+    assert world.run(lambda ctx: ctx.rank) == [0, 1]
 
 
 def test_planted_missing_wait_is_caught():
@@ -262,11 +303,11 @@ def test_planted_missing_wait_is_caught():
     a_full[:m] = _ints((m, 33), torch.float32, 1)
     b = _ints((33, 5), torch.float32, 2)
     out = torch.empty(w * m, 5)
-    err = torch.zeros(4, dtype=torch.int32)
+    err = new_error_record("cpu")
     ag_gemm(a_full, b, out, torch.ones(w, dtype=torch.int64), err, rank=0, world_size=w, epoch=1, budget=polls(10))
     assert torch.equal(out[:m], a_full[:m] @ b) and out[m:].isnan().all()
     ag_gemm(a_full, b, out, torch.zeros(w, dtype=torch.int64), err, rank=0, world_size=w, epoch=1, budget=polls(10))
-    assert err.tolist() == [1, 0, 1, 1]  # ready timeout, rank 0, chunk 1, peer 1
+    assert err[:4].tolist() == [1, 0, 1, 1]  # ready timeout, rank 0, chunk 1, peer 1
 
 
 def _rs_partials_in_fp32_on_rank(ctx, dtype):

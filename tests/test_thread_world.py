@@ -9,6 +9,7 @@ from overlapkernels.comm.rank_pool import RankError, RankTimeout
 from overlapkernels.comm.side_stream import ThreadSideStream
 from overlapkernels.comm.thread_world import ThreadWorld
 from overlapkernels import SignalTimeoutError  # the public name README gives
+from overlapkernels.kernels.errors import new_error_record
 from overlapkernels.kernels.triton import all_gather as ag
 from overlapkernels.kernels.triton import signals as sig
 
@@ -227,10 +228,10 @@ def test_interpreter_indexes_one_element_program_ids():
 
 
 def test_the_first_timeout_is_the_one_reported():
-    err, flag = torch.zeros(4, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
+    err, flag = new_error_record("cpu"), torch.zeros(1, dtype=torch.int64)
     sig.wait_flag(flag, 1, err, sig.polls(2), code=sig.ERR_READY_TIMEOUT, rank=0, chunk=1, peer=1)
     sig.wait_flag(flag, 1, err, sig.polls(2), code=sig.ERR_PARTIAL_TIMEOUT, rank=0, chunk=2, peer=3)
-    assert err.tolist() == [1, 0, 1, 1]  # code, rank, chunk, peer of the first wait that gave up
+    assert err[:4].tolist() == [1, 0, 1, 1]  # code, rank, chunk, peer of the first wait that gave up
 
 
 @pytest.mark.timeout(60)
@@ -238,10 +239,10 @@ def test_after_a_timeout_the_calls_other_waits_give_up_at_once():
     """A dead peer costs a call one wait budget, not one per wait: the second wait's budget (10^9
     polls, hours in the interpreter) is never spent, since the record already holds a timeout.
     Without that, a fused GEMM waited once per tile - 16 times its 60 s budget at 8192 rows."""
-    err, flag = torch.zeros(4, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
+    err, flag = new_error_record("cpu"), torch.zeros(1, dtype=torch.int64)
     sig.wait_flag(flag, 1, err, sig.polls(2), code=sig.ERR_READY_TIMEOUT, rank=0, chunk=1, peer=1)
     sig.wait_flag(flag, 1, err, sig.polls(10**9), code=sig.ERR_PARTIAL_TIMEOUT, rank=0, chunk=2, peer=3)
-    assert err.tolist() == [1, 0, 1, 1]
+    assert err[:4].tolist() == [1, 0, 1, 1]
 
 
 def test_a_release_timeout_names_the_previous_call():
@@ -359,3 +360,27 @@ def test_peer_all_gather_refuses_chunks_past_32_bit_offsets():
     buf = SimpleNamespace(world_size=2, local=torch.empty(0))
     with pytest.raises(ValueError, match=r"chunk_numel=2147483392: expected fewer than 2\^31 - block \(256\)"):
         ag.PeerAllGather(buf, None, 2 ** 31 - 256)
+
+
+def _fails_between_allocations(ctx):
+    ctx.alloc_symmetric((4,), torch.float32)
+    if ctx.rank == 1:
+        raise RuntimeError("planted: rank 1 fails before its second allocation")
+    ctx.alloc_symmetric((8,), torch.float32)  # rank 0 alone: the barrier breaks
+
+
+def _two_allocations(ctx):
+    ctx.alloc_symmetric((4,), torch.float32)
+    second = ctx.alloc_symmetric((16,), torch.float64)
+    return tuple(second.local.shape), second.local.dtype, second.peer_ptrs.tolist()
+
+
+def test_a_failed_run_leaves_no_half_taken_allocation_behind():
+    """Rank 0 took the failed run's second allocation alone; the next run's ranks count theirs from
+    0 again, and rank 0 was handed that stale float32 (8,) buffer while rank 1 got a fresh one:
+    different shapes, and peer tables pointing at different allocations."""
+    world = ThreadWorld(2, timeout=30)
+    with pytest.raises(RankError, match="planted: rank 1 fails"):
+        world.run(_fails_between_allocations)
+    (shape0, dtype0, ptrs0), (shape1, dtype1, ptrs1) = world.run(_two_allocations)
+    assert shape0 == shape1 == (16,) and dtype0 == dtype1 == torch.float64 and ptrs0 == ptrs1

@@ -24,6 +24,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from ..kernels.errors import new_error_record
 from .collectives import all_gather_objects, refuse_together
 from .group_cache import group_key, per_group_cache
 from .peer_access import failing_pairs, peer_access_problem
@@ -226,6 +227,10 @@ class ProcessPeerWorld:
     def wait_timeout(self) -> float:
         """Seconds a device-side wait spins before it gives up and the op raises."""
         return peer_wait_timeout()
+
+    def error_record(self) -> torch.Tensor:
+        """A call's device error record (its waits write it; check_errors reads it)."""
+        return new_error_record(self.device)
 
     def check_errors(self, err: torch.Tensor, op: str, epoch: int) -> None:
         """Raise a wait's timeout a call late rather than sync the host on every call."""

@@ -19,10 +19,12 @@ import threading
 import time
 import traceback
 import warnings
+import weakref
 
 import torch
 
 from .._compat import make_triton_interpreter_threadsafe
+from ..kernels.errors import ABORT_SLOT, SignalTimeoutError, new_error_record
 from ..parallel import resolve_timeout
 from .rank_pool import RankError, RankTimeout
 from .side_stream import CudaSideStream, ThreadSideStream, hardware_queues, own_streams
@@ -35,6 +37,11 @@ def _seconds(timeout) -> float:
     if resolved is None:
         raise TypeError("timeout=None: expected seconds (int or float) or a datetime.timedelta")
     return resolved.total_seconds()
+
+
+# How long released ranks get to finish their call (interpreted GEMMs over what did arrive) and
+# raise, before they count as stuck.
+RELEASE_GRACE_S = 10.0
 
 
 class ThreadRank:
@@ -71,6 +78,16 @@ class ThreadRank:
                           if self.device.type == "cuda"
                           else ThreadSideStream(f"ok-thread-rank{self.rank}-copy"))
         return self._side
+
+    def error_record(self) -> torch.Tensor:
+        """A call's device error record, known to the world: when a rank fails, or the run's time is
+        up, the world releases the interpreted waits that read it (``errors.ABORT_SLOT``)."""
+        record = new_error_record(self.device)
+        with self.world._lock:
+            self.world._records.add(record)
+            if self.world._released and self.device.type == "cpu":  # (a call begun after the release)
+                record[ABORT_SLOT] = 1
+        return record
 
     def check_errors(self, err: torch.Tensor, op: str, epoch: int) -> None:
         """Raise at once if a device-side wait of this call timed out (a test world: sync is fine;
@@ -164,6 +181,8 @@ class ThreadWorld:
         self._barrier = threading.Barrier(world_size)
         self._lock = threading.Lock()
         self._allocs: dict[int, list] = {}
+        self._records: weakref.WeakSet = weakref.WeakSet()  # the run's error records (error_record)
+        self._released = None  # why the run's waits were released: "failure", "deadline" or None
         self._failed = threading.Event()  # a rank raised: barrier breaks are consequences
         self._in_barrier: set = set()  # ranks waiting in barrier(): stuck because of the others
         self._stragglers: list = []  # threads of a timed-out run that have not ended yet
@@ -185,6 +204,21 @@ class ThreadWorld:
                 del self._allocs[seq]
             return entry[0]
 
+    def _release_waits(self, why: str) -> None:
+        """End the run's interpreted spin-waits: each records its own timeout (naming its chunk and
+        peer) and the op raises. Their poll budget alone cannot do it: an interpreted poll takes
+        10-50x the nominal time on a loaded machine, so a peer that failed (or never came) would
+        keep this rank spinning - a thread that cannot be killed, holding a core - for minutes.
+        On a GPU the waits stop on the global timer instead, and a host write could not reach a
+        record whose stream is busy spinning."""
+        if self.device.type != "cpu":
+            return
+        with self._lock:
+            self._released = self._released or why
+            records = list(self._records)
+        for record in records:
+            record[ABORT_SLOT] = 1
+
     def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
         if timeout is not None:
             timeout = _seconds(timeout)
@@ -202,6 +236,11 @@ class ThreadWorld:
         self._barrier.reset()
         self._in_barrier.clear()
         self._failed.clear()
+        with self._lock:
+            # a failed run can leave allocations some ranks never reached: this run's ranks count
+            # their allocations from 0 again, and must not be handed those half-taken buffers
+            self._allocs.clear()
+            self._records, self._released = weakref.WeakSet(), None
         results: list = [None] * self.world_size
         errors: dict[int, str] = {}
         secondary: set[int] = set()
@@ -225,10 +264,19 @@ class ThreadWorld:
             except threading.BrokenBarrierError:  # a consequence, reported after the cause
                 secondary.add(rank)
                 errors[rank] = "(barrier aborted because another rank failed)\n" + traceback.format_exc()
+            except SignalTimeoutError:
+                if self._released == "failure":  # a consequence too
+                    secondary.add(rank)
+                    errors[rank] = "(waits released because another rank failed)\n" + traceback.format_exc()
+                else:
+                    errors[rank] = traceback.format_exc()
+                    self._failed.set()
+                    self._barrier.abort()
             except BaseException:
                 errors[rank] = traceback.format_exc()
                 self._failed.set()
                 self._barrier.abort()  # peers waiting on a barrier fail fast instead of hanging
+                self._release_waits("failure")  # and peers spinning on this rank's signals too
             finally:
                 if ctx._side is not None:
                     ctx._side.close()
@@ -241,6 +289,17 @@ class ThreadWorld:
         deadline = time.monotonic() + limit
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in threads) and self.device.type == "cpu" and len(self._records):
+            # time is up, and a call is in flight: ranks spinning in its waits record which chunk
+            # they waited for and raise (then a failed rank aborts the barrier its peers wait in)
+            self._release_waits("deadline")
+            grace = time.monotonic() + RELEASE_GRACE_S
+            for r, t in enumerate(threads):
+                if r not in self._in_barrier:
+                    t.join(max(0.0, grace - time.monotonic()))
+            if self._failed.is_set():
+                for t in threads:
+                    t.join(max(0.0, min(grace, time.monotonic() + 1.0) - time.monotonic()))
         stuck = [r for r, t in enumerate(threads) if t.is_alive()]
         name = getattr(fn, "__qualname__", repr(fn))
         order = sorted(errors, key=lambda r: (r in secondary, r))
@@ -265,6 +324,7 @@ class ThreadWorld:
             raise RankTimeout(f"{name}: {what}{f'; ranks {sorted(errors)} failed' if errors else ''} (threads cannot "
                               f"be killed; spin-waits end at their own timeout){report}")
         if errors:
-            raise RankError(f"{name}: ranks {sorted(errors)} failed{report}")
+            released = f" (their waits released at the run's {limit:g} s limit)" if self._released == "deadline" else ""
+            raise RankError(f"{name}: ranks {sorted(errors)} failed{released}{report}")
         return results
 

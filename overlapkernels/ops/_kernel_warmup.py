@@ -65,7 +65,7 @@ class _Scratch:
 def _signal_kernels(world, budget: sig.WaitBudget) -> None:
     r, w = world.rank, world.world_size
     pads = _Scratch((2 * w,), sig.FLAG_DTYPE, world)
-    err = torch.zeros(4, dtype=torch.int32, device=world.device)
+    err = world.error_record()
     sig.wait_flag(pads.local[1:2], 0, err, budget, code=sig.ERR_READY_TIMEOUT, rank=r, chunk=0, peer=0)
     sig.set_flag_now(pads.local[1:2], 0)
     sig.add_peer_flag(pads, 0, 1, 0)
@@ -80,7 +80,7 @@ def all_gather_matmul(world, method: str, a_shard: torch.Tensor, bs: list, budge
     # the interpreter, and a needless slow path on some GPUs); first call only, so the fill is free
     a_full = torch.zeros(w * m, k, dtype=a_shard.dtype, device=a_shard.device)
     a_full[:m].copy_(a_shard)
-    err = torch.zeros(4, dtype=torch.int32, device=a_shard.device)
+    err = world.error_record()
     arrived = torch.ones(w, dtype=sig.FLAG_DTYPE, device=a_shard.device)  # every chunk "arrived": no wait
     for b in bs:
         out = torch.empty(w * m, b.shape[1], dtype=a_shard.dtype, device=a_shard.device)

@@ -137,7 +137,7 @@ def ag_matmul(a_shard: torch.Tensor, bs: list, world, method: str) -> tuple:
     op = _op_name("all_gather_matmul", method)
     epoch, side = ws.open_call(op), world.side_stream()
     try:  # from here on a failure on this rank alone puts its flags out of step: see _Workspace.broken
-        err = torch.zeros(4, dtype=torch.int32, device=a_shard.device)
+        err = world.error_record()
         a_flat = torch.empty(w * m, k, dtype=shard.dtype, device=shard.device)  # returned as is, not a view
         a_full = a_flat.view(w, m, k)
         outs = [torch.empty(w * m, b.shape[1], dtype=shard.dtype, device=shard.device) for b in bs]
@@ -201,7 +201,7 @@ def _reduce_scatter_partials(world, method: str, dtype, m: int, n: int, device, 
     op = _op_name("matmul_reduce_scatter", method)
     epoch = ws.open_call(op)
     try:  # from here on a failure on this rank alone puts its flags out of step: see _Workspace.broken
-        err = torch.zeros(4, dtype=torch.int32, device=device)
+        err = world.error_record()
         acc = torch.zeros(m, n, dtype=accumulation_dtype(dtype), device=device)
         out = torch.empty(m, n, dtype=dtype, device=device)
         for owner in range(w):  # 1. may we overwrite our slot at every owner?

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import check_error_record
 from ..interpreter import interpreted
 from .signals import ERR_READY_TIMEOUT, GEMM_CLOCK_LANES, WaitBudget, fence_proxy_async, wait_or_record
 from .tile_gemm import (GemmConfig, check_gemm_operands, dot_precision, gemm_config, num_programs, tile_dot,
@@ -58,6 +59,7 @@ def ag_gemm(a_full: torch.Tensor, b: torch.Tensor, out: torch.Tensor, arrived: t
     """``out = a_full @ b``, tile by tile as chunks of ``a_full`` arrive (``arrived[c] >= epoch``).
     ``config``: tile shape and launch options (default: ``gemm_config`` for this device and shape)."""
     check_gemm_operands(a_full, b, out, world_size)
+    check_error_record(err)
     rows_per_chunk = a_full.shape[0] // world_size
     n, k = b.shape[1], b.shape[0]
     config = config or gemm_config(a_full.device, a_full.dtype, rows_per_chunk, n, k)

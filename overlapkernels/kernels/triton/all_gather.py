@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import new_error_record
 from .signals import (ERR_CONSUMED_TIMEOUT, ERR_READY_TIMEOUT, FLAG_DTYPE, FLAG_KERNEL_LAUNCH, peer_ptr, polls,
                       raise_if_timed_out, set_flag, signal_ptr, wait_flag)
 
@@ -97,7 +98,7 @@ class PeerAllGather:
         r, w, pads = self.rank, self.world_size, self.signals
         shard_flat = shard.contiguous().view(-1)
         out = torch.empty(w * self.chunk_numel, dtype=shard.dtype, device=shard.device)
-        err = torch.zeros(4, dtype=torch.int32, device=shard.device)
+        err = new_error_record(shard.device)
         for reader in range(w):  # each reader's blocks counted one read each in call epoch - 1
             if reader != r:
                 wait_flag(pads.local[w + reader:w + reader + 1], (self.epoch - 1) * self.num_blocks, err,

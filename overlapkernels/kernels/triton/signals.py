@@ -4,8 +4,9 @@ Flags are int64 and only grow (an epoch or a count), so a signal pad is never re
 and a late reader cannot mistake the previous call's flag for this one's (int64: a per-tile count
 would wrap an int32 within a few thousand training steps). Every wait gives up after its
 ``WaitBudget`` - nanoseconds of the GPU's global timer when compiled, a poll count in the
-interpreter (which has no timer) - and leaves an error record (int32 [4] = code, rank, chunk,
-peer) that ``raise_if_timed_out`` turns into an exception naming the op, rank, chunk and peer.
+interpreter (which has no timer; there the thread world can also release it through the record's
+abort slot) - and leaves an error record (``errors.new_error_record``: code, rank, chunk, peer)
+that ``raise_if_timed_out`` turns into an exception naming the op, rank, chunk and peer.
 
 The ``@triton.jit`` helpers are inlined into kernels; ``wait_flag`` / ``set_peer_flag`` /
 ``add_peer_flag`` launch one-program kernels, stream-ordered like any other launch. Epochs,
@@ -21,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import SignalTimeoutError
+from ..errors import ABORT_SLOT, SignalTimeoutError, check_error_record
 from ..interpreter import interpreted
 
 FLAG_DTYPE = torch.int64  # signal pads and arrival flags
@@ -29,6 +30,7 @@ FLAG_DTYPE = torch.int64  # signal pads and arrival flags
 ERR_READY_TIMEOUT = tl.constexpr(1)     # waited for a peer to publish a chunk
 ERR_CONSUMED_TIMEOUT = tl.constexpr(2)  # waited for a peer to finish reading / reducing our previous data
 ERR_PARTIAL_TIMEOUT = tl.constexpr(3)   # waited for a peer's partial sum of our chunk
+ABORT_SLOT_C = tl.constexpr(ABORT_SLOT)  # (jit code reads globals only as constexprs)
 
 # Interpreted polls take ~10-50 us each: a timeout converted at this rate waits at least as long.
 INTERPRETER_POLLS_PER_SECOND = 20_000
@@ -95,11 +97,12 @@ def _now_ns(LANES: tl.constexpr):
 
 
 @triton.jit
-def wait_geq(flag_ptr, target, budget, TIMED: tl.constexpr, CLOCK_LANES: tl.constexpr):
+def wait_geq(flag_ptr, target, budget, abort_ptr, TIMED: tl.constexpr, CLOCK_LANES: tl.constexpr):
     """Poll (acquire, system scope) until ``*flag_ptr >= target`` or the budget is spent (``TIMED``:
-    ``budget`` ns of the global timer; else ``budget`` polls). Returns the last value seen, so the
-    caller can tell a timeout (value < target) apart. Every thread takes the same exit: the polled
-    value is a scalar atomic's (broadcast) and the time a block-wide minimum."""
+    ``budget`` ns of the global timer; else ``budget`` polls, or until the host sets ``*abort_ptr``).
+    Returns the last value seen, so the caller can tell a timeout (value < target) apart. Every
+    thread takes the same exit: the polled value is a scalar atomic's (broadcast) and the time a
+    block-wide minimum."""
     value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     if TIMED:
         # the clock (a block-wide reduction) only once the first poll fails: most of a fused
@@ -110,7 +113,7 @@ def wait_geq(flag_ptr, target, budget, TIMED: tl.constexpr, CLOCK_LANES: tl.cons
                 value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     else:
         spins = 0
-        while (value < target) & (spins < budget):
+        while (value < target) & (spins < budget) & (tl.load(abort_ptr, volatile=True) == 0):
             value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
             spins += 1
     return value
@@ -143,7 +146,7 @@ def wait_or_record(flag_ptr, target, err_ptr, budget, code, rank, chunk, peer, T
     wait (a fused GEMM waits once per tile: 16 tiles a program at 8192 rows, 16 minutes at the 60 s
     default). The check is a scalar atomic, one value broadcast, so every thread takes one branch."""
     if tl.atomic_add(err_ptr, 0, sem="relaxed") == 0:
-        if wait_geq(flag_ptr, target, budget, TIMED, CLOCK_LANES) < target:
+        if wait_geq(flag_ptr, target, budget, err_ptr + ABORT_SLOT_C, TIMED, CLOCK_LANES) < target:
             record_error(err_ptr, code, rank, chunk, peer)
 
 
@@ -177,6 +180,7 @@ def wait_flag(flag: torch.Tensor, target: int, err: torch.Tensor, budget: WaitBu
               peer: int) -> None:
     """Stream-ordered wait until ``flag`` (a 1-element flag view) >= ``target``. One program: spinning
     blocks hold SMs that peers' kernels may need when ranks share a GPU, so waits stay this small."""
+    check_error_record(err)
     _wait_kernel[(1,)](flag, target, err, budget.amount, code.value, rank, chunk, peer, TIMED=budget.timed,
                        **FLAG_KERNEL_LAUNCH)
 
@@ -202,7 +206,7 @@ def raise_if_timed_out(err: torch.Tensor, op: str, epoch: int) -> None:
         idle = torch.cuda.Event()
         idle.record(torch.cuda.current_stream(err.device))
         idle.synchronize()
-    code, rank, chunk, peer = (int(v) for v in err.tolist())
+    code, rank, chunk, peer = (int(v) for v in err[:4].tolist())
     where = f"(call {epoch}); is rank {peer} alive and in the same call?"
     if code == ERR_READY_TIMEOUT.value:
         raise SignalTimeoutError(f"{op}: rank {rank} timed out waiting for chunk {chunk} from rank {peer} {where}")
@@ -213,7 +217,7 @@ def raise_if_timed_out(err: torch.Tensor, op: str, epoch: int) -> None:
         raise SignalTimeoutError(f"{op}: rank {rank} timed out waiting for rank {peer}'s partial of chunk {chunk} "
                                  f"{where}")
     if code:
-        raise SignalTimeoutError(f"{op}: unknown error record {err.tolist()}")
+        raise SignalTimeoutError(f"{op}: unknown error record {err[:4].tolist()}")
 
 
 class DeferredErrorCheck:
@@ -234,7 +238,7 @@ class DeferredErrorCheck:
         host = torch.empty(4, dtype=torch.int32, pin_memory=True)
         stream = torch.cuda.current_stream(err.device)
         with torch.cuda.stream(stream):  # the copy and its event on err's device, whatever is current
-            host.copy_(err, non_blocking=True)
+            host.copy_(err[:4], non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         with self._lock:
