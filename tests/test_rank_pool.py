@@ -1,6 +1,7 @@
 """The gloo rank pool: results per rank, tracebacks in the report, hard timeouts, no orphans."""
 import multiprocessing
 import os
+import signal
 
 import pytest
 import torch
@@ -53,7 +54,10 @@ def test_timeout_and_death_are_failures_not_hangs():
     seen = []  # every generation of rank processes this pool started
     with RankPool(2, timeout=60.0) as pool:
         seen += [pool.run(os.getpid)]
-        with pytest.raises(RankTimeout, match=r"ranks \[1\] of 2 did not finish within 3 s"):
+        # with where the stuck rank sat: its own timeout (the process group's) would fire too late
+        with pytest.raises(RankTimeout, match=r"(?s)ranks \[1\] of 2 did not finish within 3 s.*"
+                                              r"--- rank 1 of 2, stuck, at \(innermost first\) ---.*"
+                                              r"line \d+ in _block_forever_on_rank_1"):
             pool.run(_block_forever_on_rank_1, timeout=3.0)
         assert pool.run(_rank_and_sum)[0][2] == 3.0  # respawned after the kill
         seen += [pool.run(os.getpid)]
@@ -64,6 +68,31 @@ def test_timeout_and_death_are_failures_not_hangs():
     assert len(set(pids)) == 6
     children = {p.pid for p in multiprocessing.active_children()}
     assert not children & set(pids), "a rank process outlived its pool"
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_call_leaves_nothing_to_the_next():
+    """pytest-timeout, Ctrl-C or a SIGTERM can interrupt a call while the pool waits for replies.
+    The pool stayed up with the call's ranks still in it: their late replies answered the next call
+    (every later call off by one), or, blocked as here, they never read it."""
+    def interrupt(signum, frame):
+        raise _Interrupted()
+
+    with RankPool(2, timeout=60.0) as pool:
+        first = pool.run(os.getpid)
+        before = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 1.0)
+            with pytest.raises(_Interrupted):
+                pool.run(_block_forever_on_rank_1)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, before)
+        assert pool.run(_whoami, "next") == [("next", 0), ("next", 1)]
+        assert not set(first) & set(pool.run(os.getpid))  # a fresh generation
 
 
 def _fail_on_rank_0_while_rank_1_works():

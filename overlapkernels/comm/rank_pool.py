@@ -12,10 +12,13 @@ code under test goes through the same ``init_default_process_group`` as producti
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import shutil
 import signal
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -23,6 +26,9 @@ from datetime import timedelta
 DEFAULT_CALL_TIMEOUT_S = 120.0
 # After one rank has failed, how long the others get to finish before the pool is torn down.
 FAILURE_GRACE_S = 10.0
+# How long a stuck rank gets to write its Python stacks (SIGUSR1, faulthandler) before it is killed.
+STACK_DUMP_WAIT_S = 2.0
+STACK_DUMP_LINES = 40
 
 
 class RankError(RuntimeError):
@@ -41,8 +47,12 @@ def _die_with_parent() -> None:
 
 
 def _worker_main(rank: int, world_size: int, port: int, backend: str, conn, pg_timeout_s: float,
-                 threads: int) -> None:
+                 threads: int, stack_path: str) -> None:
     _die_with_parent()
+    # a rank that hangs (in a collective, a spin) is asked for its stacks before it is killed: the
+    # only way a hang's report can say where each rank sat (its own timeout would fire too late)
+    stack_file = open(stack_path, "w")  # (open as long as the process lives)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     os.environ.update({
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -98,8 +108,10 @@ class RankPool:
     """``RankPool(4).run(fn, *args)`` -> ``[fn(*args) on rank 0, ..., on rank 3]``.
 
     ``fn`` must be picklable (a module-level function). A raising rank turns into ``RankError``
-    with its traceback; a call past ``timeout`` seconds into ``RankTimeout``, after which the pool
-    is killed and respawned on the next call.
+    with its traceback; a call past ``timeout`` seconds into ``RankTimeout`` with the stuck ranks'
+    Python stacks. After either (or any exception that interrupts a call) the pool is killed and
+    respawns on the next call: a failed call can leave messages in flight that the next would
+    receive.
 
     ``max_groups``: once a call leaves a rank holding more process groups than this, the pool is
     closed and respawns on the next call. Every ``init_parallel`` makes a device mesh of groups
@@ -123,6 +135,7 @@ class RankPool:
         self._procs: list = []
         self._conns: list = []
         self._store = None
+        self._stack_dir = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _start(self) -> None:
@@ -132,11 +145,12 @@ class RankPool:
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=self.timeout))
         ctx = mp.get_context("spawn")
+        self._stack_dir = tempfile.mkdtemp(prefix="ok-rank-pool-")
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, daemon=True, name=f"ok-rank{rank}",
                                args=(rank, self.world_size, self._store.port, self.backend, child_conn,
-                                     self.timeout, self.threads_per_rank))
+                                     self.timeout, self.threads_per_rank, self._stack_path(rank)))
             proc.start()
             child_conn.close()
             self._procs.append(proc)
@@ -166,7 +180,35 @@ class RankPool:
             proc.join()
         for conn in self._conns:
             conn.close()
-        self._procs, self._conns, self._store = [], [], None
+        if self._stack_dir is not None:
+            shutil.rmtree(self._stack_dir, ignore_errors=True)
+        self._procs, self._conns, self._store, self._stack_dir = [], [], None, None
+
+    def _stack_path(self, rank: int) -> str:
+        return os.path.join(self._stack_dir, f"rank{rank}.txt")
+
+    def _stacks_of(self, ranks: list) -> str:
+        """The Python stacks of every thread of ``ranks`` (still alive), as faulthandler writes them."""
+        alive = [r for r in ranks if self._procs[r].is_alive()]
+        for r in alive:
+            try:
+                os.kill(self._procs[r].pid, signal.SIGUSR1)
+            except OSError:
+                pass
+        # written from a signal handler, in pieces: done once every file has stopped growing
+        deadline, sizes = time.monotonic() + STACK_DUMP_WAIT_S, None
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = [os.path.getsize(self._stack_path(r)) for r in alive]
+            if now == sizes and all(now):
+                break
+            sizes = now
+        out = ""
+        for r in alive:
+            with open(self._stack_path(r)) as f:
+                lines = f.read().strip().splitlines()[:STACK_DUMP_LINES] or ["(no stack written)"]
+            out += f"\n--- rank {r} of {self.world_size}, stuck, at (innermost first) ---\n" + "\n".join(lines) + "\n"
+        return out
 
     def __enter__(self) -> "RankPool":
         return self
@@ -184,14 +226,21 @@ class RankPool:
                             f"{list(dead.values())}); the pool will respawn on the next call")
         if not self._procs:
             self._start()
-        for rank, conn in enumerate(self._conns):
-            try:
-                conn.send((fn, args, kwargs))
-            except OSError as exc:  # (BrokenPipeError: the rank died just now)
-                self._kill()
-                raise RankError(f"{name}: rank {rank} could not be sent the call ({exc}); the pool will "
-                                "respawn on the next call") from exc
-        results = self._collect(name, timeout or self.timeout)
+        try:
+            for rank, conn in enumerate(self._conns):
+                try:
+                    conn.send((fn, args, kwargs))
+                except OSError as exc:  # (BrokenPipeError: the rank died just now)
+                    raise RankError(f"{name}: rank {rank} could not be sent the call ({exc}); the pool will "
+                                    "respawn on the next call") from exc
+            results = self._collect(name, timeout or self.timeout)
+        except BaseException:
+            # Whatever ended the call early (a failed rank, a timeout, pytest-timeout's or Ctrl-C's
+            # exception in the middle of _collect) leaves this generation unfit for another: replies
+            # still unread would answer the next call, an async op or P2P message a failed rank left
+            # behind would pair with the next call's. The next call starts a fresh one (seconds).
+            self._kill()
+            raise
         if self.max_groups is not None and self._most_groups > self.max_groups:
             self.close()
             self.respawns += 1
@@ -238,14 +287,12 @@ class RankPool:
                 deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         stuck = sorted(waiting.values())
         if stuck or errors:
-            # a stuck rank may be blocked in a collective forever, a dead one broke the group:
-            # either way the next call starts a fresh generation
-            if stuck or any(not p.is_alive() for p in self._procs):
-                self._kill()
             report = "".join(f"\n--- rank {r} of {self.world_size} ---\n{tb}" for r, tb in sorted(errors.items()))
+            if stuck:
+                report += self._stacks_of(stuck)
             if errors:
                 hung = f"; ranks {stuck} did not finish" if stuck else ""
                 raise RankError(f"{what}: ranks {sorted(errors)} failed{hung}{report}")
             raise RankTimeout(f"{what}: ranks {stuck} of {self.world_size} did not finish within "
-                              f"{timeout:g} s; the pool was killed and will respawn on the next call")
+                              f"{timeout:g} s; the pool was killed and will respawn on the next call{report}")
         return [results[r] for r in range(self.world_size)]
