@@ -9,17 +9,22 @@ import torch
 import torch.distributed as dist
 
 from overlapkernels.runtime import fsdp
-from test_fsdp_gloo import _net
+from test_fsdp_gloo import _batches, _loss, _net
 
 
 def _blind_rank_on_rank(path, blind_in):
     """Rank 1 cannot see what rank 0 writes (storage not shared by the nodes), in ``blind_in``: both
-    ranks raise naming rank 1, none waits in a collective (the pool would report a timeout)."""
+    ranks raise naming rank 1, none waits in a collective (the pool would report a timeout). A
+    failed save leaves the previous checkpoint as it was: it was switched out (and deleted) before
+    the check."""
     from overlapkernels.runtime.fsdp import checkpoint_files as ck
 
     sharded = fsdp.shard(_net(), stage=2)
-    if blind_in == "load":
-        fsdp.save(sharded, path)
+    fsdp.save(sharded, path)
+    before = sharded.full_state_dict()
+    x, y = _batches(1, 2, dist.get_world_size())[0]
+    _loss(sharded(x), y).backward()
+    sharded.step()  # what a failed save must not leave behind
     exists, wait = ck.os.path.exists, ck.VISIBILITY_WAIT_S
     ck.VISIBILITY_WAIT_S = 0.5  # it keeps looking that long (a network filesystem's cached view)
     if dist.get_rank() == 1:
@@ -27,18 +32,43 @@ def _blind_rank_on_rank(path, blind_in):
     try:
         (fsdp.save if blind_in == "save" else fsdp.load)(sharded, path)
     except (RuntimeError, ValueError) as exc:
-        return type(exc).__name__, str(exc)
+        said = type(exc).__name__, str(exc)
+    else:
+        said = "no error"
     finally:
         ck.os.path.exists, ck.VISIBILITY_WAIT_S = exists, wait
-    return "no error"
+    fsdp.load(sharded, path)
+    kept = all(torch.equal(v, before[k]) for k, v in sharded.full_state_dict().items())
+    return said, kept, os.path.exists(path + ".tmp")
 
 
 @pytest.mark.parametrize("blind_in", ["save", "load"])
 def test_a_rank_that_cannot_see_the_checkpoint_fails_every_rank(rank_pool, tmp_path, blind_in):
     results = rank_pool(2).run(_blind_rank_on_rank, str(tmp_path / "c"), blind_in)
-    for kind, said in results:
+    for (kind, said), kept, leftover in results:
         assert "1" in said and "cannot see the checkpoint" in said and "shared by all nodes" in said, said
-    assert len({said for _, said in results}) == 1  # the same error on every rank
+        assert kept and not leftover, results
+    assert len({said for said, _, _ in results}) == 1  # the same error on every rank
+
+
+def _different_paths_on_rank(root):
+    sharded = fsdp.shard(_net(), stage=2)
+    fsdp.save(sharded, os.path.join(root, "ckpt"))
+    try:  # a name with a per-rank timestamp
+        fsdp.save(sharded, os.path.join(root, "ckpt" if dist.get_rank() == 0 else f"ckpt-{dist.get_rank()}"))
+    except ValueError as exc:
+        said = str(exc)
+    else:
+        said = "no error"
+    fsdp.load(sharded, os.path.join(root, "ckpt"))  # the previous one, whole
+    return said, sorted(os.listdir(root))
+
+
+def test_ranks_passing_different_paths_are_refused_before_anything_is_written(rank_pool, tmp_path):
+    root = str(tmp_path)
+    want = (f"fsdp.save: every rank must pass the same path; got {[root + '/ckpt', root + '/ckpt-1']} (by rank)",
+            ["ckpt"])
+    assert rank_pool(2).run(_different_paths_on_rank, root) == [want, want]
 
 
 def _missing_checkpoint_on_rank(path):

@@ -170,6 +170,37 @@ def test_a_load_into_the_wrapped_model_and_a_shard_inside_a_shard_are_refused(ra
                           "units=TransformerBlock here)"), nested
 
 
+def _direct_step_and_cast_on_rank(stage):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).double()
+    sharded = fsdp.shard(model, stage=stage, optimizer=SGD)
+    schedule = torch.optim.lr_scheduler.StepLR(sharded.optimizer, step_size=1, gamma=0.5)
+    sharded(torch.ones(2, 4, dtype=torch.float64)).sum().backward()
+    direct = _refusal(lambda: sharded.optimizer.step())
+    casts = [_refusal(cast) for cast in (lambda: sharded.to(torch.float32), lambda: sharded.half(),
+                                         lambda: sharded.to(torch.float64), lambda: sharded.to("cpu"))]
+    before = sharded.full_state_dict()
+    sharded.step()  # the way to step: still in step on every rank, the scheduler too
+    schedule.step()
+    trained = not torch.equal(sharded.full_state_dict()["1.bias"], before["1.bias"])
+    dtypes = {p.dtype for p in model.parameters()}
+    return direct, casts, trained, sharded.optimizer.param_groups[0]["lr"], dtypes
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_stepping_the_optimizer_directly_and_casting_the_sharded_model_are_refused(rank_pool, stage):
+    """Stepped directly (as GradScaler.step(opt) or a training framework does), the optimizer stepped
+    gradients that only sharded.step() reduces, and at stages 1-2 the model never changed; a cast
+    of the wrapped model replaced parameters that view the flat buffers (stages 1-2: trained
+    nothing; stage 3: undone at the next gather). Both silently; now refused by name."""
+    for direct, casts, trained, lr, dtypes in rank_pool(2).run(_direct_step_and_cast_on_rank, stage):
+        assert direct.startswith("RuntimeError: SGD.step() called directly on an fsdp-sharded model's optimizer: "
+                                 "it steps the master shards"), direct
+        cast = ("RuntimeError: fsdp: moving or casting a sharded model (.to(), .half(), .cuda(), ...) would replace "
+                "its parameters (the first: '0.weight'), which view fsdp's flat buffers")
+        assert casts[0].startswith(cast) and casts[1].startswith(cast) and casts[2:] == [None, None], casts
+        assert trained and lr == 0.05 and dtypes == {torch.float64}
+
+
 def _different_initial_weights_on_rank(stage):
     """Each rank seeded differently: the optimizer trains a mixture (each rank's slice of its own
     draw); every stage's first training forward must compute with that mixture, as single-process

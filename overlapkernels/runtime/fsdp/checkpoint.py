@@ -260,11 +260,15 @@ def save(sharded, path) -> None:
     mine = {"world_size": dist.get_world_size(sharded.group), "stage": sharded.stage, "units": _units(sharded),
             "unit_params": _unit_params(sharded), "param_groups": json_groups(optim["param_groups"]), "optim": plan, "buffers": buffer_plan}
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (part, mine, problem))
-    problem = next((p for _, _, p in everyone if p is not None), None)
+    dist.all_gather_object(everyone, (part, mine, problem, path))
+    # (a per-rank timestamp in the name: rank 0 switched its own folder in, the others' shards went
+    # elsewhere, and the previous checkpoint was deleted before anyone noticed)
+    if len(set(paths := [p for *_, p in everyone])) > 1:
+        raise ValueError(f"fsdp.save: every rank must pass the same path; got {paths} (by rank)")
+    problem = next((p for _, _, p, _ in everyone if p is not None), None)
     if problem is not None:  # every rank of the world refuses alike, before any shard is written
         raise TypeError(f"fsdp.save: {problem}")
-    by_part = {k: entry for k, entry, _ in everyone}  # every rank of a part has the same entry
+    by_part = {k: entry for k, entry, _, _ in everyone}  # every rank of a part has the same entry
     # format 3 only where it is needed: older versions still read the rest and refuse these by format
     holds_values = any(e["kind"] == "value" for entry in by_part.values() for e in entry["optim"].values())
     version = FORMAT_WITH_VALUES if holds_values else FORMAT
@@ -284,6 +288,11 @@ def save(sharded, path) -> None:
 
     # every shard is on disk before the switch: dcp.save returns on every rank only then
     _on_rank0_for_all(write_meta, f"writing {os.path.join(tmp, META)!r}")
+    try:  # before the switch deletes the previous checkpoint: storage not shared by every rank keeps
+        _every_rank_sees(tmp, "fsdp.save")  # each one's shards in a folder of its own
+    except RuntimeError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _on_rank0_for_all(lambda: _switch(tmp, path, old), f"moving {tmp!r} to {path!r}")
     _every_rank_sees(path, "fsdp.save")
 

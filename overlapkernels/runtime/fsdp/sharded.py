@@ -40,7 +40,7 @@ from .frozen_copies import FrozenComputeCopies
 from .frozen_units import FrozenRelease, frozen_units
 from .gradless import hold_gradless, restore_gradless
 from .param_groups import optimizer_and_units
-from .state_guards import check_steppable, full_state_dict, guard_state_dicts
+from .state_guards import check_apply, check_steppable, full_state_dict, guard_optimizer_step, guard_state_dicts
 from .unit_plan import (check_context_parallel_tags, check_group_holds_replicas, check_sequence_parallel_tags,
                         shared_parameters, unit_modules)
 
@@ -129,6 +129,8 @@ class ShardedModule(Accounting, nn.Module):
         self._param_unit = {id(p): u for u in self.all_units for p in u.params}
         model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         guard_state_dicts(self)
+        self._in_step = False
+        guard_optimizer_step(self)
         for units in self._module_units:
             units[0].module.register_forward_pre_hook(self._pre_forward(units), with_kwargs=True)
             units[0].module.register_forward_hook(self._post_forward(units))
@@ -147,6 +149,10 @@ class ShardedModule(Accounting, nn.Module):
         # one (not here: shard() itself stays free of collectives)
         self._masters_published = stage == 3
         self._track()
+
+    def _apply(self, fn, recurse=True):  # (.to, .half, .cuda, ...)
+        check_apply(self, fn)
+        return super()._apply(fn, recurse)
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -432,7 +438,11 @@ class ShardedModule(Accounting, nn.Module):
             unit.take_written()
         self._finish_gradients()
         held = hold_gradless(self.all_units, self._param_had_grad, self.optimizer)
-        self.optimizer.step()
+        self._in_step = True
+        try:
+            self.optimizer.step()
+        finally:
+            self._in_step = False
         restore_gradless(held, self.optimizer)
         for unit in self.all_units:
             unit.master.grad = torch.zeros_like(unit.master)

@@ -10,6 +10,8 @@ the ways in and out.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -79,3 +81,38 @@ def check_steppable(sharded) -> None:
     if thawed := [u.name for u in sharded.frozen_units if any(p.requires_grad for p in u.params)]:
         raise RuntimeError(f"fsdp step: parameters sharded as frozen (shard_frozen) in {thawed} take gradients "
                            "now; they have no master and no optimizer state: unfreeze before fsdp.shard")
+
+
+def guard_optimizer_step(sharded) -> None:
+    """``sharded.optimizer`` steps the masters, which only ``sharded.step()`` gives their gradients
+    (reduced over DP) and takes the results back from. Stepped directly - as GradScaler.step(opt),
+    Lightning or accelerate do - it stepped stale gradients and the model never changed (stages 1-2),
+    silently: refused by name."""
+    if sharded.optimizer is None:
+        return
+    owner = weakref.ref(sharded)  # (the optimizer must not keep the model alive)
+
+    def hook(optimizer, args, kwargs):
+        if (s := owner()) is not None and not s._in_step:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() called directly on an fsdp-sharded model's optimizer: it steps "
+                "the master shards, whose gradients only ShardedModule.step() reduces and whose updates only it "
+                "publishes into the model. Call sharded.step() instead (it steps this optimizer; LR schedulers on "
+                "it work as usual). torch.amp.GradScaler is not supported under fsdp.shard: use bfloat16 "
+                "param_dtype, which needs no loss scaling")
+    sharded.optimizer.register_step_pre_hook(hook)
+
+
+def check_apply(sharded, fn) -> None:
+    """``.to(dtype)``, ``.half()``, ``.cuda()`` on a sharded model replace its parameters' data, which
+    views fsdp's flat buffers: training went on with buffers nobody read (stages 1-2) or the cast was
+    undone at the next gather (stage 3), silently. Refused when any parameter would change: tried
+    on an empty tensor like each (a freed stage-3 parameter has no storage to read)."""
+    for name, p in sharded.module.named_parameters():
+        probe = torch.empty(0, dtype=p.dtype, device=p.device)
+        if fn(probe) is not probe:
+            raise RuntimeError(
+                f"fsdp: moving or casting a sharded model (.to(), .half(), .cuda(), ...) would replace its "
+                f"parameters (the first: {name!r}), which view fsdp's flat buffers: the replacements would be "
+                "neither trained nor gathered. Move or cast the model before fsdp.shard, or use param_dtype= "
+                "for mixed precision")
