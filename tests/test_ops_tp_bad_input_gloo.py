@@ -52,6 +52,11 @@ BAD_AG = [
     # bf16 on a process group: what fused lacks there is peer memory, whatever the dtype
     (lambda: ok.all_gather_matmul(torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(8, 3, dtype=torch.bfloat16),
                                   method="fused"), ValueError, r"^method=.fused. needs peer memory .*: tensors are on cpu"),
+    # and fp64 (which fused refuses too): it was told to try 'symm', which a process group lacks as well
+    (lambda: ok.all_gather_matmul(torch.ones(4, 8, dtype=torch.float64), torch.ones(8, 3, dtype=torch.float64),
+                                  method="fused"), ValueError, r"^method=.fused. needs peer memory .*: tensors are on cpu"),
+    (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3), save_gathered="no"), TypeError,
+     r"^save_gathered='no': expected a bool"),
     (lambda: ok.matmul_reduce_scatter(torch.ones(5, 8), torch.ones(8, 3)), ValueError,
      r"a.shape\[scatter_dim=0\]=5 is not divisible by the group size 2"),
     (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 3), scatter_dim=1), ValueError,

@@ -48,6 +48,15 @@ def test_simulator_reproduces_published_bubbles(p, m):
             assert res.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
 
 
+def test_actions_are_named_tuples_as_torchs():
+    """torch.distributed.pipelining's _Action is a NamedTuple: code written against it unpacks
+    actions and compares them with tuples (a frozen dataclass refused both)."""
+    first = pp.make_schedule("1f1b", 2, 2).actions[0][0]
+    op, stage, microbatch = first
+    assert (op, stage, microbatch) == ("F", 0, 0) == first and str(first) == "F0.0"
+    assert first == pp.Action(op="F", stage=0, microbatch=0) and first._replace(op="B") == ("B", 0, 0)
+
+
 def test_interleaved_with_one_chunk_per_rank_is_1f1b():
     """Megatron's interleaved warm-up at v=1 held 2p - 1 microbatches on rank 0, 1F1B's p (same bubble)."""
     for p, m in ((2, 4), (4, 8), (3, 9)):

@@ -15,11 +15,14 @@ def unavailable_reason(method: str, group, device, dtype=None) -> str | None:
         return (f"method={method!r} cannot be captured in a CUDA graph: its call counters live on the host, so "
                 "every replay would wait for flags an earlier call already set and read half-written buffers; "
                 "use 'decomposed' or 'baseline'")
-    if method == "fused" and dtype is not None and (error := fused_dtype_error(dtype)):
-        return error
+    # (the dtype after what the group and device lack: fp64 fused on a CPU process group was told to
+    # try 'symm', which that group cannot run either)
+    dtype_error = fused_dtype_error(dtype) if method == "fused" and dtype is not None else None
     if is_peer_world(group):
         if method not in PEER_MEMORY_METHODS:
             return f"method={method!r} needs a process group; a thread-world group runs 'symm' or 'fused'"
+        if dtype_error:
+            return dtype_error
         # fused computes its GEMM tiles in Triton; symm multiplies with torch and only signals in Triton
         if method == "fused" and dtype is not None and bf16_miscomputed(dtype, device):
             return bf16_message("method='fused'") + ", or method='symm'"
@@ -30,14 +33,14 @@ def unavailable_reason(method: str, group, device, dtype=None) -> str | None:
         # decided where the ranks meet (ProcessPeerWorld's exchange, at the group's first such call),
         # which raises on every rank with each unable rank's reason: a rank refusing alone here left
         # its peers waiting in that exchange until the group's timeout
-        return None
+        return dtype_error
     from ..comm.process_world import peer_memory_unavailable_reason
 
     reason = peer_memory_unavailable_reason(device)
     if reason:
         return (f"method={method!r} needs peer memory (CUDA tensors on one NVLink node, or a thread-world group in "
                 f"CPU tests): {reason}; use 'decomposed' or 'baseline'")
-    return None
+    return dtype_error
 
 
 def check_available(method: str, group, device, dtype=None) -> None:

@@ -13,7 +13,7 @@ from ..profiling.ranges import span
 from . import _methods
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands, cast_weights
 from ._autograd import first_order_only, not_a_view
-from ._validate import check_dim, check_float_dtype, check_tensor, check_weights, group_size, is_peer_world, same_call_on_every_rank
+from ._validate import check_dim, check_flag, check_float_dtype, check_tensor, check_weights, group_size, is_peer_world, same_call_on_every_rank
 from .dispatch import check_method, choose, strict_active, strict_in_backward
 from .measure import auto_mode, auto_setting, measured, wanted
 from .weight_grad_store import defer
@@ -166,13 +166,14 @@ def _all_gather_matmul(a_shard, b, group, gather_dim, return_gathered, method, s
         method = check_method(method)
         if not isinstance(return_gathered, bool):
             raise TypeError(f"return_gathered must be a bool, got {type(return_gathered).__name__}")
+        save_gathered = check_flag(save_gathered, "save_gathered")  # ("no" is truthy: it saved)
         _methods.check_available(method, group, a_shard.device, a_shard.dtype)
         # the weights' total width: backward multiplies by all of them concatenated ([sum N, K])
         _methods.check_fused_sizes(method, math.prod(a_shard.shape[:-1]), a_shard.shape[-1],
                                    sum(w.shape[1] for w in bs))
         # save_gathered decides whether backward gathers again, return_gathered whether it reduce-
         # scatters the gathered tensor's gradient; gradients decide whether it runs at all
-        call.args = dict(a_shard=a_shard, b=bs, gather_dim=gather_dim, method=method, save_gathered=bool(save_gathered),
+        call.args = dict(a_shard=a_shard, b=bs, gather_dim=gather_dim, method=method, save_gathered=save_gathered,
                          return_gathered=return_gathered, **auto_setting(method))
     world = group_size(group)
 
@@ -182,7 +183,7 @@ def _all_gather_matmul(a_shard, b, group, gather_dim, return_gathered, method, s
     with autocast_off(x2d.device):  # the methods choose their own precisions (fp32 partial sums)
         chosen = resolve(method, group, x2d, sum(w.shape[1] for w in bs), world, bs=bs)
     with span(f"ok/all_gather_matmul[{chosen}]"), autocast_off(x2d.device):
-        a_full, *outs = AllGatherMatmul.apply(x2d, group, method, chosen, bool(save_gathered), transposed,
+        a_full, *outs = AllGatherMatmul.apply(x2d, group, method, chosen, save_gathered, transposed,
                                               return_gathered, *(b if transposed else bs))
 
     def restore(t2d):  # [W*m, n] -> the layout of a_shard, gathered along gather_dim (contiguous, like torch.cat)

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 KINDS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 OPS = ("F", "B", "W", "BW")
 
 
-@dataclass(frozen=True)
-class Action:
+class Action(NamedTuple):
+    """A named tuple, as torch.distributed.pipelining's ``_Action``: ``op, stage, mb = action`` and
+    comparisons with plain tuples work."""
     op: str
     stage: int
     microbatch: int
