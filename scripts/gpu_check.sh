@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# `make gpu-check`: the one-GPU checks, lowest risk first, each step under its own time limit so a
-# hang costs that step only and the rest still run; exits non-zero at the end if any step failed.
+# `make gpu-check`: the one-GPU checks, low risk first (but the one-GPU worlds before most benchmarks:
+# see there), each step under its own time limit so a hang costs that step only and the rest still
+# run; exits non-zero at the end if any step failed.
 # The whole of `make gpu-check` (setup included) finishes within 8 minutes: GPU_CHECK_DEADLINE
 # (epoch seconds; the Makefile sets it when make starts) bounds the CUDA probe and cuts every step's
 # limit (the csrc build's too) to the time left; a step with no time left is skipped, reported failed.
@@ -102,13 +103,20 @@ else
   summary+=("csrc_build|skipped (no nvcc)|0|")
 fi
 # Limits add up to more than the deadline leaves after setup and the csrc build: a step that runs
-# long shortens the ones after it (riskiest last), never the whole run past 8 minutes.
+# long shortens the ones after it, never the whole run past 8 minutes.
 step 30 info "$PY" -m overlapkernels info
 # this triton's sm_90 code: vector peer stores, registers left for the flag kernels (seconds; no GPU use)
 step 40 compile_sm90 env -u TRITON_INTERPRET "$PY" scripts/compile_kernels_sm90.py --quick
 # kernels alone, the csrc library, ring attention on two processes
 pytest_step 120 gpu_tests "${PYTEST[@]}" -m gpu --ignore=tests/test_ops_tp_gpu.py
 step 70 bench_fused_gemm "$PY" benchmarks/bench_fused_gemm.py --csv "$GPU_CSV"
+# several ranks spinning on flags on one GPU (symm/fused ops): the riskiest step, yet the one whose
+# results are most wanted (two GPU runs hung in it), so before the other benchmarks, which a hang
+# here shortens rather than it being cut short by them. No --maxfail: the process-world tests, last
+# in the file, are the ones most worth the time; the step's limit bounds a run of hangs, and each
+# test's world gives up after 30 s. 170 s: eager module loading in pytest and in each spawned rank,
+# and ~20 kernel compiles, come before those tests.
+pytest_step 170 gpu_tests_one_gpu "${EAGER[@]}" "${PYTEST[@]}" -m gpu tests/test_ops_tp_gpu.py
 if [ "$have_nvcc" = 1 ]; then  # the csrc reduce: nothing to time without the library
   step 25 bench_reduce "$PY" benchmarks/bench_reduce.py --csv "$GPU_CSV"
 else
@@ -118,11 +126,6 @@ fi
 # what chunking a GEMM into per-rank pieces costs: the compute side of the CUDA auto threshold
 step 40 bench_chunked_gemm "$PY" benchmarks/bench_chunked_gemm.py --csv "$GPU_CSV"
 step 75 bench_flash_attn "$PY" benchmarks/bench_flash_attn.py --csv "$GPU_CSV"
-# several ranks spinning on flags on one GPU (symm/fused ops): the riskiest, so last
-# (no --maxfail: the process-world tests, last in the file, are the ones most worth the time; the
-# step's limit bounds a run of hangs, and each test's world gives up after 30 s). 170 s: eager module
-# loading in pytest and in each spawned rank, and ~20 kernel compiles, come before those tests.
-pytest_step 170 gpu_tests_one_gpu "${EAGER[@]}" "${PYTEST[@]}" -m gpu tests/test_ops_tp_gpu.py
 step 50 bench_one_gpu_ag_matmul "${EAGER[@]}" "$PY" benchmarks/bench_one_gpu_ag_matmul.py --csv "$GPU_CSV"
 
 echo "=== results: $GPU_CSV; log of every step: $GPU_LOG"
