@@ -52,9 +52,9 @@ def _forward_cases_on_rank(ctx, method, dtype, straggler, calls=3):
     return True
 
 
-@pytest.mark.parametrize("world", WORLDS)
+# fp16 at 2 ranks only: the dtype changes the tiles' element size, not the ring (4 ranks: ~11 s of CI)
+@pytest.mark.parametrize("world, dtype", [(w, torch.float32) for w in WORLDS] + [(2, torch.float16)])
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_exact_with_straggler_and_poisoned_buffers(world, method, dtype):
     # workspaces start NaN-poisoned: a chunk read before it was written would show up here
     assert ThreadWorld(world, timeout=60).run(_forward_cases_on_rank, method, dtype, world - 1) == [True] * world
@@ -282,14 +282,14 @@ def test_a_failing_rank_releases_the_waits_of_its_peers(method, op):
 
 
 def test_the_runs_limit_releases_a_wait_for_a_rank_that_never_came():
-    """No short budget this time: the world's (300 s) would outlast the run's 8 s limit, which
+    """No short budget this time: the world's (300 s) would outlast the run's 5 s limit, which
     reported only "still running" and left the spinning thread behind, the world unusable. Now the
     limit releases the wait, which names its chunk, and the world runs again at once."""
     world = ThreadWorld(2, timeout=600)
     with pytest.raises(RankError) as info:
-        world.run(_missing_rank_on_rank, "ag", "symm", False, timeout=8)
+        world.run(_missing_rank_on_rank, "ag", "symm", False, timeout=5)
     text = str(info.value)
-    assert "ranks [0] failed (their waits released at the run's 8 s limit)" in text, text
+    assert "ranks [0] failed (their waits released at the run's 5 s limit)" in text, text
     assert "SignalTimeoutError: ok/" + NEVER_SIGNALS["ag"].format(m="symm") in text
     assert world.run(lambda ctx: ctx.rank) == [0, 1]
 
