@@ -231,3 +231,45 @@ def _different_initial_weights_on_rank(stage):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_ranks_with_different_initial_weights_train_what_the_optimizer_holds(rank_pool, stage):
     assert rank_pool(2).run(_different_initial_weights_on_rank, stage) == [True, True]
+
+
+def _clip_through_the_library_function_on_rank():
+    """ok.clip_grad_norm_ given the ShardedModule clips as sharded.clip_grad_norm_ does (it returned 0
+    at stage 3, where no parameter holds a gradient after backward, and clipped nothing); given the
+    wrapped model's parameters (unreduced gradients at stage 1, none at 2/3) it refuses on every rank."""
+    r = dist.get_rank()
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(4, 3, generator=g, dtype=torch.float64)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    F.mse_loss(ref(x), y).backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    results = []
+    for stage in (1, 3):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+        sharded = fsdp.shard(model, stage=stage, optimizer=SGD)
+        F.mse_loss(sharded(x[r * 2:(r + 1) * 2]), y[r * 2:(r + 1) * 2]).backward()
+        try:
+            ok.clip_grad_norm_(model.parameters(), 0.01, dims=None)
+            refused = None
+        except TypeError as exc:
+            refused = str(exc)
+        norm = ok.clip_grad_norm_(sharded, 0.01, dims=None)
+        torch.testing.assert_close(norm, want, atol=1e-12, rtol=1e-12)
+        sharded.step()
+        clipped = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+        clipped.load_state_dict({k: v - 0.1 * ref.state_dict(keep_vars=True)[k].grad for k, v in
+                                 ref.state_dict().items()})  # SGD's first step (momentum starts from the gradient)
+        full = sharded.full_state_dict()
+        results.append((refused, all(torch.allclose(full[k], v, rtol=1e-12, atol=1e-12)
+                                     for k, v in clipped.state_dict().items())))
+    return results
+
+
+def test_the_library_clip_takes_the_sharded_module_and_refuses_its_parameters(rank_pool):
+    for results in rank_pool(2).run(_clip_through_the_library_function_on_rank):
+        for refused, stepped_clipped in results:
+            assert refused is not None and refused.startswith(
+                "clip_grad_norm_: a parameter of a ShardedModule (fsdp.shard) was passed"), refused
+            assert stepped_clipped

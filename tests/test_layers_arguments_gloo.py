@@ -181,3 +181,16 @@ def test_a_cp_shard_in_another_layout_than_the_layers_is_refused(rank_pool):
         assert said[0].startswith("ParallelSelfAttention: x was laid out with layout='contiguous' (by shard_sequence "
                                   "or ring_attention) but layout='zigzag' was passed"), said[0]
         assert said[1].startswith("GPT: tokens was laid out with layout='contiguous'"), said[1]
+
+
+def test_gpt_refuses_a_config_or_dims_of_another_type():
+    """GPT(config, None) failed with an AttributeError from deep inside (None.tp_group); a dict for
+    the config likewise. Both are refused by name, before anything is built (no process group needed)."""
+    from overlapkernels.models.gpt import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=16, hidden=8, num_layers=1, num_heads=2, num_kv_heads=2, ffn_hidden=16,
+                       max_seq_len=16)
+    with pytest.raises(TypeError, match=r"^dims=None: expected a ParallelDims, from ok.init_parallel"):
+        GPT(config, None)
+    with pytest.raises(TypeError, match=r"^config=dict: expected a GPTConfig$"):
+        GPT(dict(vocab_size=16), None)

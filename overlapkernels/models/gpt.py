@@ -24,6 +24,7 @@ from ..layers.tags import KeepsTags, mark_context_parallel
 from ..ops._validate import check_flag, check_size
 from ..ops.cross_entropy import check_ignore_index, check_target_ids, vocab_parallel_cross_entropy
 from ..ops.sequence_shard import check_layout_tag, shard_sequence
+from ..parallel import ParallelDims
 
 
 @dataclass
@@ -54,6 +55,8 @@ class GPT(KeepsTags, nn.Module):
 
     def __init__(self, config: GPTConfig, dims, *, dtype=None, device=None, pipeline_stage=None):
         super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config={type(config).__name__}: expected a GPTConfig")
         self.config, self.dims = config, dims
         stage, stages = pipeline_stage or (0, 1)
         if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in (stage, stages)) \
@@ -64,6 +67,10 @@ class GPT(KeepsTags, nn.Module):
             raise ValueError(f"pipeline_stage={pipeline_stage}: num_layers={config.num_layers} must split evenly "
                              f"into {stages} stages")
         per_stage = config.num_layers // stages
+        if not isinstance(dims, ParallelDims):  # duck-typed dims would fail deep inside a layer
+            shown = "None" if dims is None else type(dims).__name__
+            raise TypeError(f"dims={shown}: expected a ParallelDims, from ok.init_parallel(...) (one process too: "
+                            "its TP/CP/PP sizes of 1)")
         self.first, self.last = stage == 0, stage == stages - 1
         layer_ids = range(stage * per_stage, (stage + 1) * per_stage)
         tp = dims.tp_group

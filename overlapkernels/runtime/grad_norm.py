@@ -147,15 +147,29 @@ def _tagged_parameters(parameters, dims) -> list:
     return [(q, getattr(q, "tensor_model_parallel", False)) for q in params]
 
 
+def _sharded_modules(parameters):
+    """``parameters`` when it is a ShardedModule or a non-empty list of them (else None)."""
+    from .fsdp.sharded import ShardedModule  # (fsdp imports this module)
+
+    if isinstance(parameters, ShardedModule):
+        return parameters
+    if isinstance(parameters, (list, tuple, nn.ModuleList)) and len(parameters) \
+            and all(isinstance(m, ShardedModule) for m in parameters):
+        return list(parameters)
+    return None
+
+
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *, dims, error_if_nonfinite=False,
                     foreach=None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for parameters of a model split as ``dims`` describes
     (a ``ParallelDims`` from ``ok.init_parallel``): the norm of the whole model's gradient, the
     same on every rank, and every rank clips by the same factor. Call it on every rank, once the
     gradients are complete (after ``model.sync_grads()`` and any DP averaging). Under
-    ``fsdp.shard`` use ``ShardedModule.clip_grad_norm_`` instead: the gradients live in its shards.
+    ``fsdp.shard`` pass the ShardedModule: the gradients live in its shards.
 
-    ``parameters``: a tensor, an iterable of them, or the model (``nn.Module``). Pass the model
+    ``parameters``: a tensor, an iterable of them, or the model (``nn.Module``); a ShardedModule
+    (``fsdp.shard``), or a list of them, is clipped by ``fsdp.clip_grad_norm_`` (its shards hold the
+    gradients; passing its parameters is refused). Pass the model
     under torch's FSDP2 (``fully_shard``): its DTensor parameters lost the TP tags, which our
     layers remember by name, and after backward with reshard-after-backward off the module holds
     unsharded parameters without gradients, which only the model form looks past; each rank's
@@ -166,12 +180,22 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *, dims, error_if_nonfi
     all-reduce before raising, and the other ranks' norm is NaN: their gradients become NaN, never
     silently mis-clipped, while the refusing rank's error stops the job. ``error_if_nonfinite`` and
     ``foreach`` as in torch (see ``scale_``)."""
+    sharded = _sharded_modules(parameters)
+    if sharded is not None:  # the gradients live in the shards: the fsdp clip counts them
+        from .fsdp.clip import clip_grad_norm_ as clip_sharded
+
+        return clip_sharded(sharded, max_norm, norm_type, dims=dims, error_if_nonfinite=error_if_nonfinite,
+                            foreach=foreach)
     p = check_clip_args(max_norm, norm_type)
     params, grads, refusal = [], [], None
     shard_copies = {}  # FSDP2's parameters share a few meshes and layouts: check and count each once
     try:
         params = _tagged_parameters(parameters, dims)
         for q, partitioned in params:
+            if getattr(q, "_fsdp_sharded", False):  # .grad unreduced (stage 1) or None (2/3): not the gradient
+                raise TypeError("clip_grad_norm_: a parameter of a ShardedModule (fsdp.shard) was passed; its "
+                                "gradients live in the module's shards: pass the ShardedModule itself, "
+                                "ok.clip_grad_norm_(sharded, max_norm, dims=dims), or sharded.clip_grad_norm_")
             if q.grad is None:
                 continue
             if hasattr(q.grad, "to_local"):  # a view of the local shard: clipping scales the DTensor in place

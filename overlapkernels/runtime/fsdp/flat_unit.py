@@ -104,6 +104,7 @@ class FlatUnit:
         self._view_params()
         self._gathered_version = self._versions()
         for p in self.params:  # fsdp sums these over TP itself; the layers' helper leaves them alone
+            p._fsdp_sharded = True  # their gradients live in the shards: ok.clip_grad_norm_ refuses them
             if getattr(p, "sequence_parallel", False) and getattr(p, "sequence_parallel_group", None) is not None:
                 p._fsdp_sums_sequence_parallel = True
             if self.cp_group is not None:  # GPT.sync_grads leaves these to fsdp
