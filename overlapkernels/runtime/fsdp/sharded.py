@@ -28,7 +28,6 @@ import warnings
 import weakref
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
@@ -40,12 +39,13 @@ from .frozen_copies import FrozenComputeCopies
 from .frozen_units import FrozenRelease, frozen_units
 from .gradless import hold_gradless, restore_gradless
 from .param_groups import optimizer_and_units
+from .reduction import GradientReduction
 from .state_guards import check_apply, check_steppable, full_state_dict, guard_optimizer_step, guard_state_dicts
 from .unit_plan import (check_context_parallel_tags, check_group_holds_replicas, check_sequence_parallel_tags,
                         shared_parameters, unit_modules)
 
 
-class ShardedModule(Accounting, nn.Module):
+class ShardedModule(GradientReduction, Accounting, nn.Module):
     # The hooks, the end-of-backward callback and step() post collectives, resize storage and keep
     # state: eager under torch.compile (as torch's FSDP2 disables dynamo on its hooks), so a compiled
     # train step that calls backward() and step() runs them as they are, not traced.
@@ -298,55 +298,6 @@ class ShardedModule(Accounting, nn.Module):
             self._frozen_release.trained_unit_done(unit.module_index)
 
     @eager_under_compile
-    def _reduce_in_order(self, *, to_the_end: bool = False) -> None:
-        """Reduce-scatter gradients in one order on every rank (``_reduce_order``): a unit as soon as
-        its backward and that of every unit before it in the order are done here; at the end of
-        backward (``to_the_end``) all the rest, with zeros where this rank has no gradient. Ranks
-        whose losses used different units (a data-dependent branch, an expert that got no tokens)
-        thus still post the same reduce-scatters in the same order; reducing each unit when it
-        happens to finish here paired one rank's reduce-scatter with another's of another unit
-        (a crash or a hang, or mixed-up gradients where the sizes matched)."""
-        order = self._reduce_order
-        while self._next_reduce < len(order) and (to_the_end or order[self._next_reduce] in self._backward_done):
-            order[self._next_reduce].reduce_grads(async_op=True)
-            self._next_reduce += 1
-
-    def _reset_backward(self) -> None:
-        self._next_reduce = 0
-        self._backward_done.clear()
-        for unit in self.all_units:
-            unit.grads_ready = 0
-        self._frozen_release.reset()
-
-    def _agree_on_gradients(self, local_flags: list) -> list:
-        """Per flag (a unit's or a parameter's), whether any rank of the group (and of its CP group)
-        has it set."""
-        if not local_flags:  # no trained unit (a frozen model): the same on every rank, nothing to agree on
-            return []
-        flags = torch.tensor(local_flags, dtype=torch.int32, device=self.all_units[0].device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        # under CP a reduced shard is then summed over the CP group: its ranks must agree too, or
-        # one side would wait in that sum for a peer that decided it had nothing to reduce
-        for cp_group in dict.fromkeys(u.cp_group for u in self.all_units if u.cp_group is not None):
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cp_group)
-        return [bool(f) for f in flags.tolist()]
-
-    def _reduce_leftovers(self, *, async_op: bool) -> None:
-        """Reduce-scatter every unit that still holds full gradients on any rank (stage 1, or
-        gradients accumulated under no_sync). Decided collectively - one all-reduce of flags - so
-        every rank reduces the same units in the same order; a rank with no gradient for such a
-        unit reduces zeros: its DP/CP peers' collectives need a partner. The same all-reduce
-        agrees, per parameter, whether any rank had a gradient for it this step (``step``)."""
-        units = self.all_units
-        per_param = [seen or p.grad is not None for u in units for seen, p in zip(u.param_grad_seen, u.params)]
-        flags = self._agree_on_gradients([u.has_full_grads() for u in units] + per_param)
-        self._param_had_grad = flags[len(units):]
-        for unit, flag in zip(units, flags):
-            if flag:
-                unit.reduce_grads(async_op=async_op)
-                unit.grad_anywhere = True
-
-    @eager_under_compile
     def _end_of_backward(self) -> None:
         self._backward_armed = False
         if self.stage >= 2 and self._sync:
@@ -407,14 +358,6 @@ class ShardedModule(Accounting, nn.Module):
             unit.free(keep_shapes=True)
         self._backward_armed = False
         self._reset_backward()
-
-    def _finish_gradients(self) -> None:
-        """Every unit's reduced gradient in its master shard (idempotent within a step)."""
-        self._reduce_leftovers(async_op=False)  # stage 1, or gradients accumulated under no_sync
-        for unit in self.all_units:
-            unit.finish_reduce()
-            if not unit.grad_anywhere:  # no rank produced a gradient: the optimizer skips it, as torch does
-                unit.master.grad = None
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, *, dims=None, error_if_nonfinite=False,
                         foreach=None) -> torch.Tensor:
