@@ -146,8 +146,8 @@ def _autograd_checks(group, r, w, dev, method):
     return True
 
 
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("method", METHODS)
+# symm at 2 ranks only: its 4-rank ring is the forward tests' (autograd adds the dual op, not the ring)
+@pytest.mark.parametrize("world, method", [(2, "symm"), (2, "fused"), (4, "fused")])
 def test_autograd_matches_dense(world, method):
     assert ThreadWorld(world, timeout=60).run(_autograd_on_rank, method) == [True] * world
 
