@@ -34,6 +34,7 @@ def test_failing_rank_traceback_is_reported(rank_pool):
         pool.run(_fail_on_rank_1, "planted failure 42")
     text = str(info.value)
     assert "ranks [1] failed" in text and "--- rank 1 of 2 ---" in text
+    assert text.splitlines()[1] == "  rank 1: ZeroDivisionError: planted failure 42"  # ahead of the tracebacks
     assert "ZeroDivisionError: planted failure 42" in text and "_fail_on_rank_1" in text
     assert pool.run(_rank_and_sum)[1][2] == 3.0  # the pool is still usable
 

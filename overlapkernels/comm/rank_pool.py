@@ -39,6 +39,20 @@ class RankTimeout(TimeoutError):
     """Ranks did not finish within the call's timeout; the pool was killed and will respawn."""
 
 
+def failure_summary(errors: dict, order, consequences=()) -> str:
+    """One line per failed rank, in ``order`` (causes first): each traceback's last line, the
+    exception. It goes right under a report's first line, ahead of the full tracebacks: those can
+    run to hundreds of lines (interpreted kernels nest deep), and a log cut in the middle - CI
+    keeps a head and a tail - must still say why each rank failed. ``consequences``: ranks that
+    failed because another did (marked so)."""
+    def last_line(tb: str) -> str:
+        lines = [line.strip() for line in tb.strip().splitlines() if line.strip()]
+        return (lines[-1] if lines else "(no traceback)")[:300]
+
+    return "".join(f"\n  rank {r}: {last_line(errors[r])}{' (a consequence)' if r in consequences else ''}"
+                   for r in order)
+
+
 def _die_with_parent() -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -287,7 +301,8 @@ class RankPool:
                 deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         stuck = sorted(waiting.values())
         if stuck or errors:
-            report = "".join(f"\n--- rank {r} of {self.world_size} ---\n{tb}" for r, tb in sorted(errors.items()))
+            report = failure_summary(errors, sorted(errors)) + "".join(
+                f"\n--- rank {r} of {self.world_size} ---\n{tb}" for r, tb in sorted(errors.items()))
             if stuck:
                 report += self._stacks_of(stuck)
             if errors:

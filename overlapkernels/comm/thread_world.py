@@ -26,7 +26,7 @@ import torch
 from .._compat import make_triton_interpreter_threadsafe
 from ..kernels.errors import ABORT_SLOT, SignalTimeoutError, new_error_record
 from ..parallel import resolve_timeout
-from .rank_pool import RankError, RankTimeout
+from .rank_pool import RankError, RankTimeout, failure_summary
 from .side_stream import CudaSideStream, ThreadSideStream, hardware_queues, own_streams
 from .symmetric import SymmetricTensor
 
@@ -303,7 +303,8 @@ class ThreadWorld:
         stuck = [r for r, t in enumerate(threads) if t.is_alive()]
         name = getattr(fn, "__qualname__", repr(fn))
         order = sorted(errors, key=lambda r: (r in secondary, r))
-        report = "".join(f"\n--- rank {r} of {self.world_size} ---\n{errors[r]}" for r in order)
+        report = failure_summary(errors, order, secondary) + "".join(
+            f"\n--- rank {r} of {self.world_size} ---\n{errors[r]}" for r in order)
         if stuck:
             waiting = sorted(self._in_barrier.intersection(stuck))
             self._barrier.abort()
