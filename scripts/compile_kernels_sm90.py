@@ -15,11 +15,13 @@ protocol needs (system-scope acquire/release) and no TMA: the interpreter cannot
 ``T36_PTXAS=1`` also reports registers and spills from ptxas for every kernel (the persistent GEMMs
 and the flag kernels always run through ptxas: a GEMM block must leave room for a flag kernel).
 """
+import multiprocessing
 import os
 import re
 import sys
 import time
 import traceback
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import triton
@@ -38,15 +40,13 @@ from overlapkernels.kernels.triton import tile_gemm as TG
 from overlapkernels.kernels.triton.tile_gemm import dot_precision
 
 TARGET = GPUTarget("cuda", 90, 32)
-BACKEND = make_backend(TARGET)
 SMEM_LIMIT = 227 * 1024
 
 
 def use_target(arch: int, smem_kb: int) -> None:
     """Compile what follows for ``sm_<arch>`` against ``smem_kb`` KB of shared memory a block."""
-    global TARGET, BACKEND, SMEM_LIMIT
+    global TARGET, SMEM_LIMIT
     TARGET, SMEM_LIMIT = GPUTarget("cuda", arch, 32), smem_kb * 1024
-    BACKEND = make_backend(TARGET)
 
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUICK = "--quick" in sys.argv[1:]
@@ -54,34 +54,34 @@ FILTER = next((a for a in sys.argv[1:] if a != "--quick"), "")
 results = []
 
 
-def compile_like_launch(kernel, *args, **kwargs):
-    binder = create_function_from_signature(kernel.signature, kernel.params, BACKEND)
+def compile_like_launch(target, kernel, *args, **kwargs):
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound_args, specialization, options = binder(*args, **kwargs)
     if hasattr(kernel, "_pack_args"):  # triton >= 3.4
-        options, signature, constexprs, attrs = kernel._pack_args(BACKEND, kwargs, bound_args, specialization, options)
+        options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
     else:  # triton 3.3 (torch 2.7's pin): what its JITFunction.run does inline before compiling
         from triton.runtime.jit import find_paths_if, get_iterable_path
-        options = BACKEND.parse_options(dict(kwargs, debug=kwargs.get("debug", kernel.debug)))
+        options = backend.parse_options(dict(kwargs, debug=kwargs.get("debug", kernel.debug)))
         sigvals = [s[0] for s in specialization]
         signature = {p.name: v for p, v in zip(kernel.params, sigvals)}
         values = list(bound_args.values())
         constexprs = {path: get_iterable_path(values, path)
                       for path in find_paths_if(sigvals, lambda _, v: v == "constexpr")}
         attrvals = [s[1] for s in specialization]
-        attrs = {path: BACKEND.parse_attr(get_iterable_path(attrvals, path))
+        attrs = {path: backend.parse_attr(get_iterable_path(attrvals, path))
                  for path in find_paths_if(attrvals, lambda _, v: isinstance(v, str))}
     src = ASTSource(kernel, signature, constexprs, attrs)
-    return triton.compile(src, target=TARGET, options=options.__dict__), signature
+    return triton.compile(src, target=target, options=options.__dict__), signature
 
 
-def ptxas_usage(ptx):
+def ptxas_usage(ptx, arch):
     """Same ptxas flags triton uses (-lineinfo -v --gpu-name=sm_90a): (registers per thread, spill
     stores, spill loads in bytes per thread)."""
     import re, subprocess, tempfile
     from triton.backends.nvidia.compiler import get_ptxas
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
-    arch = TARGET.arch
     ptxas = get_ptxas(arch)  # triton 3.3: a (path, version) tuple; later a NVIDIATool with .path
     ptxas = ptxas[0] if isinstance(ptxas, tuple) else ptxas.path
     gpu = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
@@ -119,17 +119,32 @@ TMA_LOADS = "cp.async.bulk.tensor"
 TMA_STORES = ("cp.async.bulk.tensor.2d.global.shared", "cp.reduce.async.bulk")
 
 
+# Compiles queued by check(), run at the end by forked workers (they inherit this list): one kernel
+# compiles on one core (LLVM, then ptxas), and the quick set took ~30 s of CI's two cores one by one.
+JOBS = []
+
+
 def check(label, kernel, *args, ptx_has=(), ptx_re=(), ptx_not=(), beside_flag_kernel=False, flag_kernel=False,
           **kwargs):
-    """``ptx_has``: instructions the PTX must contain (e.g. the vector stores a hint is there for);
-    ``ptx_re``: (what, regular expression) pairs it must match; ``ptx_not``: instructions it must not contain;
-    ``beside_flag_kernel``: a persistent GEMM, whose block must leave room for a flag kernel's;
-    ``flag_kernel``: one of those (one warp, at most FLAG_KERNEL_MAX_REGS registers, no spills)."""
-    if FILTER not in label:
-        return
+    """Queue a compile for the current target. ``ptx_has``: instructions the PTX must contain (e.g.
+    the vector stores a hint is there for); ``ptx_re``: (what, regular expression) pairs it must
+    match; ``ptx_not``: instructions it must not contain; ``beside_flag_kernel``: a persistent GEMM,
+    whose block must leave room for a flag kernel's; ``flag_kernel``: one of those (one warp, at most
+    FLAG_KERNEL_MAX_REGS registers, no spills)."""
+    if FILTER in label:
+        JOBS.append((label, TARGET, SMEM_LIMIT, kernel, args, kwargs,
+                     dict(ptx_has=ptx_has, ptx_re=ptx_re, ptx_not=ptx_not, beside_flag_kernel=beside_flag_kernel,
+                          flag_kernel=flag_kernel)))
+
+
+def run_job(index: int) -> str:
+    """Compile and check ``JOBS[index]`` -> its report line."""
+    label, target, smem_limit, kernel, args, kwargs, expect = JOBS[index]
+    ptx_has, ptx_re, ptx_not = expect["ptx_has"], expect["ptx_re"], expect["ptx_not"]
+    beside_flag_kernel, flag_kernel = expect["beside_flag_kernel"], expect["flag_kernel"]
     t0 = time.time()
     try:
-        ck, sig = compile_like_launch(kernel, *args, **kwargs)
+        ck, sig = compile_like_launch(target, kernel, *args, **kwargs)
         md = ck.metadata
         assert "cubin" in ck.asm and "ptx" in ck.asm
         ptx = ck.asm["ptx"]
@@ -139,7 +154,7 @@ def check(label, kernel, *args, ptx_has=(), ptx_re=(), ptx_not=(), beside_flag_k
         assert not present, f"the PTX has {present}"
         flag0 = ""
         if os.environ.get("T36_PTXAS") or beside_flag_kernel or flag_kernel:
-            regs, spill_st, spill_ld = ptxas_usage(ck.asm["ptx"])
+            regs, spill_st, spill_ld = ptxas_usage(ck.asm["ptx"], target.arch)
             flag0 = f" regs={regs} spills(st/ld)={spill_st}/{spill_ld}"
             if beside_flag_kernel:
                 used = warp_registers(regs) * md.num_warps
@@ -149,14 +164,12 @@ def check(label, kernel, *args, ptx_has=(), ptx_re=(), ptx_not=(), beside_flag_k
             if flag_kernel:
                 assert md.num_warps == 1 and regs <= FLAG_KERNEL_MAX_REGS and not spill_st, (md.num_warps, regs, spill_st)
         mma = "wgmma" if "wgmma" in ck.asm["ptx"] else "mma" if "mma.sync" in ck.asm["ptx"] else "no-mma"
-        flag = f" {mma}" + flag0 + (f"  ** OVER {SMEM_LIMIT // 1024} KB **" if md.shared > SMEM_LIMIT else "")
-        line = (f"OK    {label}: shared={md.shared} B ({md.shared / 1024:.1f} KB) warps={md.num_warps} "
+        flag = f" {mma}" + flag0 + (f"  ** OVER {smem_limit // 1024} KB **" if md.shared > smem_limit else "")
+        return (f"OK    {label}: shared={md.shared} B ({md.shared / 1024:.1f} KB) warps={md.num_warps} "
                 f"stages={md.num_stages} cubin={len(ck.asm['cubin'])} B [{time.time() - t0:.1f}s]{flag}")
     except Exception as e:  # noqa: BLE001
         tb = traceback.format_exc()
-        line = f"FAIL  {label}: {type(e).__name__}: {e}\n{tb[-3000:]}"
-    print(line, flush=True)
-    results.append(line)
+        return f"FAIL  {label}: {type(e).__name__}: {e}\n{tb[-3000:]}"
 
 
 def t(*shape, dtype):
@@ -288,6 +301,13 @@ use_target(86, 99)
 check_flash({("bf16", 128): FA.CUDA_FLASH_SMALL[128], ("bf16", 256): FA.CUDA_FLASH_SMALL[256],
              ("fp32", 64): FA.CUDA_FLASH_FP32_SMALL[64], ("fp32", 128): FA.CUDA_FLASH_FP32_SMALL[128],
              ("fp32", 256): FA.CUDA_FLASH_FP32_SMALL[256]}, where="sm_86 ")
+
+# fork: the workers inherit JOBS (kernels and arguments need no pickling); lines print in queue order
+with ProcessPoolExecutor(max_workers=max(1, min(len(JOBS), os.cpu_count() or 1)),
+                         mp_context=multiprocessing.get_context("fork")) as pool:
+    for line in pool.map(run_job, range(len(JOBS))):
+        print(line, flush=True)
+        results.append(line)
 
 failed = sum(r.startswith("FAIL") for r in results)
 print(f"\n{sum(r.startswith('OK') for r in results)} OK, {failed} FAIL, "
