@@ -22,6 +22,22 @@ def test_runs_on_every_rank(rank_pool):
     assert rank_pool(4).run(_rank_and_sum) == [(r, 4, 10.0, str(r)) for r in range(4)]
 
 
+def _environment(name):
+    return os.environ.get(name), torch.get_num_threads()
+
+
+def test_ranks_see_the_callers_environment_of_now(rank_pool, monkeypatch):
+    """Ranks fork from a forkserver (torch imported once), whose environment is the caller's when it
+    started: a variable set since must still reach a new pool's ranks, as it did a spawned rank's."""
+    rank_pool(2).run(_rank_and_sum)  # the forkserver runs by now
+    monkeypatch.setenv("OK_TEST_SET_LATER", "42")
+    pool = RankPool(2, threads_per_rank=2)
+    try:
+        assert pool.run(_environment, "OK_TEST_SET_LATER") == [("42", 2)] * 2
+    finally:
+        pool.close()
+
+
 def _fail_on_rank_1(message):
     if dist.get_rank() == 1:
         raise ZeroDivisionError(message)

@@ -1,7 +1,8 @@
 """The gloo process world: N CPU ranks kept alive and reused across many calls.
 
 Spawning a rank costs a torch import (seconds on 2 cores), so tests and the CLI's ``--nproc``
-start one pool per world size and send it picklable functions. Every call has a hard timeout: a
+start one pool per world size and send it picklable functions, and ranks are forked from a
+forkserver that has imported torch once (``_rank_context``). Every call has a hard timeout: a
 rank that blocks (a collective a peer never joins, a spin that never ends) costs one call, not
 the whole run. Workers die with their parent (PR_SET_PDEATHSIG), so nothing is left orphaned.
 
@@ -18,6 +19,7 @@ import multiprocessing.connection as mpc
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -60,9 +62,26 @@ def _die_with_parent() -> None:
         pass
 
 
+def _rank_context():
+    """Ranks start from multiprocessing's forkserver with torch imported: a fork of it costs
+    milliseconds where a spawned interpreter's torch import cost ~2 s of CPU a rank (8 ranks on 2
+    cores: ~7 s a pool). Never plain fork: the caller may hold threads and CUDA state (the
+    forkserver is a fresh interpreter that only imported torch, no CUDA, no threads). The
+    forkserver and its preload list are process-wide: the preload applies when multiprocessing
+    starts the server, so a server someone else started first serves as is (only slower)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
 def _worker_main(rank: int, world_size: int, port: int, backend: str, conn, pg_timeout_s: float,
-                 threads: int, stack_path: str) -> None:
+                 threads: int, stack_path: str, environ: dict, path: list) -> None:
     _die_with_parent()
+    # the forkserver's environment and sys.path are the caller's when the server started: take
+    # the caller's as they are now, as a spawned rank would (a test's monkeypatched variable, say)
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.path[:] = path
     # a rank that hangs (in a collective, a spin) is asked for its stacks before it is killed: the
     # only way a hang's report can say where each rank sat (its own timeout would fire too late)
     stack_file = open(stack_path, "w")  # (open as long as the process lives)
@@ -158,13 +177,14 @@ class RankPool:
         # A fresh store per generation: keys of a killed generation must not leak into the next.
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=self.timeout))
-        ctx = mp.get_context("spawn")
+        ctx = _rank_context()
         self._stack_dir = tempfile.mkdtemp(prefix="ok-rank-pool-")
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, daemon=True, name=f"ok-rank{rank}",
                                args=(rank, self.world_size, self._store.port, self.backend, child_conn,
-                                     self.timeout, self.threads_per_rank, self._stack_path(rank)))
+                                     self.timeout, self.threads_per_rank, self._stack_path(rank), dict(os.environ),
+                                     list(sys.path)))
             proc.start()
             child_conn.close()
             self._procs.append(proc)
