@@ -10,6 +10,7 @@ import torch.distributed as dist
 from ...parallel import resolve_group
 from .checkpoint import load, save
 from .clip import clip_grad_norm_
+from .grad_scaler import GradScaler
 from .sharded import ShardedModule
 
 
@@ -84,4 +85,4 @@ def _check_buffers_compute_in(model, param_dtype) -> None:
                              "norm without them (GroupNorm, LayerNorm)")
 
 
-__all__ = ["shard", "save", "load", "clip_grad_norm_", "ShardedModule"]
+__all__ = ["shard", "save", "load", "clip_grad_norm_", "GradScaler", "ShardedModule"]

@@ -27,34 +27,46 @@ def _norm_pieces(sharded, dims) -> list:
     return pieces
 
 
+def sharded_modules(modules) -> list:
+    """``modules`` (one ShardedModule, or a non-empty list of them: an interleaved pipeline's chunks)
+    as a list; anything else refused by name."""
+    if isinstance(modules, ShardedModule):
+        return [modules]
+    if isinstance(modules, (list, tuple, nn.ModuleList)) and len(modules):
+        for i, m in enumerate(modules):
+            if not isinstance(m, ShardedModule):
+                raise TypeError(f"modules[{i}]={type(m).__name__}: expected a ShardedModule (fsdp.shard)")
+        return list(modules)
+    shown = repr(modules) if isinstance(modules, (list, tuple)) else type(modules).__name__
+    raise TypeError(f"modules={shown}: expected a ShardedModule (fsdp.shard) or a non-empty list of them")
+
+
+def step_group(mods: list, dims, op: str, once: str, quantity: str):
+    """The group whose every rank must agree on ``quantity``, a step-wide value of ``mods``' gradients
+    (their norm, whether one overflowed): theirs (pure data parallelism, ``dims`` None), or the
+    world. ``op`` and ``once`` name the caller in the errors."""
+    if any(not m._sync for m in mods):  # what later micro-steps add would escape it
+        raise RuntimeError(f"{op} inside no_sync(): {once}, after the last backward of the step")
+    groups = {tuple(dist.get_process_group_ranks(m.group)) for m in mods}
+    if dims is None and len(groups) > 1:
+        raise ValueError(f"{op}: the modules are sharded over different groups {sorted(groups)}; pass "
+                         f"dims= (a ParallelDims) so {quantity} spans the world")
+    return mods[0].group if dims is None else dist.group.WORLD
+
+
 def clip_grad_norm_(modules, max_norm, norm_type=2.0, *, dims=None, error_if_nonfinite=False,
                     foreach=None) -> torch.Tensor:
     """``ShardedModule.clip_grad_norm_`` over every ShardedModule this rank holds (``modules``: one,
     or a list: an interleaved pipeline's chunks), by the norm of all of them together; every rank
     calls it alike, with its own modules. ``dims=None`` (pure data parallelism) needs the modules
     to share one group."""
-    if isinstance(modules, ShardedModule):
-        mods = [modules]
-    elif isinstance(modules, (list, tuple, nn.ModuleList)) and len(modules):
-        mods = list(modules)
-        for i, m in enumerate(mods):
-            if not isinstance(m, ShardedModule):
-                raise TypeError(f"modules[{i}]={type(m).__name__}: expected a ShardedModule (fsdp.shard)")
-    else:
-        shown = repr(modules) if isinstance(modules, (list, tuple)) else type(modules).__name__
-        raise TypeError(f"modules={shown}: expected a ShardedModule (fsdp.shard) or a non-empty list of them")
+    mods = sharded_modules(modules)
     p = check_clip_args(max_norm, norm_type)
-    if any(not m._sync for m in mods):  # what later micro-steps add would be reduced unclipped
-        raise RuntimeError("clip_grad_norm_ inside no_sync(): clip once, after the last backward of the step")
-    groups = {tuple(dist.get_process_group_ranks(m.group)) for m in mods}
-    if dims is None and len(groups) > 1:
-        raise ValueError(f"clip_grad_norm_: the modules are sharded over different groups {sorted(groups)}; pass "
-                         "dims= (a ParallelDims) so the norm spans the world")
+    group = step_group(mods, dims, "clip_grad_norm_", "clip once", "the norm")
     pieces = []
     for m in mods:
         m._finish_gradients()
         pieces += _norm_pieces(m, dims)
-    group = mods[0].group if dims is None else dist.group.WORLD
     device = next((u.device for m in mods for u in m.all_units), None) or comm_device(group)
     total = global_norm(pieces, p, group, device)
     scale_([u.master.grad for m in mods for u in m.all_units if u.master.grad is not None], float(max_norm), total,

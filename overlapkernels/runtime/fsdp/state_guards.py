@@ -98,8 +98,8 @@ def guard_optimizer_step(sharded) -> None:
                 f"{type(optimizer).__name__}.step() called directly on an fsdp-sharded model's optimizer: it steps "
                 "the master shards, whose gradients only ShardedModule.step() reduces and whose updates only it "
                 "publishes into the model. Call sharded.step() instead (it steps this optimizer; LR schedulers on "
-                "it work as usual). torch.amp.GradScaler is not supported under fsdp.shard: use bfloat16 "
-                "param_dtype, which needs no loss scaling")
+                "it work as usual). For loss scaling (torch.amp.GradScaler steps the optimizer itself) use "
+                "fsdp.GradScaler: scaler.step(sharded) agrees over every rank whether to skip")
     sharded.optimizer.register_step_pre_hook(hook)
 
 
