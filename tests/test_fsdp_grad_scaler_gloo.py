@@ -172,3 +172,14 @@ def test_float16_overflow_backs_off_on_every_rank_alike(rank_pool):
     skipped = stepped.index(True)
     assert skipped > 0 and all(stepped[skipped:]), stepped  # it overflowed at first, then fits
     assert scale == 2.0 ** (16 - skipped) and changed  # backed off once a skip; trained once it fit
+
+
+def test_state_dict_round_trips_through_torchs_scaler():
+    """A torch.amp.GradScaler checkpoint loads into ours and back, growth tracker included, whether
+    or not the scale tensor exists yet (it is made at the first scale())."""
+    theirs = torch.amp.GradScaler("cpu", **SCALER)
+    theirs.load_state_dict({**theirs.state_dict(), "scale": 256.0, "_growth_tracker": 1})
+    ours = fsdp.GradScaler()
+    ours.load_state_dict(theirs.state_dict())
+    assert ours.state_dict() == theirs.state_dict() and ours.get_scale() == 256.0
+    assert float(ours.scale(torch.tensor(2.0))) == 512.0 and ours.state_dict() == theirs.state_dict()

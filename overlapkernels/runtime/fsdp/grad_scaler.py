@@ -165,7 +165,8 @@ class GradScaler:
             return {}
         return {"scale": self.get_scale(), "growth_factor": self._growth_factor,
                 "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
-                "_growth_tracker": 0 if self._growth_tracker is None else int(self._growth_tracker.item())}
+                "_growth_tracker": (self._loaded_tracker if self._growth_tracker is None
+                                    else int(self._growth_tracker.item()))}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if not self._enabled:
