@@ -16,9 +16,11 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def _interleaved_zero_on_rank(kind, v, zero_stage, clip=None):
+def _interleaved_zero_on_rank(kind, v, zero_stage, clip=None, scaled=False):
     """``clip``: clip every step's gradients to this norm, the whole model's (all chunks of every
-    rank), as torch clips the unsharded model's."""
+    rank), as torch clips the unsharded model's. ``scaled``: through fsdp.GradScaler, the loss scaled
+    inside ``loss_fn`` (a power of two: exact in fp64, so the unscaled reference still holds, and a
+    gradient left scaled shows under SGD)."""
     dims = ok.init_parallel(pp=2, dp=2)
     p, m = dims.pp_size, 4
     g = torch.Generator().manual_seed(7)
@@ -37,7 +39,9 @@ def _interleaved_zero_on_rank(kind, v, zero_stage, clip=None):
     stages = [c * p + dims.pp_rank for c in range(v)]
     chunks = [fsdp.shard(_stage(model, s), dims.dp_group, stage=zero_stage, optimizer=_sgd) for s in stages]
     sched = pp.make_schedule(kind, p, m, num_virtual=v)
-    runner = pp.PipelineRunner(chunks if v > 1 else chunks[0], dims.pp_group, schedule=sched, loss_fn=F.mse_loss)
+    scaler = fsdp.GradScaler(init_scale=2.0 ** 10, enabled=scaled)
+    runner = pp.PipelineRunner(chunks if v > 1 else chunks[0], dims.pp_group, schedule=sched,
+                               loss_fn=lambda out, y: scaler.scale(F.mse_loss(out, y)))
     first, last = dims.pp_rank == 0, sched.rank_of(sched.num_stages - 1) == dims.pp_rank
     for x, y in batches:
         rows = slice(dims.dp_rank * 4, (dims.dp_rank + 1) * 4)  # this DP rank's half of the batch
@@ -45,9 +49,14 @@ def _interleaved_zero_on_rank(kind, v, zero_stage, clip=None):
             chunk.zero_grad()
         runner.step(x[rows] if first else None, y[rows] if last else None)
         if clip is not None:
+            scaler.unscale_(chunks, dims=dims)  # (a pass-through unless scaled)
             norms.append(fsdp.clip_grad_norm_(chunks, clip, dims=dims))
-        for chunk in chunks:
-            chunk.step()
+        if scaled:  # every rank of the world decides alike (the stages' gradients are on other ranks)
+            assert scaler.step(chunks, dims=dims)
+            scaler.update()
+        else:
+            for chunk in chunks:
+                chunk.step()
     for s, chunk in zip(stages, chunks):
         full = chunk.full_state_dict()
         for name, want in _stage(ref, s).state_dict().items():
@@ -70,3 +79,9 @@ def test_clipping_spans_every_chunk_of_every_rank(rank_pool, zero_stage):
     gradients clipped by it. Per chunk (ShardedModule.clip_grad_norm_) each chunk was clipped by
     its own chunk index's norm over the world: the first chunks went unclipped."""
     assert rank_pool(4).run(_interleaved_zero_on_rank, "interleaved-1f1b", 2, zero_stage, 0.05) == [True] * 4
+
+
+def test_loss_scaling_with_chunks_of_a_pipeline(rank_pool):
+    """fsdp.GradScaler over an interleaved pipeline's chunks: the loss scaled in loss_fn, the chunks
+    unscaled before the clip and stepped together, as the unscaled whole model trains."""
+    assert rank_pool(4).run(_interleaved_zero_on_rank, "interleaved-1f1b", 2, 3, 0.05, True) == [True] * 4

@@ -93,9 +93,10 @@ class GradScaler:
             raise RuntimeError("unscale_() has already been called since the last update()")
         if self._state == _STEPPED:
             raise RuntimeError("unscale_() is being called after step(): call update() first")
-        if self._scale is None:
-            raise RuntimeError("unscale_() before any scale(): no loss of this step was scaled")
         group = step_group(mods, dims, "GradScaler.unscale_", "unscale once", "the overflow check")
+        # a rank that scaled no loss is normal (a pipeline's stages before the last): it still unscales
+        # the gradients that reached it, and keeps the same scale as every rank (the same updates)
+        self._lazy_init(comm_device(group))
         grads: dict = {}
         for m in mods:
             m._finish_gradients()
