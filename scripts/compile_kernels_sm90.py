@@ -303,7 +303,7 @@ check_flash({("bf16", 128): FA.CUDA_FLASH_SMALL[128], ("bf16", 256): FA.CUDA_FLA
              ("fp32", 256): FA.CUDA_FLASH_FP32_SMALL[256]}, where="sm_86 ")
 
 # fork: the workers inherit JOBS (kernels and arguments need no pickling); lines print in queue order
-with ProcessPoolExecutor(max_workers=max(1, min(len(JOBS), os.cpu_count() or 1)),
+with ProcessPoolExecutor(max_workers=max(1, min(len(JOBS), len(os.sched_getaffinity(0)))),  # the cores we may use
                          mp_context=multiprocessing.get_context("fork")) as pool:
     for line in pool.map(run_job, range(len(JOBS))):
         print(line, flush=True)

@@ -100,8 +100,13 @@ def _misuse_on_rank():
         scaler.update()  # nothing stepped
     except RuntimeError as exc:
         said.append(str(exc))
-    scaler.scale(sharded(x).sum()).backward()
+    other = fsdp.shard(_model(), stage=2, optimizer=_sgd)
+    scaler.scale(sharded(x).sum() + other(x).sum()).backward()
     scaler.unscale_(sharded)
+    try:  # `other` was not unscaled: it would step from scaled gradients
+        scaler.step([sharded, other])
+    except RuntimeError as exc:
+        said.append(str(exc).split(";")[0])
     for call in (lambda: scaler.unscale_(sharded), lambda: scaler.step(sharded.module)):
         try:
             call()
@@ -120,6 +125,7 @@ def test_misuse_is_refused_by_name(rank_pool):
     said = rank_pool(2).run(_misuse_on_rank)
     assert said[0] == said[1] == [
         "update() without a step(): no overflow check was recorded this step",
+        "step(): other modules or another dims= than unscale_() was given this step",
         "RuntimeError: unscale_() has already been called since the last update()",
         "TypeError: modules=PoisonableNet: expected a ShardedModule (fsdp.shard) or a non-empty list of them",
         "step() has already been called since the last update()"]

@@ -16,11 +16,13 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def _interleaved_zero_on_rank(kind, v, zero_stage, clip=None, scaled=False):
+def _interleaved_zero_on_rank(kind, v, zero_stage, clip=None, scaled=False, poisoned_step=None):
     """``clip``: clip every step's gradients to this norm, the whole model's (all chunks of every
     rank), as torch clips the unsharded model's. ``scaled``: through fsdp.GradScaler, the loss scaled
     inside ``loss_fn`` (a power of two: exact in fp64, so the unscaled reference still holds, and a
-    gradient left scaled shows under SGD)."""
+    gradient left scaled shows under SGD). ``poisoned_step``: that step an inf lands in one element of
+    the reduced gradient of one rank (pipeline stage 0, DP rank 0): every rank of the world must skip
+    it, as the reference does."""
     dims = ok.init_parallel(pp=2, dp=2)
     p, m = dims.pp_size, 4
     g = torch.Generator().manual_seed(7)
@@ -28,7 +30,9 @@ def _interleaved_zero_on_rank(kind, v, zero_stage, clip=None, scaled=False):
                 torch.randn(8, WIDTH, generator=g, dtype=torch.float64)) for _ in range(2)]
     ref = _model(p * v)
     ref_opt, ref_norms, norms = _sgd(ref.parameters()), [], []
-    for x, y in batches:
+    for step, (x, y) in enumerate(batches):
+        if step == poisoned_step:
+            continue
         ref_opt.zero_grad()
         F.mse_loss(ref(x), y).backward()
         if clip is not None:
@@ -43,7 +47,8 @@ def _interleaved_zero_on_rank(kind, v, zero_stage, clip=None, scaled=False):
     runner = pp.PipelineRunner(chunks if v > 1 else chunks[0], dims.pp_group, schedule=sched,
                                loss_fn=lambda out, y: scaler.scale(F.mse_loss(out, y)))
     first, last = dims.pp_rank == 0, sched.rank_of(sched.num_stages - 1) == dims.pp_rank
-    for x, y in batches:
+    stepped = []
+    for step, (x, y) in enumerate(batches):
         rows = slice(dims.dp_rank * 4, (dims.dp_rank + 1) * 4)  # this DP rank's half of the batch
         for chunk in chunks:
             chunk.zero_grad()
@@ -51,8 +56,13 @@ def _interleaved_zero_on_rank(kind, v, zero_stage, clip=None, scaled=False):
         if clip is not None:
             scaler.unscale_(chunks, dims=dims)  # (a pass-through unless scaled)
             norms.append(fsdp.clip_grad_norm_(chunks, clip, dims=dims))
+        if step == poisoned_step:
+            for chunk in chunks:  # reduced (collective, every rank): the inf then is in one rank's shard only
+                chunk._finish_gradients()
+            if dims.pp_rank == 0 and dims.dp_rank == 0:
+                chunks[0].all_units[0].master.grad[0] = float("inf")
         if scaled:  # every rank of the world decides alike (the stages' gradients are on other ranks)
-            assert scaler.step(chunks, dims=dims)
+            stepped.append(scaler.step(chunks, dims=dims))
             scaler.update()
         else:
             for chunk in chunks:
@@ -64,6 +74,7 @@ def _interleaved_zero_on_rank(kind, v, zero_stage, clip=None, scaled=False):
                                        msg=lambda msg, n=name: f"stage {s} {n}: {msg}")
     for got, want in zip(norms, ref_norms):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    assert stepped == ([step != poisoned_step for step in range(len(batches))] if scaled else [])
     return True
 
 
@@ -85,3 +96,9 @@ def test_loss_scaling_with_chunks_of_a_pipeline(rank_pool):
     """fsdp.GradScaler over an interleaved pipeline's chunks: the loss scaled in loss_fn, the chunks
     unscaled before the clip and stepped together, as the unscaled whole model trains."""
     assert rank_pool(4).run(_interleaved_zero_on_rank, "interleaved-1f1b", 2, 3, 0.05, True) == [True] * 4
+
+
+def test_an_overflow_on_one_stage_skips_the_step_of_every_stage(rank_pool):
+    """The inf lands in one rank's shard of one stage: with dims=, the other stage's ranks (which
+    never see it) skip too, as torch's scaler skips the whole model's step."""
+    assert rank_pool(4).run(_interleaved_zero_on_rank, "interleaved-1f1b", 2, 1, None, True, 0) == [True] * 4

@@ -23,7 +23,7 @@ def test_runs_on_every_rank(rank_pool):
 
 
 def _environment(name):
-    return os.environ.get(name), torch.get_num_threads()
+    return os.environ.get(name), torch.get_num_threads(), str(dist.get_debug_level())
 
 
 def test_ranks_see_the_callers_environment_of_now(rank_pool, monkeypatch):
@@ -31,9 +31,10 @@ def test_ranks_see_the_callers_environment_of_now(rank_pool, monkeypatch):
     started: a variable set since must still reach a new pool's ranks, as it did a spawned rank's."""
     rank_pool(2).run(_rank_and_sum)  # the forkserver runs by now
     monkeypatch.setenv("OK_TEST_SET_LATER", "42")
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "INFO")  # torch read it at import, in the forkserver
     pool = RankPool(2, threads_per_rank=2)
     try:
-        assert pool.run(_environment, "OK_TEST_SET_LATER") == [("42", 2)] * 2
+        assert pool.run(_environment, "OK_TEST_SET_LATER") == [("42", 2, "DebugLevel.INFO")] * 2
     finally:
         pool.close()
 

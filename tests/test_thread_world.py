@@ -147,6 +147,15 @@ def test_thread_world_reports_errors_and_timeouts():
     assert str(info.value).splitlines()[1:3] == ["  rank 1: KeyError: 'planted'",
                                                  "  rank 0: threading.BrokenBarrierError (a consequence)"]
 
+    def fail_at_length(ctx):  # the summary takes the exception's first line, not its message's tail or a note
+        error = ValueError("planted: the first line\nthe second line")
+        error.add_note("a note")
+        raise error
+
+    with pytest.raises(RankError) as info:
+        ThreadWorld(1).run(fail_at_length)
+    assert str(info.value).splitlines()[1] == "  rank 0: ValueError: planted: the first line"
+
     release = threading.Event()
 
     def stuck(ctx):

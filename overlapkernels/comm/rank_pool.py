@@ -41,15 +41,29 @@ class RankTimeout(TimeoutError):
     """Ranks did not finish within the call's timeout; the pool was killed and will respawn."""
 
 
+class Failure(str):
+    """A failed rank's traceback text; ``headline``: its exception's first line, for the summary."""
+    headline = ""
+
+
+def current_failure(prefix: str = "") -> Failure:
+    """The exception being handled, as a ``Failure`` (``prefix``: a line put before its traceback)."""
+    exc = sys.exc_info()[1]
+    failure = Failure(prefix + traceback.format_exc())
+    if exc is not None:  # the type and the message's first line (not a note, not the message's tail)
+        failure.headline = traceback.format_exception_only(type(exc), exc)[0].splitlines()[0].strip()
+    return failure
+
+
 def failure_summary(errors: dict, order, consequences=()) -> str:
     """One line per failed rank, in ``order`` (causes first): each traceback's last line, the
     exception. It goes right under a report's first line, ahead of the full tracebacks: those can
     run to hundreds of lines (interpreted kernels nest deep), and a log cut in the middle - CI
     keeps a head and a tail - must still say why each rank failed. ``consequences``: ranks that
     failed because another did (marked so)."""
-    def last_line(tb: str) -> str:
+    def last_line(tb: str) -> str:  # a Failure's headline; else (a death note) its last line
         lines = [line.strip() for line in tb.strip().splitlines() if line.strip()]
-        return (lines[-1] if lines else "(no traceback)")[:300]
+        return (getattr(tb, "headline", "") or (lines[-1] if lines else "(no traceback)"))[:300]
 
     return "".join(f"\n  rank {r}: {last_line(errors[r])}{' (a consequence)' if r in consequences else ''}"
                    for r in order)
@@ -75,13 +89,18 @@ def _rank_context():
 
 
 def _worker_main(rank: int, world_size: int, port: int, backend: str, conn, pg_timeout_s: float,
-                 threads: int, stack_path: str, environ: dict, path: list) -> None:
+                 threads: int, stack_path: str, environ: dict) -> None:
     _die_with_parent()
-    # the forkserver's environment and sys.path are the caller's when the server started: take
-    # the caller's as they are now, as a spawned rank would (a test's monkeypatched variable, say)
+    # the forkserver's environment is the caller's when the server started: take the caller's as it
+    # is now, as a spawned rank would (a test's monkeypatched variable, say). (multiprocessing itself
+    # passes sys.path and the working directory.) What torch read at its import in the forkserver
+    # keeps the old values, but for TORCH_DISTRIBUTED_DEBUG, read again here; other variables that
+    # torch reads at import only (TORCH_LOGS, say) must be set before the first pool starts.
     os.environ.clear()
     os.environ.update(environ)
-    sys.path[:] = path
+    import torch.distributed
+
+    torch.distributed.set_debug_level_from_env()
     # a rank that hangs (in a collective, a spin) is asked for its stacks before it is killed: the
     # only way a hang's report can say where each rank sat (its own timeout would fire too late)
     stack_file = open(stack_path, "w")  # (open as long as the process lives)
@@ -101,7 +120,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, conn, pg_t
         init_default_process_group(backend, timeout=timedelta(seconds=pg_timeout_s))
         conn.send(("ready", None, 1))
     except BaseException:
-        conn.send(("error", traceback.format_exc(), 0))
+        conn.send(("error", current_failure(), 0))
         return
     while True:
         try:
@@ -109,8 +128,8 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, conn, pg_t
         except EOFError:
             return
         except Exception:  # the call did not unpickle here: report it, as a failure of this rank's call
-            conn.send(("error", "the call's function or arguments could not be unpickled on this rank:\n"
-                       + traceback.format_exc(), _group_count()))
+            conn.send(("error", current_failure("the call's function or arguments could not be unpickled on this "
+                                                "rank:\n"), _group_count()))
             continue
         if msg is None:
             break
@@ -118,11 +137,11 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, conn, pg_t
         try:
             reply = ("ok", fn(*args, **kwargs), _group_count())
         except BaseException:
-            reply = ("error", traceback.format_exc(), _group_count())
+            reply = ("error", current_failure(), _group_count())
         try:
             conn.send(reply)
         except Exception:  # the result did not pickle
-            conn.send(("error", traceback.format_exc(), _group_count()))
+            conn.send(("error", current_failure(), _group_count()))
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -183,8 +202,7 @@ class RankPool:
             parent_conn, child_conn = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, daemon=True, name=f"ok-rank{rank}",
                                args=(rank, self.world_size, self._store.port, self.backend, child_conn,
-                                     self.timeout, self.threads_per_rank, self._stack_path(rank), dict(os.environ),
-                                     list(sys.path)))
+                                     self.timeout, self.threads_per_rank, self._stack_path(rank), dict(os.environ)))
             proc.start()
             child_conn.close()
             self._procs.append(proc)
@@ -305,8 +323,8 @@ class RankPool:
                     except EOFError:
                         status, value = "error", self._death_note(rank)
                     except Exception:  # the reply did not unpickle here (its pipe is drained)
-                        status, value = "error", ("the rank's result could not be unpickled in the caller:\n"
-                                                  + traceback.format_exc())
+                        status, value = "error", current_failure("the rank's result could not be unpickled in "
+                                                                 "the caller:\n")
                     if status == "error":
                         errors[rank] = value
                     else:

@@ -26,7 +26,7 @@ import torch
 from .._compat import make_triton_interpreter_threadsafe
 from ..kernels.errors import ABORT_SLOT, SignalTimeoutError, new_error_record
 from ..parallel import resolve_timeout
-from .rank_pool import RankError, RankTimeout, failure_summary
+from .rank_pool import RankError, RankTimeout, current_failure, failure_summary
 from .side_stream import CudaSideStream, ThreadSideStream, hardware_queues, own_streams
 from .symmetric import SymmetricTensor
 
@@ -263,17 +263,17 @@ class ThreadWorld:
                     results[rank] = fn(ctx, *args, **kwargs)
             except threading.BrokenBarrierError:  # a consequence, reported after the cause
                 secondary.add(rank)
-                errors[rank] = "(barrier aborted because another rank failed)\n" + traceback.format_exc()
+                errors[rank] = current_failure("(barrier aborted because another rank failed)\n")
             except SignalTimeoutError:
                 if self._released == "failure":  # a consequence too
                     secondary.add(rank)
-                    errors[rank] = "(waits released because another rank failed)\n" + traceback.format_exc()
+                    errors[rank] = current_failure("(waits released because another rank failed)\n")
                 else:
-                    errors[rank] = traceback.format_exc()
+                    errors[rank] = current_failure()
                     self._failed.set()
                     self._barrier.abort()
             except BaseException:
-                errors[rank] = traceback.format_exc()
+                errors[rank] = current_failure()
                 self._failed.set()
                 self._barrier.abort()  # peers waiting on a barrier fail fast instead of hanging
                 self._release_waits("failure")  # and peers spinning on this rank's signals too

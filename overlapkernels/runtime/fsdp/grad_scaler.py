@@ -62,6 +62,7 @@ class GradScaler:
         self._growth_tracker = None
         self._loaded_tracker = 0  # a loaded state's, until the tensors exist
         self._found_inf = None  # this step's agreed flag (0/1, float32), once unscaled
+        self._unscaled = None  # (module ids, group) that flag covers
         self._state = _READY
 
     def is_enabled(self) -> bool:
@@ -113,6 +114,7 @@ class GradScaler:
             found = torch.maximum(found, found_here.to(found.device))
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)  # 0/1: finite, so MAX is exact everywhere
         self._found_inf = found.to(self._scale.device)
+        self._unscaled = ([id(m) for m in mods], group)  # what step() may then step
         self._state = _UNSCALED
 
     def step(self, modules, *, dims=None) -> bool:
@@ -128,6 +130,12 @@ class GradScaler:
             raise RuntimeError("step() has already been called since the last update()")
         if self._state == _READY:
             self.unscale_(mods, dims=dims)
+        elif self._unscaled != ([id(m) for m in mods], step_group(mods, dims, "GradScaler.step", "step once",
+                                                                  "the overflow check")):
+            # torch tracks each optimizer; one agreed flag covers exactly what unscale_ checked
+            raise RuntimeError("step(): other modules or another dims= than unscale_() was given this step; the "
+                               "modules it did not unscale would step from scaled gradients, or the skip would be "
+                               "agreed over another group: pass step() what was passed to unscale_()")
         stepped = not bool(self._found_inf.item())
         for m in mods:
             if stepped:
