@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from overlapkernels.bench import tp_ops
+from overlapkernels.bench.timing import time_calls
 from overlapkernels.profiling.telemetry import COLUMNS as TELEMETRY
 
 
@@ -238,3 +239,30 @@ def test_gpu_median_asks_do_bench_for_the_median(monkeypatch):
     seen = {}
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: seen.update(kwargs) or 2.0)
     assert gpu_median_s(lambda: None, rep=5) == 2e-3 and seen == {"return_mode": "median", "rep": 5}
+
+
+def _timing_with_a_pending_timeout_on_rank():
+    """A symm/fused call of the timed ones timed out on rank 1 (its error record pending): every
+    rank's timing raises, naming what was timed, instead of reporting a garbage call's speed."""
+    from overlapkernels.comm import process_world
+    from overlapkernels.kernels.errors import SignalTimeoutError
+
+    def pending():
+        raise SignalTimeoutError("all_gather_matmul[fused]: rank 1 timed out waiting for chunk 0 (planted)")
+
+    real = process_world.check_pending_errors
+    if dist.get_rank() == 1:
+        process_world.check_pending_errors = pending
+    try:
+        time_calls(lambda: None, 2, 1, torch.device("cpu"), None, "bench ag-matmul tiny [fused]")
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    finally:  # (the pool's ranks live on into later tests)
+        process_world.check_pending_errors = real
+    return "timed"
+
+
+def test_timings_stop_on_a_timeout_pending_on_any_rank(rank_pool):
+    said = rank_pool(2).run(_timing_with_a_pending_timeout_on_rank)
+    assert said[1].startswith("SignalTimeoutError: all_gather_matmul[fused]: rank 1 timed out"), said
+    assert said[0].startswith("PeerFailedError") and "bench ag-matmul tiny [fused]" in said[0], said

@@ -36,8 +36,13 @@ def check_sizes(**sizes) -> None:
             raise ValueError(f"{name}={value!r}: expected an integer >= 1")
 
 
-def time_calls(fn, iters: int, warmup: int, device: torch.device, group=None) -> list[float]:
+def time_calls(fn, iters: int, warmup: int, device: torch.device, group=None,
+               what: str = "the timed calls") -> list[float]:
     """Seconds per call of ``fn`` on this rank, each call started together (barrier first).
+
+    Then every rank checks the device error records of the symm/fused calls made (collective): a
+    call whose wait timed out returns at once with garbage and raises only at a later call, so its
+    times would have passed for a record speed-up; now the run stops on every rank, naming ``what``.
 
     Not ``triton.testing.do_bench``, even on GPU: it picks its number of calls from this rank's own
     estimate of the call time, so ranks could call a collective a different number of times and
@@ -60,6 +65,10 @@ def time_calls(fn, iters: int, warmup: int, device: torch.device, group=None) ->
             t0 = time.perf_counter()
             fn()  # gloo calls return when this rank's part is done
             times.append(time.perf_counter() - t0)
+    from ..comm.process_world import check_pending_errors_together  # (lazily: it imports the kernels)
+
+    group = group or dist.group.WORLD
+    check_pending_errors_together(group, what, comm_device(group))
     return times
 
 

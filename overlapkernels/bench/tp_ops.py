@@ -124,7 +124,9 @@ def run_tp_ops(config: TpOpsConfig, group=None) -> list[dict]:
             for method in methods:  # baseline first: the reference
                 with telemetry(device) as tel:
                     stats = slowest_rank(summarize(time_calls(lambda: fn(a, b, group, method=method), config.iters,
-                                                              config.warmup, device, group)), device, group)
+                                                              config.warmup, device, group,
+                                                              f"bench {config.op} {name} [{method}]")),
+                                         device, group)
                 t = times[method] = stats["median_s"]
                 if method not in config.methods:
                     continue
