@@ -132,16 +132,14 @@ def check(label, kernel, *args, ptx_has=(), ptx_re=(), ptx_not=(), beside_flag_k
     whose block must leave room for a flag kernel's; ``flag_kernel``: one of those (one warp, at most
     FLAG_KERNEL_MAX_REGS registers, no spills)."""
     if FILTER in label:
-        JOBS.append((label, TARGET, SMEM_LIMIT, kernel, args, kwargs,
-                     dict(ptx_has=ptx_has, ptx_re=ptx_re, ptx_not=ptx_not, beside_flag_kernel=beside_flag_kernel,
-                          flag_kernel=flag_kernel)))
+        JOBS.append((label, TARGET, SMEM_LIMIT, kernel, args, kwargs, ptx_has, ptx_re, ptx_not, beside_flag_kernel,
+                     flag_kernel))
 
 
 def run_job(index: int) -> str:
     """Compile and check ``JOBS[index]`` -> its report line."""
-    label, target, smem_limit, kernel, args, kwargs, expect = JOBS[index]
-    ptx_has, ptx_re, ptx_not = expect["ptx_has"], expect["ptx_re"], expect["ptx_not"]
-    beside_flag_kernel, flag_kernel = expect["beside_flag_kernel"], expect["flag_kernel"]
+    (label, target, smem_limit, kernel, args, kwargs, ptx_has, ptx_re, ptx_not, beside_flag_kernel,
+     flag_kernel) = JOBS[index]
     t0 = time.time()
     try:
         ck, sig = compile_like_launch(target, kernel, *args, **kwargs)

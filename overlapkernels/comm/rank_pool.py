@@ -56,16 +56,16 @@ def current_failure(prefix: str = "") -> Failure:
 
 
 def failure_summary(errors: dict, order, consequences=()) -> str:
-    """One line per failed rank, in ``order`` (causes first): each traceback's last line, the
-    exception. It goes right under a report's first line, ahead of the full tracebacks: those can
+    """One line per failed rank, in ``order`` (causes first): its exception and the message's first
+    line (a ``Failure``'s headline; a plain text's last line: a death note). It goes right under a report's first line, ahead of the full tracebacks: those can
     run to hundreds of lines (interpreted kernels nest deep), and a log cut in the middle - CI
     keeps a head and a tail - must still say why each rank failed. ``consequences``: ranks that
     failed because another did (marked so)."""
-    def last_line(tb: str) -> str:  # a Failure's headline; else (a death note) its last line
-        lines = [line.strip() for line in tb.strip().splitlines() if line.strip()]
-        return (getattr(tb, "headline", "") or (lines[-1] if lines else "(no traceback)"))[:300]
+    def headline(text: str) -> str:
+        lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+        return (getattr(text, "headline", "") or (lines[-1] if lines else "(no traceback)"))[:300]
 
-    return "".join(f"\n  rank {r}: {last_line(errors[r])}{' (a consequence)' if r in consequences else ''}"
+    return "".join(f"\n  rank {r}: {headline(errors[r])}{' (a consequence)' if r in consequences else ''}"
                    for r in order)
 
 

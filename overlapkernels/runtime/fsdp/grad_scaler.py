@@ -97,14 +97,15 @@ class GradScaler:
         group = step_group(mods, dims, "GradScaler.unscale_", "unscale once", "the overflow check")
         # a rank that scaled no loss is normal (a pipeline's stages before the last): it still unscales
         # the gradients that reached it, and keeps the same scale as every rank (the same updates)
-        self._lazy_init(comm_device(group))
+        device = comm_device(group)
+        self._lazy_init(device)
         grads: dict = {}
         for m in mods:
             m._finish_gradients()
             for unit in m.all_units:
                 if unit.master.grad is not None:
                     grads.setdefault(unit.master.grad.device, []).append(unit.master.grad)
-        found = torch.zeros(1, dtype=torch.float32, device=comm_device(group))
+        found = torch.zeros(1, dtype=torch.float32, device=device)
         inv_scale = self._scale.double().reciprocal().float().reshape(1)
         for grad_device, tensors in grads.items():
             found_here = torch.zeros(1, dtype=torch.float32, device=grad_device)
@@ -156,7 +157,7 @@ class GradScaler:
                 self._lazy_init(torch.device("cpu"))
             self._scale.fill_(value)
         else:
-            if self._state != _STEPPED and self._found_inf is None:
+            if self._found_inf is None:  # (set by unscale_, which step runs where not called)
                 raise RuntimeError("update() without a step(): no overflow check was recorded this step")
             torch._amp_update_scale_(self._scale, self._growth_tracker, self._found_inf,
                                      self._growth_factor, self._backoff_factor, self._growth_interval)
