@@ -1,5 +1,5 @@
-"""The Triton flash-attention kernels alone vs the torch reference (interpreter on CPU; compiled
-with -m gpu), and ring attention running on them."""
+"""The Triton flash-attention kernels alone vs the torch reference (interpreter on CPU), and ring
+attention running on them. Compiled on a GPU (-m gpu, make gpu-check): test_flash_attn_gpu.py."""
 import importlib
 import os
 import subprocess
@@ -335,111 +335,6 @@ def _ring_on_triton_on_rank(layout, causal):
 @pytest.mark.parametrize("layout, causal", [("zigzag", True), ("contiguous", False)])
 def test_ring_on_triton_kernels(rank_pool, layout, causal):
     assert rank_pool(2).run(_ring_on_triton_on_rank, layout, causal) == [True, True]
-
-
-# --------------------------------------------------------------------------- GPU (make gpu-check)
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype, dim, causal, tol", [
-    (torch.bfloat16, 64, True, 5e-2), (torch.bfloat16, 128, False, 5e-2), (torch.bfloat16, 128, True, 5e-2),
-    (torch.bfloat16, 256, True, 5e-2),
-    (torch.bfloat16, 512, True, 5e-2), (torch.float32, 128, True, 1e-4)])
-def test_kernels_vs_sdpa(dtype, dim, causal, tol):
-    """The GPU tile tables against SDPA: 16-bit D=128 (the benchmark's), 256 and 512 (wide tiles), fp32
-    (an fp64 reference). Few cases: each compiles three kernels within gpu-check's test step, whose
-    pipeline tests come after these."""
-    q, k, v, do = _inputs(dtype, heads=8, kv_heads=2, lq=300, lk=300, dim=dim, device="cuda")
-    out, lse = fa.block_forward(q, k, v, dim ** -0.5, causal=causal)
-    # fp32: the reference in fp64 (SDPA's fp32 kernels may use TF32); 16-bit: SDPA in that dtype
-    ref_dtype = torch.float64 if dtype == torch.float32 else dtype
-    qr, kr, vr = (t.detach().to(ref_dtype).requires_grad_() for t in (q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)))
-    want = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
-    torch.testing.assert_close(out, want.float(), atol=tol / 2.5, rtol=tol / 2.5)
-    want.backward(do.to(ref_dtype))
-    delta = (do.float() * out).sum(-1)
-    dq, dk, dv = fa.block_backward(q, k, v, do, lse, delta, dim ** -0.5, causal=causal)
-    torch.testing.assert_close(dq, qr.grad.float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(dk, kr.grad.float().reshape(2, 2, 4, 300, dim).sum(2), atol=tol, rtol=tol)
-    torch.testing.assert_close(dv, vr.grad.float().reshape(2, 2, 4, 300, dim).sum(2), atol=tol, rtol=tol)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dkdv", [fa.FlashConfig(16, 128, 8, 3), fa.FlashConfig(32, 128, 8, 2),
-                                  fa.FlashConfig(64, 128, 8, 2)], ids=str)
-def test_dkdv_tiles_four_times_wider_than_tall_vs_sdpa(dkdv, causal):
-    """Regression (an H200, triton 3.6, 2026-11-30): dK/dV computed as dots on tl.trans(P) and
-    tl.trans(dS) went wrong in tiles with BLOCK_N >= 4 * BLOCK_M, which the interpreter computed
-    right; the transposed kernel must get them right. D=128, ragged 300 rows, GQA."""
-    q, k, v, do = _inputs(torch.bfloat16, heads=8, kv_heads=2, lq=300, lk=300, dim=128, device="cuda")
-    scale, default = 128 ** -0.5, fa.flash_configs(q.device, q.dtype, 128)
-    out, lse = fa.block_forward(q, k, v, scale, causal=causal)
-    delta = (do.float() * out).sum(-1)
-    qr, kr, vr = (t.detach().requires_grad_() for t in (q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)))
-    F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal).backward(do)
-    with fa.forced_flash_configs(fa.FlashConfigs(default.fwd, dkdv, default.dq)):
-        _, dk, dv = fa.block_backward(q, k, v, do, lse, delta, scale, causal=causal)
-    for name, got, want in (("dk", dk, kr.grad), ("dv", dv, vr.grad)):
-        torch.testing.assert_close(got, want.float().reshape(2, 2, 4, 300, 128).sum(2), atol=5e-2, rtol=5e-2,
-                                   msg=lambda m, n=name: f"{n}: {m}")
-
-
-def _ring_bf16_one_gpu_on_rank(layout):
-    """Two processes sharing cuda:0, gloo moving K/V through host memory: the ring on the compiled
-    Triton kernels in bf16 vs SDPA on the full sequence."""
-    import overlapkernels as ok
-
-    torch.cuda.set_device(0)
-    world = dist.get_world_size()
-    g = torch.Generator().manual_seed(9)
-    seq, heads, kv_heads, dim = 128 * world, 8, 2, 64
-    q, k, v = (torch.randn(2, seq, n, dim, generator=g).to("cuda", torch.bfloat16).requires_grad_()
-               for n in (heads, kv_heads, kv_heads))
-    want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(4, 1),
-                                          v.transpose(1, 2).repeat_interleave(4, 1), is_causal=True).transpose(1, 2)
-    do = torch.randn(want.shape, generator=g).to("cuda", torch.bfloat16)
-    want.backward(do)
-
-    def local(x):
-        return ok.shard_sequence(x.detach(), layout=layout)
-
-    ql, kl, vl = (local(x).requires_grad_() for x in (q, k, v))
-    out = ok.ring_attention(ql, kl, vl, causal=True, layout=layout)
-    out.backward(local(do))
-    for name, got, ref_t in (("out", out, want), ("dq", ql.grad, q.grad), ("dk", kl.grad, k.grad),
-                             ("dv", vl.grad, v.grad)):
-        torch.testing.assert_close(got.float(), local(ref_t).float(), atol=5e-2, rtol=5e-2,
-                                   msg=lambda m, n=name: f"{layout} {n}: {m}")
-    return True
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_ring_bf16_two_ranks_one_gpu(rank_pool, layout):
-    assert rank_pool(2).run(_ring_bf16_one_gpu_on_rank, layout) == [True, True]
-
-
-def _ring_fp64_cuda_on_rank():
-    """float64 on a GPU runs the torch backend (the kernels take 16/32-bit): exact to fp64 rounding."""
-    import overlapkernels as ok
-
-    world = dist.get_world_size()
-    g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(1, 8 * world, n, 16, generator=g, dtype=torch.float64).cuda().requires_grad_()
-               for n in (4, 2, 2))
-    want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(2, 1),
-                                          v.transpose(1, 2).repeat_interleave(2, 1), is_causal=True).transpose(1, 2)
-    want.sum().backward()
-    ql, kl, vl = (ok.shard_sequence(x.detach()).requires_grad_() for x in (q, k, v))
-    out = ok.ring_attention(ql, kl, vl, causal=True, layout="zigzag")
-    out.sum().backward()
-    for got, ref_t in ((out, want), (ql.grad, q.grad), (kl.grad, k.grad), (vl.grad, v.grad)):
-        torch.testing.assert_close(got, ok.shard_sequence(ref_t.detach()), atol=1e-10, rtol=1e-10)
-    return True
-
-
-@pytest.mark.gpu
-def test_ring_fp64_on_gpu_takes_the_torch_backend(rank_pool):
-    assert rank_pool(2).run(_ring_fp64_cuda_on_rank) == [True, True]
 
 
 @pytest.mark.parametrize("smem_kb, dtype, head_dim, want", [
