@@ -8,11 +8,16 @@ import overlapkernels as ok
 from overlapkernels.models import GPT, GPTConfig, shard_dense_state_dict
 from overlapkernels.models.train import Trainer
 from overlapkernels.ops import weight_grad_store
+from overlapkernels.runtime import fsdp
 
 CONFIG = dict(vocab_size=16, hidden=8, num_layers=2, num_heads=2, num_kv_heads=2, ffn_hidden=16, max_seq_len=8)
 
 
-def _compose_on_rank(layout, schedule, sequence_parallel=True, lose_grad=False, zero_stage=1):
+def _compose_on_rank(layout, schedule, sequence_parallel=True, lose_grad=False, zero_stage=1, max_grad_norm=None,
+                     init_scale=None):
+    """The trainer's losses and weights after two steps equal single-process training's. With
+    ``max_grad_norm``, both clip; with ``init_scale``, the trainer scales its loss (by a power of 2:
+    exact in float64, so nothing may differ) and returns its grad norms and skip flags too."""
     config = GPTConfig(**CONFIG, method="decomposed", sequence_parallel=sequence_parallel)
     g = torch.Generator().manual_seed(5)
     batches = [(torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g))
@@ -24,19 +29,33 @@ def _compose_on_rank(layout, schedule, sequence_parallel=True, lose_grad=False, 
     # SGD with momentum: unlike AdamW it is sensitive to the gradient's scale (averaging, CP/TP sums)
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
     opt = sgd(dense.parameters())
-    want_losses = []
+    want_losses, want_norms = [], []
     for tokens, targets in batches:
         opt.zero_grad()
         loss = dense.loss(tokens, targets)
         loss.backward()
+        if max_grad_norm is not None:
+            want_norms.append(float(torch.nn.utils.clip_grad_norm_(dense.parameters(), max_grad_norm)))
+            assert want_norms[-1] > 2 * max_grad_norm  # so the trainer must clip too
         opt.step()
         want_losses.append(float(loss))
 
     dims = ok.init_parallel(**layout)
+    scaler = None if init_scale is None else fsdp.GradScaler(init_scale=init_scale)
     trainer = Trainer(config, dims, schedule=schedule, dtype=torch.float64, dense_state_dict=start, optimizer=sgd,
-                      zero_stage=zero_stage)
+                      zero_stage=zero_stage, max_grad_norm=max_grad_norm, grad_scaler=scaler)
+    norms, skipped = [], []
     with _recording_w(trainer.stage, lose_grad) as deferred:
-        losses = [trainer.step(tokens, targets) for tokens, targets in batches]
+        losses = []
+        for tokens, targets in batches:
+            losses.append(trainer.step(tokens, targets))
+            norms.append(trainer.last_grad_norm)
+            skipped.append(trainer.last_step_skipped)
+    if max_grad_norm is not None:
+        assert norms == pytest.approx(want_norms, rel=1e-12), f"grad norms {norms} != {want_norms}"
+    else:
+        assert norms == [None, None]
+    assert skipped == [False, False]
     if schedule == "zb-h1":  # every W (m per step) gave each of the stage's linear weights its gradient
         linears = sorted(n for n, _ in trainer.stage.named_parameters() if n.endswith(_LINEAR_WEIGHTS))
         assert len(linears) == (7 if trainer.stage.first else 8), linears  # a block: 7; the head
@@ -54,6 +73,8 @@ def _compose_on_rank(layout, schedule, sequence_parallel=True, lose_grad=False, 
     for name, t in full.items():
         if torch.is_tensor(t):
             torch.testing.assert_close(t, want[name], atol=1e-10, rtol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+    if init_scale is not None:
+        assert scaler.get_scale() == init_scale  # no overflow, and fewer steps than growth_interval
     return losses
 
 

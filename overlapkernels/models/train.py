@@ -8,6 +8,8 @@ CP, every reduced shard over CP (the GPT tags its parameters with its CP group).
 """
 from __future__ import annotations
 
+import math
+import numbers
 import time
 
 import torch
@@ -36,18 +38,35 @@ class Trainer:
     microbatch's gradients during its backward, 3 also gathers each unit's parameters around its
     forward and backward. ``step(tokens, targets)``: the global [B, S] batch on every rank (B
     divisible by dp x microbatches); returns the step's mean token loss on every rank.
+
+    ``max_grad_norm``: clip by the whole model's gradient norm (over DP, PP, CP and TP together,
+    as one unsharded model would be; ``last_grad_norm`` holds it before clipping). ``grad_scaler``:
+    an ``fsdp.GradScaler`` for float16 training - the loss is scaled, the gradients unscaled before
+    clipping, and a step with an inf or NaN on any rank is skipped on every rank
+    (``last_step_skipped``); the returned loss is the unscaled one either way.
     """
 
     def __init__(self, config, dims, *, schedule: str = "1f1b", num_microbatches: int | None = None,
                  optimizer=_adamw, dtype=torch.float32, dense_state_dict: dict | None = None, device=None,
-                 zero_stage: int = 1):
+                 zero_stage: int = 1, max_grad_norm: float | None = None,
+                 grad_scaler: fsdp.GradScaler | None = None):
         if not isinstance(zero_stage, int) or isinstance(zero_stage, bool) or zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage={zero_stage!r}: expected 1, 2 or 3")
         if num_microbatches is not None and (isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
                                              or num_microbatches < 1):  # (0 must not mean the default)
             raise ValueError(f"num_microbatches={num_microbatches!r}: expected an integer >= 1, or None for "
                              "2 x the pipeline size")
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real)
+                                          or not 0 < max_grad_norm < math.inf):
+            raise ValueError(f"max_grad_norm={max_grad_norm!r}: expected a finite number > 0, or None (no clipping)")
+        if grad_scaler is not None and not isinstance(grad_scaler, fsdp.GradScaler):
+            # torch.amp.GradScaler steps an optimizer, and the sharded masters' gradients exist only in step()
+            raise TypeError(f"grad_scaler={type(grad_scaler).__module__}.{type(grad_scaler).__name__}: expected an "
+                            "overlapkernels.runtime.fsdp.GradScaler (the ZeRO shards are unscaled and the skip "
+                            "agreed over every rank), or None")
         self.config, self.dims = config, dims
+        self.max_grad_norm, self.grad_scaler = max_grad_norm, grad_scaler
+        self.last_grad_norm, self.last_step_skipped, self._losses = None, False, []
         # NCCL moves CUDA tensors only: the stage lives on this rank's GPU there, on the CPU under gloo
         self.device = torch.device(device) if device is not None else comm_device()
         self.stage = GPT(config, dims, dtype=dtype, device=self.device, pipeline_stage=(dims.pp_rank, dims.pp_size))
@@ -65,7 +84,9 @@ class Trainer:
         per_token = vocab_parallel_cross_entropy(logits, targets_local.transpose(0, 1), self.dims.tp_group,
                                                  ignore_index=self.config.ignore_index)
         scale = self.schedule.num_microbatches * self.dims.dp_size / self._tokens
-        return per_token.sum() * scale
+        loss = per_token.sum() * scale
+        self._losses.append(loss.detach() / self.schedule.num_microbatches)  # as the runner sums them, unscaled
+        return loss if self.grad_scaler is None else self.grad_scaler.scale(loss)
 
     def local_batch(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's rows (DP) and sequence part (CP) of a global [B, S] batch."""
@@ -93,14 +114,14 @@ class Trainer:
         t0 = time.perf_counter()
         first, last = self.stage.first, self.stage.last
         self._tokens = max(1, int((targets != self.config.ignore_index).sum()))
-        loss = self.runner.step(self.local_batch(tokens) if first else None,
-                                self.local_batch(targets) if last else None)
+        self._losses = []
+        self.runner.step(self.local_batch(tokens) if first else None, self.local_batch(targets) if last else None)
         # a symm/fused call whose device wait timed out left garbage (raised a call late): not into the weights
         check_pending_errors_together(dist.group.WORLD, "Trainer.step", self.device)
-        self.sharded.step()
+        self._optimizer_step()
         value = torch.zeros((), dtype=torch.float64, device=self.device)
-        if loss is not None:
-            value += loss.double()
+        if self._losses:  # the last stage's
+            value += torch.stack(self._losses).sum().double()
         # the last stage's shares, summed over CP and DP (each was scaled by dp), sent to every PP rank
         dist.all_reduce(value, group=self.dims.pp_group)
         if self.dims.cp_size > 1:
@@ -108,3 +129,18 @@ class Trainer:
         dist.all_reduce(value, group=self.dims.dp_group)
         self.last_step_s = time.perf_counter() - t0
         return float(value) / self.dims.dp_size
+
+    def _optimizer_step(self) -> None:
+        """Unscale (if scaling), clip (if asked), then step - or skip on every rank alike. Every
+        rank of the world takes part: the norm and the overflow flag span TP, PP, CP and DP."""
+        scaler = self.grad_scaler
+        if scaler is not None:
+            scaler.unscale_(self.sharded, dims=self.dims)  # clipping needs the true norm
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = float(self.sharded.clip_grad_norm_(self.max_grad_norm, dims=self.dims))
+        if scaler is None:
+            self.sharded.step()
+            self.last_step_skipped = False
+        else:
+            self.last_step_skipped = not scaler.step(self.sharded, dims=self.dims)
+            scaler.update()

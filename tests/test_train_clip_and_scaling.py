@@ -1,0 +1,116 @@
+"""Trainer's gradient clipping and loss scaling in 4-D compositions: the norm spans every rank's
+part of the model, and an overflow anywhere skips the step everywhere."""
+import math
+
+import pytest
+import torch
+
+import overlapkernels as ok
+from overlapkernels.models import GPT, GPTConfig, shard_dense_state_dict
+from overlapkernels.models.train import Trainer
+from overlapkernels.runtime import fsdp
+from test_train_4d import CONFIG, _compose_on_rank
+
+
+@pytest.mark.parametrize("layout, schedule, zero_stage", [
+    (dict(tp=2, pp=2), "1f1b", 1), (dict(dp=2, pp=2), "zb-h1", 3), (dict(cp=2, tp=2), "1f1b", 2),
+])
+def test_clipping_and_loss_scaling_match_single_process(rank_pool, layout, schedule, zero_stage):
+    """Clipped by the whole model's norm (torch's clip_grad_norm_ on the dense model): a norm over
+    one rank's part, or counting a TP-replicated norm weight twice, would differ. Scaled by 2**10:
+    exact in float64, so losses, norms and weights equal the unscaled single process's."""
+    results = rank_pool(4).run(_compose_on_rank, layout, schedule, zero_stage=zero_stage, max_grad_norm=0.05,
+                               init_scale=2.0 ** 10)
+    assert all(r == results[0] for r in results)
+
+
+def _overflow_on_one_rank(layout):
+    """The first step's gradient gets an inf on one rank only (stage 0, the first DP/TP rank): every
+    rank skips it and backs off; the second step (same batch) equals one single-process step."""
+    config = GPTConfig(**CONFIG, method="decomposed")
+    g = torch.Generator().manual_seed(3)
+    tokens, targets = torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g)
+    torch.manual_seed(0)
+    dense = GPT(config, ok.init_parallel(), dtype=torch.float64)
+    start = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in dense.state_dict().items()}
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    opt = sgd(dense.parameters())
+    want_loss = dense.loss(tokens, targets)
+    want_loss.backward()
+    opt.step()
+
+    dims = ok.init_parallel(**layout)
+    scaler = fsdp.GradScaler(init_scale=2.0 ** 10)
+    trainer = Trainer(config, dims, dtype=torch.float64, dense_state_dict=start, optimizer=sgd, grad_scaler=scaler,
+                      max_grad_norm=1e3)
+    twin = GPT(config, dims, dtype=torch.float64, pipeline_stage=(dims.pp_rank, dims.pp_size))
+    if ok.init_parallel().rank == 0:  # one element of one gradient of one rank
+        planted = []
+        param = next(trainer.stage.parameters())
+
+        def poison(grad):
+            if not planted:
+                planted.append(True)
+                grad = grad.clone()
+                grad.view(-1)[0] = math.inf
+            return grad
+        param.register_hook(poison)
+    seen = []
+    for _ in range(2):
+        loss = trainer.step(tokens, targets)
+        seen.append((loss, trainer.last_step_skipped, scaler.get_scale(), math.isfinite(trainer.last_grad_norm)))
+        want = shard_dense_state_dict(twin, start if len(seen) == 1 else dense.state_dict())
+        for name, t in trainer.sharded.full_state_dict().items():
+            if torch.is_tensor(t):
+                torch.testing.assert_close(t, want[name], atol=1e-12, rtol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    assert seen[0][0] == pytest.approx(float(want_loss), rel=1e-12)  # the unscaled loss, though skipped
+    assert seen[1][0] == seen[0][0]
+    return [s[1:] for s in seen]
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2, pp=2), dict(tp=2, cp=2)])
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(rank_pool, layout):
+    for seen in rank_pool(4).run(_overflow_on_one_rank, layout):
+        # skipped with the scale halved and a non-finite norm; then stepped, the scale kept
+        assert seen == [(True, 2.0 ** 9, False), (False, 2.0 ** 9, True)]
+
+
+def _float16_training():
+    """float16 weights with a scale far too large: the logits' gradients overflow float16 until the
+    scale has backed off, alike on every rank; then the steps are taken and the loss falls."""
+    config = GPTConfig(**CONFIG, method="decomposed")
+    dims = ok.init_parallel(tp=2, pp=2)
+    scaler = fsdp.GradScaler(init_scale=2.0 ** 21, growth_interval=3)
+    trainer = Trainer(config, dims, dtype=torch.float16, grad_scaler=scaler, max_grad_norm=1.0,
+                      optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-2))
+    tokens = torch.randint(0, 16, (8, 8), generator=torch.Generator().manual_seed(1))
+    history = []
+    for _ in range(14):
+        loss = trainer.step(tokens, (3 * tokens + 1) % 16)
+        history.append((trainer.last_step_skipped, scaler.get_scale(), loss))
+    assert all(math.isfinite(loss) for _, _, loss in history)
+    return history
+
+
+def test_float16_training_backs_off_then_learns(rank_pool):
+    histories = rank_pool(4).run(_float16_training)
+    assert all(h == histories[0] for h in histories)  # one decision, one scale, one loss on every rank
+    skipped = [s for s, _, _ in histories[0]]
+    scales = [scale for _, scale, _ in histories[0]]
+    losses = [loss for _, _, loss in histories[0]]
+    first_step = skipped.index(False)
+    assert first_step >= 3 and not any(skipped[first_step:first_step + 3]), skipped  # backed off, then steady
+    assert scales[:first_step] == [2.0 ** (20 - i) for i in range(first_step)]
+    assert scales[first_step + 2] == 2 * scales[first_step]  # growth_interval=3 steps in a row: grown
+    # a skipped step left every weight as it was: the next step's loss is the same, to the bit
+    assert losses[:first_step + 1] == [losses[0]] * (first_step + 1), losses
+    assert losses[-1] < 0.6 * losses[0], losses
+
+
+def test_bad_clipping_and_scaler_arguments_are_refused():
+    for bad in (0, -1.0, math.inf, math.nan, True, "1"):
+        with pytest.raises(ValueError, match=rf"max_grad_norm={bad!r}: expected a finite number > 0".replace(".", r"\.")):
+            Trainer(GPTConfig(**CONFIG), None, max_grad_norm=bad)
+    for bad in (torch.amp.GradScaler("cpu"), 2.0 ** 16, True):
+        with pytest.raises(TypeError, match=r"grad_scaler=.*: expected an overlapkernels\.runtime\.fsdp\.GradScaler"):
+            Trainer(GPTConfig(**CONFIG), None, grad_scaler=bad)
