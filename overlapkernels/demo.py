@@ -28,6 +28,8 @@ class DemoConfig:
     vocab: int = 64
     hidden: int = 64
     layers: int = 4
+    zero_stage: int = 1
+    max_grad_norm: float | None = None  # clip by the whole model's norm (the reference clips too)
 
     def resolved(self, world: int) -> "DemoConfig":
         """This configuration on ``world`` ranks, dp=-1 replaced by the ranks left, once every
@@ -47,6 +49,10 @@ class DemoConfig:
         if self.schedule == "interleaved-1f1b":  # one chunk per rank: it would run (and report) as 1f1b
             problems.append("schedule='interleaved-1f1b': the demo's Trainer holds one model chunk per pipeline rank, "
                             "where it is 1f1b; expected gpipe, 1f1b or zb-h1")
+        if self.zero_stage not in (1, 2, 3):
+            problems.append(f"zero_stage={self.zero_stage} must be 1, 2 or 3")
+        if self.max_grad_norm is not None and not 0 < self.max_grad_norm < float("inf"):
+            problems.append(f"max_grad_norm={self.max_grad_norm} must be a finite number > 0")
         if self.steps < 1 or self.reference_steps < 0:
             problems.append(f"steps={self.steps} must be >= 1 (reference_steps={self.reference_steps} >= 0)")
         if 2 % self.tp:
@@ -81,17 +87,20 @@ def rank_main(config: dict) -> list[dict]:
     torch.manual_seed(0)
     dense = GPT(gpt, ok.init_parallel())  # every rank: the reference, and the weights everyone starts from
     start = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in dense.state_dict().items()}
-    reference = []
+    reference, reference_norms = [], []
     if dist.get_rank() == 0:
         opt = torch.optim.AdamW(dense.parameters(), lr=1e-2)
         for step in range(cfg.reference_steps):
             opt.zero_grad()
             loss = dense.loss(*_batch(cfg, step))
             loss.backward()
+            if cfg.max_grad_norm is not None:
+                reference_norms.append(float(torch.nn.utils.clip_grad_norm_(dense.parameters(), cfg.max_grad_norm)))
             opt.step()
             reference.append(float(loss.detach()))
     dims = ok.init_parallel(tp=cfg.tp, cp=cfg.cp, pp=cfg.pp, dp=cfg.dp)
-    trainer = Trainer(gpt, dims, schedule=cfg.schedule, dense_state_dict=start)
+    trainer = Trainer(gpt, dims, schedule=cfg.schedule, dense_state_dict=start, zero_stage=cfg.zero_stage,
+                      max_grad_norm=cfg.max_grad_norm)
     rows = []
     for step in range(cfg.steps):
         t0 = time.perf_counter()
@@ -108,18 +117,28 @@ def rank_main(config: dict) -> list[dict]:
         bubble, t_f, t_b, t_w = measured.tolist()
         sim = pp.simulate(trainer.schedule, t_f=t_f, t_b=t_b, t_w=t_w)
         rows.append({"step": step, "loss": loss, "reference": reference[step] if step < len(reference) else None,
+                     "grad_norm": trainer.last_grad_norm,
+                     "reference_grad_norm": reference_norms[step] if step < len(reference_norms) else None,
                      "tokens_per_s": cfg.batch * cfg.seq / elapsed, "bubble_measured": bubble,
                      "bubble_simulated": sim.bubble_fraction, "t_f": t_f, "t_b": t_b, "t_w": t_w})
     return rows if dist.get_rank() == 0 else None
 
 
 def format_rows(rows: list[dict], cfg: DemoConfig) -> str:
+    clip = cfg.max_grad_norm is not None
     lines = [f"# small GPT, {cfg.layers} layers, hidden {cfg.hidden}, batch {cfg.batch} x {cfg.seq} tokens; "
-             f"tp={cfg.tp} pp={cfg.pp} cp={cfg.cp} dp={cfg.dp}, {cfg.schedule}; CPU ranks (gloo)",
-             f"{'step':>4}  {'loss':>8}  {'1-proc ref':>10}  {'tokens/s':>9}  {'bubble meas.':>12}  {'bubble sim.':>11}"]
+             f"tp={cfg.tp} pp={cfg.pp} cp={cfg.cp} dp={cfg.dp}, {cfg.schedule}, ZeRO-{cfg.zero_stage}"
+             + (f", clipped at {cfg.max_grad_norm:g}" if clip else "") + "; CPU ranks (gloo)",
+             f"{'step':>4}  {'loss':>8}  {'1-proc ref':>10}  "
+             + (f"{'grad norm':>9}  {'1-proc ref':>10}  " if clip else "")
+             + f"{'tokens/s':>9}  {'bubble meas.':>12}  {'bubble sim.':>11}"]
     for r in rows:
         ref = f"{r['reference']:.4f}" if r["reference"] is not None else ""
-        lines.append(f"{r['step']:>4}  {r['loss']:>8.4f}  {ref:>10}  {r['tokens_per_s']:>9.0f}  "
+        norms = ""
+        if clip:
+            ref_norm = f"{r['reference_grad_norm']:.4f}" if r["reference_grad_norm"] is not None else ""
+            norms = f"{r['grad_norm']:>9.4f}  {ref_norm:>10}  "
+        lines.append(f"{r['step']:>4}  {r['loss']:>8.4f}  {ref:>10}  {norms}{r['tokens_per_s']:>9.0f}  "
                      f"{r['bubble_measured']:>12.1%}  {r['bubble_simulated']:>11.1%}")
     return "\n".join(lines)
 
