@@ -249,7 +249,8 @@ def _demo(args) -> int:
     from . import demo
 
     cfg = demo.DemoConfig(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, steps=args.steps, schedule=args.schedule,
-                          zero_stage=args.zero_stage, max_grad_norm=args.max_grad_norm)
+                          zero_stage=args.zero_stage, max_grad_norm=args.max_grad_norm,
+                          activation_checkpointing=args.activation_checkpointing)
     # before any rank starts; dp=-1 becomes the ranks left, so its checks and the table use that
     cfg = cfg.resolved(int(os.environ["WORLD_SIZE"]) if _launched() else _world(args))
     rows, _ = _run_ranks(demo.rank_main, demo.config_dict(cfg), args)
@@ -312,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--zero-stage", type=int, default=1, help="ZeRO stage over DP: 1, 2 or 3")
     demo.add_argument("--max-grad-norm", type=float, help="clip by the whole model's gradient norm (the "
                                                            "single-process reference clips too)")
+    demo.add_argument("--activation-checkpointing", action="store_true",
+                      help="recompute each block's forward in backward (the reference does not: they agree)")
     demo.add_argument("--nproc", type=int, help=f"CPU ranks to spawn when not under torchrun (default {DEFAULT_NPROC})")
     demo.add_argument("--timeout", type=float, default=600.0, help="seconds before spawned ranks are killed")
     demo.set_defaults(func=_demo)

@@ -30,6 +30,7 @@ class DemoConfig:
     layers: int = 4
     zero_stage: int = 1
     max_grad_norm: float | None = None  # clip by the whole model's norm (the reference clips too)
+    activation_checkpointing: bool = False  # the 4-D run recomputes its blocks (the reference stores)
 
     def resolved(self, world: int) -> "DemoConfig":
         """This configuration on ``world`` ranks, dp=-1 replaced by the ranks left, once every
@@ -99,7 +100,7 @@ def rank_main(config: dict) -> list[dict]:
             opt.step()
             reference.append(float(loss.detach()))
     dims = ok.init_parallel(tp=cfg.tp, cp=cfg.cp, pp=cfg.pp, dp=cfg.dp)
-    trainer = Trainer(gpt, dims, schedule=cfg.schedule, dense_state_dict=start, zero_stage=cfg.zero_stage,
+    trainer = Trainer(replace(gpt, activation_checkpointing=cfg.activation_checkpointing), dims, schedule=cfg.schedule, dense_state_dict=start, zero_stage=cfg.zero_stage,
                       max_grad_norm=cfg.max_grad_norm)
     rows = []
     for step in range(cfg.steps):
@@ -128,7 +129,8 @@ def format_rows(rows: list[dict], cfg: DemoConfig) -> str:
     clip = cfg.max_grad_norm is not None
     lines = [f"# small GPT, {cfg.layers} layers, hidden {cfg.hidden}, batch {cfg.batch} x {cfg.seq} tokens; "
              f"tp={cfg.tp} pp={cfg.pp} cp={cfg.cp} dp={cfg.dp}, {cfg.schedule}, ZeRO-{cfg.zero_stage}"
-             + (f", clipped at {cfg.max_grad_norm:g}" if clip else "") + "; CPU ranks (gloo)",
+             + (f", clipped at {cfg.max_grad_norm:g}" if clip else "")
+             + (", activation checkpointing" if cfg.activation_checkpointing else "") + "; CPU ranks (gloo)",
              f"{'step':>4}  {'loss':>8}  {'1-proc ref':>10}  "
              + (f"{'grad norm':>9}  {'1-proc ref':>10}  " if clip else "")
              + f"{'tokens/s':>9}  {'bubble meas.':>12}  {'bubble sim.':>11}"]

@@ -1,5 +1,6 @@
 """The GPT trained in 4-D compositions (PP with TP/SP, DP, CP) equals single-process training."""
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -14,11 +15,14 @@ CONFIG = dict(vocab_size=16, hidden=8, num_layers=2, num_heads=2, num_kv_heads=2
 
 
 def _compose_on_rank(layout, schedule, sequence_parallel=True, lose_grad=False, zero_stage=1, max_grad_norm=None,
-                     init_scale=None):
+                     init_scale=None, recompute=False):
     """The trainer's losses and weights after two steps equal single-process training's. With
     ``max_grad_norm``, both clip; with ``init_scale``, the trainer scales its loss (by a power of 2:
-    exact in float64, so nothing may differ) and returns its grad norms and skip flags too."""
+    exact in float64, so nothing may differ) and returns its grad norms and skip flags too. With
+    ``recompute``, the trainer's GPT checkpoints its blocks' activations (each block runs its
+    forward once more per microbatch, in backward)."""
     config = GPTConfig(**CONFIG, method="decomposed", sequence_parallel=sequence_parallel)
+    trainer_config = dataclasses.replace(config, activation_checkpointing=recompute)
     g = torch.Generator().manual_seed(5)
     batches = [(torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g))
                for _ in range(2)]
@@ -42,15 +46,20 @@ def _compose_on_rank(layout, schedule, sequence_parallel=True, lose_grad=False, 
 
     dims = ok.init_parallel(**layout)
     scaler = None if init_scale is None else fsdp.GradScaler(init_scale=init_scale)
-    trainer = Trainer(config, dims, schedule=schedule, dtype=torch.float64, dense_state_dict=start, optimizer=sgd,
+    trainer = Trainer(trainer_config, dims, schedule=schedule, dtype=torch.float64, dense_state_dict=start, optimizer=sgd,
                       zero_stage=zero_stage, max_grad_norm=max_grad_norm, grad_scaler=scaler)
-    norms, skipped = [], []
+    norms, skipped, block_calls = [], [], []
+    for block in trainer.stage.blocks.values():
+        block.register_forward_pre_hook(lambda *_: block_calls.append(1))
     with _recording_w(trainer.stage, lose_grad) as deferred:
         losses = []
         for tokens, targets in batches:
             losses.append(trainer.step(tokens, targets))
             norms.append(trainer.last_grad_norm)
             skipped.append(trainer.last_step_skipped)
+    # forwards per block and microbatch: once, or once more in backward (recomputed)
+    want_calls = len(trainer.stage.blocks) * 2 * trainer.schedule.num_microbatches * (1 + recompute)
+    assert len(block_calls) == want_calls, f"{len(block_calls)} block forwards, expected {want_calls}"
     if max_grad_norm is not None:
         assert norms == pytest.approx(want_norms, rel=1e-12), f"grad norms {norms} != {want_norms}"
     else:

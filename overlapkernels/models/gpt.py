@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .. import _compat
 from ..comm.collectives import all_reduce_coalesced
@@ -40,12 +41,16 @@ class GPTConfig:
     method: str = "auto"
     cp_layout: str = "zigzag"
     ignore_index: int = -100
+    # recompute each block's forward in backward (torch.utils.checkpoint, non-reentrant): a block
+    # keeps only its input, at one more forward - its TP/CP communication included - per backward
+    activation_checkpointing: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden", "max_seq_len"):
             setattr(self, name, check_size(getattr(self, name), f"GPTConfig.{name}"))  # (numpy's ints too)
         self.sequence_parallel = check_flag(self.sequence_parallel, "GPTConfig.sequence_parallel")
         self.ignore_index = check_ignore_index(self.ignore_index, "GPTConfig.ignore_index")
+        self.activation_checkpointing = check_flag(self.activation_checkpointing, "GPTConfig.activation_checkpointing")
 
 
 class GPT(KeepsTags, nn.Module):
@@ -160,8 +165,10 @@ class GPT(KeepsTags, nn.Module):
             x = self.embed(x)
             if not self.sequence_parallel:
                 x = x.transpose(0, 1)  # [S, B, hidden]
+        recompute = self.config.activation_checkpointing and torch.is_grad_enabled()
         for block in self.blocks.values():
-            x = block(x)
+            # every rank recomputes the same blocks in the same order: the collectives inside pair up
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         return self.lm_head(self.norm(x)) if self.last else x
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""Trainer's gradient clipping and loss scaling in 4-D compositions: the norm spans every rank's
-part of the model, and an overflow anywhere skips the step everywhere."""
+"""Trainer's gradient clipping, loss scaling and activation checkpointing in 4-D compositions: the
+norm spans every rank's part of the model, an overflow anywhere skips the step everywhere, and
+recomputed blocks train as stored ones."""
 import math
 
 import pytest
@@ -21,6 +22,16 @@ def test_clipping_and_loss_scaling_match_single_process(rank_pool, layout, sched
     exact in float64, so losses, norms and weights equal the unscaled single process's."""
     results = rank_pool(4).run(_compose_on_rank, layout, schedule, zero_stage=zero_stage, max_grad_norm=0.05,
                                init_scale=2.0 ** 10)
+    assert all(r == results[0] for r in results)
+
+
+@pytest.mark.parametrize("layout, schedule, zero_stage", [
+    (dict(tp=2, pp=2), "1f1b", 1), (dict(dp=2, pp=2), "zb-h1", 3), (dict(cp=2, tp=2), "1f1b", 2),
+])
+def test_activation_checkpointing_matches_single_process(rank_pool, layout, schedule, zero_stage):
+    """Each block's forward recomputed in backward - its SP all-gathers, ring attention over CP,
+    ZeRO-3's gathers and ZB-H1's deferred weight gradients with it - gives the same training."""
+    results = rank_pool(4).run(_compose_on_rank, layout, schedule, zero_stage=zero_stage, recompute=True)
     assert all(r == results[0] for r in results)
 
 
