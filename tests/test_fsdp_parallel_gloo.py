@@ -428,6 +428,10 @@ def _dims_none_on_split_models_on_rank():
     gpt.loss(tokens, tokens).backward()
     norm = sharded.clip_grad_norm_(1e9)
     said.append(float(norm) == pytest.approx(float(sharded.clip_grad_norm_(1e9, dims=cp)), rel=1e-12))
+    try:  # not sharded: dims=None takes every rank for a replica (refused after the norm's all-reduce)
+        ok.clip_grad_norm_(GPT(config, tp, dtype=torch.float64), 1.0, dims=None)
+    except ValueError as exc:
+        said.append(str(exc))
     return said
 
 
@@ -442,4 +446,6 @@ def test_dims_none_on_a_model_split_over_tp_or_pp_is_refused(rank_pool):
         assert said[6] == ("clip_grad_norm_ with dims=None: ColumnParallelLinear '0' is split over a TP group of 2 "
                            "ranks, so the norm over the data-parallel group alone would differ between its parts; "
                            "pass dims= (the ParallelDims) so it spans the world"), said[6]
-        assert said[7:] == [True], said
+        assert said[7:] == [True, "clip_grad_norm_ with dims=None: GPT is built over tp=2 x pp=1, but dims=None takes "
+                            "every rank's gradients for data-parallel replicas, so the norm would be wrong; pass "
+                            "dims= (the ParallelDims)"], said

@@ -128,11 +128,35 @@ def _copy_ranks(dims, partitioned_over_tp: bool) -> set:
     return set(dims.mesh.mesh[tuple(index)].flatten().tolist())
 
 
+def split_beyond_data_parallel(modules) -> str | None:
+    """What says that ``modules`` hold one part of a model split over TP or PP (our parallel
+    layers' groups, a GPT's dims), or None. Megatron's own layers carry no group: nothing is said
+    there. CP says nothing either: its ranks end up with the same (summed) gradients."""
+    from ..layers.tags import TENSOR_PARALLEL
+    from ..parallel import ParallelDims
+
+    for module in modules:
+        for name, sub in module.named_modules():
+            where = f"{type(sub).__name__} {name!r}" if name else type(sub).__name__
+            dims, group = sub.__dict__.get("dims"), sub.__dict__.get("group")
+            if isinstance(dims, ParallelDims) and (dims.tp_size > 1 or dims.pp_size > 1):
+                return f"{where} is built over tp={dims.tp_size} x pp={dims.pp_size}"
+            if sub.__dict__.get(TENSOR_PARALLEL) and isinstance(group, dist.ProcessGroup) \
+                    and dist.get_world_size(group) > 1:
+                return f"{where} is split over a TP group of {dist.get_world_size(group)} ranks"
+    return None
+
+
 def _tagged_parameters(parameters, dims) -> list:
     """``(parameter, partitioned over TP)``: from a module, through its memory of the tags (which
     finds FSDP2's sharded parameters), else from the parameters' own tags."""
     if isinstance(parameters, nn.Module):
         from ..layers.tags import tensor_parallel_parameters
+
+        split = split_beyond_data_parallel([parameters]) if dims is None else None
+        if split is not None:
+            raise ValueError(f"clip_grad_norm_ with dims=None: {split}, but dims=None takes every rank's gradients "
+                             "for data-parallel replicas, so the norm would be wrong; pass dims= (the ParallelDims)")
 
         return [(q, dim is not None) for _, q, dim in tensor_parallel_parameters(parameters)]
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)

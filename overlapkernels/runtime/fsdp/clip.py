@@ -7,9 +7,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...layers.tags import TENSOR_PARALLEL
-from ...parallel import ParallelDims, comm_device
-from ..grad_norm import check_clip_args, global_norm, replicas, scale_
+from ...parallel import comm_device
+from ..grad_norm import check_clip_args, global_norm, replicas, scale_, split_beyond_data_parallel
 from .sharded import ShardedModule
 
 
@@ -42,22 +41,6 @@ def sharded_modules(modules) -> list:
     raise TypeError(f"modules={shown}: expected a ShardedModule (fsdp.shard) or a non-empty list of them")
 
 
-def _split_beyond_data_parallel(mods: list) -> str | None:
-    """What says that ``mods`` hold one part of a model split over TP or PP (our parallel layers'
-    groups, a GPT's dims), or None. Megatron's own layers carry no group: nothing is said there.
-    CP needs no dims: its ranks hold the same reduced gradients, so the DP group sees all."""
-    for m in mods:
-        for name, sub in m.module.named_modules():
-            where = f"{type(sub).__name__} {name!r}" if name else type(sub).__name__
-            dims, group = sub.__dict__.get("dims"), sub.__dict__.get("group")
-            if isinstance(dims, ParallelDims) and (dims.tp_size > 1 or dims.pp_size > 1):
-                return f"{where} is built over tp={dims.tp_size} x pp={dims.pp_size}"
-            if sub.__dict__.get(TENSOR_PARALLEL) and isinstance(group, dist.ProcessGroup) \
-                    and dist.get_world_size(group) > 1:
-                return f"{where} is split over a TP group of {dist.get_world_size(group)} ranks"
-    return None
-
-
 def step_group(mods: list, dims, op: str, once: str, quantity: str):
     """The group whose every rank must agree on ``quantity``, a step-wide value of ``mods``' gradients
     (their norm, whether one overflowed): theirs (pure data parallelism, ``dims`` None), or the
@@ -71,7 +54,7 @@ def step_group(mods: list, dims, op: str, once: str, quantity: str):
     if len(groups) > 1:
         raise ValueError(f"{op}: the modules are sharded over different groups {sorted(groups)}; pass "
                          f"dims= (a ParallelDims) so {quantity} spans the world")
-    split = _split_beyond_data_parallel(mods)
+    split = split_beyond_data_parallel([m.module for m in mods])
     if split is not None:  # each TP rank / stage would take its own value: TP-replicated weights drift apart
         raise ValueError(f"{op} with dims=None: {split}, so {quantity} over the data-parallel group alone would "
                          "differ between its parts; pass dims= (the ParallelDims) so it spans the world")
