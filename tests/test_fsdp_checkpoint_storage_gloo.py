@@ -1,6 +1,7 @@
 """fsdp.save / fsdp.load where storage and metadata misbehave, on gloo ranks: a rank that cannot see
 the checkpoint (storage not shared by the nodes) or sees it late (a network filesystem's cache), a
-missing checkpoint, metadata that is not ours, and optimizer hyperparameters JSON cannot hold as is.
+missing checkpoint, metadata that is not ours, optimizer hyperparameters JSON cannot hold as is, and
+the caller's extra state.
 Every failure is raised by every rank, never by one while the others wait."""
 import os
 
@@ -69,6 +70,36 @@ def test_ranks_passing_different_paths_are_refused_before_anything_is_written(ra
     want = (f"fsdp.save: every rank must pass the same path; got {[root + '/ckpt', root + '/ckpt-1']} (by rank)",
             ["ckpt"])
     assert rank_pool(2).run(_different_paths_on_rank, root) == [want, want]
+
+
+def _extra_state_on_rank(root):
+    """``extra`` (a trainer's own state) travels with the checkpoint; one that differs between ranks
+    or that JSON cannot keep is refused by every rank before anything is written."""
+    sharded = fsdp.shard(_net(), stage=2)
+    path = os.path.join(root, "ckpt")
+    fsdp.save(sharded, path)
+    said = [fsdp.load(sharded, path)]  # none saved: {}
+    fsdp.save(sharded, path, extra={"steps": 3, "scaler": {"scale": 1024.0}})
+    said.append(fsdp.load(sharded, path))
+    for bad in ({"steps": dist.get_rank()}, {"at": torch.ones(1)} if dist.get_rank() else {"at": 1}, [1]):
+        try:
+            fsdp.save(sharded, path, extra=bad)
+        except (TypeError, ValueError) as exc:
+            said.append(f"{type(exc).__name__}: {exc}")
+    said.append(fsdp.load(sharded, path))  # the previous one, whole
+    return said, sorted(os.listdir(root))
+
+
+def test_extra_state_is_saved_with_the_checkpoint_and_refused_when_ranks_differ(rank_pool, tmp_path):
+    for said, listing in rank_pool(2).run(_extra_state_on_rank, str(tmp_path)):
+        kept = {"steps": 3, "scaler": {"scale": 1024.0}}
+        assert said[:2] == [{}, kept], said
+        assert said[2] == ("ValueError: fsdp.save: extra must be the same on every rank; ranks [1] passed another than "
+                           "rank 0's {'steps': 0}"), said[2]
+        assert said[3].startswith("TypeError: fsdp.save: rank 1's extra holds a value JSON cannot keep ("), said[3]
+        assert said[4] == ("TypeError: fsdp.save: rank 0's extra=list: expected a dict (of JSON values: the trainer's "
+                           "own state), or None"), said[4]
+        assert said[5:] == [kept] and listing == ["ckpt"], (said, listing)
 
 
 def _missing_checkpoint_on_rank(path):

@@ -125,3 +125,38 @@ def test_bad_clipping_and_scaler_arguments_are_refused():
     for bad in (torch.amp.GradScaler("cpu"), 2.0 ** 16, True):
         with pytest.raises(TypeError, match=r"grad_scaler=.*: expected an overlapkernels\.runtime\.fsdp\.GradScaler"):
             Trainer(GPTConfig(**CONFIG), None, grad_scaler=bad)
+
+
+def _resume_on_rank(path):
+    """Two steps, save, two more; a trainer drawn from another seed loads the checkpoint and takes
+    the same two steps: the same losses, weights, step count and loss scale (grown every step)."""
+    config = GPTConfig(**CONFIG, method="decomposed")
+    dims = ok.init_parallel(dp=2, pp=2)
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g))
+               for _ in range(4)]
+
+    def trainer(seed):
+        torch.manual_seed(seed)
+        return Trainer(config, dims, zero_stage=3, max_grad_norm=1.0,
+                       grad_scaler=fsdp.GradScaler(init_scale=2.0 ** 10, growth_interval=1))
+
+    first = trainer(0)
+    for batch in batches[:2]:
+        first.step(*batch)
+    first.save(path)
+    want = [first.step(*batch) for batch in batches[2:]]
+    second = trainer(1)
+    second.load(path)
+    assert second.steps == 2 and second.grad_scaler.get_scale() == 2.0 ** 12
+    got = [second.step(*batch) for batch in batches[2:]]
+    assert got == want, (got, want)
+    assert second.grad_scaler.state_dict() == first.grad_scaler.state_dict() and second.steps == 4
+    mine, theirs = first.sharded.full_state_dict(), second.sharded.full_state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine if torch.is_tensor(mine[k]))
+    return want
+
+
+def test_a_trainer_resumes_from_its_checkpoint(rank_pool, tmp_path):
+    results = rank_pool(4).run(_resume_on_rank, str(tmp_path / "ckpt"))
+    assert all(r == results[0] for r in results)

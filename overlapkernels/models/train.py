@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,10 @@ class Trainer:
     an ``fsdp.GradScaler`` for float16 training - the loss is scaled, the gradients unscaled before
     clipping, and a step with an inf or NaN on any rank is skipped on every rank
     (``last_step_skipped``); the returned loss is the unscaled one either way.
+
+    ``save(path)`` / ``load(path)``: the job's checkpoint (``fsdp.save``: every rank, same path; any
+    dp size on load) with ``steps`` (optimizer steps taken, skipped ones included) and the loss
+    scaler's state.
     """
 
     def __init__(self, config, dims, *, schedule: str = "1f1b", num_microbatches: int | None = None,
@@ -67,6 +72,7 @@ class Trainer:
         self.config, self.dims = config, dims
         self.max_grad_norm, self.grad_scaler = max_grad_norm, grad_scaler
         self.last_grad_norm, self.last_step_skipped, self._losses = None, False, []
+        self.steps = 0
         # NCCL moves CUDA tensors only: the stage lives on this rank's GPU there, on the CPU under gloo
         self.device = torch.device(device) if device is not None else comm_device()
         self.stage = GPT(config, dims, dtype=dtype, device=self.device, pipeline_stage=(dims.pp_rank, dims.pp_size))
@@ -128,7 +134,25 @@ class Trainer:
             dist.all_reduce(value, group=self.dims.cp_group)
         dist.all_reduce(value, group=self.dims.dp_group)
         self.last_step_s = time.perf_counter() - t0
+        self.steps += 1
         return float(value) / self.dims.dp_size
+
+    def save(self, path) -> None:
+        """Checkpoint the weights, the optimizer's and the trainer's state (every rank, same path)."""
+        scaler = self.grad_scaler
+        state = {"steps": self.steps, "grad_scaler": scaler.state_dict() if scaler is not None else None}
+        fsdp.save(self.sharded, path, extra={"trainer": state})
+
+    def load(self, path) -> None:
+        """Resume from ``save``'s checkpoint (every rank, same path)."""
+        state = fsdp.load(self.sharded, path).get("trainer")
+        if state is None:  # fsdp.save's own: what it holds is loaded, the trainer's state stays as it is
+            warnings.warn(f"Trainer.load: {path!r} holds no trainer state (written by fsdp.save, not Trainer.save): "
+                          "weights and optimizer state loaded; steps and the loss scale kept", stacklevel=2)
+            return
+        self.steps = state["steps"]
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled() and state["grad_scaler"]:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
 
     def _optimizer_step(self) -> None:
         """Unscale (if scaling), clip (if asked), then step - or skip on every rank alike. Every

@@ -243,9 +243,24 @@ def _check_sharded(sharded, op: str) -> None:
         raise TypeError(f"fsdp.{op}: expected a ShardedModule (from fsdp.shard), got {type(sharded).__name__}")
 
 
-def save(sharded, path) -> None:
+def _extra_problem(extra) -> str | None:
+    """Why ``extra`` cannot go into the metadata (None if it can)."""
+    if extra is None:
+        return None
+    if not isinstance(extra, dict):
+        return f"extra={type(extra).__name__}: expected a dict (of JSON values: the trainer's own state), or None"
+    try:
+        json.dumps(extra)
+    except (TypeError, ValueError) as exc:
+        return f"extra holds a value JSON cannot keep ({exc}); use numbers, strings, bools, None, lists and dicts"
+    return None
+
+
+def save(sharded, path, *, extra: dict | None = None) -> None:
     """Write a checkpoint of ``sharded`` (a collective over the world: every rank calls it, with the
-    same path)."""
+    same path). ``extra``: a dict of JSON values (a trainer's step count, its loss scaler's state),
+    the same on every rank, kept with the checkpoint - written and replaced atomically with it -
+    and returned by ``load``."""
     _check_sharded(sharded, "save")
     path = os.path.normpath(os.fspath(path))  # "ckpt/" would put its own temp folder inside it
     tmp, old = path + ".tmp", path + ".old"
@@ -260,19 +275,29 @@ def save(sharded, path) -> None:
     mine = {"world_size": dist.get_world_size(sharded.group), "stage": sharded.stage, "units": _units(sharded),
             "unit_params": _unit_params(sharded), "param_groups": json_groups(optim["param_groups"]), "optim": plan, "buffers": buffer_plan}
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (part, mine, problem, path))
+    extra_problem = _extra_problem(extra)
+    dist.all_gather_object(everyone, (part, mine, problem, path, extra_problem, None if extra_problem else extra))
     # (a per-rank timestamp in the name: rank 0 switched its own folder in, the others' shards went
     # elsewhere, and the previous checkpoint was deleted before anyone noticed)
-    if len(set(paths := [p for *_, p in everyone])) > 1:
+    if len(set(paths := [e[3] for e in everyone])) > 1:
         raise ValueError(f"fsdp.save: every rank must pass the same path; got {paths} (by rank)")
-    problem = next((p for _, _, p, _ in everyone if p is not None), None)
+    problem = next((e[2] for e in everyone if e[2] is not None), None)
     if problem is not None:  # every rank of the world refuses alike, before any shard is written
         raise TypeError(f"fsdp.save: {problem}")
-    by_part = {k: entry for k, entry, _, _ in everyone}  # every rank of a part has the same entry
+    extra_problem = next((f"rank {r}'s {e[4]}" for r, e in enumerate(everyone) if e[4] is not None), None)
+    if extra_problem is not None:
+        raise TypeError(f"fsdp.save: {extra_problem}")
+    if any(e[5] != everyone[0][5] for e in everyone):  # one copy is kept: it must be everyone's
+        differ = [r for r, e in enumerate(everyone) if e[5] != everyone[0][5]]
+        raise ValueError(f"fsdp.save: extra must be the same on every rank; ranks {differ} passed another than "
+                         f"rank 0's {everyone[0][5]!r}")
+    by_part = {e[0]: e[1] for e in everyone}  # every rank of a part has the same entry
     # format 3 only where it is needed: older versions still read the rest and refuse these by format
     holds_values = any(e["kind"] == "value" for entry in by_part.values() for e in entry["optim"].values())
     version = FORMAT_WITH_VALUES if holds_values else FORMAT
     meta = {"format": version, **mine} if parts == 1 else {"format": version, "parts": [by_part[k] for k in range(parts)]}
+    if extra is not None:  # (a key older versions ignore)
+        meta["extra"] = extra
     try:  # the same on every rank: refused by all before any shard is written, not after
         json.dumps(meta)
     except (TypeError, ValueError) as exc:
@@ -347,9 +372,10 @@ def _check(sharded, path, meta, part, parts) -> str | None:
     return None
 
 
-def load(sharded, path) -> None:
+def load(sharded, path) -> dict:
     """Restore parameters and optimizer state saved by ``save`` (same model, unit split and
-    tp/pp/cp layout; any dp size). A collective over the world, like ``save``."""
+    tp/pp/cp layout; any dp size). A collective over the world, like ``save``. Returns the
+    ``extra`` dict saved with it ({} if none)."""
     _check_sharded(sharded, "load")
     path = os.path.normpath(os.fspath(path))
     part, parts = _part(sharded)
@@ -374,6 +400,7 @@ def load(sharded, path) -> None:
     problem = next((p for p in problems if p is not None), None)
     if problem is not None:
         raise ValueError(problem)
+    extra = meta.get("extra", {})
     meta = meta["parts"][part] if "parts" in meta else meta
     rank = dist.get_rank(sharded.group)
     device = _device(sharded)
@@ -405,3 +432,4 @@ def load(sharded, path) -> None:
         if unit.gathered:
             unit.publish()
     sharded._masters_published = True
+    return extra
