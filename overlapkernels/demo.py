@@ -50,10 +50,14 @@ class DemoConfig:
         if self.schedule == "interleaved-1f1b":  # one chunk per rank: it would run (and report) as 1f1b
             problems.append("schedule='interleaved-1f1b': the demo's Trainer holds one model chunk per pipeline rank, "
                             "where it is 1f1b; expected gpipe, 1f1b or zb-h1")
-        if self.zero_stage not in (1, 2, 3):
-            problems.append(f"zero_stage={self.zero_stage} must be 1, 2 or 3")
-        if self.max_grad_norm is not None and not 0 < self.max_grad_norm < float("inf"):
-            problems.append(f"max_grad_norm={self.max_grad_norm} must be a finite number > 0")
+        if not isinstance(self.zero_stage, int) or isinstance(self.zero_stage, bool) or self.zero_stage not in (1, 2, 3):
+            problems.append(f"zero_stage={self.zero_stage!r} must be 1, 2 or 3")
+        if self.max_grad_norm is not None and (isinstance(self.max_grad_norm, bool)
+                                               or not isinstance(self.max_grad_norm, (int, float))
+                                               or not 0 < self.max_grad_norm < float("inf")):
+            problems.append(f"max_grad_norm={self.max_grad_norm!r} must be a finite number > 0")
+        if not isinstance(self.activation_checkpointing, bool):
+            problems.append(f"activation_checkpointing={self.activation_checkpointing!r} must be a bool")
         if self.steps < 1 or self.reference_steps < 0:
             problems.append(f"steps={self.steps} must be >= 1 (reference_steps={self.reference_steps} >= 0)")
         if 2 % self.tp:

@@ -437,15 +437,18 @@ def _dims_none_on_split_models_on_rank():
 
 def test_dims_none_on_a_model_split_over_tp_or_pp_is_refused(rank_pool):
     for rank, said in enumerate(rank_pool(4).run(_dims_none_on_split_models_on_rank)):
-        tp_pp = [(f"{op} with dims=None: GPT is built over {split}, so {quantity} over the data-parallel group alone "
+        stage = rank % 2  # dp=2 x pp=2 (dp the outer axis): ranks 0, 2 hold stage 0
+        tp_pp = [(f"{op} with dims=None: {split}, so {quantity} over the data-parallel group alone "
                   f"would differ between its parts; pass dims= (the ParallelDims) so it spans the world")
-                 for split in ("tp=2 x pp=1", "tp=1 x pp=2")
+                 for split in ("VocabParallelEmbedding 'embed' is split over a TP group of 2 ranks",
+                               f"GPT is stage {stage} of a pipeline of 2")
                  for op, quantity in (("clip_grad_norm_", "the norm"), ("GradScaler.unscale_", "the overflow check"),
-                                      ("GradScaler.unscale_", "the overflow check"))]
+                                      ("GradScaler.step", "the overflow check"))]
         assert said[:6] == tp_pp, (rank, said)
         assert said[6] == ("clip_grad_norm_ with dims=None: ColumnParallelLinear '0' is split over a TP group of 2 "
                            "ranks, so the norm over the data-parallel group alone would differ between its parts; "
                            "pass dims= (the ParallelDims) so it spans the world"), said[6]
-        assert said[7:] == [True, "clip_grad_norm_ with dims=None: GPT is built over tp=2 x pp=1, but dims=None takes "
+        assert said[7:] == [True, "clip_grad_norm_ with dims=None: VocabParallelEmbedding 'embed' is split over a TP "
+                            "group of 2 ranks, but dims=None takes "
                             "every rank's gradients for data-parallel replicas, so the norm would be wrong; pass "
                             "dims= (the ParallelDims)"], said

@@ -3,6 +3,7 @@ norm spans every rank's part of the model, an overflow anywhere skips the step e
 recomputed blocks train as stored ones."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -35,7 +36,7 @@ def test_activation_checkpointing_matches_single_process(rank_pool, layout, sche
     assert all(r == results[0] for r in results)
 
 
-def _overflow_on_one_rank(layout):
+def _overflow_on_one_rank(layout, zero_stage):
     """The first step's gradient gets an inf on one rank only (stage 0, the first DP/TP rank): every
     rank skips it and backs off; the second step (same batch) equals one single-process step."""
     config = GPTConfig(**CONFIG, method="decomposed")
@@ -53,7 +54,7 @@ def _overflow_on_one_rank(layout):
     dims = ok.init_parallel(**layout)
     scaler = fsdp.GradScaler(init_scale=2.0 ** 10)
     trainer = Trainer(config, dims, dtype=torch.float64, dense_state_dict=start, optimizer=sgd, grad_scaler=scaler,
-                      max_grad_norm=1e3)
+                      max_grad_norm=np.float32(1e3), zero_stage=zero_stage)  # (numpy's floats too)
     twin = GPT(config, dims, dtype=torch.float64, pipeline_stage=(dims.pp_rank, dims.pp_size))
     if ok.init_parallel().rank == 0:  # one element of one gradient of one rank
         planted = []
@@ -79,11 +80,45 @@ def _overflow_on_one_rank(layout):
     return [s[1:] for s in seen]
 
 
-@pytest.mark.parametrize("layout", [dict(dp=2, pp=2), dict(tp=2, cp=2)])
-def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(rank_pool, layout):
-    for seen in rank_pool(4).run(_overflow_on_one_rank, layout):
+@pytest.mark.parametrize("layout, zero_stage", [(dict(dp=2, pp=2), 3), (dict(tp=2, cp=2), 1)])
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(rank_pool, layout, zero_stage):
+    for seen in rank_pool(4).run(_overflow_on_one_rank, layout, zero_stage):
         # skipped with the scale halved and a non-finite norm; then stepped, the scale kept
         assert seen == [(True, 2.0 ** 9, False), (False, 2.0 ** 9, True)]
+
+
+class _FailsOnce(torch.optim.SGD):
+    """An optimizer whose first step raises (on every rank alike: nothing communicates in it)."""
+    failed = False
+
+    def step(self, closure=None):
+        if not _FailsOnce.failed:
+            _FailsOnce.failed = True
+            raise RuntimeError("planted: the optimizer failed")
+        return super().step(closure)
+
+
+def _step_after_a_failed_step_on_rank():
+    """A step that raises between unscale_ and update leaves the scaler ready for the next step
+    (it said "unscale_() has already been called" at every later step), the scale untouched."""
+    _FailsOnce.failed = False
+    scaler = fsdp.GradScaler(init_scale=2.0 ** 10)
+    trainer = Trainer(GPTConfig(**CONFIG, method="decomposed"), ok.init_parallel(tp=2, pp=2), grad_scaler=scaler,
+                      optimizer=lambda ps: _FailsOnce(ps, lr=0.1))
+    tokens = torch.zeros(8, 8, dtype=torch.long)
+    said = []
+    for _ in range(2):
+        try:
+            trainer.step(tokens, tokens)
+            said.append((trainer.last_step_skipped, scaler.get_scale()))
+        except RuntimeError as exc:
+            said.append(str(exc))
+    return said
+
+
+def test_a_failed_step_leaves_the_loss_scaler_ready(rank_pool):
+    assert rank_pool(4).run(_step_after_a_failed_step_on_rank) == [["planted: the optimizer failed",
+                                                                    (False, 2.0 ** 10)]] * 4
 
 
 def _float16_training():

@@ -25,6 +25,7 @@ from .. import _compat
 TENSOR_PARALLEL = "_tensor_parallel_params"  # on the owner: {parameter name: partition_dim}
 SEQUENCE_PARALLEL = "_sequence_parallel_params"  # on the owner: {parameter name: TP group or None}
 CONTEXT_PARALLEL = "_context_parallel_group"  # on a model: the CP group all its gradients are partial over
+PIPELINE_STAGE = "_pipeline_stage"  # on a model built as one pipeline stage: (stage, num_stages)
 
 
 def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> None:

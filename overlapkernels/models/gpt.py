@@ -21,7 +21,7 @@ from ..layers import ColumnParallelLinear, RMSNorm, TransformerBlock, VocabParal
 from ..layers.embedding import check_token_ids
 from ..layers.linear import default_init
 from ..layers.norm import allreduce_sequence_parallel_grads
-from ..layers.tags import KeepsTags, mark_context_parallel
+from ..layers.tags import PIPELINE_STAGE, KeepsTags, mark_context_parallel
 from ..ops._validate import check_flag, check_size
 from ..ops.cross_entropy import check_ignore_index, check_target_ids, vocab_parallel_cross_entropy
 from ..ops.sequence_shard import check_layout_tag, shard_sequence
@@ -77,6 +77,7 @@ class GPT(KeepsTags, nn.Module):
             raise TypeError(f"dims={shown}: expected a ParallelDims, from ok.init_parallel(...) (one process too: "
                             "its TP/CP/PP sizes of 1)")
         self.first, self.last = stage == 0, stage == stages - 1
+        self.__dict__[PIPELINE_STAGE] = (stage, stages)  # (clipping without dims= refuses a part of a model)
         layer_ids = range(stage * per_stage, (stage + 1) * per_stage)
         tp = dims.tp_group
         self.cp_group = dims.cp_group if dims.cp_size > 1 else None

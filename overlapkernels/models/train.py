@@ -70,8 +70,10 @@ class Trainer:
                             "overlapkernels.runtime.fsdp.GradScaler (the ZeRO shards are unscaled and the skip "
                             "agreed over every rank), or None")
         self.config, self.dims = config, dims
-        self.max_grad_norm, self.grad_scaler = max_grad_norm, grad_scaler
-        self.last_grad_norm, self.last_step_skipped, self._losses = None, False, []
+        # (a numpy or Fraction norm passes the check above; clipping itself takes int/float only)
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.grad_scaler = grad_scaler
+        self._grad_norm, self.last_step_skipped, self._losses = None, False, []
         self.steps = 0
         # NCCL moves CUDA tensors only: the stage lives on this rank's GPU there, on the CPU under gloo
         self.device = torch.device(device) if device is not None else comm_device()
@@ -154,17 +156,30 @@ class Trainer:
         if self.grad_scaler is not None and self.grad_scaler.is_enabled() and state["grad_scaler"]:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
 
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's whole-model gradient norm before clipping (None without clipping); read
+        on demand: on a GPU, a host sync."""
+        return None if self._grad_norm is None else float(self._grad_norm)
+
     def _optimizer_step(self) -> None:
         """Unscale (if scaling), clip (if asked), then step - or skip on every rank alike. Every
         rank of the world takes part: the norm and the overflow flag span TP, PP, CP and DP."""
         scaler = self.grad_scaler
-        if scaler is not None:
-            scaler.unscale_(self.sharded, dims=self.dims)  # clipping needs the true norm
-        if self.max_grad_norm is not None:
-            self.last_grad_norm = float(self.sharded.clip_grad_norm_(self.max_grad_norm, dims=self.dims))
         if scaler is None:
+            self._clip()
             self.sharded.step()
             self.last_step_skipped = False
-        else:
+            return
+        try:
+            scaler.unscale_(self.sharded, dims=self.dims)  # clipping needs the true norm
+            self._clip()
             self.last_step_skipped = not scaler.step(self.sharded, dims=self.dims)
-            scaler.update()
+        except BaseException:
+            scaler._abandon_step()  # else every later step would fail: "unscale_() has already been called"
+            raise
+        scaler.update()
+
+    def _clip(self) -> None:
+        if self.max_grad_norm is not None:
+            self._grad_norm = self.sharded.clip_grad_norm_(self.max_grad_norm, dims=self.dims)

@@ -130,17 +130,18 @@ def _copy_ranks(dims, partitioned_over_tp: bool) -> set:
 
 def split_beyond_data_parallel(modules) -> str | None:
     """What says that ``modules`` hold one part of a model split over TP or PP (our parallel
-    layers' groups, a GPT's dims), or None. Megatron's own layers carry no group: nothing is said
-    there. CP says nothing either: its ranks end up with the same (summed) gradients."""
-    from ..layers.tags import TENSOR_PARALLEL
-    from ..parallel import ParallelDims
+    layers' groups, a GPT built as one pipeline stage), or None. Megatron's own layers carry no
+    group: nothing is said there. CP says nothing either: its ranks end up with the same (summed)
+    gradients."""
+    from ..layers.tags import PIPELINE_STAGE, TENSOR_PARALLEL
 
     for module in modules:
         for name, sub in module.named_modules():
             where = f"{type(sub).__name__} {name!r}" if name else type(sub).__name__
-            dims, group = sub.__dict__.get("dims"), sub.__dict__.get("group")
-            if isinstance(dims, ParallelDims) and (dims.tp_size > 1 or dims.pp_size > 1):
-                return f"{where} is built over tp={dims.tp_size} x pp={dims.pp_size}"
+            stage = sub.__dict__.get(PIPELINE_STAGE)
+            if stage is not None and stage[1] > 1:
+                return f"{where} is stage {stage[0]} of a pipeline of {stage[1]}"
+            group = sub.__dict__.get("group")
             if sub.__dict__.get(TENSOR_PARALLEL) and isinstance(group, dist.ProcessGroup) \
                     and dist.get_world_size(group) > 1:
                 return f"{where} is split over a TP group of {dist.get_world_size(group)} ranks"
@@ -198,7 +199,8 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *, dims, error_if_nonfi
     layers remember by name, and after backward with reshard-after-backward off the module holds
     unsharded parameters without gradients, which only the model form looks past; each rank's
     local shard is counted once per copy. ``dims=None``: pure data parallelism over the world
-    (plain gradients are replicas on every rank, DTensor ones sharded over their mesh).
+    (plain gradients are replicas on every rank, DTensor ones sharded over their mesh); a model
+    that our layers split over TP, or a GPT pipeline stage, is refused with it.
 
     A rank that refuses its gradients (a TypeError or ValueError naming why) still joins the
     all-reduce before raising, and the other ranks' norm is NaN: their gradients become NaN, never

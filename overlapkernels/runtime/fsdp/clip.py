@@ -45,7 +45,9 @@ def step_group(mods: list, dims, op: str, once: str, quantity: str):
     """The group whose every rank must agree on ``quantity``, a step-wide value of ``mods``' gradients
     (their norm, whether one overflowed): theirs (pure data parallelism, ``dims`` None), or the
     world. ``op`` and ``once`` name the caller in the errors. Raises before any collective, alike on
-    the group's ranks (they hold replicas of one part)."""
+    the group's ranks where they hold replicas of one part (a DP group); a group that also spans
+    other parts (one ShardedModule over the world in a pipeline of unlike stages) could refuse on
+    some ranks only - the others then wait in the caller's all-reduce until its timeout."""
     if any(not m._sync for m in mods):  # what later micro-steps add would escape it
         raise RuntimeError(f"{op} inside no_sync(): {once}, after the last backward of the step")
     if dims is not None:

@@ -87,14 +87,15 @@ class GradScaler:
     def unscale_(self, modules, *, dims=None) -> None:
         """Divide the step's reduced gradient shards by the scale, in place, and agree over every
         rank whether any of them holds an inf or NaN. Once per step, after the last backward."""
-        if not self._enabled:
-            return
-        mods = sharded_modules(modules)
+        if self._enabled:
+            self._unscale(sharded_modules(modules), dims, "GradScaler.unscale_")
+
+    def _unscale(self, mods: list, dims, op: str) -> None:
         if self._state == _UNSCALED:
             raise RuntimeError("unscale_() has already been called since the last update()")
         if self._state == _STEPPED:
             raise RuntimeError("unscale_() is being called after step(): call update() first")
-        group = step_group(mods, dims, "GradScaler.unscale_", "unscale once", "the overflow check")
+        group = step_group(mods, dims, op, "unscale once", "the overflow check")
         # a rank that scaled no loss is normal (a pipeline's stages before the last): it still unscales
         # the gradients that reached it, and keeps the same scale as every rank (the same updates)
         device = comm_device(group)
@@ -130,7 +131,7 @@ class GradScaler:
         if self._state == _STEPPED:
             raise RuntimeError("step() has already been called since the last update()")
         if self._state == _READY:
-            self.unscale_(mods, dims=dims)
+            self._unscale(mods, dims, "GradScaler.step")
         elif self._unscaled != ([id(m) for m in mods], step_group(mods, dims, "GradScaler.step", "step once",
                                                                   "the overflow check")):
             # torch tracks each optimizer; one agreed flag covers exactly what unscale_ checked
@@ -145,6 +146,11 @@ class GradScaler:
                 m.zero_grad()
         self._state = _STEPPED
         return stepped
+
+    def _abandon_step(self) -> None:
+        """Forget this step's overflow check without touching the scale: a step that raised
+        between ``unscale_`` and ``update`` (the Trainer's) leaves the next step free to start."""
+        self._found_inf, self._unscaled, self._state = None, None, _READY
 
     def update(self, new_scale=None) -> None:
         """Back off the scale after a skipped step, grow it after ``growth_interval`` steps in a row
