@@ -53,8 +53,11 @@ def _overflow_on_one_rank(layout, zero_stage):
 
     dims = ok.init_parallel(**layout)
     scaler = fsdp.GradScaler(init_scale=2.0 ** 10)
+    # the schedule halves the lr after each step taken: the skipped step must not count
+    halving = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)  # noqa: E731
     trainer = Trainer(config, dims, dtype=torch.float64, dense_state_dict=start, optimizer=sgd, grad_scaler=scaler,
-                      max_grad_norm=np.float32(1e3), zero_stage=zero_stage)  # (numpy's floats too)
+                      max_grad_norm=np.float32(1e3), zero_stage=zero_stage,  # (numpy's floats too)
+                      lr_scheduler=halving)
     twin = GPT(config, dims, dtype=torch.float64, pipeline_stage=(dims.pp_rank, dims.pp_size))
     if ok.init_parallel().rank == 0:  # one element of one gradient of one rank
         planted = []
@@ -77,6 +80,7 @@ def _overflow_on_one_rank(layout, zero_stage):
                 torch.testing.assert_close(t, want[name], atol=1e-12, rtol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
     assert seen[0][0] == pytest.approx(float(want_loss), rel=1e-12)  # the unscaled loss, though skipped
     assert seen[1][0] == seen[0][0]
+    assert trainer.lr_scheduler.get_last_lr() == [0.05]  # one step taken
     return [s[1:] for s in seen]
 
 
@@ -160,6 +164,8 @@ def test_bad_clipping_and_scaler_arguments_are_refused():
     for bad in (torch.amp.GradScaler("cpu"), 2.0 ** 16, True):
         with pytest.raises(TypeError, match=r"grad_scaler=.*: expected an overlapkernels\.runtime\.fsdp\.GradScaler"):
             Trainer(GPTConfig(**CONFIG), None, grad_scaler=bad)
+    with pytest.raises(TypeError, match=r"lr_scheduler=float: expected a factory, callable\(optimizer\)"):
+        Trainer(GPTConfig(**CONFIG), None, lr_scheduler=0.5)
 
 
 def _resume_on_rank(path):
@@ -173,20 +179,26 @@ def _resume_on_rank(path):
 
     def trainer(seed):
         torch.manual_seed(seed)
-        return Trainer(config, dims, zero_stage=3, max_grad_norm=1.0,
+        warmup = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 4))  # noqa
+        return Trainer(config, dims, zero_stage=3, max_grad_norm=1.0, lr_scheduler=warmup,
                        grad_scaler=fsdp.GradScaler(init_scale=2.0 ** 10, growth_interval=1))
 
     first = trainer(0)
     for batch in batches[:2]:
         first.step(*batch)
     first.save(path)
+    first_schedule = first.lr_scheduler.state_dict()
     want = [first.step(*batch) for batch in batches[2:]]
     second = trainer(1)
     second.load(path)
     assert second.steps == 2 and second.grad_scaler.get_scale() == 2.0 ** 12
+    lrs = {group["lr"] for group in second.sharded.optimizer.param_groups}
+    assert lrs == {1e-2 * 3 / 4} and second.lr_scheduler.state_dict() == first_schedule, lrs
     got = [second.step(*batch) for batch in batches[2:]]
     assert got == want, (got, want)
     assert second.grad_scaler.state_dict() == first.grad_scaler.state_dict() and second.steps == 4
+    lrs = second.lr_scheduler.get_last_lr()
+    assert lrs == first.lr_scheduler.get_last_lr() and set(lrs) == {1e-2}, lrs  # warmed up
     mine, theirs = first.sharded.full_state_dict(), second.sharded.full_state_dict()
     assert all(torch.equal(mine[k], theirs[k]) for k in mine if torch.is_tensor(mine[k]))
     return want

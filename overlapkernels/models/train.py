@@ -46,15 +46,19 @@ class Trainer:
     clipping, and a step with an inf or NaN on any rank is skipped on every rank
     (``last_step_skipped``); the returned loss is the unscaled one either way.
 
+    ``lr_scheduler``: a factory of the optimizer's schedule (``lambda opt: LambdaLR(opt, warmup)``),
+    stepped after every optimizer step taken - a step skipped for an overflow does not count, as
+    in Megatron.
+
     ``save(path)`` / ``load(path)``: the job's checkpoint (``fsdp.save``: every rank, same path; any
-    dp size on load) with ``steps`` (optimizer steps taken, skipped ones included) and the loss
-    scaler's state.
+    dp size on load) with ``steps`` (training steps run, skipped ones included), the loss scaler's
+    and the schedule's state.
     """
 
     def __init__(self, config, dims, *, schedule: str = "1f1b", num_microbatches: int | None = None,
                  optimizer=_adamw, dtype=torch.float32, dense_state_dict: dict | None = None, device=None,
                  zero_stage: int = 1, max_grad_norm: float | None = None,
-                 grad_scaler: fsdp.GradScaler | None = None):
+                 grad_scaler: fsdp.GradScaler | None = None, lr_scheduler=None):
         if not isinstance(zero_stage, int) or isinstance(zero_stage, bool) or zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage={zero_stage!r}: expected 1, 2 or 3")
         if num_microbatches is not None and (isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
@@ -69,6 +73,9 @@ class Trainer:
             raise TypeError(f"grad_scaler={type(grad_scaler).__module__}.{type(grad_scaler).__name__}: expected an "
                             "overlapkernels.runtime.fsdp.GradScaler (the ZeRO shards are unscaled and the skip "
                             "agreed over every rank), or None")
+        if lr_scheduler is not None and not callable(lr_scheduler):
+            raise TypeError(f"lr_scheduler={type(lr_scheduler).__name__}: expected a factory, callable(optimizer) -> "
+                            "a torch.optim.lr_scheduler schedule (e.g. lambda opt: LambdaLR(opt, f)), or None")
         self.config, self.dims = config, dims
         # (a numpy or Fraction norm passes the check above; clipping itself takes int/float only)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -81,6 +88,11 @@ class Trainer:
         if dense_state_dict is not None:
             self.stage.load_state_dict(shard_dense_state_dict(self.stage, dense_state_dict))
         self.sharded = fsdp.shard(self.stage, dims.dp_group, stage=zero_stage, optimizer=optimizer)
+        self.lr_scheduler = None if lr_scheduler is None else lr_scheduler(self.sharded.optimizer)
+        if lr_scheduler is not None and not all(callable(getattr(self.lr_scheduler, name, None))
+                                                for name in ("step", "state_dict", "load_state_dict")):
+            raise TypeError(f"lr_scheduler returned {type(self.lr_scheduler).__name__}: expected a schedule with "
+                            "step(), state_dict() and load_state_dict() (torch.optim.lr_scheduler's)")
         m = 2 * dims.pp_size if num_microbatches is None else num_microbatches
         self.schedule = pp.make_schedule(schedule, dims.pp_size, m)
         self.runner = pp.PipelineRunner(self.sharded, dims.pp_group, schedule=self.schedule, loss_fn=self._loss)
@@ -142,7 +154,8 @@ class Trainer:
     def save(self, path) -> None:
         """Checkpoint the weights, the optimizer's and the trainer's state (every rank, same path)."""
         scaler = self.grad_scaler
-        state = {"steps": self.steps, "grad_scaler": scaler.state_dict() if scaler is not None else None}
+        state = {"steps": self.steps, "grad_scaler": scaler.state_dict() if scaler is not None else None,
+                 "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict()}
         fsdp.save(self.sharded, path, extra={"trainer": state})
 
     def load(self, path) -> None:
@@ -155,6 +168,8 @@ class Trainer:
         self.steps = state["steps"]
         if self.grad_scaler is not None and self.grad_scaler.is_enabled() and state["grad_scaler"]:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
+        if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -170,15 +185,17 @@ class Trainer:
             self._clip()
             self.sharded.step()
             self.last_step_skipped = False
-            return
-        try:
-            scaler.unscale_(self.sharded, dims=self.dims)  # clipping needs the true norm
-            self._clip()
-            self.last_step_skipped = not scaler.step(self.sharded, dims=self.dims)
-        except BaseException:
-            scaler._abandon_step()  # else every later step would fail: "unscale_() has already been called"
-            raise
-        scaler.update()
+        else:
+            try:
+                scaler.unscale_(self.sharded, dims=self.dims)  # clipping needs the true norm
+                self._clip()
+                self.last_step_skipped = not scaler.step(self.sharded, dims=self.dims)
+            except BaseException:
+                scaler._abandon_step()  # else every later step would fail: "unscale_() has already been called"
+                raise
+            scaler.update()
+        if self.lr_scheduler is not None and not self.last_step_skipped:
+            self.lr_scheduler.step()
 
     def _clip(self) -> None:
         if self.max_grad_norm is not None:
