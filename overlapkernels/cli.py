@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--cp", type=int, default=1, help="context-parallel size")
     demo.add_argument("--dp", type=int, default=1, help="data-parallel size (tp*pp*cp*dp ranks in all)")
     demo.add_argument("--steps", type=int, default=20, help="training steps")
-    demo.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | zb-h1")
+    demo.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | zb-h1 | interleaved-1f1b (2 chunks per rank)")
     demo.add_argument("--zero-stage", type=int, default=1, help="ZeRO stage over DP: 1, 2 or 3")
     demo.add_argument("--max-grad-norm", type=float, help="clip by the whole model's gradient norm (the "
                                                            "single-process reference clips too)")

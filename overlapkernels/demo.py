@@ -42,14 +42,16 @@ class DemoConfig:
         cfg._check_composition()
         return cfg
 
+    @property
+    def num_virtual(self) -> int:
+        """Model chunks per pipeline rank: two under the interleaved schedule (one would be 1F1B)."""
+        return 2 if self.schedule == "interleaved-1f1b" else 1
+
     def _check_composition(self) -> None:
         from .runtime.pipeline import make_schedule
 
-        make_schedule(self.schedule, self.pp, 2 * self.pp)
+        make_schedule(self.schedule, self.pp, 2 * self.pp, num_virtual=self.num_virtual)
         problems = []
-        if self.schedule == "interleaved-1f1b":  # one chunk per rank: it would run (and report) as 1f1b
-            problems.append("schedule='interleaved-1f1b': the demo's Trainer holds one model chunk per pipeline rank, "
-                            "where it is 1f1b; expected gpipe, 1f1b or zb-h1")
         if not isinstance(self.zero_stage, int) or isinstance(self.zero_stage, bool) or self.zero_stage not in (1, 2, 3):
             problems.append(f"zero_stage={self.zero_stage!r} must be 1, 2 or 3")
         if self.max_grad_norm is not None and (isinstance(self.max_grad_norm, bool)
@@ -62,8 +64,9 @@ class DemoConfig:
             problems.append(f"steps={self.steps} must be >= 1 (reference_steps={self.reference_steps} >= 0)")
         if 2 % self.tp:
             problems.append(f"tp={self.tp} must divide the 2 KV heads (so tp is 1 or 2)")
-        if self.layers % self.pp:
-            problems.append(f"layers={self.layers} must be divisible by pp={self.pp}")
+        if self.layers % (self.pp * self.num_virtual):
+            chunks = f" x {self.num_virtual} chunks per rank" if self.num_virtual > 1 else ""
+            problems.append(f"layers={self.layers} must be divisible by pp={self.pp}{chunks}")
         if self.batch % (self.dp * 2 * self.pp):
             problems.append(f"batch={self.batch} must be divisible by dp x microbatches = {self.dp} x {2 * self.pp}")
         if self.cp > 1 and self.seq % (2 * self.cp):
@@ -104,16 +107,18 @@ def rank_main(config: dict) -> list[dict]:
             opt.step()
             reference.append(float(loss.detach()))
     dims = ok.init_parallel(tp=cfg.tp, cp=cfg.cp, pp=cfg.pp, dp=cfg.dp)
-    trainer = Trainer(replace(gpt, activation_checkpointing=cfg.activation_checkpointing), dims, schedule=cfg.schedule, dense_state_dict=start, zero_stage=cfg.zero_stage,
-                      max_grad_norm=cfg.max_grad_norm)
+    trainer = Trainer(replace(gpt, activation_checkpointing=cfg.activation_checkpointing), dims, schedule=cfg.schedule,
+                      dense_state_dict=start, zero_stage=cfg.zero_stage, max_grad_norm=cfg.max_grad_norm,
+                      num_virtual=cfg.num_virtual)
     rows = []
     for step in range(cfg.steps):
         t0 = time.perf_counter()
         loss = trainer.step(*_batch(cfg, step))
         elapsed = time.perf_counter() - t0
         run = trainer.runner
-        m = trainer.schedule.num_microbatches
-        # per microbatch: F, B (BW, or zero-bubble's B alone) and W, whose placement zb-h1 is about
+        # per action (a microbatch through one of the rank's chunks): F, B (BW, or zero-bubble's B
+        # alone) and W, whose placement zb-h1 is about; the simulator costs each action so
+        m = trainer.schedule.num_microbatches * trainer.schedule.num_virtual
         per_op = [run.compute_s["F"], run.compute_s["BW"] + run.compute_s["B"], run.compute_s["W"]]
         measured = torch.tensor([1.0 - sum(run.compute_s.values()) / run.step_s] + [t / m for t in per_op],
                                 dtype=torch.float64, device=trainer.device)
@@ -132,7 +137,8 @@ def rank_main(config: dict) -> list[dict]:
 def format_rows(rows: list[dict], cfg: DemoConfig) -> str:
     clip = cfg.max_grad_norm is not None
     lines = [f"# small GPT, {cfg.layers} layers, hidden {cfg.hidden}, batch {cfg.batch} x {cfg.seq} tokens; "
-             f"tp={cfg.tp} pp={cfg.pp} cp={cfg.cp} dp={cfg.dp}, {cfg.schedule}, ZeRO-{cfg.zero_stage}"
+             f"tp={cfg.tp} pp={cfg.pp} cp={cfg.cp} dp={cfg.dp}, {cfg.schedule}"
+             + (f" ({cfg.num_virtual} chunks per rank)" if cfg.num_virtual > 1 else "") + f", ZeRO-{cfg.zero_stage}"
              + (f", clipped at {cfg.max_grad_norm:g}" if clip else "")
              + (", activation checkpointing" if cfg.activation_checkpointing else "") + "; CPU ranks (gloo)",
              f"{'step':>4}  {'loss':>8}  {'1-proc ref':>10}  "

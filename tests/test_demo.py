@@ -30,8 +30,8 @@ def test_demo_with_zero_3_clipping_and_recompute_agrees_with_its_reference(rank_
 
 def test_demo_refuses_compositions_it_cannot_run_before_spawning():
     for kwargs, message in ((dict(tp=3, pp=1), r"tp=3 must divide the 2 KV heads"),
-                            (dict(schedule="interleaved-1f1b"), r"schedule='interleaved-1f1b': the demo's Trainer "
-                                                                r"holds one model chunk per pipeline rank"),
+                            (dict(schedule="interleaved-1f1b", layers=6), r"layers=6 must be divisible by pp=2 x 2 "
+                                                                          r"chunks per rank"),
                             (dict(zero_stage=4), r"zero_stage=4 must be 1, 2 or 3"),
                             (dict(zero_stage=1.0), r"zero_stage=1\.0 must be 1, 2 or 3"),
                             (dict(zero_stage=True), r"zero_stage=True must be 1, 2 or 3"),
@@ -41,6 +41,19 @@ def test_demo_refuses_compositions_it_cannot_run_before_spawning():
                             (dict(activation_checkpointing=1), r"activation_checkpointing=1 must be a bool")):
         with pytest.raises(ValueError, match=message):
             demo.DemoConfig(**kwargs).resolved(3 if kwargs.get("tp") == 3 else 4)
+
+
+def test_demo_interleaved_runs_two_chunks_per_rank(rank_pool):
+    """interleaved-1f1b (it ran as 1F1B with one chunk per rank, so the demo refused it): two chunks
+    per rank, the loss agrees with the reference, and the simulated bubble is the interleaved one."""
+    from overlapkernels.runtime import pipeline as pp
+
+    cfg = demo.DemoConfig(tp=1, pp=2, steps=1, reference_steps=1, batch=4, seq=8, vocab=16, hidden=16, layers=4,
+                          schedule="interleaved-1f1b")
+    (row,) = rank_pool(2).run(demo.rank_main, demo.config_dict(cfg))[0]
+    assert row["loss"] == pytest.approx(row["reference"], rel=1e-5)
+    interleaved = pp.make_schedule("interleaved-1f1b", 2, 4, num_virtual=2)
+    assert row["bubble_simulated"] == pp.simulate(interleaved, t_f=row["t_f"], t_b=row["t_b"]).bubble_fraction
 
 
 def test_demo_zero_bubble_simulation_uses_the_measured_weight_gradients(rank_pool):

@@ -32,9 +32,10 @@ def _adamw(params):
 class Trainer:
     """The GPT trained over ``dims`` (DP x PP x CP x TP): this rank builds its pipeline stage
     (``dense_state_dict``: start from these dense weights, sharded for this rank), runs
-    ``schedule`` ("gpipe", "1f1b" or "zb-h1"; one stage per rank) over ``num_microbatches``
-    (default: twice the PP size), and steps ``optimizer`` (a factory of the stage's
-    parameters, as ``fsdp.shard`` takes) with ZeRO over DP: ``zero_stage`` 1 (default), 2 or 3, with any of these schedules
+    ``schedule`` ("gpipe", "1f1b" or "zb-h1" with one stage per rank; "interleaved-1f1b" with
+    ``num_virtual`` > 1 chunks per rank, Megatron's virtual stages: chunk c of rank r is stage
+    c x PP + r) over ``num_microbatches`` (default: twice the PP size), and steps ``optimizer`` (a
+    factory of a stage's parameters, as ``fsdp.shard`` takes) with ZeRO over DP: ``zero_stage`` 1 (default), 2 or 3, with any of these schedules
     (DeepSpeed allows only ZeRO-1 with pipelines); 2 and 3 reduce-scatter each
     microbatch's gradients during its backward, 3 also gathers each unit's parameters around its
     forward and backward. ``step(tokens, targets)``: the global [B, S] batch on every rank (B
@@ -52,13 +53,17 @@ class Trainer:
 
     ``save(path)`` / ``load(path)``: the job's checkpoint (``fsdp.save``: every rank, same path; any
     dp size on load) with ``steps`` (training steps run, skipped ones included), the loss scaler's
-    and the schedule's state.
+    and the schedule's state (one chunk per rank only: chunks would be separate checkpoints, not
+    replaced atomically together).
+
+    ``stages`` / ``chunks``: this rank's GPT stages and their ShardedModules, one per chunk;
+    ``stage`` / ``sharded``: the one of a rank holding one chunk.
     """
 
     def __init__(self, config, dims, *, schedule: str = "1f1b", num_microbatches: int | None = None,
                  optimizer=_adamw, dtype=torch.float32, dense_state_dict: dict | None = None, device=None,
                  zero_stage: int = 1, max_grad_norm: float | None = None,
-                 grad_scaler: fsdp.GradScaler | None = None, lr_scheduler=None):
+                 grad_scaler: fsdp.GradScaler | None = None, lr_scheduler=None, num_virtual: int = 1):
         if not isinstance(zero_stage, int) or isinstance(zero_stage, bool) or zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage={zero_stage!r}: expected 1, 2 or 3")
         if num_microbatches is not None and (isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
@@ -73,6 +78,8 @@ class Trainer:
             raise TypeError(f"grad_scaler={type(grad_scaler).__module__}.{type(grad_scaler).__name__}: expected an "
                             "overlapkernels.runtime.fsdp.GradScaler (the ZeRO shards are unscaled and the skip "
                             "agreed over every rank), or None")
+        if isinstance(num_virtual, bool) or not isinstance(num_virtual, int) or num_virtual < 1:
+            raise ValueError(f"num_virtual={num_virtual!r}: expected an integer >= 1 (chunks per pipeline rank)")
         if lr_scheduler is not None and not callable(lr_scheduler):
             raise TypeError(f"lr_scheduler={type(lr_scheduler).__name__}: expected a factory, callable(optimizer) -> "
                             "a torch.optim.lr_scheduler schedule (e.g. lambda opt: LambdaLR(opt, f)), or None")
@@ -84,18 +91,30 @@ class Trainer:
         self.steps = 0
         # NCCL moves CUDA tensors only: the stage lives on this rank's GPU there, on the CPU under gloo
         self.device = torch.device(device) if device is not None else comm_device()
-        self.stage = GPT(config, dims, dtype=dtype, device=self.device, pipeline_stage=(dims.pp_rank, dims.pp_size))
-        if dense_state_dict is not None:
-            self.stage.load_state_dict(shard_dense_state_dict(self.stage, dense_state_dict))
-        self.sharded = fsdp.shard(self.stage, dims.dp_group, stage=zero_stage, optimizer=optimizer)
-        self.lr_scheduler = None if lr_scheduler is None else lr_scheduler(self.sharded.optimizer)
-        if lr_scheduler is not None and not all(callable(getattr(self.lr_scheduler, name, None))
-                                                for name in ("step", "state_dict", "load_state_dict")):
-            raise TypeError(f"lr_scheduler returned {type(self.lr_scheduler).__name__}: expected a schedule with "
-                            "step(), state_dict() and load_state_dict() (torch.optim.lr_scheduler's)")
         m = 2 * dims.pp_size if num_microbatches is None else num_microbatches
-        self.schedule = pp.make_schedule(schedule, dims.pp_size, m)
-        self.runner = pp.PipelineRunner(self.sharded, dims.pp_group, schedule=self.schedule, loss_fn=self._loss)
+        # before any stage is built: a schedule that cannot run fails alike on every rank
+        self.schedule = pp.make_schedule(schedule, dims.pp_size, m, num_virtual=num_virtual)
+        stages = dims.pp_size * num_virtual
+        self.stages = [GPT(config, dims, dtype=dtype, device=self.device,
+                           pipeline_stage=(chunk * dims.pp_size + dims.pp_rank, stages)) for chunk in range(num_virtual)]
+        for stage in self.stages if dense_state_dict is not None else ():
+            stage.load_state_dict(shard_dense_state_dict(stage, dense_state_dict))
+        self.chunks = [fsdp.shard(stage, dims.dp_group, stage=zero_stage, optimizer=optimizer) for stage in self.stages]
+        # one rank's chunks as clipping, the scaler and stepping take them: the module itself when alone
+        self._steps_of = self.chunks[0] if num_virtual == 1 else self.chunks
+        self.stage, self.sharded = (self.stages[0], self.chunks[0]) if num_virtual == 1 else (None, None)
+        # one schedule per chunk's optimizer, stepped together (lr_scheduler: the first's)
+        self.lr_schedulers = [] if lr_scheduler is None else [lr_scheduler(c.optimizer) for c in self.chunks]
+        if lr_scheduler is not None and not all(callable(getattr(self.lr_schedulers[0], name, None))
+                                                for name in ("step", "state_dict", "load_state_dict")):
+            raise TypeError(f"lr_scheduler returned {type(self.lr_schedulers[0]).__name__}: expected a schedule with "
+                            "step(), state_dict() and load_state_dict() (torch.optim.lr_scheduler's)")
+        self.runner = pp.PipelineRunner(self._steps_of, dims.pp_group, schedule=self.schedule, loss_fn=self._loss)
+
+    @property
+    def lr_scheduler(self):
+        """The learning-rate schedule (the first chunk's; every chunk's steps alike), or None."""
+        return self.lr_schedulers[0] if self.lr_schedulers else None
 
     def _loss(self, logits, targets_local):
         """This microbatch's share of the step's global mean token loss. The runner divides by the
@@ -124,15 +143,15 @@ class Trainer:
         if tokens.shape[0] % rows:
             raise ValueError(f"batch size {tokens.shape[0]} must be divisible by dp x microbatches = "
                              f"{self.dims.dp_size} x {self.schedule.num_microbatches}")
-        self.stage.local_tokens(tokens)  # sequence split over CP (and TP under SP), max_seq_len
-        self.stage.check_ids(tokens, targets)  # each stage's ranks see only part: checked whole here
+        self.stages[0].local_tokens(tokens)  # sequence split over CP (and TP under SP), max_seq_len
+        self.stages[0].check_ids(tokens, targets)  # each stage's ranks see only part: checked whole here
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimizer step on the global batch; returns its mean token loss on every rank."""
         self.check_batch(tokens, targets)
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         t0 = time.perf_counter()
-        first, last = self.stage.first, self.stage.last
+        first, last = self.stages[0].first, self.stages[-1].last
         self._tokens = max(1, int((targets != self.config.ignore_index).sum()))
         self._losses = []
         self.runner.step(self.local_batch(tokens) if first else None, self.local_batch(targets) if last else None)
@@ -156,11 +175,18 @@ class Trainer:
         scaler = self.grad_scaler
         state = {"steps": self.steps, "grad_scaler": scaler.state_dict() if scaler is not None else None,
                  "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict()}
-        fsdp.save(self.sharded, path, extra={"trainer": state})
+        fsdp.save(self._one_chunk("save"), path, extra={"trainer": state})
+
+    def _one_chunk(self, op: str):
+        if len(self.chunks) > 1:  # every rank alike (same num_virtual), before any collective
+            raise NotImplementedError(f"Trainer.{op} with num_virtual={len(self.chunks)}: each chunk is a checkpoint of "
+                                      "its own, and they would not be replaced atomically together; fsdp.save / "
+                                      "fsdp.load each of trainer.chunks (with a path per chunk)")
+        return self.chunks[0]
 
     def load(self, path) -> None:
         """Resume from ``save``'s checkpoint (every rank, same path)."""
-        state = fsdp.load(self.sharded, path).get("trainer")
+        state = fsdp.load(self._one_chunk("load"), path).get("trainer")
         if state is None:  # fsdp.save's own: what it holds is loaded, the trainer's state stays as it is
             warnings.warn(f"Trainer.load: {path!r} holds no trainer state (written by fsdp.save, not Trainer.save): "
                           "weights and optimizer state loaded; steps and the loss scale kept", stacklevel=2)
@@ -183,20 +209,21 @@ class Trainer:
         scaler = self.grad_scaler
         if scaler is None:
             self._clip()
-            self.sharded.step()
+            for chunk in self.chunks:
+                chunk.step()
             self.last_step_skipped = False
         else:
             try:
-                scaler.unscale_(self.sharded, dims=self.dims)  # clipping needs the true norm
+                scaler.unscale_(self._steps_of, dims=self.dims)  # clipping needs the true norm
                 self._clip()
-                self.last_step_skipped = not scaler.step(self.sharded, dims=self.dims)
+                self.last_step_skipped = not scaler.step(self._steps_of, dims=self.dims)
             except BaseException:
                 scaler._abandon_step()  # else every later step would fail: "unscale_() has already been called"
                 raise
             scaler.update()
-        if self.lr_scheduler is not None and not self.last_step_skipped:
-            self.lr_scheduler.step()
+        for schedule in self.lr_schedulers if not self.last_step_skipped else ():
+            schedule.step()
 
     def _clip(self) -> None:
         if self.max_grad_norm is not None:
-            self._grad_norm = self.sharded.clip_grad_norm_(self.max_grad_norm, dims=self.dims)
+            self._grad_norm = fsdp.clip_grad_norm_(self._steps_of, self.max_grad_norm, dims=self.dims)
