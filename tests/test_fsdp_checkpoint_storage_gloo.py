@@ -3,6 +3,7 @@ the checkpoint (storage not shared by the nodes) or sees it late (a network file
 missing checkpoint, metadata that is not ours, optimizer hyperparameters JSON cannot hold as is, and
 the caller's extra state.
 Every failure is raised by every rank, never by one while the others wait."""
+import math
 import os
 
 import pytest
@@ -73,15 +74,19 @@ def test_ranks_passing_different_paths_are_refused_before_anything_is_written(ra
 
 
 def _extra_state_on_rank(root):
-    """``extra`` (a trainer's own state) travels with the checkpoint; one that differs between ranks
-    or that JSON cannot keep is refused by every rank before anything is written."""
+    """``extra`` (a trainer's own state) travels with the checkpoint and comes back as it was; one
+    that differs between ranks, or that JSON would not give back as it is (int keys, tuples: a
+    MultiStepLR's milestones came back with string keys), is refused by every rank before anything
+    is written. A NaN passed by every rank is the same value (it compared unequal to itself)."""
     sharded = fsdp.shard(_net(), stage=2)
     path = os.path.join(root, "ckpt")
     fsdp.save(sharded, path)
     said = [fsdp.load(sharded, path)]  # none saved: {}
-    fsdp.save(sharded, path, extra={"steps": 3, "scaler": {"scale": 1024.0}})
+    fsdp.save(sharded, path, extra={"steps": 3, "scaler": {"scale": 1024.0}, "best": [float("nan")]})
     said.append(fsdp.load(sharded, path))
-    for bad in ({"steps": dist.get_rank()}, {"at": torch.ones(1)} if dist.get_rank() else {"at": 1}, [1]):
+    one = 1 if dist.get_rank() == 0 else 1.0  # equal in Python, not in the checkpoint
+    for bad in ({"steps": dist.get_rank()}, {"steps": one}, {"at": torch.ones(1)} if dist.get_rank() else {"at": 1},
+                {"milestones": {3: 1}}, {"betas": [(0.9, 0.95)]}, [1]):
         try:
             fsdp.save(sharded, path, extra=bad)
         except (TypeError, ValueError) as exc:
@@ -91,15 +96,22 @@ def _extra_state_on_rank(root):
 
 
 def test_extra_state_is_saved_with_the_checkpoint_and_refused_when_ranks_differ(rank_pool, tmp_path):
+    keep = "which JSON would not give back as it is; use str keys"
     for said, listing in rank_pool(2).run(_extra_state_on_rank, str(tmp_path)):
-        kept = {"steps": 3, "scaler": {"scale": 1024.0}}
-        assert said[:2] == [{}, kept], said
-        assert said[2] == ("ValueError: fsdp.save: extra must be the same on every rank; ranks [1] passed another than "
-                           "rank 0's {'steps': 0}"), said[2]
-        assert said[3].startswith("TypeError: fsdp.save: rank 1's extra holds a value JSON cannot keep ("), said[3]
-        assert said[4] == ("TypeError: fsdp.save: rank 0's extra=list: expected a dict (of JSON values: the trainer's "
-                           "own state), or None"), said[4]
-        assert said[5:] == [kept] and listing == ["ckpt"], (said, listing)
+        assert said[0] == {} and said[1]["steps"] == 3 and said[1]["scaler"] == {"scale": 1024.0}, said
+        assert len(said[1]["best"]) == 1 and math.isnan(said[1]["best"][0]), said[1]
+        assert said[2] == ('ValueError: fsdp.save: extra must be the same on every rank; ranks [1] passed another than '
+                           'rank 0\'s {"steps": 0}'), said[2]
+        assert said[3] == ('ValueError: fsdp.save: extra must be the same on every rank; ranks [1] passed another than '
+                           'rank 0\'s {"steps": 1}'), said[3]
+        assert said[4] == "TypeError: fsdp.save: rank 1's extra['at'] is a Tensor, " + keep + \
+            ", and numbers, strings, bools, None, lists and dicts (pickle and base64-encode anything else)", said[4]
+        assert said[5].startswith(f"TypeError: fsdp.save: rank 0's extra['milestones'] has the key 3 (int; JSON keys are "
+                                  f"strings), {keep}"), said[5]
+        assert said[6].startswith(f"TypeError: fsdp.save: rank 0's extra['betas'][0] is a tuple, {keep}"), said[6]
+        assert said[7] == ("TypeError: fsdp.save: rank 0's extra=list: expected a dict (of JSON values: the trainer's "
+                           "own state), or None"), said[7]
+        assert said[8]["steps"] == 3 and listing == ["ckpt"], (said, listing)
 
 
 def _missing_checkpoint_on_rank(path):

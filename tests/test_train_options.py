@@ -2,6 +2,7 @@
 norm spans every rank's part of the model, an overflow anywhere skips the step everywhere, and
 recomputed blocks train as stored ones."""
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -171,18 +172,22 @@ def test_bad_clipping_and_scaler_arguments_are_refused():
 
 def _resume_on_rank(path):
     """Two steps, save, two more; a trainer drawn from another seed loads the checkpoint and takes
-    the same two steps: the same losses, weights, step count and loss scale (grown every step)."""
+    the same two steps: the same losses, weights, step count, loss scale (grown every step) and lr
+    schedule (MultiStepLR: its milestones are a Counter of ints, which JSON gives back with string
+    keys - the resumed schedule then never decayed)."""
     config = GPTConfig(**CONFIG, method="decomposed")
     dims = ok.init_parallel(dp=2, pp=2)
     g = torch.Generator().manual_seed(7)
     batches = [(torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g))
                for _ in range(4)]
 
-    def trainer(seed):
+    def trainer(seed, schedule=True, scaler=True, **kwargs):
         torch.manual_seed(seed)
-        warmup = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 4))  # noqa
-        return Trainer(config, dims, zero_stage=3, max_grad_norm=1.0, lr_scheduler=warmup,
-                       grad_scaler=fsdp.GradScaler(init_scale=2.0 ** 10, growth_interval=1))
+        decay = lambda opt: torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[3], gamma=0.1)  # noqa: E731
+        kwargs.setdefault("lr_scheduler", decay if schedule else None)
+        return Trainer(config, dims, zero_stage=3, max_grad_norm=1.0,
+                       grad_scaler=fsdp.GradScaler(init_scale=2.0 ** 10, growth_interval=1) if scaler else None,
+                       **kwargs)
 
     first = trainer(0)
     for batch in batches[:2]:
@@ -194,12 +199,25 @@ def _resume_on_rank(path):
     second.load(path)
     assert second.steps == 2 and second.grad_scaler.get_scale() == 2.0 ** 12
     lrs = {group["lr"] for group in second.sharded.optimizer.param_groups}
-    assert lrs == {1e-2 * 3 / 4} and second.lr_scheduler.state_dict() == first_schedule, lrs
+    assert lrs == {1e-2} and second.lr_scheduler.state_dict() == first_schedule, lrs
     got = [second.step(*batch) for batch in batches[2:]]
     assert got == want, (got, want)
     assert second.grad_scaler.state_dict() == first.grad_scaler.state_dict() and second.steps == 4
     lrs = second.lr_scheduler.get_last_lr()
-    assert lrs == first.lr_scheduler.get_last_lr() and set(lrs) == {1e-2}, lrs  # warmed up
+    assert lrs == first.lr_scheduler.get_last_lr() and lrs == pytest.approx([1e-3] * len(lrs)), lrs  # decayed at step 3
+    # a trainer without a scaler or a schedule is told what it does not load
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(2, schedule=False, scaler=False).load(path)
+    told = sorted(str(w.message) for w in caught)
+    assert told == [f"Trainer.load: {path!r} holds a {what} state and this trainer has no {what}: not loaded"
+                    for what in ("loss scaler", "lr schedule")], told
+    try:
+        trainer(3, lr_scheduler=lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+    except TypeError as exc:
+        assert str(exc).startswith("lr_scheduler returned a ReduceLROnPlateau, whose step() needs a metric"), exc
+    else:
+        raise AssertionError("ReduceLROnPlateau accepted")
     mine, theirs = first.sharded.full_state_dict(), second.sharded.full_state_dict()
     assert all(torch.equal(mine[k], theirs[k]) for k in mine if torch.is_tensor(mine[k]))
     return want

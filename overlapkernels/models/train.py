@@ -8,8 +8,10 @@ CP, every reduced shard over CP (the GPT tags its parameters with its CP group).
 """
 from __future__ import annotations
 
+import base64
 import math
 import numbers
+import pickle
 import time
 import warnings
 
@@ -109,6 +111,9 @@ class Trainer:
                                                 for name in ("step", "state_dict", "load_state_dict")):
             raise TypeError(f"lr_scheduler returned {type(self.lr_schedulers[0]).__name__}: expected a schedule with "
                             "step(), state_dict() and load_state_dict() (torch.optim.lr_scheduler's)")
+        if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):  # (every rank alike)
+            raise TypeError("lr_scheduler returned a ReduceLROnPlateau, whose step() needs a metric the Trainer does "
+                            "not have: step it yourself after trainer.step (trainer.lr_schedulers is empty without one)")
         self.runner = pp.PipelineRunner(self._steps_of, dims.pp_group, schedule=self.schedule, loss_fn=self._loss)
 
     @property
@@ -172,10 +177,14 @@ class Trainer:
 
     def save(self, path) -> None:
         """Checkpoint the weights, the optimizer's and the trainer's state (every rank, same path)."""
-        scaler = self.grad_scaler
-        state = {"steps": self.steps, "grad_scaler": scaler.state_dict() if scaler is not None else None,
-                 "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict()}
-        fsdp.save(self._one_chunk("save"), path, extra={"trainer": state})
+        chunk, scaler, schedule = self._one_chunk("save"), self.grad_scaler, self.lr_scheduler
+        state = {"steps": self.steps,
+                 "grad_scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+                 # pickled: a schedule's state holds what JSON would change (MultiStepLR's Counter of int
+                 # milestones came back with string keys, and the schedule never decayed)
+                 "lr_scheduler": None if schedule is None else
+                 base64.b64encode(pickle.dumps(schedule.state_dict())).decode("ascii")}
+        fsdp.save(chunk, path, extra={"trainer": state})
 
     def _one_chunk(self, op: str):
         if len(self.chunks) > 1:  # every rank alike (same num_virtual), before any collective
@@ -189,13 +198,23 @@ class Trainer:
         state = fsdp.load(self._one_chunk("load"), path).get("trainer")
         if state is None:  # fsdp.save's own: what it holds is loaded, the trainer's state stays as it is
             warnings.warn(f"Trainer.load: {path!r} holds no trainer state (written by fsdp.save, not Trainer.save): "
-                          "weights and optimizer state loaded; steps and the loss scale kept", stacklevel=2)
+                          "weights and optimizer state loaded; steps, the loss scale and the lr schedule kept",
+                          stacklevel=2)
             return
         self.steps = state["steps"]
-        if self.grad_scaler is not None and self.grad_scaler.is_enabled() and state["grad_scaler"]:
-            self.grad_scaler.load_state_dict(state["grad_scaler"])
-        if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        scaler = self.grad_scaler if self.grad_scaler is not None and self.grad_scaler.is_enabled() else None
+        saved_scaler, saved_schedule = state.get("grad_scaler") or None, state.get("lr_scheduler")
+        for what, mine, saved in (("loss scaler", scaler, saved_scaler), ("lr schedule", self.lr_scheduler,
+                                                                         saved_schedule)):
+            if (mine is None) != (saved is None):  # a silent restart of a warmup, or a lost scale
+                warnings.warn(f"Trainer.load: {path!r} holds {'a' if saved is not None else 'no'} {what} state and "
+                              f"this trainer has {'no' if mine is None else 'a'} {what}: "
+                              + ("not loaded" if saved is not None else "it starts afresh"), stacklevel=2)
+        if scaler is not None and saved_scaler is not None:
+            scaler.load_state_dict(saved_scaler)
+        for schedule in self.lr_schedulers if saved_schedule is not None else ():
+            # (the job's own checkpoint, as torch.distributed.checkpoint's pickled metadata is)
+            schedule.load_state_dict(pickle.loads(base64.b64decode(saved_schedule)))
 
     @property
     def last_grad_norm(self) -> float | None:

@@ -243,17 +243,40 @@ def _check_sharded(sharded, op: str) -> None:
         raise TypeError(f"fsdp.{op}: expected a ShardedModule (from fsdp.shard), got {type(sharded).__name__}")
 
 
+def _not_kept_exactly(value, where: str) -> str | None:
+    """Where ``value`` holds something JSON would not give back as it is (None if nothing): json.dumps
+    turns int keys into strings and tuples into lists without a word (a MultiStepLR's milestones
+    Counter came back with string keys, and the schedule never decayed)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return None
+    if isinstance(value, list):
+        return next((p for i, v in enumerate(value) if (p := _not_kept_exactly(v, f"{where}[{i}]"))), None)
+    if type(value) is dict:
+        for key, v in value.items():
+            if not isinstance(key, str):
+                return f"{where} has the key {key!r} ({type(key).__name__}; JSON keys are strings)"
+            if (p := _not_kept_exactly(v, f"{where}[{key!r}]")) is not None:
+                return p
+        return None
+    return f"{where} is a {type(value).__name__}"
+
+
 def _extra_problem(extra) -> str | None:
-    """Why ``extra`` cannot go into the metadata (None if it can)."""
+    """Why ``extra`` cannot go into the metadata as it is (None if it can)."""
     if extra is None:
         return None
-    if not isinstance(extra, dict):
+    if type(extra) is not dict:
         return f"extra={type(extra).__name__}: expected a dict (of JSON values: the trainer's own state), or None"
-    try:
-        json.dumps(extra)
-    except (TypeError, ValueError) as exc:
-        return f"extra holds a value JSON cannot keep ({exc}); use numbers, strings, bools, None, lists and dicts"
+    where = _not_kept_exactly(extra, "extra")
+    if where is not None:
+        return (f"{where}, which JSON would not give back as it is; use str keys, and numbers, strings, bools, None, "
+                "lists and dicts (pickle and base64-encode anything else)")
     return None
+
+
+def _canonical(extra) -> str | None:
+    """One string per value, compared between ranks: NaN equals NaN, and 1, 1.0 and True differ."""
+    return None if extra is None else json.dumps(extra, sort_keys=True)
 
 
 def save(sharded, path, *, extra: dict | None = None) -> None:
@@ -276,7 +299,8 @@ def save(sharded, path, *, extra: dict | None = None) -> None:
             "unit_params": _unit_params(sharded), "param_groups": json_groups(optim["param_groups"]), "optim": plan, "buffers": buffer_plan}
     everyone = [None] * dist.get_world_size()
     extra_problem = _extra_problem(extra)
-    dist.all_gather_object(everyone, (part, mine, problem, path, extra_problem, None if extra_problem else extra))
+    dist.all_gather_object(everyone, (part, mine, problem, path, extra_problem,
+                                      None if extra_problem else _canonical(extra)))
     # (a per-rank timestamp in the name: rank 0 switched its own folder in, the others' shards went
     # elsewhere, and the previous checkpoint was deleted before anyone noticed)
     if len(set(paths := [e[3] for e in everyone])) > 1:
@@ -290,7 +314,7 @@ def save(sharded, path, *, extra: dict | None = None) -> None:
     if any(e[5] != everyone[0][5] for e in everyone):  # one copy is kept: it must be everyone's
         differ = [r for r, e in enumerate(everyone) if e[5] != everyone[0][5]]
         raise ValueError(f"fsdp.save: extra must be the same on every rank; ranks {differ} passed another than "
-                         f"rank 0's {everyone[0][5]!r}")
+                         f"rank 0's {everyone[0][5]}")
     by_part = {e[0]: e[1] for e in everyone}  # every rank of a part has the same entry
     # format 3 only where it is needed: older versions still read the rest and refuse these by format
     holds_values = any(e["kind"] == "value" for entry in by_part.values() for e in entry["optim"].values())
