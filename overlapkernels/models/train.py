@@ -31,6 +31,41 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-2)
 
 
+def _check_options(zero_stage, num_microbatches, max_grad_norm, grad_scaler, num_virtual, lr_scheduler) -> None:
+    """The Trainer's own arguments, refused by name before anything is built (alike on every rank)."""
+    if not isinstance(zero_stage, int) or isinstance(zero_stage, bool) or zero_stage not in (1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r}: expected 1, 2 or 3")
+    if num_microbatches is not None and (isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
+                                         or num_microbatches < 1):  # (0 must not mean the default)
+        raise ValueError(f"num_microbatches={num_microbatches!r}: expected an integer >= 1, or None for "
+                         "2 x the pipeline size")
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real)
+                                      or not 0 < max_grad_norm < math.inf):
+        raise ValueError(f"max_grad_norm={max_grad_norm!r}: expected a finite number > 0, or None (no clipping)")
+    if grad_scaler is not None and not isinstance(grad_scaler, fsdp.GradScaler):
+        # torch.amp.GradScaler steps an optimizer, and the sharded masters' gradients exist only in step()
+        raise TypeError(f"grad_scaler={type(grad_scaler).__module__}.{type(grad_scaler).__name__}: expected an "
+                        "overlapkernels.runtime.fsdp.GradScaler (the ZeRO shards are unscaled and the skip "
+                        "agreed over every rank), or None")
+    if isinstance(num_virtual, bool) or not isinstance(num_virtual, int) or num_virtual < 1:
+        raise ValueError(f"num_virtual={num_virtual!r}: expected an integer >= 1 (chunks per pipeline rank)")
+    if lr_scheduler is not None and not callable(lr_scheduler):
+        raise TypeError(f"lr_scheduler={type(lr_scheduler).__name__}: expected a factory, callable(optimizer) -> "
+                        "a torch.optim.lr_scheduler schedule (e.g. lambda opt: LambdaLR(opt, f)), or None")
+
+
+def _schedule(factory, optimizer):
+    """``factory(optimizer)``, refused by name unless the Trainer can step it (alike on every rank)."""
+    schedule = factory(optimizer)
+    if not all(callable(getattr(schedule, name, None)) for name in ("step", "state_dict", "load_state_dict")):
+        raise TypeError(f"lr_scheduler returned {type(schedule).__name__}: expected a schedule with step(), "
+                        "state_dict() and load_state_dict() (torch.optim.lr_scheduler's)")
+    if isinstance(schedule, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise TypeError("lr_scheduler returned a ReduceLROnPlateau, whose step() needs a metric the Trainer does "
+                        "not have: step it yourself after trainer.step (trainer.lr_schedulers is empty without one)")
+    return schedule
+
+
 class Trainer:
     """The GPT trained over ``dims`` (DP x PP x CP x TP): this rank builds its pipeline stage
     (``dense_state_dict``: start from these dense weights, sharded for this rank), runs
@@ -66,25 +101,7 @@ class Trainer:
                  optimizer=_adamw, dtype=torch.float32, dense_state_dict: dict | None = None, device=None,
                  zero_stage: int = 1, max_grad_norm: float | None = None,
                  grad_scaler: fsdp.GradScaler | None = None, lr_scheduler=None, num_virtual: int = 1):
-        if not isinstance(zero_stage, int) or isinstance(zero_stage, bool) or zero_stage not in (1, 2, 3):
-            raise ValueError(f"zero_stage={zero_stage!r}: expected 1, 2 or 3")
-        if num_microbatches is not None and (isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
-                                             or num_microbatches < 1):  # (0 must not mean the default)
-            raise ValueError(f"num_microbatches={num_microbatches!r}: expected an integer >= 1, or None for "
-                             "2 x the pipeline size")
-        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real)
-                                          or not 0 < max_grad_norm < math.inf):
-            raise ValueError(f"max_grad_norm={max_grad_norm!r}: expected a finite number > 0, or None (no clipping)")
-        if grad_scaler is not None and not isinstance(grad_scaler, fsdp.GradScaler):
-            # torch.amp.GradScaler steps an optimizer, and the sharded masters' gradients exist only in step()
-            raise TypeError(f"grad_scaler={type(grad_scaler).__module__}.{type(grad_scaler).__name__}: expected an "
-                            "overlapkernels.runtime.fsdp.GradScaler (the ZeRO shards are unscaled and the skip "
-                            "agreed over every rank), or None")
-        if isinstance(num_virtual, bool) or not isinstance(num_virtual, int) or num_virtual < 1:
-            raise ValueError(f"num_virtual={num_virtual!r}: expected an integer >= 1 (chunks per pipeline rank)")
-        if lr_scheduler is not None and not callable(lr_scheduler):
-            raise TypeError(f"lr_scheduler={type(lr_scheduler).__name__}: expected a factory, callable(optimizer) -> "
-                            "a torch.optim.lr_scheduler schedule (e.g. lambda opt: LambdaLR(opt, f)), or None")
+        _check_options(zero_stage, num_microbatches, max_grad_norm, grad_scaler, num_virtual, lr_scheduler)
         self.config, self.dims = config, dims
         # (a numpy or Fraction norm passes the check above; clipping itself takes int/float only)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -106,14 +123,7 @@ class Trainer:
         self._steps_of = self.chunks[0] if num_virtual == 1 else self.chunks
         self.stage, self.sharded = (self.stages[0], self.chunks[0]) if num_virtual == 1 else (None, None)
         # one schedule per chunk's optimizer, stepped together (lr_scheduler: the first's)
-        self.lr_schedulers = [] if lr_scheduler is None else [lr_scheduler(c.optimizer) for c in self.chunks]
-        if lr_scheduler is not None and not all(callable(getattr(self.lr_schedulers[0], name, None))
-                                                for name in ("step", "state_dict", "load_state_dict")):
-            raise TypeError(f"lr_scheduler returned {type(self.lr_schedulers[0]).__name__}: expected a schedule with "
-                            "step(), state_dict() and load_state_dict() (torch.optim.lr_scheduler's)")
-        if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):  # (every rank alike)
-            raise TypeError("lr_scheduler returned a ReduceLROnPlateau, whose step() needs a metric the Trainer does "
-                            "not have: step it yourself after trainer.step (trainer.lr_schedulers is empty without one)")
+        self.lr_schedulers = [] if lr_scheduler is None else [_schedule(lr_scheduler, c.optimizer) for c in self.chunks]
         self.runner = pp.PipelineRunner(self._steps_of, dims.pp_group, schedule=self.schedule, loss_fn=self._loss)
 
     @property
