@@ -173,3 +173,46 @@ def test_a_timeout_pending_on_one_rank_stops_the_save_on_every_rank(rank_pool, t
     assert rank1 == (f"SignalTimeoutError: {timeout}", 2, False)
     assert rank0 == (f"PeerFailedError: fsdp.save: rank 1 of the group failed, so this rank stops too: "
                      f"SignalTimeoutError: {timeout}", 2, False)
+
+
+def _chunks_in_one_checkpoint_on_rank(path):
+    """An interleaved pipeline rank's chunks (two ShardedModules over one group, of other shapes)
+    go into one checkpoint, replaced atomically together, and resume bit for bit: their keys and
+    metadata do not collide. A load with another chunk count, or chunks over other groups, is
+    refused by every rank."""
+    torch.manual_seed(0)
+    make = lambda: [fsdp.shard(torch.nn.Linear(4, 6).double(), stage=3, optimizer=OPTIMIZERS["adamw"]),  # noqa
+                    fsdp.shard(torch.nn.Linear(6, 3).double(), stage=2, optimizer=OPTIMIZERS["sgd"])]
+    chunks, batches = make(), _batches(4, 2, dist.get_world_size())
+
+    def run(chunks, steps):
+        for x, y in steps:
+            rows = slice(dist.get_rank() * 2, dist.get_rank() * 2 + 2)
+            _loss(chunks[1](chunks[0](x[rows, :4])), y[rows]).backward()
+            for chunk in chunks:
+                chunk.step()
+
+    run(chunks, batches[:2])
+    fsdp.save(chunks, path, extra={"step": 2})
+    run(chunks, batches[2:])
+    torch.manual_seed(1)  # other initial weights: the load must replace them all
+    resumed = make()
+    said = [fsdp.load(resumed, path)]
+    run(resumed, batches[2:])
+    said.append(all(torch.equal(a.full_state_dict()[k], b.full_state_dict()[k])
+                    for a, b in zip(chunks, resumed) for k in a.full_state_dict()))
+    alone = fsdp.shard(torch.nn.Linear(6, 3).double(), dist.new_group([dist.get_rank()]), stage=2)
+    for bad in (resumed[:1], [resumed[0], alone]):
+        try:
+            fsdp.load(bad, path)
+        except ValueError as exc:
+            said.append(str(exc))
+    return said
+
+
+def test_a_ranks_chunks_share_one_checkpoint(rank_pool, tmp_path):
+    path = str(tmp_path / "ckpt")
+    for said in rank_pool(2).run(_chunks_in_one_checkpoint_on_rank, path):
+        assert said[:2] == [{"step": 2}, True], said
+        assert said[2] == f"checkpoint {path!r} holds 2 chunks per rank; this rank passed 1", said[2]
+        assert said[3].startswith("fsdp.load: the chunks are sharded over different groups"), said[3]

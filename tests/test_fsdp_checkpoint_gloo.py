@@ -370,7 +370,7 @@ def test_checkpoint_under_tp2_by_dp2(rank_pool, tmp_path):
     assert rank_pool(4).run(_tp_dp_checkpoint_on_rank, path, True) == [True] * 4
     assert rank_pool(2).run(_tp_dp_checkpoint_on_rank, path, False) == [True] * 2
     for message in rank_pool(2).run(_tp1_load_on_rank, path):  # TP=1: another model split, refused
-        assert "holds 2 model parts (one per tp/pp/cp coordinate); this job has 1" in message, message
+        assert "holds 2 model parts (one per tp/pp/cp coordinate and chunk); this job has 1" in message, message
 
 
 def _same_numels_other_shapes_on_rank(path):

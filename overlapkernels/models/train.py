@@ -88,10 +88,9 @@ class Trainer:
     stepped after every optimizer step taken - a step skipped for an overflow does not count, as
     in Megatron.
 
-    ``save(path)`` / ``load(path)``: the job's checkpoint (``fsdp.save``: every rank, same path; any
-    dp size on load) with ``steps`` (training steps run, skipped ones included), the loss scaler's
-    and the schedule's state (one chunk per rank only: chunks would be separate checkpoints, not
-    replaced atomically together).
+    ``save(path)`` / ``load(path)``: the job's checkpoint (``fsdp.save``: every rank, same path, all
+    of a rank's chunks; any dp size on load) with ``steps`` (training steps run, skipped ones
+    included), the loss scaler's and the schedule's state.
 
     ``stages`` / ``chunks``: this rank's GPT stages and their ShardedModules, one per chunk;
     ``stage`` / ``sharded``: the one of a rank holding one chunk.
@@ -187,25 +186,18 @@ class Trainer:
 
     def save(self, path) -> None:
         """Checkpoint the weights, the optimizer's and the trainer's state (every rank, same path)."""
-        chunk, scaler, schedule = self._one_chunk("save"), self.grad_scaler, self.lr_scheduler
+        scaler, schedule = self.grad_scaler, self.lr_scheduler
         state = {"steps": self.steps,
                  "grad_scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
                  # pickled: a schedule's state holds what JSON would change (MultiStepLR's Counter of int
                  # milestones came back with string keys, and the schedule never decayed)
                  "lr_scheduler": None if schedule is None else
                  base64.b64encode(pickle.dumps(schedule.state_dict())).decode("ascii")}
-        fsdp.save(chunk, path, extra={"trainer": state})
-
-    def _one_chunk(self, op: str):
-        if len(self.chunks) > 1:  # every rank alike (same num_virtual), before any collective
-            raise NotImplementedError(f"Trainer.{op} with num_virtual={len(self.chunks)}: each chunk is a checkpoint of "
-                                      "its own, and they would not be replaced atomically together; fsdp.save / "
-                                      "fsdp.load each of trainer.chunks (with a path per chunk)")
-        return self.chunks[0]
+        fsdp.save(self._steps_of, path, extra={"trainer": state})  # every chunk, in one checkpoint
 
     def load(self, path) -> None:
         """Resume from ``save``'s checkpoint (every rank, same path)."""
-        state = fsdp.load(self._one_chunk("load"), path).get("trainer")
+        state = fsdp.load(self._steps_of, path).get("trainer")
         if state is None:  # fsdp.save's own: what it holds is loaded, the trainer's state stays as it is
             warnings.warn(f"Trainer.load: {path!r} holds no trainer state (written by fsdp.save, not Trainer.save): "
                           "weights and optimizer state loaded; steps, the loss scale and the lr schedule kept",

@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 
 from ...comm.process_world import check_pending_errors_together
 from .checkpoint_files import META, _every_rank_sees, _find, _on_rank0_for_all, _sees, _switch
-from .metadata_json import json_groups, tensor_groups, value_as_json
+from .metadata_json import canonical_extra, extra_problem, json_groups, tensor_groups, value_as_json
 
 FORMAT = 2  # 1 (per-rank keys, same world size only) was never released: not readable
 FORMAT_WITH_VALUES = 3  # adds "value" entries: optimizer state that is not a tensor, kept in the metadata
@@ -236,90 +236,79 @@ def _prefix(part: int, parts: int) -> str:
     return "" if parts == 1 else f"part{part}/"
 
 
-def _check_sharded(sharded, op: str) -> None:
+def _chunks(sharded, op: str) -> list:
+    """``sharded`` (a ShardedModule, or a list of them over one group: an interleaved pipeline
+    rank's chunks, saved in one checkpoint) as a list."""
     from .sharded import ShardedModule  # (sharded.py imports this file's helpers indirectly)
 
-    if not isinstance(getattr(sharded, "_orig_mod", sharded), ShardedModule):  # (torch.compile's wrapper: fine)
-        raise TypeError(f"fsdp.{op}: expected a ShardedModule (from fsdp.shard), got {type(sharded).__name__}")
-
-
-def _not_kept_exactly(value, where: str) -> str | None:
-    """Where ``value`` holds something JSON would not give back as it is (None if nothing): json.dumps
-    turns int keys into strings and tuples into lists without a word (a MultiStepLR's milestones
-    Counter came back with string keys, and the schedule never decayed)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return None
-    if isinstance(value, list):
-        return next((p for i, v in enumerate(value) if (p := _not_kept_exactly(v, f"{where}[{i}]"))), None)
-    if type(value) is dict:
-        for key, v in value.items():
-            if not isinstance(key, str):
-                return f"{where} has the key {key!r} ({type(key).__name__}; JSON keys are strings)"
-            if (p := _not_kept_exactly(v, f"{where}[{key!r}]")) is not None:
-                return p
-        return None
-    return f"{where} is a {type(value).__name__}"
-
-
-def _extra_problem(extra) -> str | None:
-    """Why ``extra`` cannot go into the metadata as it is (None if it can)."""
-    if extra is None:
-        return None
-    if type(extra) is not dict:
-        return f"extra={type(extra).__name__}: expected a dict (of JSON values: the trainer's own state), or None"
-    where = _not_kept_exactly(extra, "extra")
-    if where is not None:
-        return (f"{where}, which JSON would not give back as it is; use str keys, and numbers, strings, bools, None, "
-                "lists and dicts (pickle and base64-encode anything else)")
-    return None
-
-
-def _canonical(extra) -> str | None:
-    """One string per value, compared between ranks: NaN equals NaN, and 1, 1.0 and True differ."""
-    return None if extra is None else json.dumps(extra, sort_keys=True)
+    chunks = list(sharded) if isinstance(sharded, (list, tuple)) and len(sharded) else [sharded]
+    for i, chunk in enumerate(chunks):
+        if not isinstance(getattr(chunk, "_orig_mod", chunk), ShardedModule):  # (torch.compile's wrapper: fine)
+            where = f"[{i}]" if isinstance(sharded, (list, tuple)) else ""
+            raise TypeError(f"fsdp.{op}: expected a ShardedModule (from fsdp.shard) or a non-empty list of them, got "
+                            f"{type(chunk).__name__}{' at ' + where if where else ''}")
+    groups = {tuple(dist.get_process_group_ranks(chunk.group)) for chunk in chunks}
+    if len(groups) > 1:
+        raise ValueError(f"fsdp.{op}: the chunks are sharded over different groups {sorted(groups)}; one checkpoint "
+                         "holds a rank's chunks of one dp group")
+    return chunks
 
 
 def save(sharded, path, *, extra: dict | None = None) -> None:
     """Write a checkpoint of ``sharded`` (a collective over the world: every rank calls it, with the
-    same path). ``extra``: a dict of JSON values (a trainer's step count, its loss scaler's state),
-    the same on every rank, kept with the checkpoint - written and replaced atomically with it -
-    and returned by ``load``."""
-    _check_sharded(sharded, "save")
+    same path). ``sharded``: a ShardedModule, or a list of them - an interleaved pipeline rank's
+    chunks, kept in one checkpoint, replaced atomically together. ``extra``: a dict of JSON values
+    (a trainer's step count, its loss scaler's state), the same on every rank, kept with the
+    checkpoint and returned by ``load``."""
+    chunks = _chunks(sharded, "save")
     path = os.path.normpath(os.fspath(path))  # "ckpt/" would put its own temp folder inside it
     tmp, old = path + ".tmp", path + ".old"
-    part, parts = _part(sharded)
+    part, parts = _part(chunks[0])
     # a symm/fused call whose device wait timed out computed garbage (its error is raised a call
     # late): never into a checkpoint, on any rank
-    check_pending_errors_together(dist.group.WORLD, "fsdp.save", _device(sharded))
+    check_pending_errors_together(dist.group.WORLD, "fsdp.save", _device(chunks[0]))
     # leftovers of an interrupted save
     _on_rank0_for_all(lambda: os.path.exists(tmp) and shutil.rmtree(tmp), f"clearing {tmp!r}")
-    optim = _optimizer_state(sharded)
-    (plan, problem), buffer_plan = _plan_optim(sharded, optim["state"]), _plan_buffers(sharded)
-    mine = {"world_size": dist.get_world_size(sharded.group), "stage": sharded.stage, "units": _units(sharded),
-            "unit_params": _unit_params(sharded), "param_groups": json_groups(optim["param_groups"]), "optim": plan, "buffers": buffer_plan}
+    plans, problem = [], None  # per chunk: (optimizer state, its plan, the buffers' plan)
+    for chunk in chunks:
+        optim = _optimizer_state(chunk)
+        (plan, chunk_problem), buffer_plan = _plan_optim(chunk, optim["state"]), _plan_buffers(chunk)
+        plans.append((optim, plan, buffer_plan))
+        problem = problem or chunk_problem
+    mine = [{"world_size": dist.get_world_size(chunk.group), "stage": chunk.stage, "units": _units(chunk),
+             "unit_params": _unit_params(chunk), "param_groups": json_groups(optim["param_groups"]), "optim": plan,
+             "buffers": buffer_plan} for chunk, (optim, plan, buffer_plan) in zip(chunks, plans)]
     everyone = [None] * dist.get_world_size()
-    extra_problem = _extra_problem(extra)
-    dist.all_gather_object(everyone, (part, mine, problem, path, extra_problem,
-                                      None if extra_problem else _canonical(extra)))
+    extra_refused = extra_problem(extra)
+    dist.all_gather_object(everyone, (part, mine, problem, path, extra_refused,
+                                      None if extra_refused else canonical_extra(extra)))
     # (a per-rank timestamp in the name: rank 0 switched its own folder in, the others' shards went
     # elsewhere, and the previous checkpoint was deleted before anyone noticed)
     if len(set(paths := [e[3] for e in everyone])) > 1:
         raise ValueError(f"fsdp.save: every rank must pass the same path; got {paths} (by rank)")
+    if len(set(counts := [len(e[1]) for e in everyone])) > 1:
+        raise ValueError(f"fsdp.save: every rank must pass as many chunks; got {counts} (by rank)")
     problem = next((e[2] for e in everyone if e[2] is not None), None)
     if problem is not None:  # every rank of the world refuses alike, before any shard is written
         raise TypeError(f"fsdp.save: {problem}")
-    extra_problem = next((f"rank {r}'s {e[4]}" for r, e in enumerate(everyone) if e[4] is not None), None)
-    if extra_problem is not None:
-        raise TypeError(f"fsdp.save: {extra_problem}")
+    extra_refused = next((f"rank {r}'s {e[4]}" for r, e in enumerate(everyone) if e[4] is not None), None)
+    if extra_refused is not None:
+        raise TypeError(f"fsdp.save: {extra_refused}")
     if any(e[5] != everyone[0][5] for e in everyone):  # one copy is kept: it must be everyone's
         differ = [r for r, e in enumerate(everyone) if e[5] != everyone[0][5]]
         raise ValueError(f"fsdp.save: extra must be the same on every rank; ranks {differ} passed another than "
                          f"rank 0's {everyone[0][5]}")
-    by_part = {e[0]: e[1] for e in everyone}  # every rank of a part has the same entry
+    # a model part per dp group and chunk; every rank of a dp group has the same entries
+    v = len(chunks)
+    by_part = {e[0] * v + c: entry for e in everyone for c, entry in enumerate(e[1])}
     # format 3 only where it is needed: older versions still read the rest and refuse these by format
     holds_values = any(e["kind"] == "value" for entry in by_part.values() for e in entry["optim"].values())
     version = FORMAT_WITH_VALUES if holds_values else FORMAT
-    meta = {"format": version, **mine} if parts == 1 else {"format": version, "parts": [by_part[k] for k in range(parts)]}
+    total = parts * v
+    meta = ({"format": version, **mine[0]} if total == 1 else
+            {"format": version, "parts": [by_part[k] for k in range(total)]})
+    if v > 1:  # (a key older versions ignore: they then refuse the part count)
+        meta["chunks"] = v
     if extra is not None:  # (a key older versions ignore)
         meta["extra"] = extra
     try:  # the same on every rank: refused by all before any shard is written, not after
@@ -327,9 +316,12 @@ def save(sharded, path, *, extra: dict | None = None) -> None:
     except (TypeError, ValueError) as exc:
         raise TypeError(f"fsdp.save: the optimizer's param_groups hold a value the checkpoint cannot keep ({exc}); "
                         "use numbers, strings, bools, None, tensors or lists of them") from None
+    state = {}
+    for c, (chunk, (optim, plan, buffer_plan)) in enumerate(zip(chunks, plans)):
+        state.update(_state(chunk, optim["state"], plan, _prefix(part * v + c, total), buffer_plan))
     dist.barrier()
     with _dcp_errors_as_runtime_errors("fsdp.save", f"writing {tmp!r}"):
-        dcp.save(_state(sharded, optim["state"], plan, _prefix(part, parts), buffer_plan), checkpoint_id=tmp)
+        dcp.save(state, checkpoint_id=tmp)
 
     def write_meta():
         with open(os.path.join(tmp, META), "w") as f:
@@ -353,8 +345,8 @@ def _check(sharded, path, meta, part, parts) -> str | None:
                 f"{list(READABLE_FORMATS)}")
     saved_parts = len(meta.get("parts", [meta]))
     if saved_parts != parts:
-        return (f"checkpoint {path!r} holds {saved_parts} model parts (one per tp/pp/cp coordinate); this job has "
-                f"{parts}: only the dp size may change")
+        return (f"checkpoint {path!r} holds {saved_parts} model parts (one per tp/pp/cp coordinate and chunk); this "
+                f"job has {parts}: only the dp size may change")
     mine = meta["parts"][part] if "parts" in meta else meta
     if mine["units"] != _units(sharded):
         frozen = [any("#frozen" in name for name, _ in units) for units in (mine["units"], _units(sharded))]
@@ -397,12 +389,14 @@ def _check(sharded, path, meta, part, parts) -> str | None:
 
 
 def load(sharded, path) -> dict:
-    """Restore parameters and optimizer state saved by ``save`` (same model, unit split and
-    tp/pp/cp layout; any dp size). A collective over the world, like ``save``. Returns the
+    """Restore parameters and optimizer state saved by ``save`` (same model, unit split, tp/pp/cp
+    layout and chunks; any dp size). A collective over the world, like ``save``. Returns the
     ``extra`` dict saved with it ({} if none)."""
-    _check_sharded(sharded, "load")
+    chunks = _chunks(sharded, "load")
     path = os.path.normpath(os.fspath(path))
-    part, parts = _part(sharded)
+    part, parts = _part(chunks[0])
+    v = len(chunks)
+    total = parts * v
     # rank 0 picks the checkpoint and reads its metadata for everyone: ranks deciding alone could
     # pick different ones (path or path.old) or raise while the others wait in a collective
     found = [_find(path) if dist.get_rank() == 0 else None]
@@ -414,46 +408,58 @@ def load(sharded, path) -> dict:
     problem = (None if _sees(path) else
                f"rank {dist.get_rank()} cannot see the checkpoint {path!r} that rank 0 sees; every rank must "
                "reach it through one filesystem shared by all nodes")
-    if problem is None:
-        try:
-            problem = _check(sharded, path, meta, part, parts)
-        except Exception as exc:  # noqa: BLE001 - metadata that is JSON but not ours: told to every rank
-            problem = f"checkpoint {path!r} has metadata this version cannot read ({type(exc).__name__}: {exc})"
+    if problem is None and meta.get("chunks", 1) != v:
+        problem = f"checkpoint {path!r} holds {meta.get('chunks', 1)} chunks per rank; this rank passed {v}"
+    for c, chunk in enumerate(chunks):
+        if problem is None:
+            try:
+                problem = _check(chunk, path, meta, part * v + c, total)
+            except Exception as exc:  # noqa: BLE001 - metadata that is JSON but not ours: told to every rank
+                problem = f"checkpoint {path!r} has metadata this version cannot read ({type(exc).__name__}: {exc})"
     problems = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)
     problem = next((p for p in problems if p is not None), None)
     if problem is not None:
         raise ValueError(problem)
-    extra = meta.get("extra", {})
-    meta = meta["parts"][part] if "parts" in meta else meta
-    rank = dist.get_rank(sharded.group)
-    device = _device(sharded)
+    state, loaded = {}, []
+    for c, chunk in enumerate(chunks):
+        entry = meta["parts"][part * v + c] if "parts" in meta else meta
+        template = _optimizer_template(chunk, entry)
+        state.update(_state(chunk, template, entry["optim"], _prefix(part * v + c, total), entry.get("buffers", {})))
+        loaded.append((chunk, template, entry))
+        for unit in chunk.saved_units:  # a prefetch in flight (an eval forward left early) lands first: it
+            unit.wait_gather()          # carries the old masters, and is republished below like any gathered unit
+    with _dcp_errors_as_runtime_errors("fsdp.load", f"reading {path!r}"):
+        dcp.load(state, checkpoint_id=path)
+    for chunk, template, entry in loaded:
+        for unit in chunk.saved_units:  # the padding past numel is not in the checkpoint: zeros
+            unit.master.data[_valid(unit):].zero_()
+        if chunk.optimizer is not None:
+            groups = tensor_groups(entry["param_groups"], chunk.optimizer.param_groups)
+            chunk.optimizer.load_state_dict({"state": template, "param_groups": groups})
+        for unit in chunk.saved_units:
+            if unit.gathered:
+                unit.publish()
+        chunk._masters_published = True
+    return meta.get("extra", {})
+
+
+def _optimizer_template(sharded, entry) -> dict:
+    """The optimizer state ``entry`` (a part's metadata) says was saved, as tensors for DCP to load
+    into (what was saved decides the layout, not the shapes now) and values from the metadata."""
+    rank, device = dist.get_rank(sharded.group), _device(sharded)
     template, units = {}, _units_by_index(sharded)
-    for name, entry in meta["optim"].items():  # what was saved decides the layout, not the shapes now
+    for name, item in entry["optim"].items():
         idx, key = name.split("/", 1)
-        if entry["kind"] == "value":  # not a tensor: in the metadata, not in DCP's files
-            if rank not in entry.get("absent_on", ()):
-                template.setdefault(int(idx), {})[key] = entry["values"][rank] if "values" in entry else entry["value"]
+        if item["kind"] == "value":  # not a tensor: in the metadata, not in DCP's files
+            if rank not in item.get("absent_on", ()):
+                template.setdefault(int(idx), {})[key] = item["values"][rank] if "values" in item else item["value"]
             continue
-        if entry["kind"] == "flat":
+        if item["kind"] == "flat":
             shape = [units[int(idx)].shard_numel]
         else:
-            shape = entry["shape"] if entry["kind"] == "replicated" else entry["shapes"][rank]
+            shape = item["shape"] if item["kind"] == "replicated" else item["shapes"][rank]
         # torch keeps Adam's step (a scalar) on the CPU
-        template.setdefault(int(idx), {})[key] = torch.zeros(shape, dtype=getattr(torch, entry["dtype"]),
+        template.setdefault(int(idx), {})[key] = torch.zeros(shape, dtype=getattr(torch, item["dtype"]),
                                                              device=device if shape else "cpu")
-    for unit in sharded.saved_units:  # a prefetch in flight (an eval forward left early) lands first: it
-        unit.wait_gather()            # carries the old masters, and is republished below like any gathered unit
-    with _dcp_errors_as_runtime_errors("fsdp.load", f"reading {path!r}"):
-        dcp.load(_state(sharded, template, meta["optim"], _prefix(part, parts), meta.get("buffers", {})),
-                 checkpoint_id=path)
-    for unit in sharded.saved_units:  # the padding past numel is not in the checkpoint: zeros
-        unit.master.data[_valid(unit):].zero_()
-    if sharded.optimizer is not None:
-        groups = tensor_groups(meta["param_groups"], sharded.optimizer.param_groups)
-        sharded.optimizer.load_state_dict({"state": template, "param_groups": groups})
-    for unit in sharded.saved_units:
-        if unit.gathered:
-            unit.publish()
-    sharded._masters_published = True
-    return extra
+    return template

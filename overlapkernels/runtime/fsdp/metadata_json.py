@@ -1,5 +1,6 @@
 """What an fsdp checkpoint keeps as JSON in its metadata file: the optimizer's param_groups (a
-tensor hyperparameter tagged so it loads back as a tensor) and optimizer state that is not a tensor."""
+tensor hyperparameter tagged so it loads back as a tensor), optimizer state that is not a tensor,
+and the caller's ``extra`` state."""
 from __future__ import annotations
 
 import json
@@ -67,3 +68,39 @@ def tensor_groups(groups: list, current: list) -> list:
     """``json_groups`` undone (see ``_back``)."""
     return [{key: _back(value, mine.get(key)) for key, value in group.items()}
             for group, mine in zip(groups, current + [{}] * (len(groups) - len(current)))]
+
+
+def _not_kept_exactly(value, where: str) -> str | None:
+    """Where ``value`` holds something JSON would not give back as it is (None if nothing): json.dumps
+    turns int keys into strings and tuples into lists without a word (a MultiStepLR's milestones
+    Counter came back with string keys, and the schedule never decayed)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return None
+    if isinstance(value, list):
+        return next((p for i, v in enumerate(value) if (p := _not_kept_exactly(v, f"{where}[{i}]"))), None)
+    if type(value) is dict:
+        for key, v in value.items():
+            if not isinstance(key, str):
+                return f"{where} has the key {key!r} ({type(key).__name__}; JSON keys are strings)"
+            if (p := _not_kept_exactly(v, f"{where}[{key!r}]")) is not None:
+                return p
+        return None
+    return f"{where} is a {type(value).__name__}"
+
+
+def extra_problem(extra) -> str | None:
+    """Why ``extra`` cannot go into the metadata as it is (None if it can)."""
+    if extra is None:
+        return None
+    if type(extra) is not dict:
+        return f"extra={type(extra).__name__}: expected a dict (of JSON values: the trainer's own state), or None"
+    where = _not_kept_exactly(extra, "extra")
+    if where is not None:
+        return (f"{where}, which JSON would not give back as it is; use str keys, and numbers, strings, bools, None, "
+                "lists and dicts (pickle and base64-encode anything else)")
+    return None
+
+
+def canonical_extra(extra) -> str | None:
+    """One string per value, compared between ranks: NaN equals NaN, and 1, 1.0 and True differ."""
+    return None if extra is None else json.dumps(extra, sort_keys=True)
