@@ -244,9 +244,8 @@ def _chunks(sharded, op: str) -> list:
     chunks = list(sharded) if isinstance(sharded, (list, tuple)) and len(sharded) else [sharded]
     for i, chunk in enumerate(chunks):
         if not isinstance(getattr(chunk, "_orig_mod", chunk), ShardedModule):  # (torch.compile's wrapper: fine)
-            where = f"[{i}]" if isinstance(sharded, (list, tuple)) else ""
-            raise TypeError(f"fsdp.{op}: expected a ShardedModule (from fsdp.shard) or a non-empty list of them, got "
-                            f"{type(chunk).__name__}{' at ' + where if where else ''}")
+            where = f" (chunks[{i}])" if chunk is not sharded else ""
+            raise TypeError(f"fsdp.{op}: expected a ShardedModule (from fsdp.shard), got {type(chunk).__name__}{where}")
     groups = {tuple(dist.get_process_group_ranks(chunk.group)) for chunk in chunks}
     if len(groups) > 1:
         raise ValueError(f"fsdp.{op}: the chunks are sharded over different groups {sorted(groups)}; one checkpoint "
