@@ -202,7 +202,8 @@ def _chunks_in_one_checkpoint_on_rank(path):
     said.append(all(torch.equal(a.full_state_dict()[k], b.full_state_dict()[k])
                     for a, b in zip(chunks, resumed) for k in a.full_state_dict()))
     alone = fsdp.shard(torch.nn.Linear(6, 3).double(), dist.new_group([dist.get_rank()]), stage=2)
-    for bad in (resumed[:1], [resumed[0], alone]):
+    one = dist.get_rank() == 1  # refused on every rank also where one rank alone passes the mistake
+    for bad in (resumed[:1], [resumed[0], alone] if one else resumed, resumed if one else resumed[:1]):
         try:
             fsdp.load(bad, path)
         except ValueError as exc:
@@ -215,4 +216,5 @@ def test_a_ranks_chunks_share_one_checkpoint(rank_pool, tmp_path):
     for said in rank_pool(2).run(_chunks_in_one_checkpoint_on_rank, path):
         assert said[:2] == [{"step": 2}, True], said
         assert said[2] == f"checkpoint {path!r} holds 2 chunks per rank; this rank passed 1", said[2]
-        assert said[3].startswith("fsdp.load: the chunks are sharded over different groups"), said[3]
+        assert said[3].startswith("fsdp.load: rank 1: the chunks are sharded over different groups"), said[3]
+        assert said[4] == "fsdp.load: every rank must pass as many chunks; got [1, 2] (by rank)", said[4]

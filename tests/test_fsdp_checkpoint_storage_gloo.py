@@ -266,7 +266,7 @@ def test_malformed_metadata_is_refused_by_every_rank(rank_pool, tmp_path):
     path = str(tmp_path / "c")
     meta_file = os.path.join(path, "overlapkernels_fsdp.json")
     want = [("ValueError", f"checkpoint {path!r} has metadata this version cannot read"),
-            ("ValueError", f"checkpoint {path!r} has format 1; this version reads formats [2, 3]"),
+            ("ValueError", f"checkpoint {path!r} has format 1; this version reads formats [2, 3, 4]"),
             ("RuntimeError", f"fsdp.load: cannot read {meta_file!r}: JSONDecodeError: Expecting property name enclosed "
                              "in double quotes: line 1 column 2")]
     assert rank_pool(2).run(_malformed_metadata_on_rank, path) == [want, want]

@@ -39,7 +39,10 @@ from .metadata_json import canonical_extra, extra_problem, json_groups, tensor_g
 
 FORMAT = 2  # 1 (per-rank keys, same world size only) was never released: not readable
 FORMAT_WITH_VALUES = 3  # adds "value" entries: optimizer state that is not a tensor, kept in the metadata
-READABLE_FORMATS = (FORMAT, FORMAT_WITH_VALUES)
+# a rank's chunks as parts of their own (part dp_group x chunks + chunk): a reader that did not know
+# chunks would take part k for the k-th dp group's, and could load another stage's weights
+FORMAT_WITH_CHUNKS = 4
+READABLE_FORMATS = (FORMAT, FORMAT_WITH_VALUES, FORMAT_WITH_CHUNKS)
 
 
 def _units(sharded) -> list:
@@ -184,17 +187,26 @@ def _logical(local_shard: torch.Tensor, unit, mesh):
                               shape=torch.Size([unit.numel]), stride=(1,))
 
 
-def _part(sharded) -> tuple[int, int]:
+def _part(chunks: list, op: str) -> tuple[int, int]:
     """(index, count) of this rank's model part: its dp group among all of the world's (a world
-    collective). Raises the same ValueError on every rank if the groups do not partition the world."""
-    mine = tuple(sorted(dist.get_process_group_ranks(sharded.group)))
+    collective, before any of the chunks' groups' own). Raises the same ValueError on every rank if
+    the groups do not partition the world, a rank's chunks span several groups, or the ranks pass
+    different numbers of chunks."""
+    groups = sorted({tuple(sorted(dist.get_process_group_ranks(chunk.group))) for chunk in chunks})
+    problem = (f"the chunks are sharded over different groups {groups}; one checkpoint holds a rank's chunks of "
+               "one dp group" if len(groups) > 1 else None)
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    groups = sorted(set(everyone))
+    dist.all_gather_object(everyone, (groups[0], len(chunks), problem))
+    refused = next((f"rank {r}: {p}" for r, (_, _, p) in enumerate(everyone) if p is not None), None)
+    if refused is not None:
+        raise ValueError(f"fsdp.{op}: {refused}")
+    if len(set(counts := [n for _, n, _ in everyone])) > 1:
+        raise ValueError(f"fsdp.{op}: every rank must pass as many chunks; got {counts} (by rank)")
+    groups = sorted({g for g, _, _ in everyone})
     if sorted(r for g in groups for r in g) != list(range(dist.get_world_size())):
         raise ValueError(f"fsdp.save/load: the sharding groups of the ranks {groups} do not partition the world of "
                          f"{dist.get_world_size()} ranks; every rank must call with its own dp group")
-    return groups.index(mine), len(groups)
+    return groups.index(everyone[dist.get_rank()][0]), len(groups)
 
 
 def _state(sharded, optim_state, plan, prefix, buffer_plan) -> dict:
@@ -238,7 +250,9 @@ def _prefix(part: int, parts: int) -> str:
 
 def _chunks(sharded, op: str) -> list:
     """``sharded`` (a ShardedModule, or a list of them over one group: an interleaved pipeline
-    rank's chunks, saved in one checkpoint) as a list."""
+    rank's chunks, saved in one checkpoint) as a list. Refused here: what is no ShardedModule (a
+    caller's mistake on every rank: there may be no process group at all); ``_part`` checks the rest
+    together."""
     from .sharded import ShardedModule  # (sharded.py imports this file's helpers indirectly)
 
     chunks = list(sharded) if isinstance(sharded, (list, tuple)) and len(sharded) else [sharded]
@@ -246,10 +260,6 @@ def _chunks(sharded, op: str) -> list:
         if not isinstance(getattr(chunk, "_orig_mod", chunk), ShardedModule):  # (torch.compile's wrapper: fine)
             where = f" (chunks[{i}])" if chunk is not sharded else ""
             raise TypeError(f"fsdp.{op}: expected a ShardedModule (from fsdp.shard), got {type(chunk).__name__}{where}")
-    groups = {tuple(dist.get_process_group_ranks(chunk.group)) for chunk in chunks}
-    if len(groups) > 1:
-        raise ValueError(f"fsdp.{op}: the chunks are sharded over different groups {sorted(groups)}; one checkpoint "
-                         "holds a rank's chunks of one dp group")
     return chunks
 
 
@@ -262,7 +272,7 @@ def save(sharded, path, *, extra: dict | None = None) -> None:
     chunks = _chunks(sharded, "save")
     path = os.path.normpath(os.fspath(path))  # "ckpt/" would put its own temp folder inside it
     tmp, old = path + ".tmp", path + ".old"
-    part, parts = _part(chunks[0])
+    part, parts = _part(chunks, "save")
     # a symm/fused call whose device wait timed out computed garbage (its error is raised a call
     # late): never into a checkpoint, on any rank
     check_pending_errors_together(dist.group.WORLD, "fsdp.save", _device(chunks[0]))
@@ -285,8 +295,6 @@ def save(sharded, path, *, extra: dict | None = None) -> None:
     # elsewhere, and the previous checkpoint was deleted before anyone noticed)
     if len(set(paths := [e[3] for e in everyone])) > 1:
         raise ValueError(f"fsdp.save: every rank must pass the same path; got {paths} (by rank)")
-    if len(set(counts := [len(e[1]) for e in everyone])) > 1:
-        raise ValueError(f"fsdp.save: every rank must pass as many chunks; got {counts} (by rank)")
     problem = next((e[2] for e in everyone if e[2] is not None), None)
     if problem is not None:  # every rank of the world refuses alike, before any shard is written
         raise TypeError(f"fsdp.save: {problem}")
@@ -299,14 +307,20 @@ def save(sharded, path, *, extra: dict | None = None) -> None:
                          f"rank 0's {everyone[0][5]}")
     # a model part per dp group and chunk; every rank of a dp group has the same entries
     v = len(chunks)
-    by_part = {e[0] * v + c: entry for e in everyone for c, entry in enumerate(e[1])}
+    by_part = {}
+    for r, (p, entries, *_) in enumerate(everyone):
+        for c, entry in enumerate(entries):
+            kept = by_part.setdefault(p * v + c, entry)
+            if kept["units"] != entry["units"]:  # (every rank, alike: one gathered view)
+                raise ValueError(f"fsdp.save: rank {r}'s chunk {c} holds other units than its dp group's others' "
+                                 f"chunk {c}: every rank of a dp group must pass the same chunks in the same order")
     # format 3 only where it is needed: older versions still read the rest and refuse these by format
     holds_values = any(e["kind"] == "value" for entry in by_part.values() for e in entry["optim"].values())
-    version = FORMAT_WITH_VALUES if holds_values else FORMAT
+    version = FORMAT_WITH_CHUNKS if len(chunks) > 1 else FORMAT_WITH_VALUES if holds_values else FORMAT
     total = parts * v
     meta = ({"format": version, **mine[0]} if total == 1 else
             {"format": version, "parts": [by_part[k] for k in range(total)]})
-    if v > 1:  # (a key older versions ignore: they then refuse the part count)
+    if v > 1:
         meta["chunks"] = v
     if extra is not None:  # (a key older versions ignore)
         meta["extra"] = extra
@@ -393,7 +407,7 @@ def load(sharded, path) -> dict:
     ``extra`` dict saved with it ({} if none)."""
     chunks = _chunks(sharded, "load")
     path = os.path.normpath(os.fspath(path))
-    part, parts = _part(chunks[0])
+    part, parts = _part(chunks, "load")
     v = len(chunks)
     total = parts * v
     # rank 0 picks the checkpoint and reads its metadata for everyone: ranks deciding alone could
@@ -407,14 +421,13 @@ def load(sharded, path) -> dict:
     problem = (None if _sees(path) else
                f"rank {dist.get_rank()} cannot see the checkpoint {path!r} that rank 0 sees; every rank must "
                "reach it through one filesystem shared by all nodes")
-    if problem is None and meta.get("chunks", 1) != v:
-        problem = f"checkpoint {path!r} holds {meta.get('chunks', 1)} chunks per rank; this rank passed {v}"
-    for c, chunk in enumerate(chunks):
-        if problem is None:
-            try:
-                problem = _check(chunk, path, meta, part * v + c, total)
-            except Exception as exc:  # noqa: BLE001 - metadata that is JSON but not ours: told to every rank
-                problem = f"checkpoint {path!r} has metadata this version cannot read ({type(exc).__name__}: {exc})"
+    try:
+        if problem is None and meta.get("chunks", 1) != v:
+            problem = f"checkpoint {path!r} holds {meta.get('chunks', 1)} chunks per rank; this rank passed {v}"
+        for c, chunk in enumerate(chunks):
+            problem = problem or _check(chunk, path, meta, part * v + c, total)
+    except Exception as exc:  # noqa: BLE001 - metadata that is JSON but not ours: told to every rank
+        problem = f"checkpoint {path!r} has metadata this version cannot read ({type(exc).__name__}: {exc})"
     problems = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)
     problem = next((p for p in problems if p is not None), None)
