@@ -278,7 +278,7 @@ def _interleaved_on_rank(layout, zero_stage, path):
     return got
 
 
-@pytest.mark.parametrize("layout, zero_stage", [(dict(tp=2, pp=2), 1), (dict(dp=2, pp=2), 3)])
+@pytest.mark.parametrize("layout, zero_stage", [(dict(tp=2, pp=2), 1), (dict(dp=2, pp=2), 3), (dict(cp=2, pp=2), 2)])
 def test_interleaved_chunks_match_single_process(rank_pool, tmp_path, layout, zero_stage):
     results = rank_pool(4).run(_interleaved_on_rank, layout, zero_stage, str(tmp_path / "ckpt"))
     assert all(r == results[0] for r in results)
