@@ -48,16 +48,15 @@ class DemoConfig:
         return 2 if self.schedule == "interleaved-1f1b" else 1
 
     def _check_composition(self) -> None:
+        from .models.train import check_options
         from .runtime.pipeline import make_schedule
 
         make_schedule(self.schedule, self.pp, 2 * self.pp, num_virtual=self.num_virtual)
         problems = []
-        if not isinstance(self.zero_stage, int) or isinstance(self.zero_stage, bool) or self.zero_stage not in (1, 2, 3):
-            problems.append(f"zero_stage={self.zero_stage!r} must be 1, 2 or 3")
-        if self.max_grad_norm is not None and (isinstance(self.max_grad_norm, bool)
-                                               or not isinstance(self.max_grad_norm, (int, float))
-                                               or not 0 < self.max_grad_norm < float("inf")):
-            problems.append(f"max_grad_norm={self.max_grad_norm!r} must be a finite number > 0")
+        try:  # the Trainer's own checks, here before any rank starts
+            check_options(self.zero_stage, max_grad_norm=self.max_grad_norm, num_virtual=self.num_virtual)
+        except (TypeError, ValueError) as exc:
+            problems.append(str(exc))
         if not isinstance(self.activation_checkpointing, bool):
             problems.append(f"activation_checkpointing={self.activation_checkpointing!r} must be a bool")
         if self.steps < 1 or self.reference_steps < 0:

@@ -31,8 +31,10 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-2)
 
 
-def _check_options(zero_stage, num_microbatches, max_grad_norm, grad_scaler, num_virtual, lr_scheduler) -> None:
-    """The Trainer's own arguments, refused by name before anything is built (alike on every rank)."""
+def check_options(zero_stage, num_microbatches=None, max_grad_norm=None, grad_scaler=None, num_virtual=1,
+                  lr_scheduler=None) -> None:
+    """The Trainer's own arguments, refused by name before anything is built (alike on every rank;
+    the demo checks its options here before it starts any rank)."""
     if not isinstance(zero_stage, int) or isinstance(zero_stage, bool) or zero_stage not in (1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage!r}: expected 1, 2 or 3")
     if num_microbatches is not None and (isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
@@ -100,7 +102,7 @@ class Trainer:
                  optimizer=_adamw, dtype=torch.float32, dense_state_dict: dict | None = None, device=None,
                  zero_stage: int = 1, max_grad_norm: float | None = None,
                  grad_scaler: fsdp.GradScaler | None = None, lr_scheduler=None, num_virtual: int = 1):
-        _check_options(zero_stage, num_microbatches, max_grad_norm, grad_scaler, num_virtual, lr_scheduler)
+        check_options(zero_stage, num_microbatches, max_grad_norm, grad_scaler, num_virtual, lr_scheduler)
         self.config, self.dims = config, dims
         # (a numpy or Fraction norm passes the check above; clipping itself takes int/float only)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -118,12 +120,10 @@ class Trainer:
         for stage in self.stages if dense_state_dict is not None else ():
             stage.load_state_dict(shard_dense_state_dict(stage, dense_state_dict))
         self.chunks = [fsdp.shard(stage, dims.dp_group, stage=zero_stage, optimizer=optimizer) for stage in self.stages]
-        # one rank's chunks as clipping, the scaler and stepping take them: the module itself when alone
-        self._steps_of = self.chunks[0] if num_virtual == 1 else self.chunks
         self.stage, self.sharded = (self.stages[0], self.chunks[0]) if num_virtual == 1 else (None, None)
         # one schedule per chunk's optimizer, stepped together (lr_scheduler: the first's)
         self.lr_schedulers = [] if lr_scheduler is None else [_schedule(lr_scheduler, c.optimizer) for c in self.chunks]
-        self.runner = pp.PipelineRunner(self._steps_of, dims.pp_group, schedule=self.schedule, loss_fn=self._loss)
+        self.runner = pp.PipelineRunner(self.chunks, dims.pp_group, schedule=self.schedule, loss_fn=self._loss)
 
     @property
     def lr_scheduler(self):
@@ -193,11 +193,11 @@ class Trainer:
                  # milestones came back with string keys, and the schedule never decayed)
                  "lr_scheduler": None if schedule is None else
                  base64.b64encode(pickle.dumps(schedule.state_dict())).decode("ascii")}
-        fsdp.save(self._steps_of, path, extra={"trainer": state})  # every chunk, in one checkpoint
+        fsdp.save(self.chunks, path, extra={"trainer": state})  # every chunk, in one checkpoint
 
     def load(self, path) -> None:
         """Resume from ``save``'s checkpoint (every rank, same path)."""
-        state = fsdp.load(self._steps_of, path).get("trainer")
+        state = fsdp.load(self.chunks, path).get("trainer")
         if state is None:  # fsdp.save's own: what it holds is loaded, the trainer's state stays as it is
             warnings.warn(f"Trainer.load: {path!r} holds no trainer state (written by fsdp.save, not Trainer.save): "
                           "weights and optimizer state loaded; steps, the loss scale and the lr schedule kept",
@@ -235,9 +235,9 @@ class Trainer:
             self.last_step_skipped = False
         else:
             try:
-                scaler.unscale_(self._steps_of, dims=self.dims)  # clipping needs the true norm
+                scaler.unscale_(self.chunks, dims=self.dims)  # clipping needs the true norm
                 self._clip()
-                self.last_step_skipped = not scaler.step(self._steps_of, dims=self.dims)
+                self.last_step_skipped = not scaler.step(self.chunks, dims=self.dims)
             except BaseException:
                 scaler._abandon_step()  # else every later step would fail: "unscale_() has already been called"
                 raise
@@ -247,4 +247,4 @@ class Trainer:
 
     def _clip(self) -> None:
         if self.max_grad_norm is not None:
-            self._grad_norm = fsdp.clip_grad_norm_(self._steps_of, self.max_grad_norm, dims=self.dims)
+            self._grad_norm = fsdp.clip_grad_norm_(self.chunks, self.max_grad_norm, dims=self.dims)
