@@ -81,7 +81,8 @@ def _executor_on_rank(kind, m, v, module_list=False, device="cpu"):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("kind, v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)])
+@pytest.mark.parametrize("kind, v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3),
+                                     ("zb-h1", 1)])
 @pytest.mark.parametrize("more", [0, 1])
 def test_executor_gradients_equal_full_batch(rank_pool, world, kind, v, more):
     """Exact gradients, and the P2P each rank really posted keeps NCCL's rules."""

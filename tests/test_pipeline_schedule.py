@@ -13,7 +13,7 @@ def _cases():
     for p in (2, 3, 4):
         for m in (p, 2 * p, 3 * p + 1):
             for kind in pp.KINDS:
-                for v in ((1, 2) if kind == "interleaved-1f1b" else (1,)):
+                for v in ((1, 2, 3) if kind == "interleaved-1f1b" else (1,)):
                     if kind == "interleaved-1f1b" and m % p:
                         continue
                     yield kind, p, m, v
@@ -43,7 +43,7 @@ def test_simulator_reproduces_published_bubbles(p, m):
     # what W still reads stays bounded by 1F1B's peak, p, on every rank (was m: every W at the end)
     assert zb.peak_held == [min(p, m)] * p
     if m % p == 0:
-        for v in (1, 2):
+        for v in (1, 2, 3):
             res = pp.simulate(pp.make_schedule("interleaved-1f1b", p, m, num_virtual=v))
             assert res.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
 

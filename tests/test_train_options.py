@@ -228,11 +228,12 @@ def test_a_trainer_resumes_from_its_checkpoint(rank_pool, tmp_path):
     assert all(r == results[0] for r in results)
 
 
-def _interleaved_on_rank(layout, zero_stage, path):
-    """Two chunks per pipeline rank (chunk c of rank r is stage 2c + r of 4) under interleaved 1F1B,
-    clipped and loss-scaled over both chunks: losses, norms and every chunk's weights equal the
-    clipped single process's; both chunks go into one checkpoint that another trainer resumes."""
-    config = GPTConfig(**{**CONFIG, "num_layers": 4}, method="decomposed")
+def _interleaved_on_rank(layout, zero_stage, path, virtual):
+    """``virtual`` chunks per pipeline rank (chunk c of rank r is stage 2c + r of 2 x virtual, a layer
+    each) under interleaved 1F1B, clipped and loss-scaled over all chunks: losses, norms and every
+    chunk's weights equal the clipped single process's; the chunks go into one checkpoint that
+    another trainer resumes."""
+    config = GPTConfig(**{**CONFIG, "num_layers": 2 * virtual}, method="decomposed")
     g = torch.Generator().manual_seed(11)
     batches = [(torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g))
                for _ in range(2)]
@@ -251,10 +252,12 @@ def _interleaved_on_rank(layout, zero_stage, path):
     assert all(norm > 0.1 for _, norm in want)  # both steps clipped
 
     dims = ok.init_parallel(**layout)
-    trainer = Trainer(config, dims, schedule="interleaved-1f1b", num_virtual=2, dtype=torch.float64,
+    trainer = Trainer(config, dims, schedule="interleaved-1f1b", num_virtual=virtual, dtype=torch.float64,
                       dense_state_dict=start, optimizer=sgd, zero_stage=zero_stage, max_grad_norm=0.05,
                       grad_scaler=fsdp.GradScaler(init_scale=2.0 ** 10))
-    assert trainer.stage is None and trainer.sharded is None and len(trainer.chunks) == 2
+    assert trainer.stage is None and trainer.sharded is None and len(trainer.chunks) == virtual
+    assert [stage.__dict__[PIPELINE_STAGE] for stage in trainer.stages] == [(2 * c + dims.pp_rank, 2 * virtual)
+                                                                          for c in range(virtual)]
     assert [s for s in trainer.schedule.actions[dims.pp_rank] if s.op == "F"][0].stage == dims.pp_rank
     got = []
     for tokens, targets in batches:
@@ -268,7 +271,7 @@ def _interleaved_on_rank(layout, zero_stage, path):
                 torch.testing.assert_close(t, expected[name], atol=1e-10, rtol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
     trainer.save(path)
     torch.manual_seed(5)
-    resumed = Trainer(config, dims, schedule="interleaved-1f1b", num_virtual=2, dtype=torch.float64, optimizer=sgd,
+    resumed = Trainer(config, dims, schedule="interleaved-1f1b", num_virtual=virtual, dtype=torch.float64, optimizer=sgd,
                       zero_stage=zero_stage, grad_scaler=fsdp.GradScaler(init_scale=2.0 ** 3))
     resumed.load(path)
     assert resumed.steps == 2 and resumed.grad_scaler.get_scale() == 2.0 ** 10
@@ -278,7 +281,8 @@ def _interleaved_on_rank(layout, zero_stage, path):
     return got
 
 
-@pytest.mark.parametrize("layout, zero_stage", [(dict(tp=2, pp=2), 1), (dict(dp=2, pp=2), 3), (dict(cp=2, pp=2), 2)])
-def test_interleaved_chunks_match_single_process(rank_pool, tmp_path, layout, zero_stage):
-    results = rank_pool(4).run(_interleaved_on_rank, layout, zero_stage, str(tmp_path / "ckpt"))
+@pytest.mark.parametrize("layout, zero_stage, virtual", [(dict(tp=2, pp=2), 1, 2), (dict(dp=2, pp=2), 3, 2),
+                                                         (dict(cp=2, pp=2), 2, 2), (dict(dp=2, pp=2), 1, 3)])
+def test_interleaved_chunks_match_single_process(rank_pool, tmp_path, layout, zero_stage, virtual):
+    results = rank_pool(4).run(_interleaved_on_rank, layout, zero_stage, str(tmp_path / "ckpt"), virtual)
     assert all(r == results[0] for r in results)
