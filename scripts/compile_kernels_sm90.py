@@ -113,10 +113,21 @@ RELEASE_SYS = ("a system-scope release store", r"\b(?:st|red|atom)(?=[.\w]*\.rel
 # TMA (bulk async copies) goes through the async proxy, which acquire/release of the generic proxy
 # does not order: peer data loaded that way could be stale. Kernels touching peer data must not use it,
 # but for the GEMMs' TMA configs: their loads read this rank's memory, after a proxy fence where a flag
-# said it arrived (ag_gemm), and their stores (to peers in gemm_rs) stay generic.
+# said it arrived (ag_gemm), and their stores (to peers in gemm_rs) stay generic. ag_gemm's
+# ``tma_store`` configs store its output (this rank's) through a 3-D [W, m, N] descriptor.
 NO_TMA = ("cp.async.bulk", "cp.reduce.async.bulk")
-TMA_LOADS = "cp.async.bulk.tensor"
+TMA_LOADS = "cp.async.bulk.tensor.2d.shared"
 TMA_STORES = ("cp.async.bulk.tensor.2d.global.shared", "cp.reduce.async.bulk")
+TMA_STORE_3D = "cp.async.bulk.tensor.3d.global.shared"
+
+
+def ag_gemm_ptx(tma: bool, store: bool) -> dict:
+    """What ag_gemm's PTX must and must not hold: descriptor loads after a proxy fence with ``tma``,
+    the per-chunk output store with ``store``, no other bulk copy."""
+    if not (tma or store):
+        return dict(ptx_has=(), ptx_not=NO_TMA)
+    return dict(ptx_has=((TMA_LOADS, "fence.proxy.async.global") if tma else ()) + ((TMA_STORE_3D,) if store else ()),
+                ptx_not=TMA_STORES + (() if tma else (TMA_LOADS,)) + (() if store else (TMA_STORE_3D,)))
 
 
 # Compiles queued by check(), run at the end by forked workers (they inherit this list): one kernel
@@ -202,15 +213,15 @@ for dname, dt in DT.items():
             tag = f"{dname} {cfg} {layout} K={kk} prec={prec}"
             # what the launch passes: descriptors where the config asks and the operands qualify
             tma, a_desc, b_desc, k_major = TG.tma_operands(a, b, cfg)
-            assert tma == cfg.tma or dname == "fp32", (tag, tma)
+            store, c_desc = TG.tma_output(out, W, cfg)
+            assert (tma, store) == (cfg.tma, cfg.tma_store) or dname == "fp32", (tag, tma, store)
             descs = dict(TMA=tma, B_K_MAJOR=k_major)
+            # (.global: triton's own fence.proxy.async.shared::cta is in every TMA/wgmma kernel)
             check(f"_ag_gemm_kernel {tag}", AG._ag_gemm_kernel,
                   a, b, out, arrived, err, M, N, kk, EPOCH, BUDGET.amount, a.stride(0), a.stride(1), b.stride(0),
-                  b.stride(1), out.stride(0), out.stride(1), R, a_desc, b_desc, WORLD=W, DOT_PRECISION=prec,
-                  TIMED=BUDGET.timed, PROXY_FENCE=tma, **descs, beside_flag_kernel=True, ptx_re=(ACQUIRE_SYS,),
-                  # .global: triton's own fence.proxy.async.shared::cta is in every TMA/wgmma kernel
-                  ptx_has=(TMA_LOADS, "fence.proxy.async.global") if tma else (),
-                  ptx_not=TMA_STORES if tma else NO_TMA, **cfg.meta(kk))
+                  b.stride(1), out.stride(0), out.stride(1), R, a_desc, b_desc, c_desc, WORLD=W, DOT_PRECISION=prec,
+                  TIMED=BUDGET.timed, PROXY_FENCE=tma, TMA_STORE=store, **descs, beside_flag_kernel=True,
+                  ptx_re=(ACQUIRE_SYS,), **ag_gemm_ptx(tma, store), **cfg.meta(kk))
             table = t(W, dtype=torch.int64)
             check(f"_gemm_rs_kernel {tag}", RS._gemm_rs_kernel,
                   a, b, table, table, M, N, kk, a.stride(0), a.stride(1), b.stride(0), b.stride(1),

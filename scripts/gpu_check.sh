@@ -109,7 +109,7 @@ step 30 info "$PY" -m overlapkernels info
 step 40 compile_sm90 env -u TRITON_INTERPRET "$PY" scripts/compile_kernels_sm90.py --quick
 # kernels alone, the csrc library, ring attention on two processes
 pytest_step 120 gpu_tests "${PYTEST[@]}" -m gpu --ignore=tests/test_ops_tp_gpu.py
-step 70 bench_fused_gemm "$PY" benchmarks/bench_fused_gemm.py --csv "$GPU_CSV"
+step 90 bench_fused_gemm "$PY" benchmarks/bench_fused_gemm.py --csv "$GPU_CSV"
 # several ranks spinning on flags on one GPU (symm/fused ops): the riskiest step, yet the one whose
 # results are most wanted (two GPU runs hung in it), so before the other benchmarks, which a hang
 # here shortens rather than it being cut short by them. No --maxfail: the process-world tests, last

@@ -18,6 +18,9 @@ CONFIGS = {
     "small": GemmConfig(64, 128, 64, num_warps=4, num_stages=4),
     "tma-128x256": GemmConfig(128, 256, 64, num_warps=8, num_stages=3, tma=True),
     "tma-128x128": GemmConfig(128, 128, 64, num_warps=8, num_stages=4, tma=True),
+    # output tiles through a per-chunk descriptor: rows past a chunk's end must be clipped, not stored
+    "tma-store-128x256": GemmConfig(128, 256, 64, num_warps=8, num_stages=3, tma=True, tma_store=True),
+    "store-only-128x256": GemmConfig(128, 256, 64, num_warps=8, num_stages=3, tma_store=True),
 }
 # (world, rows per chunk, K, N): whole tiles; then rows, K and N that end mid-tile (TMA reads the
 # next chunk's rows there: masked on store), with 16-byte row strides so descriptors still qualify

@@ -159,13 +159,15 @@ def _tma_calls(method, peer_memory):
     return exact
 
 
-TMA_CONFIGS = [GemmConfig(128, 256, 64, num_warps=8, num_stages=3, tma=True),
+# (the first stores the all-gather GEMM's output through descriptors too)
+TMA_CONFIGS = [GemmConfig(128, 256, 64, num_warps=8, num_stages=3, tma=True, tma_store=True),
                GemmConfig(128, 128, 64, num_warps=8, num_stages=4, tma=True)]
 
 
 def test_fused_tma_configs_two_processes_one_gpu(rank_pool):
     """The TMA configs bench_fused_gemm times, for real (sm_90+): descriptor loads after the
-    chunk's flag and a proxy fence. Not a default yet; this is what a default switch would rest on."""
+    chunk's flag and a proxy fence, descriptor stores per chunk. Not a default yet; this is what a
+    default switch would rest on."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA needs sm_90 or later")
     assert rank_pool(2).run(_process_world_on_rank, "fused", "symm_mem", _tma_calls) == [[True] * 4] * 2

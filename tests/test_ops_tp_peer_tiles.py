@@ -234,9 +234,48 @@ def check_tma_calls_with_straggler(monkeypatch, world, configs, device="cpu", ti
     assert used["ag"] and used["rs"] and all(used["ag"] + used["rs"]), used
 
 
-def test_fused_tma_loads_three_ranks_straggler_two_calls(monkeypatch):
-    """(Three ranks and two calls: what the interpreter can afford; the GPU test runs 2 and 4 ranks, 3 calls.)"""
-    check_tma_calls_with_straggler(monkeypatch, 3, [GemmConfig(16, 32, 16, tma=True)], calls=2)
+def test_fused_tma_loads_and_stores_three_ranks_straggler_two_calls(monkeypatch):
+    """TMA loads and the all-gather GEMM's TMA stores: a chunk's last tile loads rows of the next,
+    maybe still arriving, chunk, and must not store them there. (Three ranks and two calls: what the
+    interpreter can afford; the GPU test runs 2 and 4 ranks, 3 calls.)"""
+    check_tma_calls_with_straggler(monkeypatch, 3, [GemmConfig(16, 32, 16, tma=True, tma_store=True)], calls=2)
+
+
+@pytest.mark.parametrize("loads", ["pointer", "tma"])
+def test_tma_stores_clip_each_tile_at_its_chunk_end(loads):
+    """ag_gemm with TMA stores on every rank of 2, all chunks arrived: chunks of 7 rows in 16-row
+    tiles, so every tile's rows 7-15 fall past its chunk. Stored through a [W*m, N] descriptor they
+    would land in the next chunk (zeros from masked pointer loads; with TMA loads, values the
+    chunk's own tile may not have written yet) or past the output; the output is NaN-poisoned and
+    padded with NaN rows that must stay NaN. N = 40: a ragged last column tile too."""
+    from overlapkernels.kernels.errors import new_error_record
+    from overlapkernels.kernels.triton.ag_gemm import ag_gemm
+    from overlapkernels.kernels.triton.signals import FLAG_DTYPE, polls
+
+    w, m, k, n = 2, 7, 32, 40
+    cfg = GemmConfig(16, 32, 16, tma=loads == "tma", tma_store=True)
+    a, b = _ints((w * m, k), torch.float16, 1), _ints((k, n), torch.float16, 2)
+    for rank in range(w):  # tiles start at the rank's own chunk: each rank stores the chunks in another order
+        padded = torch.full((w * m + 16, n), float("nan"), dtype=torch.float16)
+        out = padded[:w * m]
+        assert TG.tma_output(out, w, cfg)[0]
+        ag_gemm(a, b, out, torch.ones(w, dtype=FLAG_DTYPE), new_error_record("cpu"), rank=rank, world_size=w, epoch=1,
+                budget=polls(1000), config=cfg)
+        assert torch.equal(out, (a.float() @ b.float()).half()), rank
+        assert padded[w * m:].isnan().all(), rank
+
+
+def test_tma_output_qualifies_only_an_aligned_16bit_output():
+    cfg = GemmConfig(16, 32, 16, tma_store=True)
+    out = torch.zeros(2 * 7, 40, dtype=torch.float16)
+    used, desc = TG.tma_output(out, 2, cfg)
+    assert used and list(desc.shape) == [2, 7, 40] and list(desc.strides) == [7 * 40, 40, 1]
+    assert desc.block_shape == [1, 16, 32]
+    for why, (t, c) in {"config without tma_store": (out, GemmConfig(16, 32, 16, tma=True)),
+                        "fp32": (out.float(), cfg), "empty": (out[:0], cfg),
+                        "row stride of 36 bytes": (torch.zeros(14, 18, dtype=torch.float16), cfg),
+                        "column-major": (torch.zeros(40, 14, dtype=torch.float16).t(), cfg)}.items():
+        assert TG.tma_output(t, 2, c) == (False, None), why
 
 
 def test_tma_operands_qualify_only_aligned_16bit_2d_operands():

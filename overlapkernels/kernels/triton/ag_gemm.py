@@ -4,7 +4,8 @@ The gathered A [W*m, K] is filled chunk by chunk by a copy engine (a side stream
 in the thread world) that sets ``arrived[c] = epoch`` once chunk c is in place. Tiles are ordered
 by ring step, starting at the local chunk, which needs no wait, so the GEMM starts at once and
 each later tile waits (acquire) only for its own chunk. With a TMA config, A and B tiles come
-through tensor descriptors, after a proxy fence that orders them behind the acquire.
+through tensor descriptors, after a proxy fence that orders them behind the acquire; with
+``tma_store`` the output tiles leave through one (per chunk: see tile_gemm.tma_output).
 """
 from __future__ import annotations
 
@@ -16,15 +17,15 @@ from ..errors import check_error_record
 from ..interpreter import interpreted
 from .signals import ERR_READY_TIMEOUT, GEMM_CLOCK_LANES, WaitBudget, fence_proxy_async, wait_or_record
 from .tile_gemm import (GemmConfig, check_gemm_operands, dot_precision, gemm_config, num_programs, tile_dot,
-                        tile_dot_tma, tma_operands)
+                        tile_dot_tma, tma_operands, tma_output)
 
 
 @triton.jit(do_not_specialize=["epoch", "budget", "rank"])
 def _ag_gemm_kernel(a_ptr, b_ptr, c_ptr, arrived_ptr, err_ptr, rows_per_chunk, N, K, epoch: tl.int64,
                     budget: tl.int64, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, rank,
-                    a_desc, b_desc, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    a_desc, b_desc, c_desc, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, TIMED: tl.constexpr,
-                    TMA: tl.constexpr, B_K_MAJOR: tl.constexpr, PROXY_FENCE: tl.constexpr):
+                    TMA: tl.constexpr, B_K_MAJOR: tl.constexpr, PROXY_FENCE: tl.constexpr, TMA_STORE: tl.constexpr):
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_chunk = tl.cdiv(rows_per_chunk, BLOCK_M) * tiles_n
     for tile in range(tl.program_id(0), WORLD * per_chunk, tl.num_programs(0)):
@@ -49,8 +50,12 @@ def _ag_gemm_kernel(a_ptr, b_ptr, c_ptr, arrived_ptr, err_ptr, rows_per_chunk, N
         else:
             acc = tile_dot(a_ptr + chunk_row0 * stride_am, b_ptr, rows_in, row_mask, cols, col_mask, K, stride_am,
                            stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, EVEN_K)
-        tl.store(c_ptr + chunk_row0 * stride_cm + rows_in[:, None] * stride_cm + cols[None, :] * stride_cn,
-                 acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        if TMA_STORE:  # out as [W, m, N]: the copy engine clips rows past the chunk's end
+            c_desc.store([chunk, (t // tiles_n) * BLOCK_M, (t % tiles_n) * BLOCK_N],
+                         acc.to(c_ptr.dtype.element_ty).reshape(1, BLOCK_M, BLOCK_N))
+        else:
+            tl.store(c_ptr + chunk_row0 * stride_cm + rows_in[:, None] * stride_cm + cols[None, :] * stride_cn,
+                     acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 def ag_gemm(a_full: torch.Tensor, b: torch.Tensor, out: torch.Tensor, arrived: torch.Tensor, err: torch.Tensor, *,
@@ -65,9 +70,11 @@ def ag_gemm(a_full: torch.Tensor, b: torch.Tensor, out: torch.Tensor, arrived: t
     config = config or gemm_config(a_full.device, a_full.dtype, rows_per_chunk, n, k)
     tiles = world_size * config.tiles(rows_per_chunk, n)
     tma, a_desc, b_desc, b_k_major = tma_operands(a_full, b, config)
+    tma_store, c_desc = tma_output(out, world_size, config)
     _ag_gemm_kernel[(num_programs(a_full.device, tiles, ranks_per_device),)](
         a_full, b, out, arrived, err, rows_per_chunk, n, k, epoch, budget.amount,
         a_full.stride(0), a_full.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), rank,
-        a_desc, b_desc, WORLD=world_size, DOT_PRECISION=dot_precision(a_full.dtype), TIMED=budget.timed, TMA=tma,
-        B_K_MAJOR=b_k_major, PROXY_FENCE=tma and not interpreted(a_full.device), **config.meta(k))
+        a_desc, b_desc, c_desc, WORLD=world_size, DOT_PRECISION=dot_precision(a_full.dtype), TIMED=budget.timed,
+        TMA=tma, B_K_MAJOR=b_k_major, PROXY_FENCE=tma and not interpreted(a_full.device), TMA_STORE=tma_store,
+        **config.meta(k))
     return out

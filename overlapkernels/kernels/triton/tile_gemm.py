@@ -3,6 +3,7 @@ tile configuration each device gets."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -76,9 +77,19 @@ class GemmConfig:
     # 16-bit operands loaded through tensor descriptors (tma_operands) where they qualify; pointer
     # loads otherwise. Not in the defaults until a GPU run times it (bench_fused_gemm sweeps it).
     tma: bool = False
+    # The all-gather GEMM's 16-bit output tiles stored through a tensor descriptor (tma_output): the
+    # tile goes registers -> shared memory -> one bulk copy, and the SM waits only until the copy
+    # has read shared memory (triton 3.6/3.9 put cp.async.bulk.wait_group.read 0 right after it, so
+    # the buffer aliases the main loop's: no extra shared memory), not for the global writes. At
+    # K = 1024 the epilogue's 64 KB a tile (128x256 bf16) against 16 K steps is the likeliest part
+    # of the gap to torch.mm (0.81x on an H200). A flattened loop that would overlap it with the
+    # next tile's loads loses software pipelining to the chunk wait's loop. GEMM + RS stores into
+    # peers' buffers: pointer stores there. Not in the defaults until a GPU run times it.
+    tma_store: bool = False
 
     def __str__(self) -> str:  # how benchmarks and the compile report name it
-        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}" + " tma" * self.tma
+        return (f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
+                + " tma" * self.tma + " tma-store" * self.tma_store)
 
     def tiles(self, rows: int, n: int) -> int:
         return triton.cdiv(rows, self.block_m) * triton.cdiv(n, self.block_n)
@@ -155,27 +166,47 @@ def tma_operands(a: torch.Tensor, b: torch.Tensor, config: GemmConfig) -> tuple:
     TMA (sm_90+) or in the interpreter; else ``(False, None, None, False)``: the pointer loads. ``b``
     may be [K, N] row-major or the transpose of an [N, K] one, a linear layer's weight."""
     none = (False, None, None, False)
-    if not config.tma or a.dtype not in (torch.float16, torch.bfloat16) or not a.numel() or not b.numel():
+    if not config.tma or not _descriptors_possible(a, b) or not _tensor_map_fits(a):
         return none
-    if not interpreted(a.device) and torch.cuda.get_device_capability(a.device) < (9, 0):
-        return none
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:  # a triton without host-side descriptors
-        return none
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
-    def fits(t):  # (rows at least a row apart: a tensor map cannot describe expanded or overlapping rows)
-        return t.stride(1) == 1 and t.stride(0) >= t.shape[1] and t.data_ptr() % 16 == 0 \
-            and t.stride(0) * t.element_size() % 16 == 0
-
-    if not fits(a):
-        return none
     a_desc = TensorDescriptor.from_tensor(a, [config.block_m, config.block_k])
-    if fits(b):
+    if _tensor_map_fits(b):
         return True, a_desc, TensorDescriptor.from_tensor(b, [config.block_k, config.block_n]), False
-    if fits(b.t()):
+    if _tensor_map_fits(b.t()):
         return True, a_desc, TensorDescriptor.from_tensor(b.t(), [config.block_n, config.block_k]), True
     return none
+
+
+def tma_output(out: torch.Tensor, world_size: int, config: GemmConfig) -> tuple:
+    """``(TMA_STORE, c_desc)`` for the all-gather GEMM's epilogue: when ``config.tma_store`` asks and
+    ``out`` [W*m, N] qualifies (as tma_operands' operands do), a descriptor of it seen as [W, m, N]
+    with [1, BLOCK_M, BLOCK_N] blocks. Per chunk, so the copy engine clips a tile's rows past its
+    chunk's end: a [W*m, N] descriptor would write them into the next chunk's rows, which another
+    tile owns (and may already have written). Else ``(False, None)``: pointer stores."""
+    if not config.tma_store or not _descriptors_possible(out) or not _tensor_map_fits(out):
+        return False, None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, n, row = out.shape[0] // world_size, out.shape[1], out.stride(0)
+    return True, TensorDescriptor(out, [world_size, m, n], [m * row, row, 1], [1, config.block_m, config.block_n])
+
+
+def _descriptors_possible(*tensors: torch.Tensor) -> bool:
+    """16-bit, not empty, on a GPU with TMA (sm_90+) or in the interpreter, with a triton that makes
+    host-side descriptors."""
+    if any(t.dtype not in (torch.float16, torch.bfloat16) or not t.numel() for t in tensors):
+        return False
+    if not interpreted(tensors[0].device) and torch.cuda.get_device_capability(tensors[0].device) < (9, 0):
+        return False
+    return importlib.util.find_spec("triton.tools.tensor_descriptor") is not None  # (older tritons have none)
+
+
+def _tensor_map_fits(t: torch.Tensor) -> bool:
+    """2-D with one unit stride, its base and row stride 16-byte aligned (what a tensor map needs),
+    rows at least a row apart (a tensor map cannot describe expanded or overlapping rows)."""
+    return t.dim() == 2 and t.stride(1) == 1 and t.stride(0) >= t.shape[1] and t.data_ptr() % 16 == 0 \
+        and t.stride(0) * t.element_size() % 16 == 0
 
 
 def launch_device(device: torch.device):
