@@ -1,4 +1,5 @@
 """The GPT trained in 4-D compositions (PP with TP/SP, DP, CP) equals single-process training."""
+import collections
 import contextlib
 import dataclasses
 
@@ -10,17 +11,19 @@ from overlapkernels.models import GPT, GPTConfig, shard_dense_state_dict
 from overlapkernels.models.train import Trainer
 from overlapkernels.ops import weight_grad_store
 from overlapkernels.runtime import fsdp
+from overlapkernels.runtime.fsdp.flat_unit import FlatUnit
 
 CONFIG = dict(vocab_size=16, hidden=8, num_layers=2, num_heads=2, num_kv_heads=2, ffn_hidden=16, max_seq_len=8)
 
 
 def _compose_on_rank(layout, schedule, sequence_parallel=True, lose_grad=False, zero_stage=1, max_grad_norm=None,
-                     init_scale=None, recompute=False):
+                     init_scale=None, recompute=False, reduce_per_microbatch=True):
     """The trainer's losses and weights after two steps equal single-process training's. With
     ``max_grad_norm``, both clip; with ``init_scale``, the trainer scales its loss (by a power of 2:
     exact in float64, so nothing may differ) and returns its grad norms and skip flags too. With
     ``recompute``, the trainer's GPT checkpoints its blocks' activations (each block runs its
-    forward once more per microbatch, in backward)."""
+    forward once more per microbatch, in backward). Counts each ZeRO unit's reduce-scatters and
+    all-gathers per step: once per microbatch, or once per step without ``reduce_per_microbatch``."""
     config = GPTConfig(**CONFIG, method="decomposed", sequence_parallel=sequence_parallel)
     trainer_config = dataclasses.replace(config, activation_checkpointing=recompute)
     g = torch.Generator().manual_seed(5)
@@ -47,16 +50,27 @@ def _compose_on_rank(layout, schedule, sequence_parallel=True, lose_grad=False, 
     dims = ok.init_parallel(**layout)
     scaler = None if init_scale is None else fsdp.GradScaler(init_scale=init_scale)
     trainer = Trainer(trainer_config, dims, schedule=schedule, dtype=torch.float64, dense_state_dict=start, optimizer=sgd,
-                      zero_stage=zero_stage, max_grad_norm=max_grad_norm, grad_scaler=scaler)
+                      zero_stage=zero_stage, max_grad_norm=max_grad_norm, grad_scaler=scaler,
+                      reduce_per_microbatch=reduce_per_microbatch)
     norms, skipped, block_calls = [], [], []
     for block in trainer.stage.blocks.values():
         block.register_forward_pre_hook(lambda *_: block_calls.append(1))
-    with _recording_w(trainer.stage, lose_grad) as deferred:
+    with _recording_w(trainer.stage, lose_grad) as deferred, _counting_unit_collectives() as counts:
         losses = []
         for tokens, targets in batches:
+            counts.clear()
             losses.append(trainer.step(tokens, targets))
             norms.append(trainer.last_grad_norm)
             skipped.append(trainer.last_step_skipped)
+            # per unit and step: once, or (ZeRO-2/3) in every microbatch's backward - ZB-H1 once more
+            # where a unit's gradients come partly in B and partly in W (the counts then reach the
+            # unit's size mid-W); ZeRO-1 reduces at the step anyway
+            m = trainer.schedule.num_microbatches
+            reduces = max(n for (op, _), n in counts.items() if op == "reduce")
+            assert reduces == 1 if zero_stage == 1 or not reduce_per_microbatch else reduces >= m, counts
+            if zero_stage == 3:  # gathered around each forward and backward, or once for the step
+                gathers = max(n for (op, _), n in counts.items() if op == "gather")
+                assert gathers == 1 if not reduce_per_microbatch else gathers >= 2 * m, counts
     # forwards per block and microbatch: once, or once more in backward (recomputed)
     want_calls = len(trainer.stage.blocks) * 2 * trainer.schedule.num_microbatches * (1 + recompute)
     assert len(block_calls) == want_calls, f"{len(block_calls)} block forwards, expected {want_calls}"
@@ -118,6 +132,28 @@ def _recording_w(model, lose_grad):
         weight_grad_store.WeightGradStore.run, weight_grad_store.accumulate = run, accumulate
 
 
+@contextlib.contextmanager
+def _counting_unit_collectives():
+    """{("reduce" | "gather", unit name): collectives posted} by fsdp's flat units while inside."""
+    counts = collections.Counter()
+    reduce_grads, gather = FlatUnit.reduce_grads, FlatUnit.gather
+
+    def counting_reduce(unit, **kwargs):
+        counts["reduce", unit.name] += 1
+        return reduce_grads(unit, **kwargs)
+
+    def counting_gather(unit, **kwargs):
+        if not (unit.gathered or unit.pending_gather is not None):  # (else a wait for one already posted)
+            counts["gather", unit.name] += 1
+        return gather(unit, **kwargs)
+
+    FlatUnit.reduce_grads, FlatUnit.gather = counting_reduce, counting_gather
+    try:
+        yield counts
+    finally:  # the pool's processes run later tests too
+        FlatUnit.reduce_grads, FlatUnit.gather = reduce_grads, gather
+
+
 @pytest.mark.parametrize("layout, schedule, sp", [
     (dict(tp=2, pp=2), "1f1b", True), (dict(dp=2, pp=2), "gpipe", True), (dict(cp=2, pp=2), "1f1b", True),
     (dict(tp=2, dp=2), "1f1b", True),
@@ -134,6 +170,15 @@ def test_pipeline_with_zero_2_and_3_matches_single_process(rank_pool, zero_stage
     """ZeRO-2/3 under a pipeline (DeepSpeed allows only ZeRO-1 there): each microbatch's gradients
     are reduce-scattered in its own backward (ZB-H1: in its W) and accumulate in the shards."""
     results = rank_pool(4).run(_compose_on_rank, dict(dp=2, pp=2), schedule, zero_stage=zero_stage)
+    assert all(r == results[0] for r in results)
+
+
+@pytest.mark.parametrize("zero_stage, schedule", [(2, "1f1b"), (3, "zb-h1"), (3, "gpipe")])
+def test_reducing_once_per_step_matches_single_process(rank_pool, zero_stage, schedule):
+    """reduce_per_microbatch=False: one reduce-scatter per unit and step (ZeRO-3: one all-gather),
+    the gradients accumulated over the microbatches (ZB-H1: over its W actions too), same weights."""
+    results = rank_pool(4).run(_compose_on_rank, dict(dp=2, pp=2), schedule, zero_stage=zero_stage,
+                               reduce_per_microbatch=False)
     assert all(r == results[0] for r in results)
 
 

@@ -168,6 +168,9 @@ def test_bad_clipping_and_scaler_arguments_are_refused():
             Trainer(GPTConfig(**CONFIG), None, grad_scaler=bad)
     with pytest.raises(TypeError, match=r"lr_scheduler=float: expected a factory, callable\(optimizer\)"):
         Trainer(GPTConfig(**CONFIG), None, lr_scheduler=0.5)
+    for bad in (0, "no", None):  # (0 is falsy: it must not pass for False)
+        with pytest.raises(TypeError, match=rf"^reduce_per_microbatch={bad!r}: expected a bool$"):
+            Trainer(GPTConfig(**CONFIG), None, reduce_per_microbatch=bad)
 
 
 def _resume_on_rank(path):
@@ -228,11 +231,11 @@ def test_a_trainer_resumes_from_its_checkpoint(rank_pool, tmp_path):
     assert all(r == results[0] for r in results)
 
 
-def _interleaved_on_rank(layout, zero_stage, path, virtual):
+def _interleaved_on_rank(layout, zero_stage, path, virtual, reduce_per_microbatch=True):
     """``virtual`` chunks per pipeline rank (chunk c of rank r is stage 2c + r of 2 x virtual, a layer
     each) under interleaved 1F1B, clipped and loss-scaled over all chunks: losses, norms and every
     chunk's weights equal the clipped single process's; the chunks go into one checkpoint that
-    another trainer resumes."""
+    another trainer resumes. ``reduce_per_microbatch=False``: every chunk accumulates over the step."""
     config = GPTConfig(**{**CONFIG, "num_layers": 2 * virtual}, method="decomposed")
     g = torch.Generator().manual_seed(11)
     batches = [(torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g))
@@ -254,7 +257,7 @@ def _interleaved_on_rank(layout, zero_stage, path, virtual):
     dims = ok.init_parallel(**layout)
     trainer = Trainer(config, dims, schedule="interleaved-1f1b", num_virtual=virtual, dtype=torch.float64,
                       dense_state_dict=start, optimizer=sgd, zero_stage=zero_stage, max_grad_norm=0.05,
-                      grad_scaler=fsdp.GradScaler(init_scale=2.0 ** 10))
+                      grad_scaler=fsdp.GradScaler(init_scale=2.0 ** 10), reduce_per_microbatch=reduce_per_microbatch)
     assert trainer.stage is None and trainer.sharded is None and len(trainer.chunks) == virtual
     assert [stage.__dict__[PIPELINE_STAGE] for stage in trainer.stages] == [(2 * c + dims.pp_rank, 2 * virtual)
                                                                           for c in range(virtual)]
@@ -281,8 +284,10 @@ def _interleaved_on_rank(layout, zero_stage, path, virtual):
     return got
 
 
-@pytest.mark.parametrize("layout, zero_stage, virtual", [(dict(tp=2, pp=2), 1, 2), (dict(dp=2, pp=2), 3, 2),
-                                                         (dict(cp=2, pp=2), 2, 2), (dict(dp=2, pp=2), 1, 3)])
-def test_interleaved_chunks_match_single_process(rank_pool, tmp_path, layout, zero_stage, virtual):
-    results = rank_pool(4).run(_interleaved_on_rank, layout, zero_stage, str(tmp_path / "ckpt"), virtual)
+@pytest.mark.parametrize("layout, zero_stage, virtual, per_microbatch", [
+    (dict(tp=2, pp=2), 1, 2, True), (dict(dp=2, pp=2), 3, 2, True), (dict(cp=2, pp=2), 2, 2, True),
+    (dict(dp=2, pp=2), 1, 3, True), (dict(dp=2, pp=2), 3, 2, False)])
+def test_interleaved_chunks_match_single_process(rank_pool, tmp_path, layout, zero_stage, virtual, per_microbatch):
+    results = rank_pool(4).run(_interleaved_on_rank, layout, zero_stage, str(tmp_path / "ckpt"), virtual,
+                               per_microbatch)
     assert all(r == results[0] for r in results)

@@ -9,6 +9,7 @@ CP, every reduced shard over CP (the GPT tags its parameters with its CP group).
 from __future__ import annotations
 
 import base64
+import contextlib
 import math
 import numbers
 import pickle
@@ -32,7 +33,7 @@ def _adamw(params):
 
 
 def check_options(zero_stage, num_microbatches=None, max_grad_norm=None, grad_scaler=None, num_virtual=1,
-                  lr_scheduler=None) -> None:
+                  lr_scheduler=None, reduce_per_microbatch=True) -> None:
     """The Trainer's own arguments, refused by name before anything is built (alike on every rank;
     the demo checks its options here before it starts any rank)."""
     if not isinstance(zero_stage, int) or isinstance(zero_stage, bool) or zero_stage not in (1, 2, 3):
@@ -51,6 +52,8 @@ def check_options(zero_stage, num_microbatches=None, max_grad_norm=None, grad_sc
                         "agreed over every rank), or None")
     if isinstance(num_virtual, bool) or not isinstance(num_virtual, int) or num_virtual < 1:
         raise ValueError(f"num_virtual={num_virtual!r}: expected an integer >= 1 (chunks per pipeline rank)")
+    if not isinstance(reduce_per_microbatch, bool):
+        raise TypeError(f"reduce_per_microbatch={reduce_per_microbatch!r}: expected a bool")
     if lr_scheduler is not None and not callable(lr_scheduler):
         raise TypeError(f"lr_scheduler={type(lr_scheduler).__name__}: expected a factory, callable(optimizer) -> "
                         "a torch.optim.lr_scheduler schedule (e.g. lambda opt: LambdaLR(opt, f)), or None")
@@ -86,6 +89,14 @@ class Trainer:
     clipping, and a step with an inf or NaN on any rank is skipped on every rank
     (``last_step_skipped``); the returned loss is the unscaled one either way.
 
+    ``reduce_per_microbatch=False`` (ZeRO-2/3): gradients accumulate unsharded over the step's
+    microbatches and are reduce-scattered once, at the step; ZeRO-3 also keeps each unit gathered
+    from its first forward until the step (``ShardedModule.no_sync(reshard_after_backward=False)``
+    around the whole pipeline). DP traffic drops from m reduce-scatters (and 2m all-gathers) per
+    unit and step to one each, as torchtitan's pipelines keep FSDP2's parameters gathered; the
+    price is the stage's full gradients (and, ZeRO-3, parameters) held through the step - ZeRO-1's
+    memory for them - and a last reduction that no backward hides. ZeRO-1 reduces once anyway.
+
     ``lr_scheduler``: a factory of the optimizer's schedule (``lambda opt: LambdaLR(opt, warmup)``),
     stepped after every optimizer step taken - a step skipped for an overflow does not count, as
     in Megatron.
@@ -101,9 +112,12 @@ class Trainer:
     def __init__(self, config, dims, *, schedule: str = "1f1b", num_microbatches: int | None = None,
                  optimizer=_adamw, dtype=torch.float32, dense_state_dict: dict | None = None, device=None,
                  zero_stage: int = 1, max_grad_norm: float | None = None,
-                 grad_scaler: fsdp.GradScaler | None = None, lr_scheduler=None, num_virtual: int = 1):
-        check_options(zero_stage, num_microbatches, max_grad_norm, grad_scaler, num_virtual, lr_scheduler)
+                 grad_scaler: fsdp.GradScaler | None = None, lr_scheduler=None, num_virtual: int = 1,
+                 reduce_per_microbatch: bool = True):
+        check_options(zero_stage, num_microbatches, max_grad_norm, grad_scaler, num_virtual, lr_scheduler,
+                      reduce_per_microbatch)
         self.config, self.dims = config, dims
+        self.reduce_per_microbatch = reduce_per_microbatch
         # (a numpy or Fraction norm passes the check above; clipping itself takes int/float only)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.grad_scaler = grad_scaler
@@ -168,7 +182,10 @@ class Trainer:
         first, last = self.stages[0].first, self.stages[-1].last
         self._tokens = max(1, int((targets != self.config.ignore_index).sum()))
         self._losses = []
-        self.runner.step(self.local_batch(tokens) if first else None, self.local_batch(targets) if last else None)
+        with contextlib.ExitStack() as accumulating:
+            for chunk in self.chunks if not self.reduce_per_microbatch else ():
+                accumulating.enter_context(chunk.no_sync(reshard_after_backward=False))
+            self.runner.step(self.local_batch(tokens) if first else None, self.local_batch(targets) if last else None)
         # a symm/fused call whose device wait timed out left garbage (raised a call late): not into the weights
         check_pending_errors_together(dist.group.WORLD, "Trainer.step", self.device)
         self._optimizer_step()
