@@ -250,7 +250,8 @@ def _demo(args) -> int:
 
     cfg = demo.DemoConfig(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, steps=args.steps, schedule=args.schedule,
                           zero_stage=args.zero_stage, max_grad_norm=args.max_grad_norm,
-                          activation_checkpointing=args.activation_checkpointing)
+                          activation_checkpointing=args.activation_checkpointing,
+                          reduce_per_microbatch=not args.reduce_per_step)
     # before any rank starts; dp=-1 becomes the ranks left, so its checks and the table use that
     cfg = cfg.resolved(int(os.environ["WORLD_SIZE"]) if _launched() else _world(args))
     rows, _ = _run_ranks(demo.rank_main, demo.config_dict(cfg), args)
@@ -315,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "single-process reference clips too)")
     demo.add_argument("--activation-checkpointing", action="store_true",
                       help="recompute each block's forward in backward (the reference does not: they agree)")
+    demo.add_argument("--reduce-per-step", action="store_true",
+                      help="ZeRO-2/3: accumulate gradients over the microbatches and reduce once per step (ZeRO-3: "
+                           "gather once per step) instead of in every microbatch's backward")
     demo.add_argument("--nproc", type=int, help=f"CPU ranks to spawn when not under torchrun (default {DEFAULT_NPROC})")
     demo.add_argument("--timeout", type=float, default=600.0, help="seconds before spawned ranks are killed")
     demo.set_defaults(func=_demo)

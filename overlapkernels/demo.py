@@ -31,6 +31,7 @@ class DemoConfig:
     zero_stage: int = 1
     max_grad_norm: float | None = None  # clip by the whole model's norm (the reference clips too)
     activation_checkpointing: bool = False  # the 4-D run recomputes its blocks (the reference stores)
+    reduce_per_microbatch: bool = True  # ZeRO-2/3: False reduces (and ZeRO-3 gathers) once per step
 
     def resolved(self, world: int) -> "DemoConfig":
         """This configuration on ``world`` ranks, dp=-1 replaced by the ranks left, once every
@@ -54,7 +55,8 @@ class DemoConfig:
         make_schedule(self.schedule, self.pp, 2 * self.pp, num_virtual=self.num_virtual)
         problems = []
         try:  # the Trainer's own checks, here before any rank starts
-            check_options(self.zero_stage, max_grad_norm=self.max_grad_norm, num_virtual=self.num_virtual)
+            check_options(self.zero_stage, max_grad_norm=self.max_grad_norm, num_virtual=self.num_virtual,
+                          reduce_per_microbatch=self.reduce_per_microbatch)
         except (TypeError, ValueError) as exc:
             problems.append(str(exc))
         if not isinstance(self.activation_checkpointing, bool):
@@ -108,7 +110,7 @@ def rank_main(config: dict) -> list[dict]:
     dims = ok.init_parallel(tp=cfg.tp, cp=cfg.cp, pp=cfg.pp, dp=cfg.dp)
     trainer = Trainer(replace(gpt, activation_checkpointing=cfg.activation_checkpointing), dims, schedule=cfg.schedule,
                       dense_state_dict=start, zero_stage=cfg.zero_stage, max_grad_norm=cfg.max_grad_norm,
-                      num_virtual=cfg.num_virtual)
+                      num_virtual=cfg.num_virtual, reduce_per_microbatch=cfg.reduce_per_microbatch)
     rows = []
     for step in range(cfg.steps):
         t0 = time.perf_counter()
@@ -138,6 +140,7 @@ def format_rows(rows: list[dict], cfg: DemoConfig) -> str:
     lines = [f"# small GPT, {cfg.layers} layers, hidden {cfg.hidden}, batch {cfg.batch} x {cfg.seq} tokens; "
              f"tp={cfg.tp} pp={cfg.pp} cp={cfg.cp} dp={cfg.dp}, {cfg.schedule}"
              + (f" ({cfg.num_virtual} chunks per rank)" if cfg.num_virtual > 1 else "") + f", ZeRO-{cfg.zero_stage}"
+             + (" reduced once per step" if not cfg.reduce_per_microbatch and cfg.zero_stage > 1 else "")
              + (f", clipped at {cfg.max_grad_norm:g}" if clip else "")
              + (", activation checkpointing" if cfg.activation_checkpointing else "") + "; CPU ranks (gloo)",
              f"{'step':>4}  {'loss':>8}  {'1-proc ref':>10}  "

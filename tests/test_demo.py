@@ -15,17 +15,18 @@ def test_demo_smoke(rank_pool):
 
 
 def test_demo_with_zero_3_clipping_and_recompute_agrees_with_its_reference(rank_pool):
-    """dp=2 x pp=2, ZeRO-3, clipped, blocks recomputed: the 4-D grad norm (the whole model's: every
-    stage, every DP shard) and the loss agree with the clipped single process's, step for step."""
+    """dp=2 x pp=2, ZeRO-3 reducing once per step, clipped, blocks recomputed: the 4-D grad norm
+    (the whole model's: every stage, every DP shard) and the loss agree with the clipped single
+    process's, step for step."""
     cfg = demo.DemoConfig(tp=1, dp=2, steps=2, reference_steps=2, batch=8, seq=8, vocab=16, hidden=16, layers=2,
-                          zero_stage=3, max_grad_norm=0.1, activation_checkpointing=True)
+                          zero_stage=3, max_grad_norm=0.1, activation_checkpointing=True, reduce_per_microbatch=False)
     rows = rank_pool(4).run(demo.rank_main, demo.config_dict(cfg))[0]
     for row in rows:
         assert row["reference_grad_norm"] > 0.1  # so both clipped
         assert row["grad_norm"] == pytest.approx(row["reference_grad_norm"], rel=1e-5)
         assert row["loss"] == pytest.approx(row["reference"], rel=1e-5)
     table = demo.format_rows(rows, cfg)
-    assert "ZeRO-3, clipped at 0.1, activation checkpointing" in table and "grad norm" in table
+    assert "ZeRO-3 reduced once per step, clipped at 0.1, activation checkpointing" in table and "grad norm" in table
 
 
 def test_demo_refuses_compositions_it_cannot_run_before_spawning():
@@ -38,7 +39,8 @@ def test_demo_refuses_compositions_it_cannot_run_before_spawning():
                             (dict(max_grad_norm=0.0), r"max_grad_norm=0\.0: expected a finite number > 0"),
                             (dict(max_grad_norm=True), r"max_grad_norm=True: expected a finite number > 0"),
                             (dict(max_grad_norm="1"), r"max_grad_norm='1': expected a finite number > 0"),
-                            (dict(activation_checkpointing=1), r"activation_checkpointing=1 must be a bool")):
+                            (dict(activation_checkpointing=1), r"activation_checkpointing=1 must be a bool"),
+                            (dict(reduce_per_microbatch=0), r"reduce_per_microbatch=0: expected a bool")):
         with pytest.raises(ValueError, match=message):
             demo.DemoConfig(**kwargs).resolved(3 if kwargs.get("tp") == 3 else 4)
 
