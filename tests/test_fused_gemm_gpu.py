@@ -9,7 +9,7 @@ import torch
 from overlapkernels.kernels.errors import new_error_record
 from overlapkernels.kernels.triton.ag_gemm import ag_gemm
 from overlapkernels.kernels.triton.signals import FLAG_DTYPE, wait_budget
-from overlapkernels.kernels.triton.tile_gemm import GemmConfig
+from overlapkernels.kernels.triton.tile_gemm import GemmConfig, tma_output
 
 pytestmark = pytest.mark.gpu
 
@@ -47,7 +47,11 @@ def fused_gemm_case(device, dtype, world, m, k, n, config, weight_layout):
 def test_fused_gemm_alone_matches_torch(config, shape, weight_layout):
     if CONFIGS[config] is not None and CONFIGS[config].tma and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA needs sm_90 or later")
-    got, want, err = fused_gemm_case("cuda", torch.bfloat16, *shape, CONFIGS[config], weight_layout)
+    cfg = CONFIGS[config]
+    if cfg is not None and cfg.tma_store and torch.cuda.get_device_capability() >= (9, 0):  # not a silent fallback
+        assert tma_output(torch.empty(shape[0] * shape[1], shape[3], dtype=torch.bfloat16, device="cuda"),
+                          shape[0], cfg)[0]
+    got, want, err = fused_gemm_case("cuda", torch.bfloat16, *shape, cfg, weight_layout)
     assert err == [0, 0, 0, 0]
     # bf16 output: half an ulp (2**-9 relative) of rounding, plus fp32 sums in another order; a
     # wrong tile or chunk is off by the size of the values (~sqrt(K) = 14-22)

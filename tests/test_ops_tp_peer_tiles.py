@@ -235,9 +235,11 @@ def check_tma_calls_with_straggler(monkeypatch, world, configs, device="cpu", ti
 
 
 def test_fused_tma_loads_and_stores_three_ranks_straggler_two_calls(monkeypatch):
-    """TMA loads and the all-gather GEMM's TMA stores: a chunk's last tile loads rows of the next,
-    maybe still arriving, chunk, and must not store them there. (Three ranks and two calls: what the
-    interpreter can afford; the GPU test runs 2 and 4 ranks, 3 calls.)"""
+    """TMA loads and the all-gather GEMM's TMA stores under a straggler, exact. (Rows a chunk's last
+    tile loads past the chunk come from the next chunk, so storing them there would write that
+    chunk's own results - visible only if they land before it arrived, a race this cannot force:
+    test_tma_stores_clip_each_tile_at_its_chunk_end[pointer] is the guard for the clipping.) Three
+    ranks and two calls: what the interpreter can afford; the GPU test runs 2 and 4 ranks, 3 calls."""
     check_tma_calls_with_straggler(monkeypatch, 3, [GemmConfig(16, 32, 16, tma=True, tma_store=True)], calls=2)
 
 
@@ -245,9 +247,10 @@ def test_fused_tma_loads_and_stores_three_ranks_straggler_two_calls(monkeypatch)
 def test_tma_stores_clip_each_tile_at_its_chunk_end(loads):
     """ag_gemm with TMA stores on every rank of 2, all chunks arrived: chunks of 7 rows in 16-row
     tiles, so every tile's rows 7-15 fall past its chunk. Stored through a [W*m, N] descriptor they
-    would land in the next chunk (zeros from masked pointer loads; with TMA loads, values the
-    chunk's own tile may not have written yet) or past the output; the output is NaN-poisoned and
-    padded with NaN rows that must stay NaN. N = 40: a ragged last column tile too."""
+    would land in the next chunk or past the output (NaN-poisoned, padded with NaN rows that must
+    stay NaN). With pointer loads those rows are zeros: the unclipped store fails here. With TMA
+    loads they are the next chunk's true results (its rows were loaded), so only the padding can
+    show it: the [pointer] case is the guard. N = 40: a ragged last column tile too."""
     from overlapkernels.kernels.errors import new_error_record
     from overlapkernels.kernels.triton.ag_gemm import ag_gemm
     from overlapkernels.kernels.triton.signals import FLAG_DTYPE, polls

@@ -92,10 +92,14 @@ class Trainer:
     ``reduce_per_microbatch=False`` (ZeRO-2/3): gradients accumulate unsharded over the step's
     microbatches and are reduce-scattered once, at the step; ZeRO-3 also keeps each unit gathered
     from its first forward until the step (``ShardedModule.no_sync(reshard_after_backward=False)``
-    around the whole pipeline). DP traffic drops from m reduce-scatters (and 2m all-gathers) per
-    unit and step to one each, as torchtitan's pipelines keep FSDP2's parameters gathered; the
-    price is the stage's full gradients (and, ZeRO-3, parameters) held through the step - ZeRO-1's
-    memory for them - and a last reduction that no backward hides. ZeRO-1 reduces once anyway.
+    around the whole pipeline: the two go together here). DP traffic drops from m reduce-scatters
+    (and 2m all-gathers) per unit and step to one each, as torchtitan's pipelines keep FSDP2's
+    parameters gathered. The price is ZeRO-1's: the stage's full gradients (and, ZeRO-3,
+    parameters) held through the step, a last reduction that no backward hides, and the sum over
+    microbatches made in ``.grad``, in the model's dtype (16-bit weights: a 16-bit sum, as
+    Megatron's default grad buffer; a scaled float16 sum also overflows sooner, so the
+    ``grad_scaler`` may skip a step more) where per-microbatch reductions add up in the fp32
+    masters. ZeRO-1 reduces once anyway.
 
     ``lr_scheduler``: a factory of the optimizer's schedule (``lambda opt: LambdaLR(opt, warmup)``),
     stepped after every optimizer step taken - a step skipped for an overflow does not count, as
