@@ -104,27 +104,37 @@ class _FailsOnce(torch.optim.SGD):
         return super().step(closure)
 
 
-def _step_after_a_failed_step_on_rank():
+def _step_after_a_failed_step_on_rank(zero_stage):
     """A step that raises between unscale_ and update leaves the scaler ready for the next step
-    (it said "unscale_() has already been called" at every later step), the scale untouched."""
+    (it said "unscale_() has already been called" at every later step), the scale untouched, and
+    no gradient behind: the next step updates the weights as a trainer's first step does (the
+    failed step's reduced, unscaled shards were added into it)."""
     _FailsOnce.failed = False
-    scaler = fsdp.GradScaler(init_scale=2.0 ** 10)
-    trainer = Trainer(GPTConfig(**CONFIG, method="decomposed"), ok.init_parallel(tp=2, pp=2), grad_scaler=scaler,
-                      optimizer=lambda ps: _FailsOnce(ps, lr=0.1))
-    tokens = torch.zeros(8, 8, dtype=torch.long)
+    config, dims = GPTConfig(**CONFIG, method="decomposed"), ok.init_parallel(tp=2, pp=2)
+    trainers = []
+    for optimizer in (_FailsOnce, torch.optim.SGD):
+        torch.manual_seed(0)
+        trainers.append(Trainer(config, dims, grad_scaler=fsdp.GradScaler(init_scale=2.0 ** 10), zero_stage=zero_stage,
+                                optimizer=lambda ps, opt=optimizer: opt(ps, lr=0.1, momentum=0.9)))
+    g = torch.Generator().manual_seed(3)
+    tokens, other = torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g)
     said = []
-    for _ in range(2):
+    for batch in (other, tokens):
         try:
-            trainer.step(tokens, tokens)
-            said.append((trainer.last_step_skipped, scaler.get_scale()))
+            trainers[0].step(batch, batch)
+            said.append((trainers[0].last_step_skipped, trainers[0].grad_scaler.get_scale()))
         except RuntimeError as exc:
             said.append(str(exc))
+    trainers[1].step(tokens, tokens)
+    mine, fresh = trainers[0].sharded.full_state_dict(), trainers[1].sharded.full_state_dict()
+    said.append([k for k in mine if torch.is_tensor(mine[k]) and not torch.equal(mine[k], fresh[k])])
     return said
 
 
-def test_a_failed_step_leaves_the_loss_scaler_ready(rank_pool):
-    assert rank_pool(4).run(_step_after_a_failed_step_on_rank) == [["planted: the optimizer failed",
-                                                                    (False, 2.0 ** 10)]] * 4
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_a_failed_step_leaves_the_loss_scaler_ready_and_no_gradient(rank_pool, zero_stage):
+    assert rank_pool(4).run(_step_after_a_failed_step_on_rank, zero_stage) == [
+        ["planted: the optimizer failed", (False, 2.0 ** 10), []]] * 4
 
 
 def _float16_training():

@@ -105,6 +105,9 @@ class Trainer:
     stepped after every optimizer step taken - a step skipped for an overflow does not count, as
     in Megatron.
 
+    A step that raises (a peer's timeout, an optimizer error) drops what it accumulated, so a
+    caller that goes on trains the next step from its own gradients only.
+
     ``save(path)`` / ``load(path)``: the job's checkpoint (``fsdp.save``: every rank, same path, all
     of a rank's chunks; any dp size on load) with ``steps`` (training steps run, skipped ones
     included), the loss scaler's and the schedule's state.
@@ -186,13 +189,18 @@ class Trainer:
         first, last = self.stages[0].first, self.stages[-1].last
         self._tokens = max(1, int((targets != self.config.ignore_index).sum()))
         self._losses = []
-        with contextlib.ExitStack() as accumulating:
-            for chunk in self.chunks if not self.reduce_per_microbatch else ():
-                accumulating.enter_context(chunk.no_sync(reshard_after_backward=False))
-            self.runner.step(self.local_batch(tokens) if first else None, self.local_batch(targets) if last else None)
-        # a symm/fused call whose device wait timed out left garbage (raised a call late): not into the weights
-        check_pending_errors_together(dist.group.WORLD, "Trainer.step", self.device)
-        self._optimizer_step()
+        try:
+            with contextlib.ExitStack() as accumulating:
+                for chunk in self.chunks if not self.reduce_per_microbatch else ():
+                    accumulating.enter_context(chunk.no_sync(reshard_after_backward=False))
+                self.runner.step(self.local_batch(tokens) if first else None,
+                                 self.local_batch(targets) if last else None)
+            # a symm/fused call whose device wait timed out left garbage (raised a call late): not into the weights
+            check_pending_errors_together(dist.group.WORLD, "Trainer.step", self.device)
+            self._optimizer_step()
+        except BaseException as exc:
+            self._drop_gradients(exc)
+            raise
         value = torch.zeros((), dtype=torch.float64, device=self.device)
         if self._losses:  # the last stage's
             value += torch.stack(self._losses).sum().double()
@@ -265,6 +273,17 @@ class Trainer:
             scaler.update()
         for schedule in self.lr_schedulers if not self.last_step_skipped else ():
             schedule.step()
+
+    def _drop_gradients(self, exc: BaseException) -> None:
+        """After a step that raised: what it accumulated (microbatches' gradients, reduced shards an
+        optimizer error left unstepped) must not flow into the next step's update. Each rank alone
+        (no collective: its peers may have failed elsewhere)."""
+        for chunk in self.chunks:
+            try:
+                chunk.zero_grad()
+            except Exception as cleanup:  # (a reduction posted to a failed peer): the step's own error comes first
+                if hasattr(exc, "add_note"):  # (Python >= 3.11)
+                    exc.add_note(f"Trainer.step: dropping the failed step's gradients also failed: {cleanup!r}")
 
     def _clip(self) -> None:
         if self.max_grad_norm is not None:
