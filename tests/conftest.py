@@ -12,7 +12,14 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from overlapkernels.comm.rank_pool import RankPool  # noqa: E402
+from overlapkernels.comm.rank_pool import RankPool, preload_in_ranks  # noqa: E402
+
+# What torch.compile imports at a rank's first compile (aot_eager), once in the forkserver instead
+# of in every rank of every pool: ~10 s of CI's two cores (tests/test_gpt_gloo.py's compiled case:
+# 18 s -> 14 s). What these modules read from the environment at import is then fixed when the
+# first pool starts, as torch's own is.
+preload_in_ranks("torch._dynamo", "torch._functorch.aot_autograd", "torch._inductor.compiler_bisector",
+                 "torch._inductor.pattern_matcher")
 
 POOL_MAX_GROUPS = 96  # ~4-6 respawns of the 4-rank pool a session (a few seconds each), none mid-test
 

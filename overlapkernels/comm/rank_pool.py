@@ -76,6 +76,17 @@ def _die_with_parent() -> None:
         pass
 
 
+_PRELOAD = ["torch", "torch.distributed"]
+
+
+def preload_in_ranks(*modules: str) -> None:
+    """Modules the ranks' forkserver imports once besides torch, so that every rank forked from it
+    has them (a test suite's torch.compile: dynamo and AOTAutograd take ~3 s of CPU a rank to
+    import). Process-wide, and only before the first pool starts the server; a module that does
+    not import (another torch's layout) is skipped by multiprocessing."""
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+
+
 def _rank_context():
     """Ranks start from multiprocessing's forkserver with torch imported: a fork of it costs
     milliseconds where a spawned interpreter's torch import cost ~2 s of CPU a rank (8 ranks on 2
@@ -84,7 +95,7 @@ def _rank_context():
     forkserver and its preload list are process-wide: the preload applies when multiprocessing
     starts the server, so a server someone else started first serves as is (only slower)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(list(_PRELOAD))
     return ctx
 
 
