@@ -198,7 +198,7 @@ class Trainer:
             # a symm/fused call whose device wait timed out left garbage (raised a call late): not into the weights
             check_pending_errors_together(dist.group.WORLD, "Trainer.step", self.device)
             self._optimizer_step()
-        except BaseException as exc:
+        except Exception as exc:  # (not Ctrl-C: its waits for reductions in flight could delay the exit)
             self._drop_gradients(exc)
             raise
         value = torch.zeros((), dtype=torch.float64, device=self.device)
