@@ -28,6 +28,12 @@ def shard(model, group=None, *, stage=3, optimizer=_adamw, prefetch=1, param_dty
     (no weight decay for biases and norms, an lr per layer); fsdp then moves each group onto flat
     1-D shards of its parameters, which the optimizer steps from then on (param_groups.py).
 
+    ``param_dtype`` / ``reduce_dtype``: FSDP2's mixed precision (the masters keep the model's dtype, or
+    fp32 for a 16-bit model). Gradients kept for a later reduction - stage 1's, any stage's under
+    ``no_sync`` - are summed over the backward passes in ``reduce_dtype`` where it is wider than
+    the gradients (bf16 compute, fp32 reductions), as FSDP2 does: they leave ``.grad`` then. (Not
+    those a zero-bubble W adds after backward: those sum in ``.grad``.)
+
     ``shard_frozen=True`` (stage 3): frozen parameters are sharded too (a LoRA base), gathered with
     their unit and, like its trained ones, readable only inside its forward (frozen_units.py);
     otherwise every rank keeps them whole. A model with no trainable parameter at all (a distillation

@@ -80,8 +80,10 @@ class FlatUnit:
         self._freed_version = None  # the versions when stage 3 emptied the parameters
         self.pending_gather = None   # (work, staged shard) of an async gather in flight
         self.pending_reduce = []     # (work, output) of async reduce-scatters in flight
+        self.accumulated = None      # gradients kept for a later reduction, summed in reduce_dtype (stash_grad)
         self.grads_ready = 0
         self.clear_grad_flags()
+        self.param_stashed = [False] * len(params)  # parameter i's gradient is in accumulated
         self.bytes_gathered = self.bytes_reduced = 0  # full-buffer bytes each collective covered
 
     def flatten(self, tensors: list, dtype: torch.dtype) -> torch.Tensor:
@@ -186,23 +188,52 @@ class FlatUnit:
             self._gathered_version = self._versions()
 
     # -- gradients ----------------------------------------------------------------------------
+    def stashes(self, grad: torch.Tensor) -> bool:
+        """Whether a gradient that waits for a later reduction (stage 1, ``no_sync``) is summed apart
+        in ``reduce_dtype``: when that is wider than the gradient (bf16 parameters, fp32 reductions).
+        Else ``.grad`` sums it, in its own dtype, as before."""
+        return self.reduce_dtype.itemsize > grad.dtype.itemsize
+
+    def stash_grad(self, i: int) -> None:
+        """Move parameter ``i``'s ``.grad`` into ``accumulated`` (summed in ``reduce_dtype``, FSDP2's
+        accumulation of unsynced gradients in the reduce dtype): m microbatches of bf16 gradients
+        would otherwise be summed in bf16 before the fp32 reduction ``reduce_dtype`` asked for."""
+        p = self.params[i]
+        if self.accumulated is None:
+            self.accumulated = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
+        begin = sum(self.numels[:i])
+        self.accumulated[begin:begin + self.numels[i]].add_(p.grad.reshape(-1))
+        p.grad = None
+        self.param_stashed[i] = True
+
     @eager_under_compile  # (collectives and storage resizes: see ShardedModule)
     def reduce_grads(self, *, async_op: bool) -> None:
-        """Reduce-scatter the unit's full gradients (averaged over the group) into pending shards,
-        then drop the full gradients."""
-        flat_grad = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
+        """Reduce-scatter the unit's full gradients (averaged over the group), those stashed and
+        those in ``.grad``, into pending shards, then drop the full gradients."""
+        if self.accumulated is not None:
+            flat_grad, self.accumulated = self.accumulated, None
+        else:
+            flat_grad = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
         sp_groups = {}  # sequence-parallel partial gradients: first summed over their TP group
-        for p in self.params:
+        offset = 0
+        for i, (p, n) in enumerate(zip(self.params, self.numels)):
             group = getattr(p, "sequence_parallel_group", None)
-            if p.grad is not None and getattr(p, "sequence_parallel", False) and group is not None:
-                sp_groups.setdefault(group, []).append(p.grad)
+            if getattr(p, "sequence_parallel", False) and group is not None:
+                if p.grad is not None:
+                    sp_groups.setdefault(group, []).append(p.grad)
+                if self.param_stashed[i]:  # (a sum of all-reduces is the all-reduce of the sum)
+                    sp_groups.setdefault(group, []).append(flat_grad[offset:offset + n])
+            offset += n
         for group, grads in sp_groups.items():
             all_reduce_coalesced(grads, group)
         offset = 0
         for i, (p, n) in enumerate(zip(self.params, self.numels)):
             if p.grad is not None:
-                flat_grad[offset:offset + n].copy_(p.grad.reshape(-1))
+                flat_grad[offset:offset + n].add_(p.grad.reshape(-1))
                 p.grad = None
+                self.param_grad_seen[i] = True
+            if self.param_stashed[i]:
+                self.param_stashed[i] = False
                 self.param_grad_seen[i] = True
             offset += n
         flat_grad.div_(self.world)  # DDP semantics: the mean over ranks
@@ -236,6 +267,11 @@ class FlatUnit:
         self.param_grad_seen = [False] * len(self.params)  # this rank reduced a gradient for it this step
         self.grad_anywhere = False  # some rank did, for the unit (agreed): else the optimizer skips it
 
+    def drop_stashed(self) -> None:
+        """Forget the gradients ``stash_grad`` kept (``zero_grad``)."""
+        self.accumulated = None
+        self.param_stashed = [False] * len(self.params)
+
     @property
     def grad_seen(self) -> bool:
         """This rank reduced a gradient of its own for the unit this step."""
@@ -249,7 +285,7 @@ class FlatUnit:
         return slice(lo, max(lo, min(begin + self.numels[i] - start, self.shard_numel)))
 
     def has_full_grads(self) -> bool:
-        return any(p.grad is not None for p in self.params)
+        return self.accumulated is not None or any(p.grad is not None for p in self.params)
 
     def take_written(self) -> None:
         """A gathered trained unit whose parameters were written in place since the last gather or

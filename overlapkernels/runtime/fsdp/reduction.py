@@ -59,7 +59,8 @@ class GradientReduction:
         unit reduces zeros: its DP/CP peers' collectives need a partner. The same all-reduce
         agrees, per parameter, whether any rank had a gradient for it this step (``step``)."""
         units = self.all_units
-        per_param = [seen or p.grad is not None for u in units for seen, p in zip(u.param_grad_seen, u.params)]
+        per_param = [seen or stashed or p.grad is not None for u in units
+                     for seen, stashed, p in zip(u.param_grad_seen, u.param_stashed, u.params)]
         flags = self._agree_on_gradients([u.has_full_grads() for u in units] + per_param)
         self._param_had_grad = flags[len(units):]
         for unit, flag in zip(units, flags):

@@ -1,0 +1,121 @@
+"""Gradients kept for a later reduction (stage 1, any stage under no_sync) are summed over the
+backward passes in reduce_dtype where it is wider than the gradients, as FSDP2 does: bf16 compute
+with fp32 reductions must not sum m microbatches in bf16 first. Checked exactly against the fp64
+sum of the same bf16 per-microbatch gradients (fp32 sums of 16 such values are exact here)."""
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import overlapkernels as ok
+from overlapkernels.runtime import fsdp
+
+MICRO = 16
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def _full_master_grads(sharded) -> dict:
+    """{unit name: the unit's reduced gradient, unsharded} (a collective over the unit's group)."""
+    out = {}
+    for unit in sharded.all_units:
+        shards = [torch.empty_like(unit.master.grad) for _ in range(unit.world)]
+        dist.all_gather(shards, unit.master.grad.contiguous(), group=unit.group)
+        out[unit.name] = torch.cat(shards)[:unit.numel].double()
+    return out
+
+
+def _want(reference, grads_of, name) -> torch.Tensor:
+    return torch.cat([grads_of[f"{name}.{k}"].reshape(-1) for k, _ in reference[int(name)].named_parameters()])
+
+
+def _accumulate_on_rank(stage, planted_bf16_sum=False):
+    r, w = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    reference = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    reference.load_state_dict(net.state_dict())
+    reference = reference.to(torch.bfloat16)  # what param_dtype computes with: the same bf16 gradients
+    sharded = fsdp.shard(net, stage=stage, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, optimizer=_sgd)
+    if planted_bf16_sum:  # the old behaviour: .grad sums the microbatches in bf16
+        for unit in sharded.all_units:
+            unit.stashes = lambda grad: False
+    want = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in reference.named_parameters()}
+    # the last microbatch alone, as after zero_grad
+    last = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in reference.named_parameters()}
+    stashed_between = []
+    for k in range(MICRO):
+        for q in range(w):  # every rank's data, for the reference (the mean over ranks)
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * k + q)).bfloat16()
+            if q == r:
+                with sharded.no_sync() if stage > 1 else contextlib.nullcontext():
+                    sharded(x).float().pow(2).mean().backward()
+                stashed_between.append(all(p.grad is None for p in net.parameters()))
+            reference.zero_grad()
+            reference(x).float().pow(2).mean().backward()
+            for n, p in reference.named_parameters():
+                want[n] += p.grad.double() / w
+                if k == MICRO - 1:
+                    last[n] += p.grad.double() / w
+    sharded._finish_gradients()
+    got = _full_master_grads(sharded)
+    errors = {name: float((got[name] - _want(reference, want, name)).abs().max()) for name in got}
+    # zero_grad forgets what was summed apart: one more microbatch, and only it is reduced
+    sharded.zero_grad()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * (MICRO - 1) + r)).bfloat16()
+    with sharded.no_sync() if stage > 1 else contextlib.nullcontext():
+        sharded(x).float().pow(2).mean().backward()
+    sharded._finish_gradients()
+    got = _full_master_grads(sharded)
+    after_zero_grad = {name: float((got[name] - _want(reference, last, name)).abs().max()) for name in got}
+    return errors, after_zero_grad, all(stashed_between) and not planted_bf16_sum
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_unsynced_gradients_sum_in_the_reduce_dtype(rank_pool, stage):
+    for errors, after_zero_grad, left_grad in rank_pool(2).run(_accumulate_on_rank, stage):
+        assert errors == {"0": 0.0, "2": 0.0} and after_zero_grad == {"0": 0.0, "2": 0.0}, (errors, after_zero_grad)
+        assert left_grad  # moved out of .grad, which held them in bf16
+
+
+def test_the_planted_bf16_sum_is_caught(rank_pool):
+    errors, _, _ = rank_pool(2).run(_accumulate_on_rank, 1, True)[0]
+    assert min(errors.values()) > 1e-4, errors  # ~1e-3 off: 16 bf16 additions
+
+
+def _sequence_parallel_on_rank():
+    """A parameter tagged sequence-parallel (each TP rank holds a partial gradient, summed over the
+    TP group before the DP reduction) whose gradients were summed apart: the TP sum covers them."""
+    dims = ok.init_parallel(tp=2)  # 4 ranks: tp=2 x dp=2
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 4))
+    reference = nn.Sequential(nn.Linear(8, 4))
+    reference.load_state_dict(net.state_dict())
+    reference = reference.to(torch.bfloat16)
+    for p in net.parameters():
+        p.sequence_parallel, p.sequence_parallel_group = True, dims.tp_group
+    sharded = fsdp.shard(net, dims.dp_group, stage=1, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                         optimizer=_sgd)
+    want = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in reference.named_parameters()}
+    for k in range(4):
+        for d in range(dims.dp_size):
+            for t in range(dims.tp_size):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * k + 10 * d + t)).bfloat16()
+                if (d, t) == (dims.dp_rank, dims.tp_rank):
+                    sharded(x).float().pow(2).sum().backward()
+                reference.zero_grad()
+                reference(x).float().pow(2).sum().backward()
+                for n, p in reference.named_parameters():
+                    want[n] += p.grad.double() / dims.dp_size  # summed over TP, averaged over DP
+    assert all(p.grad is None for p in net.parameters())
+    sharded._finish_gradients()
+    got = _full_master_grads(sharded)
+    return float((got["0"] - _want(reference, want, "0")).abs().max())
+
+
+def test_sequence_parallel_gradients_summed_apart_are_summed_over_tp(rank_pool):
+    assert rank_pool(4).run(_sequence_parallel_on_rank) == [0.0] * 4
