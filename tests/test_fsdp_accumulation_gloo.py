@@ -51,8 +51,8 @@ def _accumulate_on_rank(stage, planted_bf16_sum=False):
     for k in range(MICRO):
         for q in range(w):  # every rank's data, for the reference (the mean over ranks)
             x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * k + q)).bfloat16()
-            if q == r:
-                with sharded.no_sync() if stage > 1 else contextlib.nullcontext():
+            if q == r:  # stages 2/3: the last backward synced, reducing the stash and its own .grad together
+                with sharded.no_sync() if stage > 1 and k < MICRO - 1 else contextlib.nullcontext():
                     sharded(x).float().pow(2).mean().backward()
                 stashed_between.append(all(p.grad is None for p in net.parameters()))
             reference.zero_grad()

@@ -61,6 +61,7 @@ class FlatUnit:
         self.reduce_dtype = reduce_dtype or self.param_dtype
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]  # each parameter's start in the flat buffer
         self.numel = sum(self.numels)
         self.padded = -(-self.numel // self.world) * self.world
         self.shard_numel = self.padded // self.world
@@ -201,7 +202,7 @@ class FlatUnit:
         p = self.params[i]
         if self.accumulated is None:
             self.accumulated = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
-        begin = sum(self.numels[:i])
+        begin = self.offsets[i]
         self.accumulated[begin:begin + self.numels[i]].add_(p.grad.reshape(-1))
         p.grad = None
         self.param_stashed[i] = True
@@ -215,27 +216,21 @@ class FlatUnit:
         else:
             flat_grad = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
         sp_groups = {}  # sequence-parallel partial gradients: first summed over their TP group
-        offset = 0
-        for i, (p, n) in enumerate(zip(self.params, self.numels)):
-            group = getattr(p, "sequence_parallel_group", None)
-            if getattr(p, "sequence_parallel", False) and group is not None:
-                if p.grad is not None:
-                    sp_groups.setdefault(group, []).append(p.grad)
-                if self.param_stashed[i]:  # (a sum of all-reduces is the all-reduce of the sum)
-                    sp_groups.setdefault(group, []).append(flat_grad[offset:offset + n])
-            offset += n
-        for group, grads in sp_groups.items():
-            all_reduce_coalesced(grads, group)
-        offset = 0
-        for i, (p, n) in enumerate(zip(self.params, self.numels)):
+        for i, (p, begin, n) in enumerate(zip(self.params, self.offsets, self.numels)):
             if p.grad is not None:
-                flat_grad[offset:offset + n].add_(p.grad.reshape(-1))
+                flat_grad[begin:begin + n].add_(p.grad.reshape(-1))
                 p.grad = None
                 self.param_grad_seen[i] = True
             if self.param_stashed[i]:
                 self.param_stashed[i] = False
                 self.param_grad_seen[i] = True
-            offset += n
+            group = getattr(p, "sequence_parallel_group", None)
+            if getattr(p, "sequence_parallel", False) and group is not None:
+                # every one, with a gradient here or not (zeros): the TP ranks' all-reduces then pair
+                # up whatever each computed, and sum in reduce_dtype, not in the compute dtype
+                sp_groups.setdefault(group, []).append(flat_grad[begin:begin + n])
+        for group, grads in sp_groups.items():
+            all_reduce_coalesced(grads, group)
         flat_grad.div_(self.world)  # DDP semantics: the mean over ranks
         out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
         with span(f"ok/fsdp/{self.name}/reduce_scatter/comm"):
@@ -279,7 +274,7 @@ class FlatUnit:
 
     def master_slice(self, i: int) -> slice:
         """Where parameter ``i`` lies in this rank's master shard (empty if elsewhere)."""
-        begin = sum(self.numels[:i])
+        begin = self.offsets[i]
         start = self.rank * self.shard_numel
         lo = min(max(begin - start, 0), self.shard_numel)
         return slice(lo, max(lo, min(begin + self.numels[i] - start, self.shard_numel)))

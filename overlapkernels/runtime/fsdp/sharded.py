@@ -346,12 +346,18 @@ class ShardedModule(GradientReduction, Accounting, nn.Module):
         """Drop this step's gradients everywhere: the model's ``.grad``, reductions in flight and
         the master shards' (what ``step`` does after updating). For skipping a step, e.g. on a
         non-finite loss, or after a backward that raised. Call it on every rank alike.
-        ``set_to_none`` as ``nn.Module.zero_grad`` for the model's ``.grad`` (the shards' are zeroed)."""
+        ``set_to_none`` as ``nn.Module.zero_grad`` for the model's ``.grad`` (the shards' are zeroed).
+        Gradients summed apart in ``reduce_dtype`` (``fsdp.shard``'s docstring) are dropped here only:
+        the wrapped model's own ``zero_grad`` does not see them."""
         self.module.zero_grad(set_to_none=set_to_none)
+        failed = None  # a wait that raised (a peer gone): every unit is still cleared, then it is raised
         for unit in self.all_units:
             for work, _, _ in unit.pending_reduce:  # collectives already posted: let them finish
-                if work is not None:
-                    work.wait()
+                try:
+                    if work is not None:
+                        work.wait()
+                except Exception as exc:
+                    failed = failed or exc
             unit.pending_reduce = []
             unit.master.grad = torch.zeros_like(unit.master)
             unit.clear_grad_flags()
@@ -363,6 +369,8 @@ class ShardedModule(GradientReduction, Accounting, nn.Module):
             unit.free(keep_shapes=True)
         self._backward_armed = False
         self._reset_backward()
+        if failed is not None:
+            raise failed
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, *, dims=None, error_if_nonfinite=False,
                         foreach=None) -> torch.Tensor:
