@@ -178,6 +178,8 @@ def test_bad_clipping_and_scaler_arguments_are_refused():
             Trainer(GPTConfig(**CONFIG), None, grad_scaler=bad)
     with pytest.raises(TypeError, match=r"lr_scheduler=float: expected a factory, callable\(optimizer\)"):
         Trainer(GPTConfig(**CONFIG), None, lr_scheduler=0.5)
+    with pytest.raises(ValueError, match=r"^reduce_dtype='fp32': expected torch\.float64, float32"):
+        Trainer(GPTConfig(**CONFIG), None, reduce_dtype="fp32")
     for bad in (0, "no", None):  # (0 is falsy: it must not pass for False)
         with pytest.raises(TypeError, match=rf"^reduce_per_microbatch={bad!r}: expected a bool$"):
             Trainer(GPTConfig(**CONFIG), None, reduce_per_microbatch=bad)
@@ -239,6 +241,26 @@ def _resume_on_rank(path):
 def test_a_trainer_resumes_from_its_checkpoint(rank_pool, tmp_path):
     results = rank_pool(4).run(_resume_on_rank, str(tmp_path / "ckpt"))
     assert all(r == results[0] for r in results)
+
+
+def _reduce_dtype_on_rank():
+    """float16 weights with fp32 reductions under ZeRO-1 (whose gradients wait for the step, summed
+    over the microbatches in fp32 apart from .grad: fsdp's tests check those sums exactly) and loss
+    scaling: every unit reduces in fp32, and the step is taken alike on every rank."""
+    dims = ok.init_parallel(dp=2, pp=2)
+    trainer = Trainer(GPTConfig(**CONFIG, method="decomposed"), dims, dtype=torch.float16, reduce_dtype=torch.float32,
+                      grad_scaler=fsdp.GradScaler(init_scale=2.0 ** 8),
+                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    tokens = torch.randint(0, 16, (8, 8), generator=torch.Generator().manual_seed(2))
+    loss = trainer.step(tokens, (3 * tokens + 1) % 16)
+    units = {str(u.reduce_dtype) for chunk in trainer.chunks for u in chunk.all_units}
+    return units, trainer.last_step_skipped, math.isfinite(loss), loss
+
+
+def test_reduce_dtype_reaches_every_unit(rank_pool):
+    results = rank_pool(4).run(_reduce_dtype_on_rank)
+    assert all(r == results[0] for r in results)  # one loss, one decision
+    assert results[0][:3] == ({"torch.float32"}, False, True), results[0]
 
 
 def _interleaved_on_rank(layout, zero_stage, path, virtual, reduce_per_microbatch=True):

@@ -33,7 +33,7 @@ def _adamw(params):
 
 
 def check_options(zero_stage, num_microbatches=None, max_grad_norm=None, grad_scaler=None, num_virtual=1,
-                  lr_scheduler=None, reduce_per_microbatch=True) -> None:
+                  lr_scheduler=None, reduce_per_microbatch=True, reduce_dtype=None) -> None:
     """The Trainer's own arguments, refused by name before anything is built (alike on every rank;
     the demo checks its options here before it starts any rank)."""
     if not isinstance(zero_stage, int) or isinstance(zero_stage, bool) or zero_stage not in (1, 2, 3):
@@ -54,6 +54,7 @@ def check_options(zero_stage, num_microbatches=None, max_grad_norm=None, grad_sc
         raise ValueError(f"num_virtual={num_virtual!r}: expected an integer >= 1 (chunks per pipeline rank)")
     if not isinstance(reduce_per_microbatch, bool):
         raise TypeError(f"reduce_per_microbatch={reduce_per_microbatch!r}: expected a bool")
+    fsdp.check_precision_dtype("reduce_dtype", reduce_dtype)
     if lr_scheduler is not None and not callable(lr_scheduler):
         raise TypeError(f"lr_scheduler={type(lr_scheduler).__name__}: expected a factory, callable(optimizer) -> "
                         "a torch.optim.lr_scheduler schedule (e.g. lambda opt: LambdaLR(opt, f)), or None")
@@ -96,10 +97,15 @@ class Trainer:
     (and 2m all-gathers) per unit and step to one each, as torchtitan's pipelines keep FSDP2's
     parameters gathered. The price is ZeRO-1's: the stage's full gradients (and, ZeRO-3,
     parameters) held through the step, a last reduction that no backward hides, and the sum over
-    microbatches made in ``.grad``, in the model's dtype (16-bit weights: a 16-bit sum, as
-    Megatron's default grad buffer; a scaled float16 sum also overflows sooner, so the
-    ``grad_scaler`` may skip a step more) where per-microbatch reductions add up in the fp32
+    microbatches made in the model's dtype unless ``reduce_dtype`` is wider (16-bit weights: a
+    16-bit sum, as Megatron's default grad buffer; a scaled float16 sum also overflows sooner, so
+    the ``grad_scaler`` may skip a step more) where per-microbatch reductions add up in the fp32
     masters. ZeRO-1 reduces once anyway.
+
+    ``reduce_dtype``: fsdp's (``fsdp.shard``): with 16-bit weights, ``torch.float32`` reduces the
+    gradients in fp32 and sums those that wait for a reduction (ZeRO-1, ``reduce_per_microbatch=False``)
+    over the microbatches in fp32 too, ZB-H1's W gradients excepted (None: in the weights' dtype, as
+    Megatron's default grad buffer).
 
     ``lr_scheduler``: a factory of the optimizer's schedule (``lambda opt: LambdaLR(opt, warmup)``),
     stepped after every optimizer step taken - a step skipped for an overflow does not count, as
@@ -120,9 +126,9 @@ class Trainer:
                  optimizer=_adamw, dtype=torch.float32, dense_state_dict: dict | None = None, device=None,
                  zero_stage: int = 1, max_grad_norm: float | None = None,
                  grad_scaler: fsdp.GradScaler | None = None, lr_scheduler=None, num_virtual: int = 1,
-                 reduce_per_microbatch: bool = True):
+                 reduce_per_microbatch: bool = True, reduce_dtype: torch.dtype | None = None):
         check_options(zero_stage, num_microbatches, max_grad_norm, grad_scaler, num_virtual, lr_scheduler,
-                      reduce_per_microbatch)
+                      reduce_per_microbatch, reduce_dtype)
         self.config, self.dims = config, dims
         self.reduce_per_microbatch = reduce_per_microbatch
         # (a numpy or Fraction norm passes the check above; clipping itself takes int/float only)
@@ -140,7 +146,8 @@ class Trainer:
                            pipeline_stage=(chunk * dims.pp_size + dims.pp_rank, stages)) for chunk in range(num_virtual)]
         for stage in self.stages if dense_state_dict is not None else ():
             stage.load_state_dict(shard_dense_state_dict(stage, dense_state_dict))
-        self.chunks = [fsdp.shard(stage, dims.dp_group, stage=zero_stage, optimizer=optimizer) for stage in self.stages]
+        self.chunks = [fsdp.shard(stage, dims.dp_group, stage=zero_stage, optimizer=optimizer, reduce_dtype=reduce_dtype)
+                       for stage in self.stages]
         self.stage, self.sharded = (self.stages[0], self.chunks[0]) if num_virtual == 1 else (None, None)
         # one schedule per chunk's optimizer, stepped together (lr_scheduler: the first's)
         self.lr_schedulers = [] if lr_scheduler is None else [_schedule(lr_scheduler, c.optimizer) for c in self.chunks]

@@ -18,6 +18,13 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-3)
 
 
+def check_precision_dtype(name: str, dt) -> None:
+    """``param_dtype`` / ``reduce_dtype`` (``name``): None or a dtype that computes and reduces."""
+    # (fp8 is floating too, but neither computes nor reduces: it failed in the first backward)
+    if dt is not None and dt not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"{name}={dt!r}: expected torch.float64, float32, float16, bfloat16 or None")
+
+
 def shard(model, group=None, *, stage=3, optimizer=_adamw, prefetch=1, param_dtype=None, reduce_dtype=None,
           units=None, shard_frozen=False) -> ShardedModule:
     """Shard ``model`` over ``group``: the dp group of a ParallelDims, or the world (None) for pure
@@ -64,9 +71,7 @@ def shard(model, group=None, *, stage=3, optimizer=_adamw, prefetch=1, param_dty
     if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 0:
         raise ValueError(f"prefetch={prefetch!r}: expected an integer >= 0")
     for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
-        # (fp8 is floating too, but neither computes nor reduces: it failed in the first backward)
-        if dt is not None and dt not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"{name}={dt!r}: expected torch.float64, float32, float16, bfloat16 or None")
+        check_precision_dtype(name, dt)
     if param_dtype is not None:
         _check_buffers_compute_in(model, param_dtype)
     if not dist.is_initialized():
