@@ -248,12 +248,8 @@ def _bench_all(args) -> int:
 def _demo(args) -> int:
     from . import demo
 
-    cfg = demo.DemoConfig(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, steps=args.steps, schedule=args.schedule,
-                          zero_stage=args.zero_stage, max_grad_norm=args.max_grad_norm,
-                          activation_checkpointing=args.activation_checkpointing,
-                          reduce_per_microbatch=not args.reduce_per_step)
     # before any rank starts; dp=-1 becomes the ranks left, so its checks and the table use that
-    cfg = cfg.resolved(int(os.environ["WORLD_SIZE"]) if _launched() else _world(args))
+    cfg = demo.config_from_args(args).resolved(int(os.environ["WORLD_SIZE"]) if _launched() else _world(args))
     rows, _ = _run_ranks(demo.rank_main, demo.config_dict(cfg), args)
     if rows is not None:
         print(demo.format_rows(rows, cfg))
@@ -303,25 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--json", action="store_true")
     rep.set_defaults(func=_profile_report)
 
-    demo = sub.add_parser("demo", help="train the small GPT in a 4-D composition on CPU ranks (or under torchrun)",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    demo.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
-    demo.add_argument("--pp", type=int, default=2, help="pipeline stages")
-    demo.add_argument("--cp", type=int, default=1, help="context-parallel size")
-    demo.add_argument("--dp", type=int, default=1, help="data-parallel size (tp*pp*cp*dp ranks in all)")
-    demo.add_argument("--steps", type=int, default=20, help="training steps")
-    demo.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | zb-h1 | interleaved-1f1b (2 chunks per rank)")
-    demo.add_argument("--zero-stage", type=int, default=1, help="ZeRO stage over DP: 1, 2 or 3")
-    demo.add_argument("--max-grad-norm", type=float, help="clip by the whole model's gradient norm (the "
-                                                           "single-process reference clips too)")
-    demo.add_argument("--activation-checkpointing", action="store_true",
-                      help="recompute each block's forward in backward (the reference does not: they agree)")
-    demo.add_argument("--reduce-per-step", action="store_true",
-                      help="ZeRO-2/3: accumulate gradients over the microbatches and reduce once per step (ZeRO-3: "
-                           "gather once per step) instead of in every microbatch's backward")
-    demo.add_argument("--nproc", type=int, help=f"CPU ranks to spawn when not under torchrun (default {DEFAULT_NPROC})")
-    demo.add_argument("--timeout", type=float, default=600.0, help="seconds before spawned ranks are killed")
-    demo.set_defaults(func=_demo)
+    from . import demo
+
+    demo.add_arguments(sub.add_parser("demo", help="train the small GPT in a 4-D composition on CPU ranks (or under "
+                                      "torchrun)", formatter_class=argparse.ArgumentDefaultsHelpFormatter),
+                       DEFAULT_NPROC).set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="microbenchmarks")
     kinds = bench.add_subparsers(dest="kind", required=True)

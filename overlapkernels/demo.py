@@ -78,6 +78,35 @@ class DemoConfig:
             raise ValueError("demo: " + "; ".join(problems))
 
 
+def add_arguments(parser, default_nproc: int):
+    """The `overlapkernels demo` options (each a DemoConfig field, but for the launch's own); returns
+    ``parser``."""
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline stages")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel size (tp*pp*cp*dp ranks in all)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps")
+    parser.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | zb-h1 | interleaved-1f1b (2 chunks per rank)")
+    parser.add_argument("--zero-stage", type=int, default=1, help="ZeRO stage over DP: 1, 2 or 3")
+    parser.add_argument("--max-grad-norm", type=float, help="clip by the whole model's gradient norm (the "
+                                                             "single-process reference clips too)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each block's forward in backward (the reference does not: they agree)")
+    parser.add_argument("--reduce-per-step", action="store_true",
+                        help="ZeRO-2/3: accumulate gradients over the microbatches and reduce once per step (ZeRO-3: "
+                             "gather once per step) instead of in every microbatch's backward")
+    parser.add_argument("--nproc", type=int, help=f"CPU ranks to spawn when not under torchrun (default {default_nproc})")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before spawned ranks are killed")
+    return parser
+
+
+def config_from_args(args) -> DemoConfig:
+    return DemoConfig(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, steps=args.steps, schedule=args.schedule,
+                      zero_stage=args.zero_stage, max_grad_norm=args.max_grad_norm,
+                      activation_checkpointing=args.activation_checkpointing,
+                      reduce_per_microbatch=not args.reduce_per_step)
+
+
 def _batch(cfg: DemoConfig, step: int):
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=g)

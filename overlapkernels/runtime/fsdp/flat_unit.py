@@ -81,10 +81,9 @@ class FlatUnit:
         self._freed_version = None  # the versions when stage 3 emptied the parameters
         self.pending_gather = None   # (work, staged shard) of an async gather in flight
         self.pending_reduce = []     # (work, output) of async reduce-scatters in flight
-        self.accumulated = None      # gradients kept for a later reduction, summed in reduce_dtype (stash_grad)
         self.grads_ready = 0
         self.clear_grad_flags()
-        self.param_stashed = [False] * len(params)  # parameter i's gradient is in accumulated
+        self.drop_stashed()  # accumulated: gradients kept for a later reduction in reduce_dtype (stash_grad)
         self.bytes_gathered = self.bytes_reduced = 0  # full-buffer bytes each collective covered
 
     def flatten(self, tensors: list, dtype: torch.dtype) -> torch.Tensor:
@@ -263,7 +262,8 @@ class FlatUnit:
         self.grad_anywhere = False  # some rank did, for the unit (agreed): else the optimizer skips it
 
     def drop_stashed(self) -> None:
-        """Forget the gradients ``stash_grad`` kept (``zero_grad``)."""
+        """Forget the gradients ``stash_grad`` kept (``zero_grad``): none summed apart, no parameter's
+        gradient in ``accumulated``."""
         self.accumulated = None
         self.param_stashed = [False] * len(self.params)
 

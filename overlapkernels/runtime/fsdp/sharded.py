@@ -126,8 +126,7 @@ class ShardedModule(GradientReduction, Accounting, nn.Module):
         # frozen parameters in another dtype compute as param_dtype copies, their originals untouched
         in_units = {id(p) for u in self.frozen_units for p in u.params}
         self._frozen_copies = FrozenComputeCopies(model, param_dtype, in_units) if param_dtype is not None else None
-        self._param_unit = {id(p): u for u in self.all_units for p in u.params}
-        self._param_index = {id(p): i for u in self.all_units for i, p in enumerate(u.params)}  # within its unit
+        self._param_unit = {id(p): (u, i) for u in self.all_units for i, p in enumerate(u.params)}  # (unit, index in it)
         model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         guard_state_dicts(self)
         self._in_step = False
@@ -283,10 +282,10 @@ class ShardedModule(GradientReduction, Accounting, nn.Module):
     @eager_under_compile
     def _grad_ready(self, param) -> None:
         self._arm_end_of_backward()  # (post-accumulate hooks run inside backward only)
-        unit = self._param_unit[id(param)]
+        unit, index = self._param_unit[id(param)]
         # reduced later: summed in reduce_dtype (no .grad: a zero-bubble B that left the weight's to W)
         if (self.stage == 1 or not self._sync) and param.grad is not None and unit.stashes(param.grad):
-            unit.stash_grad(self._param_index[id(param)])
+            unit.stash_grad(index)
         unit.grads_ready += 1
         if unit.grads_ready == len(unit.params):
             self._unit_backward_done(unit)
