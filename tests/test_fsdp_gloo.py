@@ -134,6 +134,45 @@ def test_no_sync_accumulation(rank_pool, stage):
     assert rank_pool(2).run(_no_sync_on_rank, stage, False) == [True, True]  # accumulation without no_sync
 
 
+def _explicit_reduction_on_rank(stage):
+    """``reduce_grads()`` reduces what ``no_sync`` held, at once and only once (the step, or the
+    next synced backward, has nothing of it left); refused inside a backward. A nested ``no_sync``
+    gives the outer one's state back."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sharded = fsdp.shard(_net(), stage=stage, optimizer=OPTIMIZERS["sgd"])
+    (x, y), = _batches(1, 4, world)
+    x, y = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
+    out = sharded(x[:2])
+    out.register_hook(lambda grad: sharded.reduce_grads())
+    with pytest.raises(RuntimeError, match=r"reduce_grads\(\) inside a backward"):
+        out.sum().backward()
+    sharded.zero_grad()
+    states = [sharded.requires_gradient_sync]
+    with sharded.no_sync(reshard_after_backward=False):
+        with sharded.no_sync():
+            states.append((sharded.requires_gradient_sync, sharded._keep_gathered))
+        states.append((sharded.requires_gradient_sync, sharded._keep_gathered))
+        _loss(sharded(x[:2]), y[:2]).mul(0.5).backward()
+    states.append(sharded.requires_gradient_sync)
+    sharded.comm_stats(reset=True)
+    sharded.reduce_grads()
+    reduced = sharded.comm_stats()["reduced_bytes"]
+    left = [p.grad is not None for p in sharded.module.parameters()]
+    _loss(sharded(x[2:]), y[2:]).mul(0.5).backward()
+    sharded.step()
+    psi = sum(u.flat_bytes for u in sharded.all_units)
+    want = _reference(1, 4, world, "sgd")
+    for name, t in sharded.full_state_dict().items():
+        torch.testing.assert_close(t, want[name], atol=1e-12, rtol=1e-12)
+    return states, reduced == psi, sharded.comm_stats()["reduced_bytes"] == 2 * psi, any(left)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_reduce_grads_reduces_what_no_sync_held(rank_pool, stage):
+    for states, once, twice, left in rank_pool(2).run(_explicit_reduction_on_rank, stage):
+        assert states == [True, (False, False), (False, True), True] and once and twice and not left
+
+
 def _accumulation_traffic_on_rank(reshard_after_backward, micro_steps=4):
     """Stage 3, ``micro_steps`` micro-batches (all but the last under no_sync): the bytes gathered
     and reduced per step, the peak of gathered parameters, and the result vs single-process SGD."""

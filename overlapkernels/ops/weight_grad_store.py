@@ -12,8 +12,10 @@ read per backward).
 A deferred gradient lands in ``.grad`` as autograd's accumulation would (assigned, or added to an
 existing one), but later than the parameter's hooks: during backward they still run, seeing no
 gradient (``register_hook`` hooks get None, post-accumulate hooks an absent ``.grad``), and W calls
-none. So hook-based reducers miss it: ``enable_zero_bubble`` refuses DDP; ``fsdp`` reduces what W
-adds at the next backward's or ``step``'s collective decision (``_reduce_leftovers``). Compiled
+none. So hook-based reducers miss it: ``enable_zero_bubble`` refuses DDP; ``PipelineRunner`` holds
+``fsdp``'s ZeRO-2/3 stages in ``no_sync`` through B and has them reduce after W
+(``ShardedModule.reduce_grads``); elsewhere fsdp reduces what W adds at the next backward's end or
+``step``. Compiled
 autograd is not supported here: it traces backward, and W would run closures over traced tensors.
 """
 from __future__ import annotations

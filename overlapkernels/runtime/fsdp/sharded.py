@@ -333,11 +333,29 @@ class ShardedModule(GradientReduction, Accounting, nn.Module):
         (ZeRO-2's) meanwhile. ``step`` frees them in any case, ``zero_grad`` all but the root unit."""
         if not isinstance(reshard_after_backward, bool):
             raise TypeError(f"reshard_after_backward must be a bool, got {type(reshard_after_backward).__name__}")
+        outer = self._sync, self._keep_gathered  # (nested: the outer one's state comes back)
         self._sync, self._keep_gathered = False, not reshard_after_backward
         try:
             yield
         finally:
-            self._sync, self._keep_gathered = True, False
+            self._sync, self._keep_gathered = outer
+
+    @property
+    def requires_gradient_sync(self) -> bool:
+        """Whether a backward reduces the gradients (stages 2/3): False inside ``no_sync``."""
+        return self._sync
+
+    @eager_under_compile
+    def reduce_grads(self) -> None:
+        """Start reducing now every gradient held for a later reduction - what ``no_sync`` or
+        stage 1 accumulated, what a zero-bubble W added after its backward - instead of at the
+        next synced backward's end or ``step`` (which waits for it). Collective over the group:
+        every replica calls it at the same point of its step. ``PipelineRunner`` calls it after
+        each W of a stage it held in ``no_sync`` through the B before (stages 2/3), so a
+        microbatch's gradients are reduced once, B's and W's together."""
+        if torch._C._current_autograd_node() is not None:  # (a hook's call: the backward's own reductions race it)
+            raise RuntimeError("ShardedModule.reduce_grads() inside a backward: call it after the backward ends")
+        self._reduce_leftovers(async_op=True)
 
     # -- optimizer ----------------------------------------------------------------------------
     @eager_under_compile

@@ -90,6 +90,14 @@ def _check_sharded_over_other_stages(modules, group) -> None:
                                  "each stage over the data-parallel group (dims.dp_group), not the world")
 
 
+def _reducing_in_backward(mod) -> list:
+    """The ShardedModules in a stage module that reduce gradients in backward (stages 2/3)."""
+    from ..fsdp.sharded import ShardedModule
+
+    subs = mod.modules() if isinstance(mod, nn.Module) else ()
+    return [sub for sub in subs if isinstance(sub, ShardedModule) and sub.stage >= 2]
+
+
 class PipelineRunner:
     """Runs ``schedule`` on this rank's stage module(s), one optimizer step's worth per ``step``.
 
@@ -146,6 +154,9 @@ class PipelineRunner:
                 if isinstance(mod, nn.Module):
                     enable_zero_bubble(mod)
         self.modules = {chunk * self.world + self.rank: mod for chunk, mod in enumerate(modules)}
+        # W-split: ZeRO-2/3 stages whose reductions wait for each microbatch's W (see _held_until_w)
+        self._reduced_after_w = {s: _reducing_in_backward(mod) for s, mod in self.modules.items()} \
+            if self._splits_w else {}
         self.schedule, self.loss_fn, self.timeout = schedule, loss_fn, timeout
         self._posted, self._failed = False, None  # (a step that failed after posting: see step)
         self.last_stage = schedule.num_stages - 1
@@ -383,9 +394,14 @@ class PipelineRunner:
             else:
                 grad = self._take("gradient", s, mb)
             if a.op == "B":
-                stores[(s, mb)] = WeightGradStore()
+                stores[(s, mb)] = WeightGradStore(), self._held_until_w(s)
             if st["out"].requires_grad:  # not so for a first stage without parameters
-                with deferring(stores[(s, mb)]) if a.op == "B" else contextlib.nullcontext(), self._timed(a.op):
+                with contextlib.ExitStack() as backward:
+                    if a.op == "B":
+                        backward.enter_context(deferring(stores[(s, mb)][0]))
+                        for sharded in stores[(s, mb)][1]:
+                            backward.enter_context(sharded.no_sync())
+                    backward.enter_context(self._timed(a.op))
                     torch.autograd.backward(st["out"], grad)
             if s > 0:
                 # an output that does not depend on the input sends a zero gradient, not none
@@ -395,8 +411,19 @@ class PipelineRunner:
                 else:
                     self._send_later("gradient", s - 1, mb, grad_x)
         else:  # W
+            store, held = stores.pop((s, mb))
             with self._timed("W"):
-                stores.pop((s, mb)).run()
+                store.run()
+            for sharded in held:  # B's gradients and W's, one reduction (async: overlaps what follows)
+                sharded.reduce_grads()
+
+    def _held_until_w(self, s: int) -> list:
+        """The ShardedModules of stage ``s`` whose B runs in ``no_sync``: a W-split schedule's W adds
+        weight gradients after B's backward, which at ZeRO-2/3 would reduce them only at the next
+        backward's end or the step (m + 1 reductions per unit and step); held, each is reduced
+        after W, with what B left (and what earlier Bs whose W comes later left: at most m). Not
+        those in the caller's own no_sync."""
+        return [sharded for sharded in self._reduced_after_w.get(s, ()) if sharded.requires_gradient_sync]
 
     def _forward(self, s: int, mb: int, x):
         try:
