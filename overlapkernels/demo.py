@@ -14,6 +14,9 @@ import torch
 import torch.distributed as dist
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 @dataclass(frozen=True)
 class DemoConfig:
     tp: int = 2
@@ -32,6 +35,7 @@ class DemoConfig:
     max_grad_norm: float | None = None  # clip by the whole model's norm (the reference clips too)
     activation_checkpointing: bool = False  # the 4-D run recomputes its blocks (the reference stores)
     reduce_per_microbatch: bool = True  # ZeRO-2/3: False reduces (and ZeRO-3 gathers) once per step
+    dtype: str = "float32"  # the weights'; 16-bit: fp32 masters and reductions (float16: loss scaling too)
 
     def resolved(self, world: int) -> "DemoConfig":
         """This configuration on ``world`` ranks, dp=-1 replaced by the ranks left, once every
@@ -59,6 +63,8 @@ class DemoConfig:
                           reduce_per_microbatch=self.reduce_per_microbatch)
         except (TypeError, ValueError) as exc:
             problems.append(str(exc))
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype={self.dtype!r}: expected one of {', '.join(DTYPES)}")
         if not isinstance(self.activation_checkpointing, bool):
             problems.append(f"activation_checkpointing={self.activation_checkpointing!r} must be a bool")
         if self.steps < 1 or self.reference_steps < 0:
@@ -95,6 +101,9 @@ def add_arguments(parser, default_nproc: int):
     parser.add_argument("--reduce-per-step", action="store_true",
                         help="ZeRO-2/3: accumulate gradients over the microbatches and reduce once per step (ZeRO-3: "
                              "gather once per step) instead of in every microbatch's backward")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                        help="the weights' dtype; 16-bit ones keep fp32 masters and reduce in fp32 (float16 also "
+                             "scales the loss: fsdp.GradScaler); the reference stays fp32")
     parser.add_argument("--nproc", type=int, help=f"CPU ranks to spawn when not under torchrun (default {default_nproc})")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before spawned ranks are killed")
     return parser
@@ -104,7 +113,7 @@ def config_from_args(args) -> DemoConfig:
     return DemoConfig(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, steps=args.steps, schedule=args.schedule,
                       zero_stage=args.zero_stage, max_grad_norm=args.max_grad_norm,
                       activation_checkpointing=args.activation_checkpointing,
-                      reduce_per_microbatch=not args.reduce_per_step)
+                      reduce_per_microbatch=not args.reduce_per_step, dtype=args.dtype)
 
 
 def _batch(cfg: DemoConfig, step: int):
@@ -117,6 +126,7 @@ def rank_main(config: dict) -> list[dict]:
     import overlapkernels as ok
     from overlapkernels.models import GPT, GPTConfig
     from overlapkernels.models.train import Trainer
+    from overlapkernels.runtime import fsdp
     from overlapkernels.runtime import pipeline as pp
 
     cfg = DemoConfig(**config)
@@ -137,9 +147,13 @@ def rank_main(config: dict) -> list[dict]:
             opt.step()
             reference.append(float(loss.detach()))
     dims = ok.init_parallel(tp=cfg.tp, cp=cfg.cp, pp=cfg.pp, dp=cfg.dp)
+    dtype = getattr(torch, cfg.dtype)
+    low = dtype.itemsize < 4  # 16-bit weights: fp32 reductions, as mixed-precision FSDP2 setups use
     trainer = Trainer(replace(gpt, activation_checkpointing=cfg.activation_checkpointing), dims, schedule=cfg.schedule,
                       dense_state_dict=start, zero_stage=cfg.zero_stage, max_grad_norm=cfg.max_grad_norm,
-                      num_virtual=cfg.num_virtual, reduce_per_microbatch=cfg.reduce_per_microbatch)
+                      num_virtual=cfg.num_virtual, reduce_per_microbatch=cfg.reduce_per_microbatch, dtype=dtype,
+                      reduce_dtype=torch.float32 if low else None,
+                      grad_scaler=fsdp.GradScaler() if dtype == torch.float16 else None)
     rows = []
     for step in range(cfg.steps):
         t0 = time.perf_counter()
@@ -160,7 +174,8 @@ def rank_main(config: dict) -> list[dict]:
                      "grad_norm": trainer.last_grad_norm,
                      "reference_grad_norm": reference_norms[step] if step < len(reference_norms) else None,
                      "tokens_per_s": cfg.batch * cfg.seq / elapsed, "bubble_measured": bubble,
-                     "bubble_simulated": sim.bubble_fraction, "t_f": t_f, "t_b": t_b, "t_w": t_w})
+                     "bubble_simulated": sim.bubble_fraction, "t_f": t_f, "t_b": t_b, "t_w": t_w,
+                     "skipped": trainer.last_step_skipped, "device": trainer.device.type})
     return rows if dist.get_rank() == 0 else None
 
 
@@ -171,7 +186,11 @@ def format_rows(rows: list[dict], cfg: DemoConfig) -> str:
              + (f" ({cfg.num_virtual} chunks per rank)" if cfg.num_virtual > 1 else "") + f", ZeRO-{cfg.zero_stage}"
              + (" reduced once per step" if not cfg.reduce_per_microbatch and cfg.zero_stage > 1 else "")
              + (f", clipped at {cfg.max_grad_norm:g}" if clip else "")
-             + (", activation checkpointing" if cfg.activation_checkpointing else "") + "; CPU ranks (gloo)",
+             + (", activation checkpointing" if cfg.activation_checkpointing else "")
+             + {"float32": "", "bfloat16": ", bfloat16 (fp32 masters and reductions)",
+                "float16": ", float16 (fp32 masters and reductions, loss scaling)"}[cfg.dtype]
+             + ("; GPU ranks (NCCL)" if rows and rows[0].get("device") == "cuda" else "; CPU ranks (gloo)")
+             + ("; the reference is fp32: 16-bit losses agree to that precision" if cfg.dtype != "float32" else ""),
              f"{'step':>4}  {'loss':>8}  {'1-proc ref':>10}  "
              + (f"{'grad norm':>9}  {'1-proc ref':>10}  " if clip else "")
              + f"{'tokens/s':>9}  {'bubble meas.':>12}  {'bubble sim.':>11}"]
@@ -182,7 +201,8 @@ def format_rows(rows: list[dict], cfg: DemoConfig) -> str:
             ref_norm = f"{r['reference_grad_norm']:.4f}" if r["reference_grad_norm"] is not None else ""
             norms = f"{r['grad_norm']:>9.4f}  {ref_norm:>10}  "
         lines.append(f"{r['step']:>4}  {r['loss']:>8.4f}  {ref:>10}  {norms}{r['tokens_per_s']:>9.0f}  "
-                     f"{r['bubble_measured']:>12.1%}  {r['bubble_simulated']:>11.1%}")
+                     f"{r['bubble_measured']:>12.1%}  {r['bubble_simulated']:>11.1%}"
+                     + ("  skipped: inf/NaN gradients, loss scale halved" if r.get("skipped") else ""))
     return "\n".join(lines)
 
 

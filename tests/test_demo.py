@@ -71,3 +71,20 @@ def test_demo_zero_bubble_simulation_uses_the_measured_weight_gradients(rank_poo
     zb = pp.make_schedule("zb-h1", 2, 4)
     assert row["bubble_simulated"] == pp.simulate(zb, t_f=row["t_f"], t_b=row["t_b"], t_w=row["t_w"]).bubble_fraction
     assert row["bubble_simulated"] != pp.simulate(zb, t_f=row["t_f"], t_b=row["t_b"]).bubble_fraction
+
+
+@pytest.mark.parametrize("dtype, rel", [("bfloat16", 3e-2), ("float16", 5e-3)])
+def test_demo_trains_16_bit_weights_close_to_its_fp32_reference(rank_pool, dtype, rel):
+    """--dtype: 16-bit weights with fp32 masters and reductions (float16 with loss scaling) follow
+    the fp32 reference to their precision, and the table says what ran; a planted fp32 run would
+    agree to 1e-5 (the smoke test), so the tolerance here only admits the 16-bit rounding."""
+    cfg = demo.DemoConfig(tp=1, pp=2, steps=2, reference_steps=2, batch=4, seq=8, vocab=16, hidden=16, layers=2,
+                          dtype=dtype)
+    rows = rank_pool(2).run(demo.rank_main, demo.config_dict(cfg))[0]
+    for row in rows:
+        assert row["loss"] == pytest.approx(row["reference"], rel=rel) and not row["skipped"], row
+    assert any(abs(row["loss"] - row["reference"]) > 1e-6 * abs(row["reference"]) for row in rows), rows  # 16 bits ran
+    table = demo.format_rows(rows, cfg)
+    assert f"{dtype} (fp32 masters and reductions" in table and "CPU ranks (gloo)" in table
+    with pytest.raises(ValueError, match=r"dtype='float64': expected one of float32, bfloat16, float16"):
+        demo.DemoConfig(dtype="float64").resolved(4)
