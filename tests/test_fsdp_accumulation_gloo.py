@@ -119,3 +119,51 @@ def _sequence_parallel_on_rank():
 
 def test_sequence_parallel_gradients_summed_apart_are_summed_over_tp(rank_pool):
     assert rank_pool(4).run(_sequence_parallel_on_rank) == [0.0] * 4
+
+
+def _zero_bubble_on_rank(stage, outer_no_sync=False, planted=False):
+    """Pipeline ranks (pp=2, ZB-H1): what each W adds after its B's backward joins the reduce_dtype
+    sum (``accumulate_grads``, called by the runner after each W); at stages 2/3 in the runner's
+    own hold it is reduced after W (``reduce_grads``). Either way no bf16 sum over microbatches:
+    exact against the fp64 sum of the same bf16 per-microbatch gradients."""
+    from overlapkernels.runtime import pipeline as pp
+
+    dims = ok.init_parallel(pp=2)
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    reference = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).to(torch.bfloat16)
+    reference.load_state_dict(dense.state_dict())
+    mine = dense[:2] if dims.pp_rank == 0 else dense[2:]
+    sharded = fsdp.shard(mine, dims.dp_group, stage=stage, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                         optimizer=_sgd)
+    if planted:  # W's gradients left in .grad, summed there in bf16
+        sharded.accumulate_grads = lambda: None
+    schedule = pp.make_schedule("zb-h1", 2, MICRO)
+    runner = pp.PipelineRunner(sharded, dims.pp_group, schedule=schedule, loss_fn=lambda out, y: out.float().pow(2).mean())
+    x = torch.randn(8 * MICRO, 16, generator=torch.Generator().manual_seed(3)).bfloat16()
+    with sharded.no_sync() if outer_no_sync else contextlib.nullcontext():
+        runner.step(x if dims.pp_rank == 0 else None, torch.zeros(8 * MICRO) if dims.pp_rank == 1 else None)
+    want = [torch.zeros_like(p, dtype=torch.float64) for p in reference.parameters()]
+    for xs in x.chunk(MICRO):
+        reference.zero_grad()
+        (reference(xs).float().pow(2).mean() / MICRO).backward()
+        for w, p in zip(want, reference.parameters()):
+            w += p.grad.double()
+    want = want[:2] if dims.pp_rank == 0 else want[2:]
+    deferred = sum(p.grad is not None for p in mine.parameters())  # what W left in .grad (none)
+    sharded._finish_gradients()
+    got = _full_master_grads(sharded)
+    (unit,) = sharded.all_units
+    return float((got[unit.name] - torch.cat([w.reshape(-1) for w in want])).abs().max()), deferred
+
+
+@pytest.mark.parametrize("stage, outer_no_sync", [(1, False), (2, False), (3, True)])
+def test_zero_bubble_weight_gradients_sum_in_the_reduce_dtype(rank_pool, stage, outer_no_sync):
+    assert rank_pool(2).run(_zero_bubble_on_rank, stage, outer_no_sync) == [(0.0, 0)] * 2
+
+
+def test_a_planted_bf16_sum_of_zero_bubble_gradients_is_caught(rank_pool):
+    """Only the last stage's: stage 0 runs each W right after its B, and the next B's hooks stash
+    what that W left; the last stage runs microbatch 0's W at the end, after the others' B and W."""
+    errors = [error for error, _ in rank_pool(2).run(_zero_bubble_on_rank, 1, False, True)]
+    assert errors[1] > 1e-5, errors

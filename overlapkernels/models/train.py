@@ -104,7 +104,7 @@ class Trainer:
 
     ``reduce_dtype``: fsdp's (``fsdp.shard``): with 16-bit weights, ``torch.float32`` reduces the
     gradients in fp32 and sums those that wait for a reduction (ZeRO-1, ``reduce_per_microbatch=False``)
-    over the microbatches in fp32 too, ZB-H1's W gradients excepted (None: in the weights' dtype, as
+    over the microbatches in fp32 too, ZB-H1's W gradients included (None: in the weights' dtype, as
     Megatron's default grad buffer).
 
     ``lr_scheduler``: a factory of the optimizer's schedule (``lambda opt: LambdaLR(opt, warmup)``),

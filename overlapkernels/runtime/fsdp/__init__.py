@@ -39,8 +39,9 @@ def shard(model, group=None, *, stage=3, optimizer=_adamw, prefetch=1, param_dty
     fp32 for a 16-bit model). Gradients kept for a later reduction - stage 1's, any stage's under
     ``no_sync`` - are summed over the backward passes in ``reduce_dtype`` where it is wider than
     the gradients (bf16 compute, fp32 reductions), as FSDP2 does: they leave ``.grad`` then, and
-    only ``sharded.zero_grad()`` drops them (not the wrapped model's). (Not those a zero-bubble W
-    adds after backward: those sum in ``.grad``.) Sequence-parallel gradients are summed over their
+    only ``sharded.zero_grad()`` drops them (not the wrapped model's). Gradients assigned after a
+    backward (a zero-bubble W's) join them through ``sharded.accumulate_grads()``, which
+    ``PipelineRunner`` calls after each W. Sequence-parallel gradients are summed over their
     TP group in ``reduce_dtype`` too.
 
     ``shard_frozen=True`` (stage 3): frozen parameters are sharded too (a LoRA base), gathered with

@@ -346,6 +346,21 @@ class ShardedModule(GradientReduction, Accounting, nn.Module):
         return self._sync
 
     @eager_under_compile
+    def accumulate_grads(self) -> None:
+        """Take what is in the wrapped model's ``.grad`` into the sum that waits for a later
+        reduction (stage 1, inside ``no_sync``), as a backward's hooks take the gradients they see:
+        summed in ``reduce_dtype`` where that is wider. For gradients assigned after a backward - a
+        zero-bubble W's, which ``PipelineRunner`` hands over here after each W - that would else sum
+        in ``.grad``, in the compute dtype. No communication; nothing to do where a backward
+        reduces (stages 2/3 outside ``no_sync``: the next one, or ``reduce_grads``, takes them)."""
+        if self.stage >= 2 and self._sync:
+            return
+        for unit in self.all_units:
+            for i, p in enumerate(unit.params):
+                if p.grad is not None and unit.stashes(p.grad):
+                    unit.stash_grad(i)
+
+    @eager_under_compile
     def reduce_grads(self) -> None:
         """Start reducing now every gradient held for a later reduction - what ``no_sync`` or
         stage 1 accumulated, what a zero-bubble W added after its backward - instead of at the

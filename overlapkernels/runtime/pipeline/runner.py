@@ -90,12 +90,12 @@ def _check_sharded_over_other_stages(modules, group) -> None:
                                  "each stage over the data-parallel group (dims.dp_group), not the world")
 
 
-def _reducing_in_backward(mod) -> list:
-    """The ShardedModules in a stage module that reduce gradients in backward (stages 2/3)."""
+def _sharded_in(mod) -> list:
+    """The fsdp ShardedModules in a stage module."""
     from ..fsdp.sharded import ShardedModule
 
     subs = mod.modules() if isinstance(mod, nn.Module) else ()
-    return [sub for sub in subs if isinstance(sub, ShardedModule) and sub.stage >= 2]
+    return [sub for sub in subs if isinstance(sub, ShardedModule)]
 
 
 class PipelineRunner:
@@ -154,9 +154,8 @@ class PipelineRunner:
                 if isinstance(mod, nn.Module):
                     enable_zero_bubble(mod)
         self.modules = {chunk * self.world + self.rank: mod for chunk, mod in enumerate(modules)}
-        # W-split: ZeRO-2/3 stages whose reductions wait for each microbatch's W (see _held_until_w)
-        self._reduced_after_w = {s: _reducing_in_backward(mod) for s, mod in self.modules.items()} \
-            if self._splits_w else {}
+        # W-split: the fsdp wrappers W hands its gradients to (see _held_until_w)
+        self._sharded = {s: _sharded_in(mod) for s, mod in self.modules.items()} if self._splits_w else {}
         self.schedule, self.loss_fn, self.timeout = schedule, loss_fn, timeout
         self._posted, self._failed = False, None  # (a step that failed after posting: see step)
         self.last_stage = schedule.num_stages - 1
@@ -414,8 +413,11 @@ class PipelineRunner:
             store, held = stores.pop((s, mb))
             with self._timed("W"):
                 store.run()
-            for sharded in held:  # B's gradients and W's, one reduction (async: overlaps what follows)
-                sharded.reduce_grads()
+            for sharded in self._sharded.get(s, ()):
+                if sharded in held:  # B's gradients and W's, one reduction (async: overlaps what follows)
+                    sharded.reduce_grads()
+                else:  # reduced later: summed with the rest in reduce_dtype, not in .grad
+                    sharded.accumulate_grads()
 
     def _held_until_w(self, s: int) -> list:
         """The ShardedModules of stage ``s`` whose B runs in ``no_sync``: a W-split schedule's W adds
@@ -423,7 +425,7 @@ class PipelineRunner:
         backward's end or the step (m + 1 reductions per unit and step); held, each is reduced
         after W, with what B left (and what earlier Bs whose W comes later left: at most m). Not
         those in the caller's own no_sync."""
-        return [sharded for sharded in self._reduced_after_w.get(s, ()) if sharded.requires_gradient_sync]
+        return [sharded for sharded in self._sharded.get(s, ()) if sharded.stage >= 2 and sharded.requires_gradient_sync]
 
     def _forward(self, s: int, mb: int, x):
         try:
