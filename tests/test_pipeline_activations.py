@@ -80,18 +80,18 @@ def test_a_planted_wrong_gradient_is_caught(rank_pool, monkeypatch):
 
 
 def _planted_real_only_on_rank():
-    original = pp.runner._bytes
+    original = pp.messages._bytes
 
     def real_only(t):
         if t.is_complex():
             t.imag.zero_()
         return original(t)
 
-    pp.runner._bytes = real_only
+    pp.messages._bytes = real_only
     try:
         return _dtype_crossing_on_rank(torch.complex128)
     finally:
-        pp.runner._bytes = original
+        pp.messages._bytes = original
 
 
 @pytest.mark.usefixtures("world_of_one")

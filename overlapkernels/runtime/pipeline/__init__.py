@@ -1,6 +1,7 @@
 """Pipeline parallelism: schedules as action lists, a simulator, a renderer and an executor."""
 from .render import render
-from .runner import PipelineRunner, PipelineTimeout
+from .messages import PipelineTimeout
+from .runner import PipelineRunner
 from .schedule import KINDS, Action, Schedule, make_schedule
 from .simulate import ScheduleError, SimResult, simulate, validate
 from .weight_grad import WeightGradStore, enable_zero_bubble, splits_weight_grad
