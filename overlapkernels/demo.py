@@ -66,7 +66,7 @@ class DemoConfig:
         if self.dtype not in DTYPES:
             problems.append(f"dtype={self.dtype!r}: expected one of {', '.join(DTYPES)}")
         if not isinstance(self.activation_checkpointing, bool):
-            problems.append(f"activation_checkpointing={self.activation_checkpointing!r} must be a bool")
+            problems.append(f"activation_checkpointing={self.activation_checkpointing!r}: expected a bool")
         if self.steps < 1 or self.reference_steps < 0:
             problems.append(f"steps={self.steps} must be >= 1 (reference_steps={self.reference_steps} >= 0)")
         if 2 % self.tp:

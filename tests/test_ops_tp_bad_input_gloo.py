@@ -57,6 +57,8 @@ BAD_AG = [
                                   method="fused"), ValueError, r"^method=.fused. needs peer memory .*: tensors are on cpu"),
     (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3), save_gathered="no"), TypeError,
      r"^save_gathered='no': expected a bool"),
+    (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3), return_gathered=1), TypeError,
+     r"^return_gathered=1: expected a bool$"),
     (lambda: ok.matmul_reduce_scatter(torch.ones(5, 8), torch.ones(8, 3)), ValueError,
      r"a.shape\[scatter_dim=0\]=5 is not divisible by the group size 2"),
     (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 3), scatter_dim=1), ValueError,

@@ -165,7 +165,7 @@ def _all_gather_matmul(a_shard, b, group, gather_dim, return_gathered, method, s
         gather_dim = check_dim("gather_dim", gather_dim, a_shard, name)
         method = check_method(method)
         if not isinstance(return_gathered, bool):
-            raise TypeError(f"return_gathered must be a bool, got {type(return_gathered).__name__}")
+            raise TypeError(f"return_gathered={return_gathered!r}: expected a bool")
         save_gathered = check_flag(save_gathered, "save_gathered")  # ("no" is truthy: it saved)
         _methods.check_available(method, group, a_shard.device, a_shard.dtype)
         # the weights' total width: backward multiplies by all of them concatenated ([sum N, K])

@@ -332,7 +332,7 @@ class ShardedModule(GradientReduction, Accounting, nn.Module):
         micro-steps inside, plus once for the last backward, at the memory of the full parameters
         (ZeRO-2's) meanwhile. ``step`` frees them in any case, ``zero_grad`` all but the root unit."""
         if not isinstance(reshard_after_backward, bool):
-            raise TypeError(f"reshard_after_backward must be a bool, got {type(reshard_after_backward).__name__}")
+            raise TypeError(f"reshard_after_backward={reshard_after_backward!r}: expected a bool")
         outer = self._sync, self._keep_gathered  # (nested: the outer one's state comes back)
         self._sync, self._keep_gathered = False, not reshard_after_backward
         try:
