@@ -83,7 +83,7 @@ class FlatUnit:
         self.pending_reduce = []     # (work, output) of async reduce-scatters in flight
         self.grads_ready = 0
         self.clear_grad_flags()
-        self.drop_stashed()  # accumulated: gradients kept for a later reduction in reduce_dtype (stash_grad)
+        self.drop_stashed()  # stashed_grads: gradients kept for a later reduction in reduce_dtype (stash_grad)
         self.bytes_gathered = self.bytes_reduced = 0  # full-buffer bytes each collective covered
 
     def flatten(self, tensors: list, dtype: torch.dtype) -> torch.Tensor:
@@ -195,33 +195,37 @@ class FlatUnit:
         return self.reduce_dtype.itemsize > grad.dtype.itemsize
 
     def stash_grad(self, i: int) -> None:
-        """Move parameter ``i``'s ``.grad`` into ``accumulated`` (summed in ``reduce_dtype``, FSDP2's
-        accumulation of unsynced gradients in the reduce dtype): m microbatches of bf16 gradients
-        would otherwise be summed in bf16 before the fp32 reduction ``reduce_dtype`` asked for."""
+        """Move parameter ``i``'s ``.grad`` into ``stashed_grads[i]`` (summed in ``reduce_dtype``,
+        FSDP2's accumulation of unsynced gradients in the reduce dtype): m microbatches of bf16
+        gradients would otherwise be summed in bf16 before the fp32 reduction ``reduce_dtype`` asked
+        for. Per parameter, as FSDP2's: a unit whose linears leave theirs to a zero-bubble W stashes
+        only its norms' and biases' from B to W, not a buffer of the whole unit."""
         p = self.params[i]
-        if self.accumulated is None:
-            self.accumulated = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
-        begin = self.offsets[i]
-        self.accumulated[begin:begin + self.numels[i]].add_(p.grad.reshape(-1))
+        grad = p.grad.reshape(-1)
+        if i in self.stashed_grads:
+            self.stashed_grads[i].add_(grad)
+        else:
+            self.stashed_grads[i] = grad.to(self.reduce_dtype, copy=True)
         p.grad = None
-        self.param_stashed[i] = True
+
+    @property
+    def param_stashed(self) -> list:
+        """Per parameter: a gradient of this step is in ``stashed_grads``."""
+        return [i in self.stashed_grads for i in range(len(self.params))]
 
     @eager_under_compile  # (collectives and storage resizes: see ShardedModule)
     def reduce_grads(self, *, async_op: bool) -> None:
         """Reduce-scatter the unit's full gradients (averaged over the group), those stashed and
         those in ``.grad``, into pending shards, then drop the full gradients."""
-        if self.accumulated is not None:
-            flat_grad, self.accumulated = self.accumulated, None
-        else:
-            flat_grad = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
+        flat_grad = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
         sp_groups = {}  # sequence-parallel partial gradients: first summed over their TP group
         for i, (p, begin, n) in enumerate(zip(self.params, self.offsets, self.numels)):
+            if i in self.stashed_grads:  # each freed once copied: at most one parameter's twice held
+                flat_grad[begin:begin + n].add_(self.stashed_grads.pop(i))
+                self.param_grad_seen[i] = True
             if p.grad is not None:
                 flat_grad[begin:begin + n].add_(p.grad.reshape(-1))
                 p.grad = None
-                self.param_grad_seen[i] = True
-            if self.param_stashed[i]:
-                self.param_stashed[i] = False
                 self.param_grad_seen[i] = True
             group = getattr(p, "sequence_parallel_group", None)
             if getattr(p, "sequence_parallel", False) and group is not None:
@@ -263,9 +267,8 @@ class FlatUnit:
 
     def drop_stashed(self) -> None:
         """Forget the gradients ``stash_grad`` kept (``zero_grad``): none summed apart, no parameter's
-        gradient in ``accumulated``."""
-        self.accumulated = None
-        self.param_stashed = [False] * len(self.params)
+        gradient in ``stashed_grads``."""
+        self.stashed_grads = {}
 
     @property
     def grad_seen(self) -> bool:
@@ -280,7 +283,7 @@ class FlatUnit:
         return slice(lo, max(lo, min(begin + self.numels[i] - start, self.shard_numel)))
 
     def has_full_grads(self) -> bool:
-        return self.accumulated is not None or any(p.grad is not None for p in self.params)
+        return bool(self.stashed_grads) or any(p.grad is not None for p in self.params)
 
     def take_written(self) -> None:
         """A gathered trained unit whose parameters were written in place since the last gather or

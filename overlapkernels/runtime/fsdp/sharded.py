@@ -330,7 +330,9 @@ class ShardedModule(GradientReduction, Accounting, nn.Module):
         gathered from its first use inside until the first forward outside (FSDP2's
         ``set_reshard_after_backward(False)``): the parameters are gathered once for all the
         micro-steps inside, plus once for the last backward, at the memory of the full parameters
-        (ZeRO-2's) meanwhile. ``step`` frees them in any case, ``zero_grad`` all but the root unit."""
+        (ZeRO-2's) meanwhile. ``step`` frees them in any case, ``zero_grad`` all but the root unit.
+        Nested, each applies its own ``reshard_after_backward`` inside, and the outer one's state
+        comes back after it."""
         if not isinstance(reshard_after_backward, bool):
             raise TypeError(f"reshard_after_backward={reshard_after_backward!r}: expected a bool")
         outer = self._sync, self._keep_gathered  # (nested: the outer one's state comes back)
@@ -342,7 +344,8 @@ class ShardedModule(GradientReduction, Accounting, nn.Module):
 
     @property
     def requires_gradient_sync(self) -> bool:
-        """Whether a backward reduces the gradients (stages 2/3): False inside ``no_sync``."""
+        """False inside ``no_sync``, whose backward passes leave their gradients to a later
+        reduction; outside, a backward reduces them at stages 2/3 (stage 1 always at ``step``)."""
         return self._sync
 
     @eager_under_compile
@@ -364,12 +367,17 @@ class ShardedModule(GradientReduction, Accounting, nn.Module):
     def reduce_grads(self) -> None:
         """Start reducing now every gradient held for a later reduction - what ``no_sync`` or
         stage 1 accumulated, what a zero-bubble W added after its backward - instead of at the
-        next synced backward's end or ``step`` (which waits for it). Collective over the group:
-        every replica calls it at the same point of its step. ``PipelineRunner`` calls it after
-        each W of a stage it held in ``no_sync`` through the B before (stages 2/3), so a
-        microbatch's gradients are reduced once, B's and W's together."""
+        next synced backward's end or ``step`` (which waits for it). Collective: every rank of the
+        group - and of the units' CP groups, and TP groups for sequence-parallel parameters - calls
+        it at the same point of its step. It first waits for the reductions it started last time,
+        so back-to-back calls (ZB-H1's closing Ws) hold one set of full gradients in flight, not
+        one per call. ``PipelineRunner`` calls it after each W of a stage it held in ``no_sync``
+        through the B before (stages 2/3), so a microbatch's gradients are reduced once, B's and
+        W's together."""
         if torch._C._current_autograd_node() is not None:  # (a hook's call: the backward's own reductions race it)
             raise RuntimeError("ShardedModule.reduce_grads() inside a backward: call it after the backward ends")
+        for unit in self.all_units:  # (they overlapped whatever ran since: on CUDA a stream wait)
+            unit.finish_reduce()
         self._reduce_leftovers(async_op=True)
 
     # -- optimizer ----------------------------------------------------------------------------
