@@ -95,23 +95,31 @@ def test_all_gather_matmul_matches_dense(rank_pool, world, method):
 
 
 # ------------------------------------------------------------------------- matmul_reduce_scatter
-RS_CASES = [  # (per-rank rows multiple, rest shape, scatter_dim, K, N)
+RS_CASES = [  # (the output's shape per rank but N: the scatter dim's size per rank, scatter_dim, K, N per rank)
     ((7,), 0, 33, 5),
     ((7, 2), 0, 33, 4),
     ((2, 7), 1, 33, 6),
     ((2, 3, 7), 2, 33, 5),  # 4-D: moving dim 2 to the front and back are different permutations
+    ((7,), 1, 33, 3),  # scattered over N, the output's last dim
+    ((2, 5), -1, 33, 3),
 ]
 
 
 def _rs_case_on_rank(method, lead_per_rank, scatter_dim, k, n, dtype, exact, group=None):
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    over_n = scatter_dim in (-1, len(lead_per_rank))
     lead = list(lead_per_rank)
-    lead[scatter_dim] *= world
+    if over_n:  # N per rank x world columns, each rank keeps its n
+        n_all = n * world
+    else:
+        lead[scatter_dim] *= world
+        n_all = n
     a_all = [_make((*lead, k), dtype, 400 + r, exact) for r in range(world)]
-    b_all = [_make((k, n), dtype, 500 + r, exact) for r in range(world)]
-    out_shape = list(lead)
-    out_shape[scatter_dim] //= world
-    g_all = [_make((*out_shape, n), dtype, 600 + r, exact) for r in range(world)]
+    b_all = [_make((k, n_all), dtype, 500 + r, exact) for r in range(world)]
+    out_shape = list(lead) + [n]
+    if not over_n:
+        out_shape[scatter_dim] //= world
+    g_all = [_make(tuple(out_shape), dtype, 600 + r, exact) for r in range(world)]
 
     a = a_all[rank].clone().requires_grad_()
     b = b_all[rank].clone().requires_grad_()
@@ -122,7 +130,7 @@ def _rs_case_on_rank(method, lead_per_rank, scatter_dim, k, n, dtype, exact, gro
     out.backward(g_all[rank])
     g_full = torch.cat(g_all, dim=scatter_dim)
     _compare("grad a", a.grad, g_full @ b_all[rank].T, exact, dtype)
-    _compare("grad b", b.grad, a_all[rank].reshape(-1, k).T @ g_full.reshape(-1, n), exact, dtype)
+    _compare("grad b", b.grad, a_all[rank].reshape(-1, k).T @ g_full.reshape(-1, n_all), exact, dtype)
     return True
 
 

@@ -138,6 +138,21 @@ def _autograd_checks(group, r, w, dev, method):
     g_full = torch.cat(g_all)
     torch.testing.assert_close(a2.grad, g_full @ b_all[r].T, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(b2.grad, a_all[r].T @ g_full, atol=1e-5, rtol=1e-5)
+
+    # linear + reduce-scatter over N (the output's last dim): the weight is the rows' operand
+    from overlapkernels.ops.matmul_reduce_scatter import linear_reduce_scatter
+
+    x_all = [_rands((2, 5, 16), 100 + q, dev) for q in range(w)]
+    w_all = [_rands((w * 4, 16), 110 + q, dev) for q in range(w)]
+    gn_all = [_rands((2, 5, 4), 120 + q, dev) for q in range(w)]
+    x3, w3 = x_all[r].clone().requires_grad_(), w_all[r].clone().requires_grad_()
+    out3 = linear_reduce_scatter(x3, w3, group, scatter_dim=-1, method=method)
+    out3.backward(gn_all[r])
+    want3 = sum(x @ wt.T for x, wt in zip(x_all, w_all)).chunk(w, dim=-1)[r]
+    torch.testing.assert_close(out3, want3, atol=1e-5, rtol=1e-5)
+    gn_full = torch.cat(gn_all, dim=-1)
+    torch.testing.assert_close(x3.grad, gn_full @ w_all[r], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w3.grad, gn_full.reshape(-1, w * 4).T @ x_all[r].reshape(-1, 16), atol=1e-5, rtol=1e-5)
     return True
 
 

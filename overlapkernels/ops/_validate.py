@@ -115,14 +115,15 @@ def check_weights(b, a: torch.Tensor, a_name: str, *, linear: bool = False, many
     return ([w.t() for w in bs] if linear else bs), single
 
 
-def check_dim(name: str, dim, tensor: torch.Tensor, tensor_name: str) -> int:
-    """Normalise a non-negative/negative dim that must not be the contracted (last) one."""
+def check_dim(name: str, dim, tensor: torch.Tensor, tensor_name: str, *, last_ok: bool = False) -> int:
+    """Normalise a non-negative/negative dim that must not be the contracted (last) one of an input
+    (``last_ok``: a dim of the output, which has as many, its last being N)."""
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"{name} must be an int, got {type(dim).__name__}")
     nd = tensor.dim()
     if not -nd <= dim < nd:
         raise ValueError(f"{name}={dim} is out of range for {tensor_name} with {nd} dims")
-    if dim % nd == nd - 1:  # messages keep the caller's value: -1 stays -1
+    if dim % nd == nd - 1 and not last_ok:  # messages keep the caller's value: -1 stays -1
         raise ValueError(f"{name}={dim} is the last dim of {tensor_name}, which the matmul contracts; expected one "
                          f"of 0..{nd - 2} (or {-nd}..-2)")
     return dim % nd

@@ -103,8 +103,8 @@ class MatmulReduceScatter(torch.autograd.Function):
 @eager_under_compile  # takes a ProcessGroup: see _compat
 def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, method="auto"):
     """``reduce_scatter_sum(a @ b, dim=scatter_dim)``: rank r keeps chunk r, with the reduction
-    hidden behind the GEMM. ``a`` [..., K] (2+ dims); ``b`` [K, N]; ``a.shape[scatter_dim]``
-    divisible by the group size."""
+    hidden behind the GEMM. ``a`` [..., K] (2+ dims); ``b`` [K, N]; ``scatter_dim`` any dim of
+    the output [..., N] (the last: N), its size divisible by the group size."""
     return _matmul_reduce_scatter(a, b, group, scatter_dim, method, False)
 
 
@@ -125,15 +125,24 @@ def _matmul_reduce_scatter(a, b, group, scatter_dim, method, transposed):
         check_float_dtype(name, a)
         a, b = cast_operands(autocast_dtype(a.device), a, b)  # inside torch.autocast: its dtype, as a matmul
         (b_kn,), _ = check_weights(b, a, name, linear=transposed, many=False)  # [K, N]: what the methods multiply by
-        dim = check_dim("scatter_dim", scatter_dim, a, name)
+        dim = check_dim("scatter_dim", scatter_dim, a, name, last_ok=True)  # a dim of the output [..., N]
         method = check_method(method)
         world = group_size(group)
-        if a.shape[dim] % world:
+        over_n = dim == a.dim() - 1
+        if over_n and b_kn.shape[1] % world:
+            w_name, n_dim = ("weight", 0) if transposed else ("b", 1)
+            raise ValueError(f"{w_name}.shape[{n_dim}]={b_kn.shape[1]} (N, the output's scatter_dim={scatter_dim}) is "
+                             f"not divisible by the group size {world}")
+        if not over_n and a.shape[dim] % world:
             raise ValueError(f"{name}.shape[scatter_dim={scatter_dim}]={a.shape[dim]} is not divisible by the group "
                              f"size {world}")
         _methods.check_available(method, group, a.device, a.dtype)
-        _methods.check_fused_sizes(method, math.prod(a.shape[:-1]) // world, a.shape[-1], b_kn.shape[1])
+        rows = math.prod(a.shape[:-1])
+        m, n = (b_kn.shape[1] // world, rows) if over_n else (rows // world, b_kn.shape[1])
+        _methods.check_fused_sizes(method, m, a.shape[-1], n)
         call.args = dict(a=a, b=b_kn, scatter_dim=dim, method=method, **auto_setting(method))
+    if over_n:
+        return _scattered_over_n(a, b, b_kn, group, method, transposed)
     x = a.movedim(dim, 0)
     lead = x.shape[:-1]
     x2d = x.flatten(0, -2)  # [rows, K]; unlike reshape(-1, K) also for empty shards or K = 0
@@ -143,3 +152,19 @@ def _matmul_reduce_scatter(a, b, group, scatter_dim, method, transposed):
         out2d = MatmulReduceScatter.apply(x2d, b, group, method, chosen, transposed)
     out = out2d.view(lead[0] // world, *lead[1:], out2d.shape[-1]).movedim(0, dim).contiguous()
     return not_a_view(out)  # contiguous, like reduce_scatter's output
+
+
+def _scattered_over_n(a, b, b_kn, group, method, transposed):
+    """Scattered over N, the output's last dim: the same sum, transposed - ``(a @ b).T = b.T @ a.T``
+    scattered over its rows - so every method runs as it does over M, with the weight as the
+    rows' operand ([N, K]; ``linear_reduce_scatter``'s weight itself) and the activations'
+    transpose as the [K, rows] one. Backward follows: the weight's gradient comes from the dual
+    all-gather + GEMM, the activations' from the local GEMM (none is left to a zero-bubble W)."""
+    x2d = a.flatten(0, -2)
+    w_nk = (b if transposed else b_kn.t()).contiguous()  # (linear: the leaf itself, contiguous already)
+    x_kr = x2d.t().contiguous()  # the methods' kernels take the rows' operand [K, rows] contiguous
+    with autocast_off(x2d.device):
+        chosen = resolve(method, group, w_nk, x_kr, group_size(group), measurable=True)
+    with span(f"ok/matmul_reduce_scatter[{chosen}]"), autocast_off(x2d.device):
+        out_t = MatmulReduceScatter.apply(w_nk, x_kr, group, method, chosen, False)  # [N / world, rows]
+    return not_a_view(out_t.t().reshape(*a.shape[:-1], out_t.shape[0]).contiguous())
