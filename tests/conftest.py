@@ -33,6 +33,11 @@ def _interrupt(signum, frame):
 signal.signal(signal.SIGTERM, _interrupt)
 
 
+def pytest_configure(config):
+    # also here, not only in pytest.ini: `pytest -c other.ini` or `--strict-markers` from elsewhere
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run with `make gpu-check`); skipped without one")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
