@@ -145,7 +145,7 @@ def _zero_bubble_on_rank(stage, outer_no_sync=False, planted=False):
     def recording(stash):
         def recording_stash(i):
             stash(i)
-            stashed.append(sum(g.numel() for u in sharded.all_units for g in u.stashed_grads.values()))
+            stashed.append(sum(u.stash.held_elements for u in sharded.all_units))
         return recording_stash
     for unit in sharded.all_units:
         unit.stash_grad = recording(unit.stash_grad)
@@ -186,3 +186,27 @@ def test_a_planted_bf16_sum_of_zero_bubble_gradients_is_caught(rank_pool):
     above admit no error at all."""
     errors = [error for error, *_ in rank_pool(2).run(_zero_bubble_on_rank, 1, False, True)]
     assert errors[1] > 1e-7, errors
+
+
+def test_the_stash_is_per_parameter_until_half_the_unit_waits_then_one_buffer_the_reduction_takes():
+    """Few elements waiting (a held B's norms): per parameter, no buffer of the whole unit. Half or
+    more (stage 1, no_sync): one padded buffer, handed to the reduce-scatter as its input - not a
+    second full copy. Sums in the reduce dtype, exact either way."""
+    from overlapkernels.runtime.fsdp.grad_stash import GradStash
+
+    stash = GradStash([0, 2, 8], [2, 6, 1], 10, torch.float32, torch.device("cpu"))
+    tiny = torch.tensor([2.0 ** -9, 1.0], dtype=torch.bfloat16)  # 1 + 2^-9 rounds to 1 in bf16, not in fp32
+    stash.add(0, torch.ones(2, dtype=torch.bfloat16))
+    stash.add(0, tiny)
+    assert stash.flat is None and stash.held_elements == 2 and 0 in stash and 1 not in stash
+    flat, indices = stash.take()
+    assert indices == {0} and not stash and flat.tolist() == [1 + 2.0 ** -9, 2.0] + [0.0] * 8
+    stash.add(2, torch.ones(1, dtype=torch.bfloat16))
+    stash.add(1, torch.full((6,), 3.0, dtype=torch.bfloat16))  # 7 of 9 elements: one buffer from here
+    buffer = stash.flat
+    assert buffer is not None and stash.held_elements == 10
+    stash.add(0, tiny)  # a later parameter's sum goes straight into the buffer
+    stash.add(1, torch.ones(6, dtype=torch.bfloat16))
+    flat, indices = stash.take()
+    assert flat is buffer and indices == {0, 1, 2} and stash.flat is None
+    assert flat.tolist() == [2.0 ** -9, 1.0] + [4.0] * 6 + [1.0, 0.0]

@@ -21,6 +21,7 @@ from torch import nn
 from ..._compat import all_gather_single, eager_under_compile, reduce_scatter_single
 from ...comm.collectives import all_reduce_coalesced
 from ...profiling.ranges import span
+from .grad_stash import GradStash
 
 
 _WIRE_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -83,7 +84,8 @@ class FlatUnit:
         self.pending_reduce = []     # (work, output) of async reduce-scatters in flight
         self.grads_ready = 0
         self.clear_grad_flags()
-        self.drop_stashed()  # stashed_grads: gradients kept for a later reduction in reduce_dtype (stash_grad)
+        # gradients kept for a later reduction, summed in reduce_dtype (stash_grad)
+        self.stash = GradStash(self.offsets, self.numels, self.padded, self.reduce_dtype, self.device)
         self.bytes_gathered = self.bytes_reduced = 0  # full-buffer bytes each collective covered
 
     def flatten(self, tensors: list, dtype: torch.dtype) -> torch.Tensor:
@@ -195,33 +197,24 @@ class FlatUnit:
         return self.reduce_dtype.itemsize > grad.dtype.itemsize
 
     def stash_grad(self, i: int) -> None:
-        """Move parameter ``i``'s ``.grad`` into ``stashed_grads[i]`` (summed in ``reduce_dtype``,
-        FSDP2's accumulation of unsynced gradients in the reduce dtype): m microbatches of bf16
-        gradients would otherwise be summed in bf16 before the fp32 reduction ``reduce_dtype`` asked
-        for. Per parameter, as FSDP2's: a unit whose linears leave theirs to a zero-bubble W stashes
-        only its norms' and biases' from B to W, not a buffer of the whole unit."""
-        p = self.params[i]
-        grad = p.grad.reshape(-1)
-        if i in self.stashed_grads:
-            self.stashed_grads[i].add_(grad)
-        else:
-            self.stashed_grads[i] = grad.to(self.reduce_dtype, copy=True)
-        p.grad = None
+        """Move parameter ``i``'s ``.grad`` into the stash (``grad_stash.py``: summed in
+        ``reduce_dtype``)."""
+        self.stash.add(i, self.params[i].grad)
+        self.params[i].grad = None
 
     @property
     def param_stashed(self) -> list:
-        """Per parameter: a gradient of this step is in ``stashed_grads``."""
-        return [i in self.stashed_grads for i in range(len(self.params))]
+        """Per parameter: a gradient of this step is in the stash."""
+        return [i in self.stash for i in range(len(self.params))]
 
     @eager_under_compile  # (collectives and storage resizes: see ShardedModule)
     def reduce_grads(self, *, async_op: bool) -> None:
         """Reduce-scatter the unit's full gradients (averaged over the group), those stashed and
         those in ``.grad``, into pending shards, then drop the full gradients."""
-        flat_grad = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
+        flat_grad, stashed = self.stash.take()  # (zeros where nothing was stashed)
         sp_groups = {}  # sequence-parallel partial gradients: first summed over their TP group
         for i, (p, begin, n) in enumerate(zip(self.params, self.offsets, self.numels)):
-            if i in self.stashed_grads:  # each freed once copied: at most one parameter's twice held
-                flat_grad[begin:begin + n].add_(self.stashed_grads.pop(i))
+            if i in stashed:
                 self.param_grad_seen[i] = True
             if p.grad is not None:
                 flat_grad[begin:begin + n].add_(p.grad.reshape(-1))
@@ -267,8 +260,8 @@ class FlatUnit:
 
     def drop_stashed(self) -> None:
         """Forget the gradients ``stash_grad`` kept (``zero_grad``): none summed apart, no parameter's
-        gradient in ``stashed_grads``."""
-        self.stashed_grads = {}
+        gradient in the stash."""
+        self.stash.clear()
 
     @property
     def grad_seen(self) -> bool:
@@ -283,7 +276,7 @@ class FlatUnit:
         return slice(lo, max(lo, min(begin + self.numels[i] - start, self.shard_numel)))
 
     def has_full_grads(self) -> bool:
-        return bool(self.stashed_grads) or any(p.grad is not None for p in self.params)
+        return bool(self.stash) or any(p.grad is not None for p in self.params)
 
     def take_written(self) -> None:
         """A gathered trained unit whose parameters were written in place since the last gather or
