@@ -18,6 +18,7 @@ class GradStash:
 
     def __init__(self, offsets: list, numels: list, padded: int, dtype: torch.dtype, device: torch.device):
         self.offsets, self.numels, self.padded, self.dtype, self.device = offsets, numels, padded, dtype, device
+        self.numel = sum(numels)
         self.clear()
 
     def clear(self) -> None:
@@ -47,7 +48,7 @@ class GradStash:
         else:
             self.sums[i] = grad.to(self.dtype, copy=True)
             self.held += grad.numel()
-            if 2 * self.held >= sum(self.numels):
+            if 2 * self.held >= self.numel:
                 self._to_flat()
 
     def _to_flat(self) -> None:
