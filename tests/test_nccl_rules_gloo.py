@@ -73,10 +73,12 @@ def _checked_composition_on_rank(layout, schedule, zero_stage):
 
 
 @pytest.mark.parametrize("layout, schedule, zero_stage", [
-    (dict(tp=2, pp=2), "1f1b", 1), (dict(cp=2, pp=2), "zb-h1", 2), (dict(tp=2, dp=2), "1f1b", 3)])
+    (dict(tp=2, pp=2), "1f1b", 1), (dict(cp=2, pp=2), "zb-h1", 2), (dict(tp=2, dp=2), "1f1b", 3),
+    (dict(dp=2, pp=2), "zb-h1", 3)])
 def test_training_steps_keep_nccl_rules(rank_pool, layout, schedule, zero_stage):
     """TP + SP layers, vocab-parallel loss, ring attention, pipeline P2P and ZeRO 1/2/3 gathers
-    and reductions, as Trainer runs them."""
+    and reductions, as Trainer runs them (ZB-H1 at dp=2: reductions on the DP group started after
+    each W, between the PP group's P2P batches)."""
     results = rank_pool(4).run(_checked_composition_on_rank, layout, schedule, zero_stage)
     assert all(losses == results[0][0] for losses, _ in results)
     logs = [log for _, log in results]
