@@ -159,7 +159,8 @@ def _bench_layers(args) -> int:
 def _bench_fsdp(args) -> int:
     from .bench import fsdp as fb
 
-    cfg = fb.FsdpConfig(layers=args.layers, width=args.width, batch=args.batch, iters=args.iters, warmup=args.warmup)
+    cfg = fb.FsdpConfig(layers=args.layers, width=args.width, batch=args.batch, iters=args.iters, warmup=args.warmup,
+                        peers=not args.no_peers)
     cfg.validate()
     rows, device = _run_ranks(fb.rank_main, fb.config_dict(cfg), args)
     return 0 if rows is None else publish_rows(rows, device, fb.COLUMNS, "fsdp step per ZeRO stage (comm in Psi)", args)
@@ -348,7 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--methods", help="default: baseline,decomposed,auto on CPU ranks; + symm,fused on GPUs")
     _rank_args(lay, iters=5, warmup=1)
     lay.set_defaults(func=_bench_layers)
-    fs = kinds.add_parser("fsdp", help="ZeRO 1/2/3 step time, prefetch depth, bytes vs 2/3 Psi")
+    fs = kinds.add_parser("fsdp", help="ZeRO 1/2/3 step time, prefetch depth, bytes vs 2/3 Psi; torch FSDP2 and DDP "
+                                       "on the same model")
+    fs.add_argument("--no-peers", action="store_true", help="leave out torch FSDP2's and DDP's rows")
     fs.add_argument("--layers", type=int, default=8)
     fs.add_argument("--width", type=int, default=512)
     fs.add_argument("--batch", type=int, default=64)

@@ -159,9 +159,15 @@ def test_fsdp_bench_smoke_and_comm_volume(rank_pool):
 
     cfg = fb.FsdpConfig(layers=3, width=8, batch=4, prefetches=(0, 1), iters=1, warmup=0)
     rows = rank_pool(2).run(fb.rank_main, fb.config_dict(cfg))[0]
-    assert [(r["stage"], r["prefetch"]) for r in rows] == [(1, 0), (2, 0), (3, 0), (3, 1)]
-    for row in rows:  # bytes per step are exactly ZeRO's 2 Psi / 3 Psi
+    ours, peers = rows[:4], rows[4:]
+    assert [(r["impl"], r["stage"], r["prefetch"]) for r in ours] == [("overlapkernels", 1, 0), ("overlapkernels", 2, 0),
+                                                                     ("overlapkernels", 3, 0), ("overlapkernels", 3, 1)]
+    for row in ours:  # bytes per step are exactly ZeRO's 2 Psi / 3 Psi
         assert row["comm_psi"] == pytest.approx(row["theory_psi"])
+    # the peers on the same model and group: FSDP2 as ZeRO-3 and ZeRO-2, DDP; sharded over 2 ranks,
+    # FSDP2 keeps half of DDP's parameter bytes (8 x 8 weights + 8 biases per layer: even halves)
+    assert [(r["impl"], r["stage"]) for r in peers] == [("torch FSDP2", 3), ("torch FSDP2", 2), ("torch DDP", 0)]
+    assert peers[0]["param_mb"] == peers[1]["param_mb"] == peers[2]["param_mb"] / 2 and peers[0]["time_us"] > 0
     _spread_and_telemetry(rows)
 
 

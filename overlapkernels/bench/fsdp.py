@@ -1,5 +1,7 @@
 """fsdp.shard benchmark: step time per ZeRO stage and prefetch depth, and the bytes communicated
-per step against ZeRO's theory (2 Psi for stages 1-2, 3 Psi for stage 3; Psi = parameter bytes)."""
+per step against ZeRO's theory (2 Psi for stages 1-2, 3 Psi for stage 3; Psi = parameter bytes);
+beside it the peers on the same model and group: torch's FSDP2 (``fully_shard``, resharding after
+forward as ZeRO-3 or not as ZeRO-2) and DDP (ZeRO-0). Their bytes are not counted (nan)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -14,7 +16,7 @@ from .metrics import summarize
 from .progress import track
 from .timing import check_counts, row_times, slowest_rank, telemetry, time_calls
 
-COLUMNS = [("stage", "stage", "d"), ("prefetch", "prefetch", "d"), ("time_us", "step(us)", ".0f"),
+COLUMNS = [("impl", "impl", ""), ("stage", "stage", "d"), ("prefetch", "prefetch", "d"), ("time_us", "step(us)", ".0f"),
            ("comm_psi", "comm / Psi", ".2f"), ("theory_psi", "theory", ".0f"),
            ("param_mb", "params kept(MB)", ".2f"), ("peak_param_mb", "peak gathered(MB)", ".2f")]
 
@@ -28,6 +30,7 @@ class FsdpConfig:
     prefetches: tuple = (0, 1, 2)
     iters: int = 3
     warmup: int = 1
+    peers: bool = True  # torch FSDP2 (ZeRO-3 and ZeRO-2 resharding) and DDP on the same model
 
     def validate(self) -> None:
         check_counts(self.iters, self.warmup)
@@ -71,12 +74,61 @@ def run_fsdp(cfg: FsdpConfig, group=None) -> list[dict]:
         comm = sharded.comm_stats()
         psi = sum(u.flat_bytes for u in sharded.all_units)
         mem = sharded.memory_stats()
-        rows.append({"stage": stage, "prefetch": prefetch, "world_size": dist.get_world_size(group),
+        rows.append({"impl": "overlapkernels", "variant": f"ours, prefetch {prefetch}", "stage": stage,
+                     "prefetch": prefetch, "world_size": dist.get_world_size(group),
                      "backend": dist.get_backend(group), **row_times(stats),
                      "comm_psi": (comm["gathered_bytes"] + comm["reduced_bytes"]) / psi / (cfg.iters + cfg.warmup),
                      "theory_psi": 3 if stage == 3 else 2, "param_mb": mem["param_bytes"] / 2**20,
                      "peak_param_mb": mem["peak_gathered_param_bytes"] / 2**20, **tel.summary()})
+    return rows + (_peer_rows(cfg, group, device, x) if cfg.peers else [])
+
+
+def _peers(cfg: FsdpConfig, group, device) -> list:
+    """(impl, ZeRO stage it matches, model) of the peers that this torch has."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    found = []
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # (torch < 2.6 has no public fully_shard)
+        fully_shard = None
+    if fully_shard is not None:
+        mesh = DeviceMesh.from_group(group, device.type)
+        for stage, reshard in ((3, True), (2, False)):
+            model = _model(cfg, device)
+            for layer in model:  # per layer, then the root: FSDP2's recipe (and our default units)
+                fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+            found.append(("torch FSDP2", stage, fully_shard(model, mesh=mesh, reshard_after_forward=reshard)))
+    found.append(("torch DDP", 0, DistributedDataParallel(_model(cfg, device), process_group=group)))
+    return found
+
+
+def _peer_rows(cfg: FsdpConfig, group, device, x) -> list[dict]:
+    rows = []
+    for impl, stage, model in _peers(cfg, group, device):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # fsdp.shard's default optimizer
+
+        def step():
+            with span(f"ok/fsdp[{impl}]/step"):
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+
+        step()
+        with telemetry(device) as tel:
+            stats = slowest_rank(summarize(time_calls(step, cfg.iters, cfg.warmup, device, group)), device, group)
+        local = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+        rows.append({"impl": impl, "variant": impl, "stage": stage, "prefetch": 0,
+                     "world_size": dist.get_world_size(group), "backend": dist.get_backend(group), **row_times(stats),
+                     "comm_psi": float("nan"), "theory_psi": 3 if stage == 3 else 2, "param_mb": local / 2**20,
+                     "peak_param_mb": float("nan"), **tel.summary()})
     return rows
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's memory on this rank: FSDP2's are DTensors sharded over the group."""
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def rank_main(config: dict) -> list[dict]:

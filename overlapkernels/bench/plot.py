@@ -14,7 +14,7 @@ CHARTS = {
     "ring-attention": ("ring attention", [("bar", "layout", "causal", "fwd_ring_us", "ring forward (us)"),
                                           ("bar", "layout", "causal", "efficiency", "overlap efficiency E")]),
     "layers": ("transformer block fwd+bwd", [("bar", "method", "seq", "time_us", "time (us)")]),
-    "fsdp": ("fsdp step", [("bar", "stage", "prefetch", "time_us", "step (us)")]),
+    "fsdp": ("fsdp step", [("bar", "stage", "variant", "time_us", "step (us)")]),
     "pipeline": ("pipeline schedules", [("bar", "kind", "microbatches", "step_us", "measured step (us)"),
                                         ("bar", "kind", "microbatches", "sim_us", "simulated (us)")]),
 }
