@@ -174,7 +174,7 @@ def _zero_bubble_on_rank(stage, outer_no_sync=False, planted=False):
     return error, deferred, in_flight <= 1, held_stash
 
 
-@pytest.mark.parametrize("stage, outer_no_sync", [(1, False), (2, False), (3, True)])
+@pytest.mark.parametrize("stage, outer_no_sync", [(1, False), (2, False), (3, False), (3, True)])
 def test_zero_bubble_weight_gradients_sum_in_the_reduce_dtype(rank_pool, stage, outer_no_sync):
     assert rank_pool(2).run(_zero_bubble_on_rank, stage, outer_no_sync) == [(0.0, 0, True, True)] * 2
 
@@ -202,9 +202,15 @@ def test_the_stash_is_per_parameter_until_half_the_unit_waits_then_one_buffer_th
     flat, indices = stash.take()
     assert indices == {0} and not stash and flat.tolist() == [1 + 2.0 ** -9, 2.0] + [0.0] * 8
     stash.add(2, torch.ones(1, dtype=torch.bfloat16))
-    stash.add(1, torch.full((6,), 3.0, dtype=torch.bfloat16))  # 7 of 9 elements: one buffer from here
+    copies = []  # per-parameter copies made from here: the one that crosses half must not make one
+    to = torch.Tensor.to
+    torch.Tensor.to = lambda t, *a, **k: copies.append(t.shape) or to(t, *a, **k)
+    try:
+        stash.add(1, torch.full((6,), 3.0, dtype=torch.bfloat16))  # 7 of 9 elements: one buffer from here
+    finally:
+        torch.Tensor.to = to
     buffer = stash.flat
-    assert buffer is not None and stash.held_elements == 10
+    assert buffer is not None and stash.held_elements == 10 and copies == [], copies
     stash.add(0, tiny)  # a later parameter's sum goes straight into the buffer
     stash.add(1, torch.ones(6, dtype=torch.bfloat16))
     flat, indices = stash.take()

@@ -95,7 +95,7 @@ def test_all_gather_matmul_matches_dense(rank_pool, world, method):
 
 
 # ------------------------------------------------------------------------- matmul_reduce_scatter
-RS_CASES = [  # (the output's shape per rank but N: the scatter dim's size per rank, scatter_dim, K, N per rank)
+RS_CASES = [  # (the output's shape but N, with the scatter dim per rank; scatter_dim; K; N per rank)
     ((7,), 0, 33, 5),
     ((7, 2), 0, 33, 4),
     ((2, 7), 1, 33, 6),

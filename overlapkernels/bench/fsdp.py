@@ -48,82 +48,86 @@ def _model(cfg: FsdpConfig, device) -> nn.Module:
 
 
 def run_fsdp(cfg: FsdpConfig, group=None) -> list[dict]:
-    from ..runtime import fsdp
-
     cfg.validate()
     group = group or dist.group.WORLD
     device = comm_device(group)
     x = torch.randn(cfg.batch, cfg.width, device=device)
-    rows = []
     sweep = [(stage, prefetch) for stage in cfg.stages
              for prefetch in (cfg.prefetches if stage == 3 else (0,))]  # prefetch only acts on stage 3
-    for stage, prefetch in track(sweep, "fsdp", enabled=dist.get_rank(group) == 0):
-        sharded = fsdp.shard(_model(cfg, device), group, stage=stage, prefetch=prefetch)
+    # one configuration per call: its model is freed before the next is built
+    rows = [_our_row(cfg, group, device, x, stage, prefetch)
+            for stage, prefetch in track(sweep, "fsdp", enabled=dist.get_rank(group) == 0)]
+    return rows + ([_peer_row(cfg, group, device, x, *peer) for peer in _peers(cfg, group, device)] if cfg.peers else [])
 
-        def step():
-            loss = sharded(x).square().mean()
-            # fsdp opens the forward's op range; this one shows the reduce-scatters behind backward
-            with span(f"ok/fsdp[zero{stage}]/backward"):
-                loss.backward()
-            sharded.step()
 
-        step()
-        sharded.comm_stats(reset=True)
-        with telemetry(device) as tel:
-            stats = slowest_rank(summarize(time_calls(step, cfg.iters, cfg.warmup, device, group)), device, group)
-        comm = sharded.comm_stats()
-        psi = sum(u.flat_bytes for u in sharded.all_units)
-        mem = sharded.memory_stats()
-        rows.append({"impl": "overlapkernels", "variant": f"ours, prefetch {prefetch}", "stage": stage,
-                     "prefetch": prefetch, "world_size": dist.get_world_size(group),
-                     "backend": dist.get_backend(group), **row_times(stats),
-                     "comm_psi": (comm["gathered_bytes"] + comm["reduced_bytes"]) / psi / (cfg.iters + cfg.warmup),
-                     "theory_psi": 3 if stage == 3 else 2, "param_mb": mem["param_bytes"] / 2**20,
-                     "peak_param_mb": mem["peak_gathered_param_bytes"] / 2**20, **tel.summary()})
-    return rows + (_peer_rows(cfg, group, device, x) if cfg.peers else [])
+def _our_row(cfg: FsdpConfig, group, device, x, stage: int, prefetch: int) -> dict:
+    from ..runtime import fsdp
+
+    sharded = fsdp.shard(_model(cfg, device), group, stage=stage, prefetch=prefetch)
+
+    def step():
+        loss = sharded(x).square().mean()
+        # fsdp opens the forward's op range; this one shows the reduce-scatters behind backward
+        with span(f"ok/fsdp[zero{stage}]/backward"):
+            loss.backward()
+        sharded.step()
+
+    step()
+    sharded.comm_stats(reset=True)
+    with telemetry(device) as tel:
+        stats = slowest_rank(summarize(time_calls(step, cfg.iters, cfg.warmup, device, group)), device, group)
+    comm = sharded.comm_stats()
+    psi = sum(u.flat_bytes for u in sharded.all_units)
+    mem = sharded.memory_stats()
+    return {"impl": "overlapkernels", "variant": f"ours, prefetch {prefetch}", "stage": stage, "prefetch": prefetch,
+            "world_size": dist.get_world_size(group), "backend": dist.get_backend(group), **row_times(stats),
+            "comm_psi": (comm["gathered_bytes"] + comm["reduced_bytes"]) / psi / (cfg.iters + cfg.warmup),
+            "theory_psi": 3 if stage == 3 else 2, "param_mb": mem["param_bytes"] / 2**20,
+            "peak_param_mb": mem["peak_gathered_param_bytes"] / 2**20, **tel.summary()}
 
 
 def _peers(cfg: FsdpConfig, group, device) -> list:
-    """(impl, ZeRO stage it matches, model) of the peers that this torch has."""
+    """(impl, ZeRO stage whose traffic it matches, a builder of its model) of the peers this torch has."""
     from torch.nn.parallel import DistributedDataParallel
 
     found = []
     try:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
-    except ImportError:  # (torch < 2.6 has no public fully_shard)
+    except ImportError:  # (torch < 2.6: no public fully_shard; DDP only)
         fully_shard = None
-    if fully_shard is not None:
+
+    def fsdp2(reshard: bool):
+        model = _model(cfg, device)
         mesh = DeviceMesh.from_group(group, device.type)
-        for stage, reshard in ((3, True), (2, False)):
-            model = _model(cfg, device)
-            for layer in model:  # per layer, then the root: FSDP2's recipe (and our default units)
-                fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-            found.append(("torch FSDP2", stage, fully_shard(model, mesh=mesh, reshard_after_forward=reshard)))
-    found.append(("torch DDP", 0, DistributedDataParallel(_model(cfg, device), process_group=group)))
+        for layer in model:  # per layer, then the root: FSDP2's recipe (and our default units)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+
+    if fully_shard is not None:  # resharding after forward or not: ZeRO-3's or ZeRO-2's traffic (a shard kept at rest)
+        found += [("torch FSDP2", 3, lambda: fsdp2(True)), ("torch FSDP2", 2, lambda: fsdp2(False))]
+    found.append(("torch DDP", 0, lambda: DistributedDataParallel(_model(cfg, device), process_group=group)))
     return found
 
 
-def _peer_rows(cfg: FsdpConfig, group, device, x) -> list[dict]:
-    rows = []
-    for impl, stage, model in _peers(cfg, group, device):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # fsdp.shard's default optimizer
+def _peer_row(cfg: FsdpConfig, group, device, x, impl: str, stage: int, build) -> dict:
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # fsdp.shard's default optimizer
 
-        def step():
-            with span(f"ok/fsdp[{impl}]/step"):
-                model(x).square().mean().backward()
-                opt.step()
-                opt.zero_grad()
+    def step():
+        with span(f"ok/fsdp[{impl.replace(' ', '-').lower()}-zero{stage}]"):  # (an op window: profile report)
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
 
-        step()
-        with telemetry(device) as tel:
-            stats = slowest_rank(summarize(time_calls(step, cfg.iters, cfg.warmup, device, group)), device, group)
-        local = sum(_local(p).numel() * p.element_size() for p in model.parameters())
-        rows.append({"impl": impl, "variant": impl, "stage": stage, "prefetch": 0,
-                     "world_size": dist.get_world_size(group), "backend": dist.get_backend(group), **row_times(stats),
-                     "comm_psi": float("nan"), "theory_psi": 3 if stage == 3 else 2, "param_mb": local / 2**20,
-                     "peak_param_mb": float("nan"), **tel.summary()})
-    return rows
+    step()
+    with telemetry(device) as tel:
+        stats = slowest_rank(summarize(time_calls(step, cfg.iters, cfg.warmup, device, group)), device, group)
+    local = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+    return {"impl": impl, "variant": impl, "stage": stage, "prefetch": None,  # (no such setting)
+            "world_size": dist.get_world_size(group), "backend": dist.get_backend(group), **row_times(stats),
+            "comm_psi": float("nan"), "theory_psi": 3 if stage == 3 else 2, "param_mb": local / 2**20,
+            "peak_param_mb": float("nan"), **tel.summary()}
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -104,7 +104,8 @@ def _this_gpu(gpus: list[dict]) -> dict:
 
 def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     """``columns``: (key, header, format spec). Right-aligned, one header line, like nccl-tests."""
-    cells = [[format(row[key], spec) if spec else str(row[key]) for key, _, spec in columns] for row in rows]
+    cells = [["-" if row[key] is None else format(row[key], spec) if spec else str(row[key]) for key, _, spec in columns]
+             for row in rows]  # (None: a setting the row's implementation does not have)
     widths = [max(len(header), *(len(c[i]) for c in cells)) if cells else len(header)
               for i, (_, header, _) in enumerate(columns)]
     lines = ["  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths))]

@@ -79,10 +79,11 @@ class Trainer:
     ``num_virtual`` > 1 chunks per rank, Megatron's virtual stages: chunk c of rank r is stage
     c x PP + r) over ``num_microbatches`` (default: twice the PP size), and steps ``optimizer`` (a
     factory of a stage's parameters, as ``fsdp.shard`` takes) with ZeRO over DP: ``zero_stage`` 1 (default), 2 or 3, with any of these schedules
-    (DeepSpeed allows only ZeRO-1 with pipelines); 2 and 3 reduce-scatter each
-    microbatch's gradients during its backward (ZB-H1: after its W, with what its B left), 3 also
-    gathers each unit's parameters around its forward and backward. ``step(tokens, targets)``: the global [B, S] batch on every rank (B
-    divisible by dp x microbatches); returns the step's mean token loss on every rank.
+    (DeepSpeed allows only ZeRO-1 with pipelines); 2 and 3 reduce-scatter each microbatch's
+    gradients during its backward (ZB-H1: after its W, with what its B left), 3 also gathers each
+    unit's parameters around its forward and backward. ``step(tokens, targets)``: the global [B, S]
+    batch on every rank (B divisible by dp x microbatches); returns the step's mean token loss on
+    every rank.
 
     ``max_grad_norm``: clip by the whole model's gradient norm (over DP, PP, CP and TP together,
     as one unsharded model would be; ``last_grad_norm`` holds it before clipping). ``grad_scaler``:

@@ -160,9 +160,9 @@ def _scattered_over_n(a, b, b_kn, group, method, transposed):
     rows' operand ([N, K]; ``linear_reduce_scatter``'s weight itself) and the activations'
     transpose as the [K, rows] one. Backward follows: the weight's gradient comes from the dual
     all-gather + GEMM, the activations' from the local GEMM (none is left to a zero-bubble W).
-    The price of reusing the row-scatter path: a transposed copy of the activations, saved for
-    backward, and of the output (no layer of ours scatters over N; the row-parallel one scatters
-    the sequence)."""
+    The price of reusing the row-scatter path: transposed copies of the activations (saved for
+    backward), of the output and, for ``matmul_reduce_scatter``, of ``b`` (no layer of ours
+    scatters over N; the row-parallel one scatters the sequence)."""
     x2d = a.flatten(0, -2)
     w_nk = (b if transposed else b_kn.t()).contiguous()  # (linear: the leaf itself, contiguous already)
     x_kr = x2d.t().contiguous()  # the methods' kernels take the rows' operand [K, rows] contiguous

@@ -14,9 +14,9 @@ existing one), but later than the parameter's hooks: during backward they still 
 gradient (``register_hook`` hooks get None, post-accumulate hooks an absent ``.grad``), and W calls
 none. So hook-based reducers miss it: ``enable_zero_bubble`` refuses DDP; ``PipelineRunner`` holds
 ``fsdp``'s ZeRO-2/3 stages in ``no_sync`` through B and has them reduce after W
-(``ShardedModule.reduce_grads``); elsewhere fsdp reduces what W adds at the next backward's end or
-``step``. Compiled
-autograd is not supported here: it traces backward, and W would run closures over traced tensors.
+(``ShardedModule.reduce_grads``), and hands W's gradients to the others' reduce_dtype sum
+(``accumulate_grads``). Compiled autograd is not supported here: it traces backward, and W would
+run closures over traced tensors.
 """
 from __future__ import annotations
 

@@ -40,8 +40,9 @@ def shard(model, group=None, *, stage=3, optimizer=_adamw, prefetch=1, param_dty
     ``no_sync`` - are summed over the backward passes in ``reduce_dtype`` where it is wider than
     the gradients (bf16 compute, fp32 reductions), as FSDP2 does: they leave ``.grad`` then, and
     only ``sharded.zero_grad()`` drops them (not the wrapped model's). Gradients assigned after a
-    backward (a zero-bubble W's) join them through ``sharded.accumulate_grads()``, which
-    ``PipelineRunner`` calls after each W. Sequence-parallel gradients are summed over their
+    backward (a zero-bubble W's) join them through ``sharded.accumulate_grads()``; after each W
+    ``PipelineRunner`` calls it, or, for the ZeRO-2/3 stages it held in ``no_sync`` through the
+    B, ``sharded.reduce_grads()``. Sequence-parallel gradients are summed over their
     TP group in ``reduce_dtype`` too.
 
     ``shard_frozen=True`` (stage 3): frozen parameters are sharded too (a LoRA base), gathered with

@@ -24,7 +24,7 @@ class GradStash:
     def clear(self) -> None:
         self.sums: dict = {}  # index -> its sum ([numel], dtype); in flat mode a view of ``flat``
         self.flat = None  # the whole unit's buffer, once half its elements wait
-        self.held = 0  # elements of the per-parameter sums
+        self.per_param_elements = 0  # elements of the per-parameter sums (before ``flat``)
 
     def __contains__(self, i: int) -> bool:
         return i in self.sums
@@ -35,10 +35,12 @@ class GradStash:
     @property
     def held_elements(self) -> int:
         """Elements this stash holds in memory (the whole padded unit in flat mode)."""
-        return self.padded if self.flat is not None else self.held
+        return self.padded if self.flat is not None else self.per_param_elements
 
     def add(self, i: int, grad: torch.Tensor) -> None:
         grad = grad.reshape(-1)
+        if i not in self.sums and self.flat is None and 2 * (self.per_param_elements + grad.numel()) >= self.numel:
+            self._to_flat()  # before this gradient's copy: never a per-parameter copy and the buffer at once
         if i in self.sums:
             self.sums[i].add_(grad)
         elif self.flat is not None:  # (a zero slice: the first add is the value, exactly)
@@ -47,9 +49,7 @@ class GradStash:
             self.sums[i].add_(grad)
         else:
             self.sums[i] = grad.to(self.dtype, copy=True)
-            self.held += grad.numel()
-            if 2 * self.held >= self.numel:
-                self._to_flat()
+            self.per_param_elements += grad.numel()
 
     def _to_flat(self) -> None:
         self.flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
@@ -58,7 +58,7 @@ class GradStash:
             view = self.flat[begin:begin + self.numels[i]]
             view.copy_(s)
             self.sums[i] = view
-        self.held = 0
+        self.per_param_elements = 0
 
     def take(self) -> tuple:
         """(the unit's padded buffer holding every sum, zeros elsewhere; the indices it holds); the

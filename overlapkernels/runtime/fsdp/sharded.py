@@ -350,8 +350,9 @@ class ShardedModule(GradientReduction, Accounting, nn.Module):
 
     @eager_under_compile
     def accumulate_grads(self) -> None:
-        """Take what is in the wrapped model's ``.grad`` into the sum that waits for a later
-        reduction (stage 1, inside ``no_sync``), as a backward's hooks take the gradients they see:
+        """A no-op unless gradients wait for a later reduction (stage 1, inside ``no_sync``) and
+        ``reduce_dtype`` is wider than they are: then take what is in the wrapped model's ``.grad``
+        into the sum that waits, as a backward's hooks take the gradients they see:
         summed in ``reduce_dtype`` where that is wider. For gradients assigned after a backward - a
         zero-bubble W's, which ``PipelineRunner`` hands over here after each W - that would else sum
         in ``.grad``, in the compute dtype. No communication; nothing to do where a backward

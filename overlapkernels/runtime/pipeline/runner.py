@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import typing
 import time
 
 import torch
@@ -71,6 +72,12 @@ def _check_sharded_over_other_stages(modules, group) -> None:
                 raise ValueError(f"PipelineRunner: a stage is fsdp-sharded over a group that holds ranks {peers} of "
                                  "the pipeline group too (other stages: fsdp would average their weights); shard "
                                  "each stage over the data-parallel group (dims.dp_group), not the world")
+
+
+class _Deferred(typing.NamedTuple):
+    """What a B leaves for its W: the weight-gradient closures, and the fsdp wrappers it held."""
+    store: WeightGradStore
+    held: list
 
 
 def _sharded_in(mod) -> list:
@@ -262,12 +269,12 @@ class PipelineRunner(MessageExchange):
             else:
                 grad = self._take("gradient", s, mb)
             if a.op == "B":
-                stores[(s, mb)] = WeightGradStore(), self._held_until_w(s)
+                stores[(s, mb)] = _Deferred(WeightGradStore(), self._held_until_w(s))
             if st["out"].requires_grad:  # not so for a first stage without parameters
                 with contextlib.ExitStack() as backward:
                     if a.op == "B":
-                        backward.enter_context(deferring(stores[(s, mb)][0]))
-                        for sharded in stores[(s, mb)][1]:
+                        backward.enter_context(deferring(stores[(s, mb)].store))
+                        for sharded in stores[(s, mb)].held:
                             backward.enter_context(sharded.no_sync())
                     backward.enter_context(self._timed(a.op))
                     torch.autograd.backward(st["out"], grad)
@@ -293,7 +300,8 @@ class PipelineRunner(MessageExchange):
         weight gradients after B's backward, which at ZeRO-2/3 would reduce them only at the next
         backward's end or the step (m + 1 reductions per unit and step); held, each is reduced
         after W, with what B left (and what earlier Bs whose W comes later left: at most m). Not
-        those in the caller's own no_sync."""
+        those in the caller's own no_sync. Found when the runner is built: a stage wrapped in
+        ``fsdp.shard`` after that is reduced as without a runner (W's gradients a backward late)."""
         return [sharded for sharded in self._sharded.get(s, ()) if sharded.stage >= 2 and sharded.requires_gradient_sync]
 
     def _forward(self, s: int, mb: int, x):
