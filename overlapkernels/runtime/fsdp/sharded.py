@@ -15,11 +15,14 @@ feeding fp32; frozen parameters are not cast in place: each forward computes wit
 those in another dtype (``frozen_copies.py``), as FSDP2 does - or, at stage 3 with
 ``shard_frozen``, they are sharded in units of their own and gathered cast (``frozen_units.py``).
 
-At stages 2/3 a unit reduces as soon as all its parameters have gradients, so every rank of the
-DP (and CP) group must produce gradients for the same units in a step, as the model's code path
-does unless it branches on data or rank (unused parameters are fine: they are reduced at the end
-of backward by a collective decision, and ``step`` leaves a parameter no rank had a gradient for as
-it was, with its optimizer state).
+At stages 2/3 a unit reduces once its backward and those before it in one fixed order are done,
+and what is left at the end of backward by a collective decision (``reduction.py``), so ranks whose
+code paths differ (a data-dependent branch, an expert that got no tokens, unused parameters) still
+post the same reductions; ``step`` leaves a parameter no rank had a gradient for as it was, with
+its optimizer state. Stage 3 also gathers a unit when its forward starts, so there every rank of
+the DP (and CP) group must run the same units' forwards, as with FSDP2 and ZeRO-3: a rank that
+skips one leaves its peers' all-gather without a partner (gloo aborts on the size mismatch, or the
+group's timeout ends the wait).
 """
 from __future__ import annotations
 
