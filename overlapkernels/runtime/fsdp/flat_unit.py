@@ -197,10 +197,12 @@ class FlatUnit:
         return self.reduce_dtype.itemsize > grad.dtype.itemsize
 
     def stash_grad(self, i: int) -> None:
-        """Move parameter ``i``'s ``.grad`` into the stash (``grad_stash.py``: summed in
-        ``reduce_dtype``)."""
-        self.stash.add(i, self.params[i].grad)
-        self.params[i].grad = None
+        """Move parameter ``i``'s ``.grad``, if any, into the stash (``grad_stash.py``: summed in
+        ``reduce_dtype``) where ``stashes`` says so; the caller knows it waits for a later reduction."""
+        grad = self.params[i].grad
+        if grad is not None and self.stashes(grad):
+            self.stash.add(i, grad)
+            self.params[i].grad = None
 
     @property
     def param_stashed(self) -> list:

@@ -8,6 +8,8 @@ an expert that got no tokens, a unit this rank has no gradient for): the order i
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -16,7 +18,9 @@ from ..._compat import eager_under_compile
 
 class GradientReduction:
     """Mixed into ShardedModule: its ``all_units``, ``group``, ``_reduce_order``, ``_backward_done``,
-    ``_next_reduce`` and ``_frozen_release`` are what it reduces and resets."""
+    ``_next_reduce`` and ``_frozen_release`` are what it reduces and resets; ``_sync`` and
+    ``_keep_gathered`` what ``no_sync`` switches. The public part: ``no_sync``,
+    ``requires_gradient_sync``, ``accumulate_grads``, ``reduce_grads``."""
 
     @eager_under_compile
     def _reduce_in_order(self, *, to_the_end: bool = False) -> None:
@@ -31,6 +35,64 @@ class GradientReduction:
         while self._next_reduce < len(order) and (to_the_end or order[self._next_reduce] in self._backward_done):
             order[self._next_reduce].reduce_grads(async_op=True)
             self._next_reduce += 1
+
+    @contextlib.contextmanager
+    def no_sync(self, *, reshard_after_backward: bool = True):
+        """Accumulate gradients locally (no communication) across several backward passes.
+
+        Stage 3 gathers each unit before its forward and again before its backward, in every
+        micro-step: k micro-steps move 2k full copies of the parameters (DeepSpeed's "too many
+        all-gathers" with gradient accumulation). ``reshard_after_backward=False`` keeps each unit
+        gathered from its first use inside until the first forward outside (FSDP2's
+        ``set_reshard_after_backward(False)``): the parameters are gathered once for all the
+        micro-steps inside, plus once for the last backward, at the memory of the full parameters
+        (ZeRO-2's) meanwhile. ``step`` frees them in any case, ``zero_grad`` all but the root unit.
+        Nested, each applies its own ``reshard_after_backward`` inside, and the outer one's state
+        comes back after it."""
+        if not isinstance(reshard_after_backward, bool):
+            raise TypeError(f"reshard_after_backward={reshard_after_backward!r}: expected a bool")
+        outer = self._sync, self._keep_gathered  # (nested: the outer one's state comes back)
+        self._sync, self._keep_gathered = False, not reshard_after_backward
+        try:
+            yield
+        finally:
+            self._sync, self._keep_gathered = outer
+
+    @property
+    def requires_gradient_sync(self) -> bool:
+        """False inside ``no_sync``, whose backward passes leave their gradients to a later
+        reduction; outside, a backward reduces them at stages 2/3 (stage 1 always at ``step``)."""
+        return self._sync
+
+    @eager_under_compile
+    def accumulate_grads(self) -> None:
+        """Take what is in the wrapped model's ``.grad`` into the sum that waits for a later
+        reduction, as a backward's hooks take the gradients they see: for gradients assigned after
+        a backward (a zero-bubble W's; ``PipelineRunner`` calls it after each W), which would else
+        sum in ``.grad``, in the compute dtype. A no-op unless they wait (stage 1, inside
+        ``no_sync``) and ``reduce_dtype`` is wider than they are. No communication."""
+        if self.stage >= 2 and self._sync:
+            return
+        for unit in self.all_units:
+            for i in range(len(unit.params)):
+                unit.stash_grad(i)
+
+    @eager_under_compile
+    def reduce_grads(self) -> None:
+        """Start reducing now every gradient held for a later reduction - what ``no_sync`` or
+        stage 1 accumulated, what a zero-bubble W added after its backward - instead of at the
+        next synced backward's end or ``step`` (which waits for it). Collective: every rank of the
+        group - and of the units' CP groups, and TP groups for sequence-parallel parameters - calls
+        it at the same point of its step. It first waits for the reductions it started last time,
+        so back-to-back calls (ZB-H1's closing Ws) hold one set of full gradients in flight, not
+        one per call. ``PipelineRunner`` calls it after each W of a stage it held in ``no_sync``
+        through the B before (stages 2/3), so a microbatch's gradients are reduced once, B's and
+        W's together."""
+        if torch._C._current_autograd_node() is not None:  # (a hook's call: the backward's own reductions race it)
+            raise RuntimeError("ShardedModule.reduce_grads() inside a backward: call it after the backward ends")
+        for unit in self.all_units:  # (they overlapped whatever ran since: on CUDA a stream wait)
+            unit.finish_reduce()
+        self._reduce_leftovers(async_op=True)
 
     def _reset_backward(self) -> None:
         self._next_reduce = 0

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import typing
 import time
+import typing
 
 import torch
 import torch.distributed as dist
