@@ -15,26 +15,26 @@ from overlapkernels.kernels.triton.ag_gemm import ag_gemm
 from overlapkernels.kernels.triton.signals import FLAG_DTYPE, polls
 from overlapkernels.kernels.triton.tile_gemm import GemmConfig, gemm_config
 
-# Alternatives to the library's choice (first row), so one GPU run shows whether gemm_config
-# picks well: Triton's usual Hopper candidates (sm_90, even K: no ptxas spills with triton 3.9; with
-# 3.6, 256x128 spills 12-40 B in gemm_rs - scripts/compile_kernels_sm90.py).
-# The TMA ones (descriptor loads: 197-212 registers where pointer loads take 216-220, no spills,
-# triton 3.6; at sm_90 with triton 3.9, 155 with the output stored through descriptors too, whose
-# global writes then drain while the next tile starts) have not run on a GPU yet: their first
-# timings decide whether a default becomes one, so they come first (rows are written as measured:
-# a step cut short keeps them).
+# Alternatives to the library's choice (first row), so one GPU run shows whether gemm_config picks
+# well. Only those no GPU has timed yet: the pointer-load tiles Triton usually picks on Hopper were
+# timed on an H200 (benchmarks/results/h200_2026-11-30.md: 0.49-0.81x torch.mm, the default best).
+# The candidates for the gap (compiled for sm_90 by scripts/compile_kernels_sm90.py, no spills):
+# - tensor-descriptor (TMA) loads: fewer registers than pointer loads, no per-thread addresses;
+# - TMA stores of the output: the tile's global writes drain while the next tile starts, where a
+#   pointer store keeps the SM until they are issued (64 KB a 128x256 tile, against 16 K steps at K=1024);
+# - two programs per SM (128x128 tiles, one warpgroup each): one block's epilogue and pipeline fill
+#   run while the other's main loop keeps the tensor cores busy.
+# Most promising first: rows are written as measured, so a step cut short keeps them. (128x256 with
+# 4 stages and TMA stores needs 256 KB of shared memory with triton 3.6, the H200 image's: left out.)
 ALTERNATIVES = [GemmConfig(128, 256, 64, num_warps=8, num_stages=3, tma=True, tma_store=True),
-                GemmConfig(128, 256, 64, num_warps=8, num_stages=4, tma=True, tma_store=True),
+                GemmConfig(128, 128, 64, num_warps=4, num_stages=2, tma=True, tma_store=True, programs_per_sm=2),
                 GemmConfig(128, 256, 64, num_warps=8, num_stages=3, tma_store=True),
+                GemmConfig(128, 128, 64, num_warps=4, num_stages=3, tma=True, programs_per_sm=2),
+                GemmConfig(128, 128, 64, num_warps=4, num_stages=3, programs_per_sm=2),
                 GemmConfig(128, 128, 64, num_warps=8, num_stages=4, tma=True, tma_store=True),
                 GemmConfig(128, 256, 64, num_warps=8, num_stages=3, tma=True),
                 GemmConfig(128, 256, 64, num_warps=8, num_stages=4, tma=True),
-                GemmConfig(128, 128, 64, num_warps=8, num_stages=4, tma=True),
-                GemmConfig(128, 256, 64, num_warps=8, num_stages=4),
-                GemmConfig(256, 128, 64, num_warps=8, num_stages=3),
-                GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
-                GemmConfig(128, 128, 64, num_warps=4, num_stages=4),
-                GemmConfig(64, 128, 64, num_warps=4, num_stages=4)]
+                GemmConfig(128, 128, 64, num_warps=8, num_stages=4, tma=True)]
 
 
 def main(argv=None) -> int:

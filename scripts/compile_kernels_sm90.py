@@ -99,6 +99,9 @@ def ptxas_usage(ptx, arch):
 # concurrent NCCL kernel can hold). sm_90: 64K 32-bit registers per SM, allocated per warp in
 # units of 256; a flag kernel is one warp capped at SG.FLAG_KERNEL_LAUNCH["maxnreg"] registers.
 REGISTER_FILE, REG_ALLOC_UNIT, FLAG_KERNEL_MAX_REGS = 65536, 256, SG.FLAG_KERNEL_LAUNCH["maxnreg"]
+# A config with two programs per SM needs two blocks resident at once: sm_90 has 228 KB of shared
+# memory per SM, of which each block also takes 1 KB for the system.
+SM_SHARED, BLOCK_SHARED_RESERVE = 228 * 1024, 1024
 
 
 def warp_registers(regs_per_thread: int) -> int:
@@ -135,12 +138,13 @@ def ag_gemm_ptx(tma: bool, store: bool) -> dict:
 JOBS = []
 
 
-def check(label, kernel, *args, ptx_has=(), ptx_re=(), ptx_not=(), beside_flag_kernel=False, flag_kernel=False,
+def check(label, kernel, *args, ptx_has=(), ptx_re=(), ptx_not=(), beside_flag_kernel=0, flag_kernel=False,
           **kwargs):
     """Queue a compile for the current target. ``ptx_has``: instructions the PTX must contain (e.g.
     the vector stores a hint is there for); ``ptx_re``: (what, regular expression) pairs it must
-    match; ``ptx_not``: instructions it must not contain; ``beside_flag_kernel``: a persistent GEMM,
-    whose block must leave room for a flag kernel's; ``flag_kernel``: one of those (one warp, at most
+    match; ``ptx_not``: instructions it must not contain; ``beside_flag_kernel``: a persistent GEMM's
+    programs per SM (its config's ``programs_per_sm``; 0: not one), whose blocks must fit an SM
+    together and leave room for a flag kernel's; ``flag_kernel``: one of those (one warp, at most
     FLAG_KERNEL_MAX_REGS registers, no spills)."""
     if FILTER in label:
         JOBS.append((label, TARGET, SMEM_LIMIT, kernel, args, kwargs, ptx_has, ptx_re, ptx_not, beside_flag_kernel,
@@ -166,10 +170,13 @@ def run_job(index: int) -> str:
             regs, spill_st, spill_ld = ptxas_usage(ck.asm["ptx"], target.arch)
             flag0 = f" regs={regs} spills(st/ld)={spill_st}/{spill_ld}"
             if beside_flag_kernel:
-                used = warp_registers(regs) * md.num_warps
+                blocks = int(beside_flag_kernel)
+                used = warp_registers(regs) * md.num_warps * blocks
                 assert used + warp_registers(FLAG_KERNEL_MAX_REGS) <= REGISTER_FILE, (
-                    f"{md.num_warps} warps x {regs} registers take {used} of an SM's {REGISTER_FILE}: no room for a "
-                    "flag kernel beside the block")
+                    f"{blocks} x {md.num_warps} warps x {regs} registers take {used} of an SM's {REGISTER_FILE}: "
+                    f"no room for a flag kernel beside the block{'s' * (blocks > 1)}")
+                assert blocks == 1 or blocks * (md.shared + BLOCK_SHARED_RESERVE) <= SM_SHARED, (
+                    f"{blocks} blocks of {md.shared} B of shared memory do not fit an SM's {SM_SHARED} B")
             if flag_kernel:
                 assert md.num_warps == 1 and regs <= FLAG_KERNEL_MAX_REGS and not spill_st, (md.num_warps, regs, spill_st)
         mma = "wgmma" if "wgmma" in ck.asm["ptx"] else "mma" if "mma.sync" in ck.asm["ptx"] else "no-mma"
@@ -220,12 +227,12 @@ for dname, dt in DT.items():
             check(f"_ag_gemm_kernel {tag}", AG._ag_gemm_kernel,
                   a, b, out, arrived, err, M, N, kk, EPOCH, BUDGET.amount, a.stride(0), a.stride(1), b.stride(0),
                   b.stride(1), out.stride(0), out.stride(1), R, a_desc, b_desc, c_desc, WORLD=W, DOT_PRECISION=prec,
-                  TIMED=BUDGET.timed, PROXY_FENCE=tma, TMA_STORE=store, **descs, beside_flag_kernel=True,
+                  TIMED=BUDGET.timed, PROXY_FENCE=tma, TMA_STORE=store, **descs, beside_flag_kernel=cfg.programs_per_sm,
                   ptx_re=(ACQUIRE_SYS,), **ag_gemm_ptx(tma, store), **cfg.meta(kk))
             table = t(W, dtype=torch.int64)
             check(f"_gemm_rs_kernel {tag}", RS._gemm_rs_kernel,
                   a, b, table, table, M, N, kk, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                  R, a_desc, b_desc, WORLD=W, DOT_PRECISION=prec, **descs, **cfg.meta(kk), beside_flag_kernel=True,
+                  R, a_desc, b_desc, WORLD=W, DOT_PRECISION=prec, **descs, **cfg.meta(kk), beside_flag_kernel=cfg.programs_per_sm,
                   # 16-byte remote stores (signals.peer_ptr's alignment)
                   ptx_has=("st.global.v4",) + ((TMA_LOADS,) if tma else ()),
                   ptx_re=(RELEASE_SYS,), ptx_not=TMA_STORES if tma else NO_TMA)  # tiles' stores, then the count

@@ -21,6 +21,9 @@ CONFIGS = {
     # output tiles through a per-chunk descriptor: rows past a chunk's end must be clipped, not stored
     "tma-store-128x256": GemmConfig(128, 256, 64, num_warps=8, num_stages=3, tma=True, tma_store=True),
     "store-only-128x256": GemmConfig(128, 256, 64, num_warps=8, num_stages=3, tma_store=True),
+    # two programs per SM (a grid twice the SMs): bench_fused_gemm times it
+    "tma-store-128x128-2/SM": GemmConfig(128, 128, 64, num_warps=4, num_stages=2, tma=True, tma_store=True,
+                                         programs_per_sm=2),
 }
 # (world, rows per chunk, K, N): whole tiles; then rows, K and N that end mid-tile (TMA reads the
 # next chunk's rows there: masked on store), with 16-byte row strides so descriptors still qualify

@@ -25,12 +25,16 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert " 0 FAIL, 0 over the shared-memory limit" in out.stdout
 
 
-# The register checks fail the configurations they were added for: the fp32 GEMM tile before it
-# shrank (8 warps x 255 registers fill an SM: no room for a flag kernel) and a flag kernel launched
-# with more than one warp.
+# The resource checks fail the configurations they were added for: the fp32 GEMM tile before it
+# shrank (8 warps x 255 registers fill an SM: no room for a flag kernel), two programs per SM whose
+# blocks cannot both be resident, and a flag kernel launched with more than one warp.
 PLANTS = {
     "fp32 GEMM 128x128 w8": ("TG.CUDA_GEMM_FP32 = TG.GemmConfig(128, 128, 32, num_warps=8, num_stages=3)",
                              "_ag_gemm_kernel fp32 128x128x32 w8 s3 b K=", "no room for a flag kernel beside the block"),
+    # two programs per SM: 2 x 128 KB of shared memory is more than an SM has (registers would fit)
+    "two 128 KB blocks an SM": ("TG.CUDA_GEMM_16BIT = TG.GemmConfig(128, 128, 64, num_warps=4, num_stages=4, "
+                                "programs_per_sm=2)", "_ag_gemm_kernel bf16 128x128x64 w4 s4 2/SM b K=",
+                                "2 blocks of 131"),
     "two-warp flag kernel": ("SG.FLAG_KERNEL_LAUNCH['num_warps'] = 2", "_set_flag_kernel aligned",
                              "_set_flag_kernel aligned flag, generic ints: AssertionError: (2, "),
 }

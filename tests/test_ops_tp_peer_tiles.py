@@ -62,6 +62,17 @@ def test_gemm_config_is_a_pure_function_of_the_call():
     assert gemm_config(torch.device("cpu"), torch.float16, 7, 5, 33) == INTERPRETER_GEMM
 
 
+def test_two_programs_per_sm_config():
+    """``programs_per_sm=2`` only doubles the persistent grid on GPUs (test_process_world_gloo checks
+    the count): the kernels run it as any config, named apart in reports; other counts are refused."""
+    cfg = GemmConfig(16, 32, 16, tma=True, tma_store=True, programs_per_sm=2)
+    assert str(cfg) == "16x32x16 w4 s3 tma tma-store 2/SM" and str(GemmConfig(16, 32, 16)) == "16x32x16 w4 s3"
+    with pytest.raises(ValueError, match=r"GemmConfig programs_per_sm=3: expected 1 or 2"):
+        GemmConfig(16, 32, 16, programs_per_sm=3)
+    with forced_gemm_config(GemmConfig(16, 32, 16, programs_per_sm=2)):
+        assert ThreadWorld(2, timeout=60).run(_tile_shapes_on_rank, 40) == [True, True]
+
+
 def _rs_tile_counts_change_on_rank(ctx):
     r, w = ctx.rank, ctx.world_size
     b = _ints((32, 48), torch.float32, 70)

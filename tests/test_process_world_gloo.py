@@ -93,6 +93,9 @@ def test_reserved_sms_setting(monkeypatch, raw):
     assert tile_gemm.num_programs(cuda, 1000) == 112 and tile_gemm.num_programs(cuda, 1000, ranks_per_device=2) == 56
     monkeypatch.delenv("OVERLAPKERNELS_RESERVED_SMS")
     assert tile_gemm.num_programs(cuda, 1000) == 128 and tile_gemm.num_programs(cuda, 7) == 7
+    # a config with two programs per SM: two per unreserved SM, still shared among a GPU's ranks
+    assert tile_gemm.num_programs(cuda, 1000, programs_per_sm=2) == 256
+    assert tile_gemm.num_programs(cuda, 1000, ranks_per_device=3, programs_per_sm=2) == 85
 
 
 def _peer_memory_across_hosts_on_rank():

@@ -71,7 +71,7 @@ def ag_gemm(a_full: torch.Tensor, b: torch.Tensor, out: torch.Tensor, arrived: t
     tiles = world_size * config.tiles(rows_per_chunk, n)
     tma, a_desc, b_desc, b_k_major = tma_operands(a_full, b, config)
     tma_store, c_desc = tma_output(out, world_size, config)
-    _ag_gemm_kernel[(num_programs(a_full.device, tiles, ranks_per_device),)](
+    _ag_gemm_kernel[(num_programs(a_full.device, tiles, ranks_per_device, config.programs_per_sm),)](
         a_full, b, out, arrived, err, rows_per_chunk, n, k, epoch, budget.amount,
         a_full.stride(0), a_full.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), rank,
         a_desc, b_desc, c_desc, WORLD=world_size, DOT_PRECISION=dot_precision(a_full.dtype), TIMED=budget.timed,

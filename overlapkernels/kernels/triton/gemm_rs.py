@@ -55,7 +55,8 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, slots, pads, *, rank: int, world_s
     check_gemm_operands(a, b, slots.local, world_size)
     rows_per_chunk, n, k = a.shape[0] // world_size, b.shape[1], b.shape[0]
     tma, a_desc, b_desc, b_k_major = tma_operands(a, b, config)
-    _gemm_rs_kernel[(num_programs(a.device, world_size * config.tiles(rows_per_chunk, n), ranks_per_device),)](
+    _gemm_rs_kernel[(num_programs(a.device, world_size * config.tiles(rows_per_chunk, n), ranks_per_device,
+                                      config.programs_per_sm),)](
         a, b, slots.peer_ptrs, pads.peer_ptrs, rows_per_chunk, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), rank, a_desc, b_desc,
         WORLD=world_size, DOT_PRECISION=dot_precision(a.dtype), TMA=tma, B_K_MAJOR=b_k_major, **config.meta(k))

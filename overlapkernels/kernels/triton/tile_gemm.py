@@ -79,17 +79,29 @@ class GemmConfig:
     tma: bool = False
     # The all-gather GEMM's 16-bit output tiles stored through a tensor descriptor (tma_output): the
     # tile goes registers -> shared memory -> one bulk copy, and the SM waits only until the copy
-    # has read shared memory (triton 3.6/3.9 put cp.async.bulk.wait_group.read 0 right after it, so
-    # the buffer aliases the main loop's: no extra shared memory), not for the global writes. At
+    # has read shared memory (cp.async.bulk.wait_group.read 0 right after it), not for the global
+    # writes. Triton 3.9 reuses the main loop's shared memory for it; 3.6 gives it a buffer of its
+    # own (64 KB at 128x256: 208 KB in all, so 4 stages no longer fit; compile_kernels_sm90.py). At
     # K = 1024 the epilogue's 64 KB a tile (128x256 bf16) against 16 K steps is the likeliest part
     # of the gap to torch.mm (0.81x on an H200). A flattened loop that would overlap it with the
     # next tile's loads loses software pipelining to the chunk wait's loop. GEMM + RS stores into
     # peers' buffers: pointer stores there. Not in the defaults until a GPU run times it.
     tma_store: bool = False
+    # Persistent programs per SM. With 2, two blocks share each SM, so one's epilogue (and its next
+    # tile's pipeline fill) runs while the other's main loop keeps the tensor cores busy - CUTLASS's
+    # "ping-pong" through occupancy instead of warp specialization. A block then gets half an SM:
+    # scripts/compile_kernels_sm90.py checks that two fit (registers, shared memory) with room
+    # for a flag kernel. Not in the defaults until a GPU run times it (bench_fused_gemm sweeps it).
+    programs_per_sm: int = 1
+
+    def __post_init__(self):
+        if self.programs_per_sm not in (1, 2):
+            raise ValueError(f"GemmConfig programs_per_sm={self.programs_per_sm!r}: expected 1 or 2")
 
     def __str__(self) -> str:  # how benchmarks and the compile report name it
         return (f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
-                + " tma" * self.tma + " tma-store" * self.tma_store)
+                + " tma" * self.tma + " tma-store" * self.tma_store
+                + f" {self.programs_per_sm}/SM" * (self.programs_per_sm > 1))
 
     def tiles(self, rows: int, n: int) -> int:
         return triton.cdiv(rows, self.block_m) * triton.cdiv(n, self.block_n)
@@ -222,15 +234,15 @@ def dot_precision(dtype: torch.dtype):
     return None
 
 
-def num_programs(device: torch.device, tiles: int, ranks_per_device: int = 1) -> int:
-    """Persistent grid: one program per SM on a GPU, less a reserve, shared among the ranks on that
-    GPU; two in the interpreter (enough to interleave).
+def num_programs(device: torch.device, tiles: int, ranks_per_device: int = 1, programs_per_sm: int = 1) -> int:
+    """Persistent grid: ``programs_per_sm`` programs per SM on a GPU, less a reserve of SMs, shared
+    among the ranks on that GPU; two in the interpreter (enough to interleave).
 
     Why the reserve: the GEMM's tiles spin until the copy stream's flag kernels run; if the GEMM
     held every SM those kernels could never be scheduled (deadlock)."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(tiles, (sms - reserved_sms()) // ranks_per_device))
+        return max(1, min(tiles, (sms - reserved_sms()) * programs_per_sm // ranks_per_device))
     return max(1, min(tiles, 2))
 
 
