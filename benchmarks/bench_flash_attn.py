@@ -14,7 +14,8 @@ import triton
 from overlapkernels.bench.report import RowLog, environment, exit_on_sigterm, format_table, positive_int
 from overlapkernels.bench.timing import gpu_median_s
 from overlapkernels.kernels.triton import flash_attn as fa
-from overlapkernels.kernels.triton.flash_attn import FlashConfig
+from overlapkernels.kernels.triton import flash_configs as fc
+from overlapkernels.kernels.triton.flash_configs import FlashConfig
 
 # Alternatives to the library's tiles (flash_configs), timed one kernel at a time so a GPU run shows
 # whether the defaults pick well. All compile for sm_90 at D=128 within shared memory (the 4-warp
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
     rows = RowLog(args.csv, {"seq": s, "heads": h, "head_dim": d, "dtype": "bfloat16", **env})
     exit_on_sigterm()
     try:
-        default = fa.flash_configs(q.device, q.dtype, max(16, triton.next_power_of_2(d)))
+        default = fc.flash_configs(q.device, q.dtype, max(16, triton.next_power_of_2(d)))
         for causal in (False, True):
             flops = 4 * h * s * s * d / (2 if causal else 1)
             out, lse = fa.block_forward(q, k, v, scale, causal=causal)
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
                                          f"{err:.3g} of its norm (> 1e-2)")
 
             def time_with(cfgs, pass_):
-                with fa.forced_flash_configs(cfgs):
+                with fc.forced_flash_configs(cfgs):
                     if pass_ == "forward":
                         torch.testing.assert_close(fa.block_forward(q, k, v, scale, causal=causal)[0], out, atol=2e-2,
                                                    rtol=2e-2)
@@ -76,9 +77,9 @@ def main(argv=None) -> int:
                     return gpu_median_s(lambda: fa.block_backward(q, k, v, do, lse, delta, scale, causal=causal))
 
             trials = [("forward", "default", default), ("backward", "default", default)]
-            trials += [("forward", str(c), fa.FlashConfigs(c, default.dkdv, default.dq)) for c in FWD_ALTERNATIVES
+            trials += [("forward", str(c), fc.FlashConfigs(c, default.dkdv, default.dq)) for c in FWD_ALTERNATIVES
                        if c != default.fwd]
-            trials += [("backward", f"dkdv {c}", fa.FlashConfigs(default.fwd, c, default.dq))
+            trials += [("backward", f"dkdv {c}", fc.FlashConfigs(default.fwd, c, default.dq))
                        for c in DKDV_ALTERNATIVES if c != default.dkdv]
             for pass_, label, cfgs in trials:
                 if label == "default":

@@ -35,7 +35,7 @@ except ImportError as exc:  # the internals this relies on moved in this triton
     sys.exit(3)
 
 from overlapkernels.kernels.triton import ag_gemm as AG, gemm_rs as RS, all_gather as AL, signals as SG, \
-    flash_attn as FA
+    flash_attn as FA, flash_configs as FC
 from overlapkernels.kernels.triton import tile_gemm as TG
 from overlapkernels.kernels.triton.tile_gemm import dot_precision
 
@@ -275,16 +275,21 @@ for add in (True, False):
 B, H, HKV, L = 2, 8, 2, 1024
 
 
-def check_flash(tables: dict, where: str = "", quick_keys=()) -> None:
+def check_flash(tables: dict, where: str = "", quick_keys=(), segment_keys=()) -> None:
     """Each (dtype name, head dim) -> FlashConfigs, causal and not; fp32 twice: IEEE (FMA) and, as
-    under torch's allow_tf32 / fp32_precision="tf32", TF32 (mma: other shared memory and registers)."""
+    under torch's allow_tf32 / fp32_precision="tf32", TF32 (mma: other shared memory and registers).
+    ``segment_keys``: those also compiled with segment ids (packed documents: every tile masked, a
+    dynamic branch per tile)."""
     for (dname, hd), cfgs in tables.items():
         dt = DT[dname]
         if QUICK and (dname, hd) not in quick_keys:
             continue
         precisions = ("ieee", "tf32") if dt == torch.float32 and not QUICK else (dot_precision(dt),)
-        for precision, causal in [(p, c) for p in precisions for c in ((True,) if QUICK else (False, True))]:
-            fixed = dict(HEAD_DIM=hd, DOT_PRECISION=precision)
+        seg_options = (False, True) if (dname, hd) in segment_keys else (False,)
+        for precision, causal, seg in [(p, c, sg) for p in precisions for c in ((True,) if QUICK else (False, True))
+                                       for sg in seg_options]:
+            fixed = dict(HEAD_DIM=hd, DOT_PRECISION=precision, SEGMENTS=seg)
+            ids = t(B, L, dtype=torch.int64) if seg else None  # (without: q, as the launch passes)
             q, k, v = t(B, H, L, hd, dtype=dt), t(B, HKV, L, hd, dtype=dt), t(B, HKV, L, hd, dtype=dt)
             o, lse = t(B, H, L, hd, dtype=torch.float32), t(B, H, L, dtype=torch.float32)
             do, delta = t(B, H, L, hd, dtype=dt), t(B, H, L, dtype=torch.float32)
@@ -292,31 +297,35 @@ def check_flash(tables: dict, where: str = "", quick_keys=()) -> None:
             common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                       lse.stride(0), lse.stride(1))
 
-            def tag(cfg):
-                return f"{where}{dname} HEAD_DIM={hd} {cfg} CAUSAL={causal}" + (" tf32" if precision == "tf32" else "")
+            sg, sg_b = (ids, ids.stride(0)) if seg else (q, 0)
 
-            check(f"_flash_fwd_kernel {tag(cfgs.fwd)}", FA._flash_fwd_kernel, q, k, v, o, lse,
+            def tag(cfg):
+                return (f"{where}{dname} HEAD_DIM={hd} {cfg} CAUSAL={causal}" + (" tf32" if precision == "tf32" else "")
+                        + (" SEGMENTS" if seg else ""))
+
+            check(f"_flash_fwd_kernel {tag(cfgs.fwd)}", FA._flash_fwd_kernel, q, k, v, o, lse, sg, sg,
                   q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                  o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+                  o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), sg_b, sg_b,
                   H // HKV, L, L, hd, 0, 0, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.fwd.meta())
             check(f"_flash_bwd_dkdv_kernel {tag(cfgs.dkdv)}", FA._flash_bwd_dkdv_kernel, q, k, v, do, lse, delta,
-                  dk, dv, *common, dk.stride(0), dk.stride(1), dk.stride(2), H // HKV, L, L, hd, 0, 0, 0.125,
-                  0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.dkdv.meta())
+                  dk, dv, sg, sg, *common, dk.stride(0), dk.stride(1), dk.stride(2), sg_b, sg_b, H // HKV, L, L, hd,
+                  0, 0, 0.125, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.dkdv.meta())
             check(f"_flash_bwd_dq_kernel {tag(cfgs.dq)}", FA._flash_bwd_dq_kernel, q, k, v, do, lse, delta, dq,
-                  *common, dq.stride(0), dq.stride(1), dq.stride(2), H // HKV, L, L, hd, 0, 0, 0.125,
-                  0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.dq.meta())
+                  sg, sg, *common, dq.stride(0), dq.stride(1), dq.stride(2), sg_b, sg_b, H // HKV, L, L, hd, 0, 0,
+                  0.125, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.dq.meta())
 
 
-check_flash({("bf16", 64): FA.CUDA_FLASH_16BIT[64], ("bf16", 128): FA.CUDA_FLASH_16BIT[128],
-             ("bf16", 256): FA.CUDA_FLASH_16BIT[256], ("fp16", 128): FA.CUDA_FLASH_16BIT[128],
-             ("fp32", 64): FA.CUDA_FLASH_FP32[64], ("fp32", 128): FA.CUDA_FLASH_FP32[128],
-             ("fp32", 256): FA.CUDA_FLASH_FP32[256], ("bf16", 512): FA.CUDA_FLASH_WIDE,
-             ("fp32", 512): FA.CUDA_FLASH_WIDE}, quick_keys=(("bf16", 128), ("fp32", 64)))
+check_flash({("bf16", 64): FC.CUDA_FLASH_16BIT[64], ("bf16", 128): FC.CUDA_FLASH_16BIT[128],
+             ("bf16", 256): FC.CUDA_FLASH_16BIT[256], ("fp16", 128): FC.CUDA_FLASH_16BIT[128],
+             ("fp32", 64): FC.CUDA_FLASH_FP32[64], ("fp32", 128): FC.CUDA_FLASH_FP32[128],
+             ("fp32", 256): FC.CUDA_FLASH_FP32[256], ("bf16", 512): FC.CUDA_FLASH_WIDE,
+             ("fp32", 512): FC.CUDA_FLASH_WIDE}, quick_keys=(("bf16", 128), ("fp32", 64)),
+            segment_keys=(("bf16", 64), ("bf16", 128), ("bf16", 256), ("fp16", 128), ("fp32", 64)))
 # GPUs with ~100 KB a block (sm_86/89: 99 KB) get the small-memory tables (D <= 256; wider is a test path)
 use_target(86, 99)
-check_flash({("bf16", 128): FA.CUDA_FLASH_SMALL[128], ("bf16", 256): FA.CUDA_FLASH_SMALL[256],
-             ("fp32", 64): FA.CUDA_FLASH_FP32_SMALL[64], ("fp32", 128): FA.CUDA_FLASH_FP32_SMALL[128],
-             ("fp32", 256): FA.CUDA_FLASH_FP32_SMALL[256]}, where="sm_86 ")
+check_flash({("bf16", 128): FC.CUDA_FLASH_SMALL[128], ("bf16", 256): FC.CUDA_FLASH_SMALL[256],
+             ("fp32", 64): FC.CUDA_FLASH_FP32_SMALL[64], ("fp32", 128): FC.CUDA_FLASH_FP32_SMALL[128],
+             ("fp32", 256): FC.CUDA_FLASH_FP32_SMALL[256]}, where="sm_86 ")
 
 # fork: the workers inherit JOBS (kernels and arguments need no pickling); lines print in queue order
 with ProcessPoolExecutor(max_workers=max(1, min(len(JOBS), len(os.sched_getaffinity(0)))),  # the cores we may use

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from overlapkernels.kernels.triton import flash_attn as fa
+from overlapkernels.kernels.triton import flash_attn as fa, flash_configs as fc
 from test_flash_attn_triton import _inputs
 
 
@@ -36,23 +36,47 @@ def test_kernels_vs_sdpa(dtype, dim, causal, tol):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dkdv", [fa.FlashConfig(16, 128, 8, 3), fa.FlashConfig(32, 128, 8, 2),
-                                  fa.FlashConfig(64, 128, 8, 2)], ids=str)
+@pytest.mark.parametrize("dkdv", [fc.FlashConfig(16, 128, 8, 3), fc.FlashConfig(32, 128, 8, 2),
+                                  fc.FlashConfig(64, 128, 8, 2)], ids=str)
 def test_dkdv_tiles_four_times_wider_than_tall_vs_sdpa(dkdv, causal):
     """Regression (an H200, triton 3.6, 2026-11-30): dK/dV computed as dots on tl.trans(P) and
     tl.trans(dS) went wrong in tiles with BLOCK_N >= 4 * BLOCK_M, which the interpreter computed
     right; the transposed kernel must get them right. D=128, ragged 300 rows, GQA."""
     q, k, v, do = _inputs(torch.bfloat16, heads=8, kv_heads=2, lq=300, lk=300, dim=128, device="cuda")
-    scale, default = 128 ** -0.5, fa.flash_configs(q.device, q.dtype, 128)
+    scale, default = 128 ** -0.5, fc.flash_configs(q.device, q.dtype, 128)
     out, lse = fa.block_forward(q, k, v, scale, causal=causal)
     delta = (do.float() * out).sum(-1)
     qr, kr, vr = (t.detach().requires_grad_() for t in (q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)))
     F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal).backward(do)
-    with fa.forced_flash_configs(fa.FlashConfigs(default.fwd, dkdv, default.dq)):
+    with fc.forced_flash_configs(fc.FlashConfigs(default.fwd, dkdv, default.dq)):
         _, dk, dv = fa.block_backward(q, k, v, do, lse, delta, scale, causal=causal)
     for name, got, want in (("dk", dk, kr.grad), ("dv", dv, vr.grad)):
         torch.testing.assert_close(got, want.float().reshape(2, 2, 4, 300, 128).sum(2), atol=5e-2, rtol=5e-2,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernels_with_segment_ids_vs_sdpa(causal):
+    """Packed documents on the compiled kernels (bf16, D=128's tiles): every tile masked by id, the
+    tiles between documents skipped; vs SDPA with the block-diagonal mask (and causal)."""
+    q, k, v, do = _inputs(torch.bfloat16, heads=8, kv_heads=2, lq=700, lk=700, dim=128, device="cuda")
+    row = torch.repeat_interleave(torch.arange(5), torch.tensor([1, 300, 99, 250, 50]))
+    ids = torch.stack([row, row.flip(0)]).cuda()
+    out, lse = fa.block_forward(q, k, v, 128 ** -0.5, causal=causal, q_segments=ids, k_segments=ids)
+    visible = (ids[:, :, None] == ids[:, None, :])[:, None]
+    if causal:
+        visible = visible & torch.ones(700, 700, dtype=torch.bool, device="cuda").tril()
+    qr, kr, vr = (t.detach().requires_grad_() for t in (q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)))
+    want = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=visible)
+    torch.testing.assert_close(out, want.float(), atol=2e-2, rtol=2e-2)
+    want.backward(do)
+    delta = (do.float() * out).sum(-1)
+    dq, dk, dv = fa.block_backward(q, k, v, do, lse, delta, 128 ** -0.5, causal=causal, q_segments=ids,
+                                   k_segments=ids)
+    torch.testing.assert_close(dq, qr.grad.float(), atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(dk, kr.grad.float().reshape(2, 2, 4, 700, 128).sum(2), atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(dv, vr.grad.float().reshape(2, 2, 4, 700, 128).sum(2), atol=5e-2, rtol=5e-2)
 
 
 def _ring_bf16_one_gpu_on_rank(layout):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from overlapkernels.kernels import attention_ref as ref
-from overlapkernels.kernels.triton import flash_attn as fa
+from overlapkernels.kernels.triton import flash_attn as fa, flash_configs as fc
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3)}
 # (causal, q_start, k_start): plain, causal diagonal, ring offsets, a block with empty rows
@@ -111,7 +111,7 @@ def test_reference_matches_sdpa(causal, q_start, k_start, kv_heads):
 
 def _tiles_match_reference(configs, q, k, v, do, **args):
     """Forward and backward with every flash kernel forced to ``configs``, against the reference (fp32)."""
-    with fa.forced_flash_configs(configs):
+    with fc.forced_flash_configs(configs):
         out, lse = fa.block_forward(q, k, v, 0.3, **args)
         out_ref, lse_ref = ref.block_forward(q, k, v, 0.3, **args)
         _close("out", out, out_ref, torch.float32)
@@ -127,14 +127,14 @@ def _tiles_match_reference(configs, q, k, v, do, **args):
 def test_rectangular_tiles_match_reference(causal, q_start, k_start):
     """GPU configs use BLOCK_M != BLOCK_N, and different ones per kernel: run that in the
     interpreter (fwd 32x16, dK/dV 16x32, dQ 32x16) over 40 queries x 36 keys, ragged edges."""
-    wide, tall = fa.FlashConfig(32, 16), fa.FlashConfig(16, 32)
-    _tiles_match_reference(fa.FlashConfigs(fwd=wide, dkdv=tall, dq=wide), *_inputs(torch.float32, lq=40, lk=36),
+    wide, tall = fc.FlashConfig(32, 16), fc.FlashConfig(16, 32)
+    _tiles_match_reference(fc.FlashConfigs(fwd=wide, dkdv=tall, dq=wide), *_inputs(torch.float32, lq=40, lk=36),
                            q_start=q_start, k_start=k_start, causal=causal)
 
 
-GPU_TILE_TABLES = {**{f"16bit D<={d}": c for d, c in fa.CUDA_FLASH_16BIT.items()},
-                   **{f"fp32 D<={d}": c for d, c in fa.CUDA_FLASH_FP32.items()},
-                   **{f"small-smem D<={d}": c for d, c in fa.CUDA_FLASH_SMALL.items()}, "wide": fa.CUDA_FLASH_WIDE}
+GPU_TILE_TABLES = {**{f"16bit D<={d}": c for d, c in fc.CUDA_FLASH_16BIT.items()},
+                   **{f"fp32 D<={d}": c for d, c in fc.CUDA_FLASH_FP32.items()},
+                   **{f"small-smem D<={d}": c for d, c in fc.CUDA_FLASH_SMALL.items()}, "wide": fc.CUDA_FLASH_WIDE}
 
 
 # each table with one of two offsets, in turn: q ahead of k by 4, and the last key tile holding one
@@ -243,8 +243,8 @@ def test_offsets_past_int32_of_a_batch_or_head():
 
 
 def test_flash_configs_fit_the_device():
-    cpu = fa.flash_configs(torch.device("cpu"), torch.float16, 128)
-    assert cpu == fa.INTERPRETER_FLASH
+    cpu = fc.flash_configs(torch.device("cpu"), torch.float16, 128)
+    assert cpu == fc.INTERPRETER_FLASH
     for cfgs in GPU_TILE_TABLES.values():
         for cfg in (cfgs.fwd, cfgs.dkdv, cfgs.dq):  # tl.dot needs >= 16 and powers of two
             assert cfg.block_m >= 16 and cfg.block_n >= 16
@@ -307,24 +307,33 @@ def test_bf16_on_cpu_is_refused_not_misread():
         check_gemm_operands(a, a.T, a, 1)
 
 
-def _ring_on_triton_on_rank(layout, causal):
-    """RingAttention with the Triton backend (interpreter) vs SDPA on the full sequence."""
+def _ring_on_triton_on_rank(layout, causal, documents=False):
+    """RingAttention with the Triton backend (interpreter) vs SDPA on the full sequence; with
+    ``documents``, segment ids of three packed documents and SDPA with their mask."""
     ra = importlib.import_module("overlapkernels.ops.ring_attention")
     import overlapkernels as ok
 
     world = dist.get_world_size()
     g = torch.Generator().manual_seed(5)
-    seq, heads, kv_heads, dim = 4 * world, 2, 1, 8
+    seq, heads, kv_heads, dim = (16 if documents else 4) * world, 2, 1, 8
     q, k, v = (torch.randn(1, n, seq, dim, generator=g, requires_grad=True) for n in (heads, kv_heads, kv_heads))
-    want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=causal)
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor([5, seq - 12, 7]))[None] if documents else None
+    visible = None
+    if documents:
+        visible = (ids[:, :, None] == ids[:, None, :]) & (torch.ones(seq, seq, dtype=torch.bool).tril() if causal
+                                                          else True)
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                          attn_mask=None if visible is None else visible[:, None],
+                                          is_causal=causal and not documents)
     do = torch.randn(want.shape, generator=g)
     want.backward(do)
 
-    def local(x):
-        return ok.shard_sequence(x.detach(), dim=2, layout=layout)
+    def local(x, d=2):
+        return ok.shard_sequence(x.detach(), dim=d, layout=layout)
 
     ql, kl, vl = (local(x).requires_grad_() for x in (q, k, v))
-    out, _ = ra.RingAttention.apply(ql, kl, vl, dist.group.WORLD, causal, dim ** -0.5, layout, "triton")
+    out, _ = ra.RingAttention.apply(ql, kl, vl, local(ids, 1) if documents else None, dist.group.WORLD, causal,
+                                    dim ** -0.5, layout, "triton")
     out.backward(local(do))
     for name, got, ref_t in (("out", out, want), ("dq", ql.grad, q.grad), ("dk", kl.grad, k.grad),
                              ("dv", vl.grad, v.grad)):
@@ -338,14 +347,14 @@ def test_ring_on_triton_kernels(rank_pool, layout, causal):
 
 
 @pytest.mark.parametrize("smem_kb, dtype, head_dim, want", [
-    (227, torch.bfloat16, 128, fa.CUDA_FLASH_16BIT[128]), (227, torch.float16, 64, fa.CUDA_FLASH_16BIT[64]),
-    (227, torch.bfloat16, 32, fa.CUDA_FLASH_16BIT[64]), (227, torch.bfloat16, 256, fa.CUDA_FLASH_16BIT[256]),
-    (227, torch.bfloat16, 512, fa.CUDA_FLASH_WIDE), (99, torch.bfloat16, 128, fa.CUDA_FLASH_SMALL[128]),
-    (99, torch.float16, 16, fa.CUDA_FLASH_SMALL[128]), (99, torch.bfloat16, 256, fa.CUDA_FLASH_SMALL[256]),
-    (99, torch.bfloat16, 512, fa.CUDA_FLASH_WIDE), (227, torch.float32, 16, fa.CUDA_FLASH_FP32[64]),
-    (227, torch.float32, 128, fa.CUDA_FLASH_FP32[128]), (227, torch.float32, 256, fa.CUDA_FLASH_FP32[256]),
-    (99, torch.float32, 64, fa.CUDA_FLASH_FP32[64]), (227, torch.float32, 512, fa.CUDA_FLASH_WIDE),
-    (99, torch.float32, 128, fa.CUDA_FLASH_FP32_SMALL[128]), (99, torch.float32, 256, fa.CUDA_FLASH_FP32[256])])
+    (227, torch.bfloat16, 128, fc.CUDA_FLASH_16BIT[128]), (227, torch.float16, 64, fc.CUDA_FLASH_16BIT[64]),
+    (227, torch.bfloat16, 32, fc.CUDA_FLASH_16BIT[64]), (227, torch.bfloat16, 256, fc.CUDA_FLASH_16BIT[256]),
+    (227, torch.bfloat16, 512, fc.CUDA_FLASH_WIDE), (99, torch.bfloat16, 128, fc.CUDA_FLASH_SMALL[128]),
+    (99, torch.float16, 16, fc.CUDA_FLASH_SMALL[128]), (99, torch.bfloat16, 256, fc.CUDA_FLASH_SMALL[256]),
+    (99, torch.bfloat16, 512, fc.CUDA_FLASH_WIDE), (227, torch.float32, 16, fc.CUDA_FLASH_FP32[64]),
+    (227, torch.float32, 128, fc.CUDA_FLASH_FP32[128]), (227, torch.float32, 256, fc.CUDA_FLASH_FP32[256]),
+    (99, torch.float32, 64, fc.CUDA_FLASH_FP32[64]), (227, torch.float32, 512, fc.CUDA_FLASH_WIDE),
+    (99, torch.float32, 128, fc.CUDA_FLASH_FP32_SMALL[128]), (99, torch.float32, 256, fc.CUDA_FLASH_FP32[256])])
 def test_flash_config_rules_per_gpu(monkeypatch, smem_kb, dtype, head_dim, want):
-    monkeypatch.setattr(fa, "shared_memory_per_block", lambda device: smem_kb << 10)
-    assert fa.flash_configs(torch.device("cuda", 0), dtype, head_dim) is want
+    monkeypatch.setattr(fc, "shared_memory_per_block", lambda device: smem_kb << 10)
+    assert fc.flash_configs(torch.device("cuda", 0), dtype, head_dim) is want

@@ -90,7 +90,7 @@ def _nonfinite_key_on_rank(bad, backend):
     want.sum().backward()
     local = lambda x: ok.shard_sequence(x.detach(), dim=2, layout="contiguous")
     ql, kl, vl = (local(x).requires_grad_() for x in (q, k, v))
-    out, lse = ra.RingAttention.apply(ql, kl, vl, dist.group.WORLD, False, 16 ** -0.5, "contiguous", backend)
+    out, lse = ra.RingAttention.apply(ql, kl, vl, None, dist.group.WORLD, False, 16 ** -0.5, "contiguous", backend)
     out.sum().backward()
     same = []
     for got, ref in ((out, local(want)), (ql.grad, local(q.grad))):

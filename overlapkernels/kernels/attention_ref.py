@@ -2,7 +2,8 @@
 
 The reference backend of ring attention (the default on CPU) and the yardstick of the Triton
 kernels. Blocks are contiguous position ranges: queries at q_start.., keys at k_start..; with
-``causal`` a query sees keys at positions <= its own. GQA: q [B, H, Lq, D], k/v [B, H_kv, Lk, D],
+``causal`` a query sees keys at positions <= its own; with segment ids (``q_segments`` [B, Lq],
+``k_segments`` [B, Lk], packed documents) only keys of its own segment. GQA: q [B, H, Lq, D], k/v [B, H_kv, Lk, D],
 query head h reads kv head h // (H / H_kv) (grouped by reshaping, never by copying heads).
 Rows that see no key get out = 0 and lse = -inf, never NaN (a NaN in q, k or v still propagates,
 as in SDPA). Math runs in fp32, or fp64 for fp64 inputs (so CPU tests can compare tightly).
@@ -25,7 +26,7 @@ def _grouped(q: torch.Tensor, h_kv: int) -> torch.Tensor:
     return q.reshape(b, h_kv, h // h_kv, lq, d)
 
 
-def _scores(q, k, scale, q_start, k_start, causal):
+def _scores(q, k, scale, q_start, k_start, causal, q_segments=None, k_segments=None):
     """fp32 scores [B, H_kv, G, Lq, Lk] with masked entries at -inf."""
     qg = _grouped(_acc(q), k.shape[1])
     s = torch.matmul(qg, _acc(k).unsqueeze(2).transpose(-1, -2)) * scale
@@ -33,6 +34,8 @@ def _scores(q, k, scale, q_start, k_start, causal):
         q_pos = torch.arange(q.shape[2], device=q.device) + q_start
         k_pos = torch.arange(k.shape[2], device=q.device) + k_start
         s = s.masked_fill(q_pos[:, None] < k_pos[None, :], float("-inf"))
+    if q_segments is not None:  # [B, 1, 1, Lq, Lk]: another segment's keys are hidden
+        s = s.masked_fill((q_segments[:, :, None] != k_segments[:, None, :])[:, None, None], float("-inf"))
     return s
 
 
@@ -44,22 +47,23 @@ def _probs(s, lse):
     return torch.exp(s - safe[..., None]).masked_fill(empty[..., None], 0.0)
 
 
-def block_forward(q, k, v, scale: float, *, q_start: int = 0, k_start: int = 0, causal: bool = False):
+def block_forward(q, k, v, scale: float, *, q_start: int = 0, k_start: int = 0, causal: bool = False,
+                  q_segments=None, k_segments=None):
     """-> out [B, H, Lq, D], lse [B, H, Lq] in the accumulation dtype."""
     b, h, lq, d = q.shape
-    s = _scores(q, k, scale, q_start, k_start, causal)
+    s = _scores(q, k, scale, q_start, k_start, causal, q_segments, k_segments)
     lse = torch.logsumexp(s, dim=-1)  # -inf for rows with no visible key
     out = torch.matmul(_probs(s, lse), _acc(v).unsqueeze(2))
     return out.reshape(b, h, lq, v.shape[-1]), lse.reshape(b, h, lq)
 
 
 def block_backward(q, k, v, dout, lse, delta, scale: float, *, q_start: int = 0, k_start: int = 0,
-                   causal: bool = False):
+                   causal: bool = False, q_segments=None, k_segments=None):
     """Gradients of one block given the *final* lse and delta = rowsum(dout * out) (fp32):
     -> dq [B, H, Lq, D], dk, dv [B, H_kv, Lk, D], in the accumulation dtype."""
     b, h, lq, d = q.shape
     h_kv = k.shape[1]
-    s = _scores(q, k, scale, q_start, k_start, causal)
+    s = _scores(q, k, scale, q_start, k_start, causal, q_segments, k_segments)
     p = _probs(s, _grouped(lse.unsqueeze(-1), h_kv).squeeze(-1))
     do = _grouped(_acc(dout), h_kv)
     dv = torch.matmul(p.transpose(-1, -2), do).sum(dim=2)

@@ -4,7 +4,8 @@ Step s of P: attend the local queries to the block of rank (r - s) % P while the
 travels (batch_isend_irecv, double buffered), and fold the result into running (out, lse) with
 the overflow-safe sigmoid merge. Causal blocks are cut into contiguous position segments (two per
 rank under zigzag): hidden segment pairs are skipped, partly visible ones masked by position.
-Only the H_kv key/value heads travel (GQA is never expanded on the wire).
+Only the H_kv key/value heads travel (GQA is never expanded on the wire). With segment ids
+(packed documents) each block's ids travel with it, and a query sees only keys of its own segment.
 
 Backward recomputes each block with the final (out, lse) and delta = rowsum(dO * O). dQ adds up
 locally; each block's dK/dV partial sum travels with the block and, after a last hop, reaches
@@ -76,56 +77,74 @@ def _empty_result(q):
             torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device))
 
 
-def _attend_block(out, lse, q, kb, vb, kern, scale, layout, world, rank, src, causal):
+def _segment_slices(q_segments, k_segments, qo, ql, ko, kl) -> dict:
+    """The segment-id keywords of one (query segment, key segment) pair's kernel call."""
+    if q_segments is None:
+        return {}
+    return dict(q_segments=q_segments[:, qo:qo + ql], k_segments=k_segments[:, ko:ko + kl])
+
+
+def _attend_block(out, lse, q, kb, vb, kern, scale, layout, world, rank, src, causal, q_segments=None,
+                  k_segments=None):
     """Fold the attention of the local queries to rank ``src``'s K/V block into (out, lse)."""
     for (qo, qs, ql), (ko, ks, kl), masked in _block_pairs(layout, world, rank, src, q.shape[2], causal):
         o, l = kern.block_forward(q[:, :, qo:qo + ql], kb[:, :, ko:ko + kl], vb[:, :, ko:ko + kl], scale,
-                                  q_start=qs, k_start=ks, causal=masked)
+                                  q_start=qs, k_start=ks, causal=masked,
+                                  **_segment_slices(q_segments, k_segments, qo, ql, ko, kl))
         out[:, :, qo:qo + ql], lse[:, :, qo:qo + ql] = attention_ref.merge(
             out[:, :, qo:qo + ql], lse[:, :, qo:qo + ql], o.to(out.dtype), l.to(lse.dtype))
 
 
-def ring_forward(q, k, v, group, causal, scale, layout, backend):
-    """q [B, H, S, D], k/v [B, H_kv, S, D] contiguous -> out, lse in the accumulation dtype."""
+def _travelling(k, v, segments) -> tuple:
+    """What travels the ring with each block: K and V, and its segment ids when there are any."""
+    return (k, v) if segments is None else (k, v, segments)
+
+
+def ring_forward(q, k, v, group, causal, scale, layout, backend, segments=None):
+    """q [B, H, S, D], k/v [B, H_kv, S, D] contiguous, segments [B, S] or None -> out, lse in the
+    accumulation dtype."""
     ring, kern = Ring.of(group), _backend(backend)
     r, world = ring.rank, ring.world_size
     out, lse = _empty_result(q)
-    bufs = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(2)]  # never overwrite the caller's k/v
-    k_cur, v_cur = k, v
+    own = _travelling(k, v, segments)
+    bufs = [tuple(torch.empty_like(t) for t in own) for _ in range(2)]  # never overwrite the caller's k/v
+    cur = own
     for step in range(world):
         pending = None
         if step + 1 < world:
             nxt = bufs[step % 2]
-            pending = ring.exchange([k_cur, v_cur], r + 1, list(nxt), r - 1, tag=KV_TAG)
+            pending = ring.exchange(list(cur), r + 1, list(nxt), r - 1, tag=KV_TAG)
         with span(f"ok/ring_attention/step{step}/compute"), settled_on_error(pending):
-            kb, vb = _kv_for_step(k_cur, v_cur, k, v, step)
-            _attend_block(out, lse, q, kb, vb, kern, scale, layout, world, r, (r - step) % world, causal)
+            kb, vb = _kv_for_step(cur[0], cur[1], k, v, step)
+            _attend_block(out, lse, q, kb, vb, kern, scale, layout, world, r, (r - step) % world, causal, segments,
+                          cur[2] if segments is not None else None)
         if pending:
             with span(f"ok/ring_attention/step{step}/comm"):
                 wait_all(pending)
-            k_cur, v_cur = nxt
+            cur = nxt
     return out, lse
 
 
-def allgather_kv_forward(q, k, v, group, causal, scale, layout, backend, *, communicate=True):
-    """The unoverlapped baseline: all-gather K and V, then attend to every block. With
-    ``communicate=False`` it attends to the local block P times: the same compute, no traffic
+def allgather_kv_forward(q, k, v, group, causal, scale, layout, backend, *, communicate=True, segments=None):
+    """The unoverlapped baseline: all-gather K and V (and segment ids), then attend to every block.
+    With ``communicate=False`` it attends to the local block P times: the same compute, no traffic
     (T_compute of the overlap efficiency)."""
     ring, kern = Ring.of(group), _backend(backend)
     r, world = ring.rank, ring.world_size
+    own = _travelling(k, v, segments)
     if communicate:
         from ..comm.collectives import all_gather
 
-        k_all, _ = all_gather(k.unsqueeze(0), group)
-        v_all, _ = all_gather(v.unsqueeze(0), group)
+        gathered = [all_gather(t.unsqueeze(0), group)[0] for t in own]
     out, lse = _empty_result(q)
     for src in range(world):
-        kb, vb = (k_all[src], v_all[src]) if communicate else (k, v)
-        _attend_block(out, lse, q, kb, vb, kern, scale, layout, world, r, src, causal)
+        block = [t[src] for t in gathered] if communicate else own
+        _attend_block(out, lse, q, block[0], block[1], kern, scale, layout, world, r, src, causal, segments,
+                      block[2] if segments is not None else None)
     return out, lse
 
 
-def ring_backward(q, k, v, out, lse, dout, dlse, group, causal, scale, layout, backend):
+def ring_backward(q, k, v, segments, out, lse, dout, dlse, group, causal, scale, layout, backend):
     ring, kern = Ring.of(group), _backend(backend)
     r, world, length = ring.rank, ring.world_size, q.shape[2]
     acc = attention_ref.acc_dtype(q.dtype)
@@ -133,10 +152,11 @@ def ring_backward(q, k, v, out, lse, dout, dlse, group, causal, scale, layout, b
     if dlse is not None:  # d lse_i / d s_ij = p_ij: folds into delta
         delta = delta - dlse.to(acc)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv_bufs = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(2)]
+    own = _travelling(k, v, segments)
+    kv_bufs = [tuple(torch.empty_like(t) for t in own) for _ in range(2)]
     grad_bufs = [(torch.empty(k.shape, dtype=acc, device=k.device), torch.empty(v.shape, dtype=acc, device=v.device))
                  for _ in range(2)]
-    k_cur, v_cur = k, v
+    cur = own
     grad_inflight = None  # (pending works, the tensors they send)
     for step in range(world):
         kv_pending = None
@@ -144,10 +164,10 @@ def ring_backward(q, k, v, out, lse, dout, dlse, group, causal, scale, layout, b
         if step + 1 < world:
             nxt = kv_bufs[step % 2]
             with span(comm):
-                kv_pending = ring.exchange([k_cur, v_cur], r + 1, list(nxt), r - 1, tag=KV_TAG)
+                kv_pending = ring.exchange(list(cur), r + 1, list(nxt), r - 1, tag=KV_TAG)
         with span(f"ok/ring_attention/backward/step{step}/compute"), \
                 settled_on_error(kv_pending, grad_inflight[0] if grad_inflight else None):
-            kb, vb = _kv_for_step(k_cur, v_cur, k, v, step)
+            kb, vb = _kv_for_step(cur[0], cur[1], k, v, step)
             dk = torch.zeros(k.shape, dtype=acc, device=k.device)
             dv = torch.zeros(v.shape, dtype=acc, device=v.device)
             for (qo, qs, ql), (ko, ks, kl), masked in _block_pairs(layout, world, r, (r - step) % world, length,
@@ -155,7 +175,9 @@ def ring_backward(q, k, v, out, lse, dout, dlse, group, causal, scale, layout, b
                 dq_b, dk_b, dv_b = kern.block_backward(q[:, :, qo:qo + ql], kb[:, :, ko:ko + kl],
                                                        vb[:, :, ko:ko + kl], dout[:, :, qo:qo + ql],
                                                        lse[:, :, qo:qo + ql], delta[:, :, qo:qo + ql], scale,
-                                                       q_start=qs, k_start=ks, causal=masked)
+                                                       q_start=qs, k_start=ks, causal=masked,
+                                                       **_segment_slices(segments, cur[2] if segments is not None
+                                                                         else None, qo, ql, ko, kl))
                 dq[:, :, qo:qo + ql] += dq_b
                 dk[:, :, ko:ko + kl] += dk_b
                 dv[:, :, ko:ko + kl] += dv_b
@@ -175,7 +197,7 @@ def ring_backward(q, k, v, out, lse, dout, dlse, group, causal, scale, layout, b
         if kv_pending:
             with span(comm):
                 wait_all(kv_pending)
-            k_cur, v_cur = nxt
+            cur = nxt
     with span(f"ok/ring_attention/backward/step{world - 1}/comm"):
         wait_all(grad_inflight[0])
     dk_own, dv_own = grad_bufs[world % 2]
@@ -189,16 +211,17 @@ class RingAttention(torch.autograd.Function):
     |--------|----------------|---------------------------------|-------------------------------------------|
     | q      | [B, H, S, D]   | stays local                     | dQ accumulated locally (fp32)             |
     | k, v   | [B, H_kv, S, D]| travel the ring, P-1 hops       | dK/dV partial sums travel P hops to owner |
+    | segments | [B, S] int64 or None | travel with k, v        | travel with k, v (no gradient)            |
     | out    | [B, H, S, D]   | merged over blocks (fp32)       | delta = rowsum(dO * O)                    |
     | lse    | [B, H, S]      | fp32                            | its gradient folds into delta             |
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, layout, backend):
+    def forward(ctx, q, k, v, segments, group, causal, scale, layout, backend):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse = ring_forward(q, k, v, group, causal, scale, layout, backend)
+        out, lse = ring_forward(q, k, v, group, causal, scale, layout, backend, segments)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, segments, out, lse)
         ctx.args, ctx.device = (group, causal, scale, layout, backend), q.device
         ctx.set_materialize_grads(False)
         # fp32 whatever the inputs, as the API (and flash-attn's softmax_lse) promise: callers that
@@ -210,12 +233,12 @@ class RingAttention(torch.autograd.Function):
     @first_order_only("ring_attention")
     @backward_without_autocast
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, segments, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
         with span("ok/ring_attention/backward"):  # an op window for `profile report`, like the forward's
-            dq, dk, dv = ring_backward(q, k, v, out, lse, dout.contiguous(), dlse, *ctx.args)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+            dq, dk, dv = ring_backward(q, k, v, segments, out, lse, dout.contiguous(), dlse, *ctx.args)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def _to_bhsd(x, qkv_format):
@@ -256,6 +279,21 @@ def _validate(q, k, v, qkv_format, layout, softmax_scale):
         _check_scale(softmax_scale)
 
 
+def _check_segments(segment_ids, q, qkv_format):
+    """[B, S_local] integer ids laid out as q's sequence (shard_sequence(ids, group, dim=1, ...)),
+    whatever ``qkv_format``; on q's device. -> int64, contiguous: every rank sends the same dtype."""
+    check_tensor("segment_ids", segment_ids)
+    if segment_ids.dtype == torch.bool or segment_ids.is_floating_point() or segment_ids.is_complex():
+        raise TypeError(f"segment_ids.dtype={segment_ids.dtype}: expected an integer tensor (one id per token)")
+    seq, batch = (1, 0) if qkv_format == "bshd" else (0, 1)
+    if tuple(segment_ids.shape) != (q.shape[batch], q.shape[seq]):
+        raise ValueError(f"segment_ids.shape={tuple(segment_ids.shape)}: expected [B, S_local] = "
+                         f"{[q.shape[batch], q.shape[seq]]} (batch-first whatever qkv_format={qkv_format!r})")
+    if segment_ids.device != q.device:
+        raise ValueError(f"segment_ids is on {segment_ids.device} but q is on {q.device}")
+    return segment_ids.to(torch.int64).contiguous()
+
+
 def _check_scale(softmax_scale) -> float:
     """Any finite real (Python, numpy, or a one-element tensor) scales the scores, as SDPA's
     ``scale`` does; None is 1/sqrt(D). The kernels mask after scaling, so any sign is safe."""
@@ -272,36 +310,42 @@ def _check_scale(softmax_scale) -> float:
 
 @eager_under_compile  # takes a ProcessGroup: see _compat
 def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, layout="contiguous",
-                   qkv_format="bshd", return_lse=False):
+                   qkv_format="bshd", return_lse=False, segment_ids=None):
     """Attention of this rank's queries over the whole sequence spread across ``group``.
 
     q [B, S_local, H, D], k/v [B, S_local, H_kv, D] (``"sbhd"``: sequence first), each rank holding
     its part as ``shard_sequence(..., layout=layout)`` lays it out. Returns out like q, and with
     ``return_lse`` also the log-sum-exp [B, H, S_local] (-inf for rows that see no key) in fp32,
     whatever the input dtype (fp64 inputs compute it in fp64 and round only the returned copy).
+    ``segment_ids``: packed documents, an integer id per token [B, S_local] (batch first in either
+    format), sharded as q (``shard_sequence(ids, group, dim=1, layout=layout)``); a query then sees
+    only keys with its own id (and, if causal, at or before its position): a block-diagonal mask.
     """
     group = resolve_group(group)
     with same_call_on_every_rank(group, "ring_attention", getattr(q, "device", None)) as call:
         seq_dim = SEQ_DIM.get(qkv_format) if isinstance(qkv_format, str) else None  # None: _validate names it
         for name, t in (("q", q), ("k", k), ("v", v)):  # before autocast's copies, which carry no tag
             check_layout_tag(t, name, seq_dim, group, layout, "ring_attention")
+        if segment_ids is not None:
+            check_layout_tag(segment_ids, "segment_ids", 1, group, layout, "ring_attention")
         if isinstance(q, torch.Tensor):  # inside torch.autocast: its dtype, as SDPA would
             q, k, v = cast_operands(autocast_dtype(q.device), q, k, v)
         _validate(q, k, v, qkv_format, layout, softmax_scale)
+        segments = _check_segments(segment_ids, q, qkv_format) if segment_ids is not None else None
         for name, flag in (("causal", causal), ("return_lse", return_lse)):
             if not isinstance(flag, bool):  # causal="no" is truthy: it would silently mean causal
                 raise TypeError(f"{name}={flag!r}: expected a bool")
         # D = 0 (an empty result, as SDPA gives) must not divide by zero
         scale = _check_scale(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(max(q.shape[-1], 1))
         call.args = dict(q=q, k=k, v=v, causal=causal, softmax_scale=scale, layout=layout,
-                         qkv_format=qkv_format)
+                         qkv_format=qkv_format, segment_ids=segments)
         backend = default_backend(q)
         if backend == "triton":  # the kernels' own limits, before the ring exchanges anything
             _backend(backend).check_inputs(_to_bhsd(q, qkv_format).shape, _to_bhsd(k, qkv_format).shape, q.dtype,
                                            q.device)
     with span("ok/ring_attention"), autocast_off(q.device):  # the kernels keep fp32 softmax statistics
         out, lse = RingAttention.apply(_to_bhsd(q, qkv_format), _to_bhsd(k, qkv_format), _to_bhsd(v, qkv_format),
-                                       group, causal, scale, layout, backend)
+                                       segments, group, causal, scale, layout, backend)
     # laid out like q (callers .view() it to [B, S, H*D]), and always a copy of the tensor saved for
     # backward (contiguous() would alias it when H or S_local is 1), so in-place ops on it are safe
     out = tag_layout(_from_bhsd(out, qkv_format).clone(memory_format=torch.contiguous_format), seq_dim, group, layout)

@@ -2,7 +2,8 @@
 
 Same contract as ``kernels.attention_ref``: q [B, H, Lq, D], k/v [B, H_kv, Lk, D] (last dim
 contiguous), queries at positions q_start.., keys at k_start..; ``causal`` masks keys after the
-query. Query head h reads kv head h // (H / H_kv). Outputs are fp32 (the ring merges in fp32);
+query; segment ids (``q_segments`` [B, Lq], ``k_segments`` [B, Lk]) mask keys of other segments,
+and skip tiles whose id ranges do not meet. Query head h reads kv head h // (H / H_kv). Outputs are fp32 (the ring merges in fp32);
 rows that see no key give out = 0 and lse = -inf, never NaN (NaN inputs still give NaN, as in
 SDPA). Backward takes the *final* lse and
 delta = rowsum(dO * O), as ring attention recomputes every block against the merged result.
@@ -15,16 +16,15 @@ ring attention passes; a strided view whose sequence stride is H*D needs S*H*D <
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from ..interpreter import bf16_message, bf16_miscomputed
-from .tile_gemm import dot_precision, launch_device, shared_memory_per_block
+from .flash_configs import flash_configs
+from .tile_gemm import dot_precision, launch_device
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -32,11 +32,24 @@ GRID_AXIS_MAX = 65535  # CUDA's limit on a grid's y and z
 
 
 @triton.jit
-def _visible(offs_m, offs_n, Lq, Lk, q_start, k_start, CAUSAL: tl.constexpr):
+def _visible(offs_m, offs_n, Lq, Lk, q_start, k_start, seg_q, seg_k, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr):
     valid = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
     if CAUSAL:
         valid = valid & ((q_start + offs_m)[:, None] >= (k_start + offs_n)[None, :])
+    if SEGMENTS:
+        valid = valid & (seg_q[:, None] == seg_k[None, :])
     return valid
+
+
+@triton.jit
+def _segment_ids(seg_ptr, start, L, BLOCK: tl.constexpr):
+    """The segment ids of positions start .. start + BLOCK (those past L read as the first's) and
+    their range [lo, hi]: tiles whose ranges do not meet share no id, so they are skipped whole
+    (packed documents, ids in order: most tiles of a long sequence)."""
+    offs = start + tl.arange(0, BLOCK)
+    ids = tl.load(seg_ptr + offs, mask=offs < L, other=0)
+    ids = tl.where(offs < L, ids, tl.load(seg_ptr + start))  # (start < L: a tile's first position is in range)
+    return ids, tl.min(ids, 0), tl.max(ids, 0)
 
 
 @triton.jit
@@ -49,25 +62,48 @@ def _key_end(pid_m, Lk, q_start, k_start, CAUSAL: tl.constexpr, BLOCK_M: tl.cons
 
 
 @triton.jit
-def _unmasked_key_end(row0, Lk, q_start, k_start, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+def _unmasked_key_end(row0, Lk, q_start, k_start, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
     """Keys [0, end) come in whole BLOCK_N tiles that every row from ``row0`` on may see: those
-    tiles skip the mask (the usual flash split into unmasked and diagonal tiles)."""
+    tiles skip the mask (the usual flash split into unmasked and diagonal tiles). With segment ids
+    every tile is masked."""
     end = Lk
     if CAUSAL:  # key k is visible to every row iff k_start + k <= q_start + row0
         end = tl.minimum(Lk, tl.maximum(q_start + row0 - k_start + 1, 0))
+    if SEGMENTS:
+        end = 0
     return end // BLOCK_N * BLOCK_N
 
 
 @triton.jit
 def _fwd_step(acc, m_i, l_i, q, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start, k_start, sk_s,
-              scale_log2, CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
-    """One key tile of the online softmax. Unmasked tiles need no -inf guards: every score is finite."""
+              scale_log2, seg_q, q_lo, q_hi, sgk_ptr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+              SEGMENTS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key tile of the online softmax; with segment ids, none if its ids cannot meet the rows'."""
+    if SEGMENTS:
+        seg_k, k_lo, k_hi = _segment_ids(sgk_ptr, n0, Lk, BLOCK_N)
+        if (k_lo <= q_hi) & (k_hi >= q_lo):
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk,
+                                      q_start, k_start, sk_s, scale_log2, seg_q, seg_k, CAUSAL, True, True, BLOCK_N,
+                                      DOT_PRECISION)
+    else:
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk,
+                                  q_start, k_start, sk_s, scale_log2, seg_q, seg_q, CAUSAL, MASKED, False, BLOCK_N,
+                                  DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fwd_tile(acc, m_i, l_i, q, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start, k_start, sk_s,
+              scale_log2, seg_q, seg_k, CAUSAL: tl.constexpr, MASKED: tl.constexpr, SEGMENTS: tl.constexpr,
+              BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Unmasked tiles need no -inf guards: every score is finite."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     k, v = _load_kv_tile(k_ptr, v_ptr, kv_base, offs_n, offs_d, d_mask, Lk, sk_s)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
-        s = tl.where(_visible(offs_m, offs_n, Lq, Lk, q_start, k_start, CAUSAL), s, float("-inf"))
+        s = tl.where(_visible(offs_m, offs_n, Lq, Lk, q_start, k_start, seg_q, seg_k, CAUSAL, SEGMENTS), s,
+                     float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = m_new
     if MASKED:
@@ -88,11 +124,11 @@ def _load_kv_tile(k_ptr, v_ptr, kv_base, offs_n, offs_d, d_mask, Lk, sk_s):
 
 
 @triton.jit
-def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
-                      sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, so_b, so_h, so_s, sl_b, sl_h,
+def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, sgq_ptr, sgk_ptr,
+                      sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, so_b, so_h, so_s, sl_b, sl_h, sgq_b, sgk_b,
                       GROUP, Lq, Lk, D, q_start, k_start, scale_log2,
-                      CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
+                      CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m, h, b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)  # (docstring)
     hk = h // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -100,17 +136,24 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     d_mask = offs_d < D
     q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_s + offs_d[None, :],
                 mask=(offs_m[:, None] < Lq) & d_mask[None, :], other=0.0)
+    if SEGMENTS:
+        seg_q, q_lo, q_hi = _segment_ids(sgq_ptr + b * sgq_b, pid_m * BLOCK_M, Lq, BLOCK_M)
+    else:  # (placeholders nothing reads)
+        seg_q, q_lo, q_hi = offs_m, 0, 0
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     kv_base = b * sk_b + hk * sk_h
-    mid = _unmasked_key_end(pid_m * BLOCK_M, Lk, q_start, k_start, CAUSAL, BLOCK_N)
+    sgk_row = sgk_ptr + b * sgk_b
+    mid = _unmasked_key_end(pid_m * BLOCK_M, Lk, q_start, k_start, CAUSAL, SEGMENTS, BLOCK_N)
     for n0 in range(0, mid, BLOCK_N):
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start,
-                                  k_start, sk_s, scale_log2, CAUSAL, False, BLOCK_N, DOT_PRECISION)
+                                  k_start, sk_s, scale_log2, seg_q, q_lo, q_hi, sgk_row, CAUSAL, False, SEGMENTS,
+                                  BLOCK_N, DOT_PRECISION)
     for n0 in range(mid, _key_end(pid_m, Lk, q_start, k_start, CAUSAL, BLOCK_M), BLOCK_N):
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start,
-                                  k_start, sk_s, scale_log2, CAUSAL, True, BLOCK_N, DOT_PRECISION)
+                                  k_start, sk_s, scale_log2, seg_q, q_lo, q_hi, sgk_row, CAUSAL, True, SEGMENTS,
+                                  BLOCK_N, DOT_PRECISION)
     # a row that saw no key sums exactly 0; a NaN sum (NaN or inf inputs) is not "nothing seen": it
     # propagates to out and lse, as in SDPA
     seen = l_i != 0
@@ -122,15 +165,16 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
 
 
 @triton.jit
-def _probs(q, k, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, CAUSAL: tl.constexpr,
-           DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr = True):
+def _probs(q, k, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, seg_q, seg_k, CAUSAL: tl.constexpr,
+           SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr = True):
     """P = exp(scale q k^T - lse) of one tile, 0 where masked or where the row saw nothing. An
     unmasked tile is one every row sees, so each row's lse is finite (rows past Lq load lse = +inf:
     P = 0 there)."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     lse2 = lse * 1.4426950408889634
     if MASKED:
-        keep = _visible(offs_m, offs_n, Lq, Lk, q_start, k_start, CAUSAL) & (lse2 != float("-inf"))[:, None]
+        keep = _visible(offs_m, offs_n, Lq, Lk, q_start, k_start, seg_q, seg_k, CAUSAL, SEGMENTS) \
+            & (lse2 != float("-inf"))[:, None]
         p = tl.where(keep, tl.exp2(s - tl.where(keep, lse2[:, None], 0.0)), 0.0)
     else:
         p = tl.exp2(s - lse2[:, None])
@@ -138,8 +182,8 @@ def _probs(q, k, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, CAUS
 
 
 @triton.jit
-def _probs_t(k, q_t, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, CAUSAL: tl.constexpr,
-             DOT_PRECISION: tl.constexpr):
+def _probs_t(k, q_t, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, seg_q, seg_k, CAUSAL: tl.constexpr,
+             SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """P^T [BLOCK_N, BLOCK_M] of one tile, computed as k @ q^T: ``_probs`` transposed, with the same
     zeros (masked, rows that saw nothing, rows past Lq: their lse loads as -inf)."""
     s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * scale_log2
@@ -147,14 +191,37 @@ def _probs_t(k, q_t, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, 
     keep = (offs_n[:, None] < Lk) & (offs_m[None, :] < Lq) & (lse2 != float("-inf"))[None, :]
     if CAUSAL:
         keep = keep & ((q_start + offs_m)[None, :] >= (k_start + offs_n)[:, None])
+    if SEGMENTS:
+        keep = keep & (seg_k[:, None] == seg_q[None, :])
     return tl.where(keep, tl.exp2(s_t - tl.where(keep, lse2[None, :], 0.0)), 0.0)
 
 
 @triton.jit
-def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-                           sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sl_b, sl_h, sdk_b, sdk_h, sdk_s,
+def _dkdv_tile(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, q_base, l_base, m0, offs_n, offs_d, d_mask, Lq, Lk,
+               q_start, k_start, sq_s, scale_log2, seg_q, seg_k, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr,
+               BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """What the queries m0 .. m0 + BLOCK_M of one head add to this program's dK and dV."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    q_t = tl.load(q_ptr + q_base + offs_m[None, :] * sq_s + offs_d[:, None],
+                  mask=(offs_m[None, :] < Lq) & d_mask[:, None], other=0.0)
+    do = tl.load(do_ptr + q_base + offs_m[:, None] * sq_s + offs_d[None, :],
+                 mask=(offs_m[:, None] < Lq) & d_mask[None, :], other=0.0)
+    lse = tl.load(lse_ptr + l_base + offs_m, mask=offs_m < Lq, other=float("-inf"))
+    delta = tl.load(delta_ptr + l_base + offs_m, mask=offs_m < Lq, other=0.0)
+    p_t = _probs_t(k, q_t, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, seg_q, seg_k, CAUSAL, SEGMENTS,
+                   DOT_PRECISION)
+    dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, sgq_ptr, sgk_ptr,
+                           sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sl_b, sl_h, sdk_b, sdk_h, sdk_s, sgq_b, sgk_b,
                            GROUP, Lq, Lk, D, q_start, k_start, scale, scale_log2,
-                           CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """A program owns BLOCK_N keys and walks the queries. It works on transposed tiles (S^T = K Q^T,
     Q loaded as [D, BLOCK_M]), so every operand of a dot is a loaded tile or an accumulator in its
@@ -169,6 +236,10 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_p
     d_mask = offs_d < D
     kv_mask = (offs_n[:, None] < Lk) & d_mask[None, :]
     k, v = _load_kv_tile(k_ptr, v_ptr, b * sk_b + hk * sk_h, offs_n, offs_d, d_mask, Lk, sk_s)
+    if SEGMENTS:
+        seg_k, k_lo, k_hi = _segment_ids(sgk_ptr + b * sgk_b, pid_n * BLOCK_N, Lk, BLOCK_N)
+    else:  # (placeholders nothing reads)
+        seg_k, k_lo, k_hi = offs_n, 0, 0
     dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     lo = 0
@@ -176,20 +247,18 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_p
         lo = tl.maximum(k_start + pid_n * BLOCK_N - q_start, 0) // BLOCK_M * BLOCK_M
     for g in range(0, GROUP):  # every query head that reads this kv head (GQA)
         h = hk * GROUP + g
-        q_base = b * sq_b + h * sq_h
+        q_base, l_base = b * sq_b + h * sq_h, b * sl_b + h * sl_h
         for m0 in range(lo, Lq, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            q_t = tl.load(q_ptr + q_base + offs_m[None, :] * sq_s + offs_d[:, None],
-                          mask=(offs_m[None, :] < Lq) & d_mask[:, None], other=0.0)
-            do = tl.load(do_ptr + q_base + offs_m[:, None] * sq_s + offs_d[None, :],
-                         mask=(offs_m[:, None] < Lq) & d_mask[None, :], other=0.0)
-            lse = tl.load(lse_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=float("-inf"))
-            delta = tl.load(delta_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=0.0)
-            p_t = _probs_t(k, q_t, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, CAUSAL, DOT_PRECISION)
-            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
+            if SEGMENTS:  # query tiles whose ids cannot meet these keys' add nothing: skipped
+                seg_q, q_lo, q_hi = _segment_ids(sgq_ptr + b * sgq_b, m0, Lq, BLOCK_M)
+                if (q_lo <= k_hi) & (q_hi >= k_lo):
+                    dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, q_base, l_base, m0, offs_n,
+                                        offs_d, d_mask, Lq, Lk, q_start, k_start, sq_s, scale_log2, seg_q, seg_k,
+                                        CAUSAL, True, BLOCK_M, DOT_PRECISION)
+            else:
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, q_base, l_base, m0, offs_n,
+                                    offs_d, d_mask, Lq, Lk, q_start, k_start, sq_s, scale_log2, seg_k, seg_k, CAUSAL,
+                                    False, BLOCK_M, DOT_PRECISION)
     out_base = b * sdk_b + hk * sdk_h
     out_off = offs_n[:, None] * sdk_s + offs_d[None, :]
     tl.store(dk_ptr + out_base + out_off, dk * scale, mask=kv_mask)
@@ -198,21 +267,38 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_p
 
 @triton.jit
 def _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start, k_start, sk_s,
-             scale_log2, CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
-             DOT_PRECISION: tl.constexpr):
+             scale_log2, seg_q, q_lo, q_hi, sgk_ptr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+             SEGMENTS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key tile's part of dQ; with segment ids, none if its ids cannot meet the rows'."""
+    if SEGMENTS:
+        seg_k, k_lo, k_hi = _segment_ids(sgk_ptr, n0, Lk, BLOCK_N)
+        if (k_lo <= q_hi) & (k_hi >= q_lo):
+            dq = _dq_tile(dq, q, do, lse, delta, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start,
+                          k_start, sk_s, scale_log2, seg_q, seg_k, CAUSAL, True, True, BLOCK_N, DOT_PRECISION)
+    else:
+        dq = _dq_tile(dq, q, do, lse, delta, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start,
+                      k_start, sk_s, scale_log2, seg_q, seg_q, CAUSAL, MASKED, False, BLOCK_N, DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _dq_tile(dq, q, do, lse, delta, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start, k_start, sk_s,
+             scale_log2, seg_q, seg_k, CAUSAL: tl.constexpr, MASKED: tl.constexpr, SEGMENTS: tl.constexpr,
+             BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     k, v = _load_kv_tile(k_ptr, v_ptr, kv_base, offs_n, offs_d, d_mask, Lk, sk_s)
-    p = _probs(q, k, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, CAUSAL, DOT_PRECISION, MASKED)
+    p = _probs(q, k, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, seg_q, seg_k, CAUSAL, SEGMENTS,
+               DOT_PRECISION, MASKED)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
 
 
 @triton.jit
-def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
-                         sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sl_b, sl_h, sdq_b, sdq_h, sdq_s,
+def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, sgq_ptr, sgk_ptr,
+                         sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sl_b, sl_h, sdq_b, sdq_h, sdq_s, sgq_b, sgk_b,
                          GROUP, Lq, Lk, D, q_start, k_start, scale, scale_log2,
-                         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m, h, b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)  # (docstring)
     hk = h // GROUP
@@ -226,15 +312,20 @@ def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr
     do = tl.load(do_ptr + q_base + q_off, mask=q_mask, other=0.0)
     lse = tl.load(lse_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=float("inf"))
     delta = tl.load(delta_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=0.0)
+    if SEGMENTS:
+        seg_q, q_lo, q_hi = _segment_ids(sgq_ptr + b * sgq_b, pid_m * BLOCK_M, Lq, BLOCK_M)
+    else:  # (placeholders nothing reads)
+        seg_q, q_lo, q_hi = offs_m, 0, 0
     dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     kv_base = b * sk_b + hk * sk_h
-    mid = _unmasked_key_end(pid_m * BLOCK_M, Lk, q_start, k_start, CAUSAL, BLOCK_N)
+    sgk_row = sgk_ptr + b * sgk_b
+    mid = _unmasked_key_end(pid_m * BLOCK_M, Lk, q_start, k_start, CAUSAL, SEGMENTS, BLOCK_N)
     for n0 in range(0, mid, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start, k_start,
-                      sk_s, scale_log2, CAUSAL, False, BLOCK_N, DOT_PRECISION)
+                      sk_s, scale_log2, seg_q, q_lo, q_hi, sgk_row, CAUSAL, False, SEGMENTS, BLOCK_N, DOT_PRECISION)
     for n0 in range(mid, _key_end(pid_m, Lk, q_start, k_start, CAUSAL, BLOCK_M), BLOCK_N):
         dq = _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start, k_start,
-                      sk_s, scale_log2, CAUSAL, True, BLOCK_N, DOT_PRECISION)
+                      sk_s, scale_log2, seg_q, q_lo, q_hi, sgk_row, CAUSAL, True, SEGMENTS, BLOCK_N, DOT_PRECISION)
     tl.store(dq_ptr + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_s + offs_d[None, :], dq * scale, mask=q_mask)
 
 
@@ -275,112 +366,6 @@ def _check_sizes(name: str, shape: tuple, strides: tuple) -> None:
                          "[B, H, S, D] blocks")
 
 
-@dataclass(frozen=True)
-class FlashConfig:
-    """Tile shape and launch options of one flash kernel: BLOCK_M query rows x BLOCK_N keys."""
-    block_m: int
-    block_n: int
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __str__(self) -> str:  # how benchmarks and the compile report name it
-        return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}"
-
-    def meta(self) -> dict:
-        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages)
-
-
-@dataclass(frozen=True)
-class FlashConfigs:
-    fwd: FlashConfig
-    dkdv: FlashConfig  # a program owns BLOCK_N keys and walks the queries BLOCK_M at a time
-    dq: FlashConfig
-
-
-def _same(cfg: FlashConfig) -> FlashConfigs:
-    return FlashConfigs(cfg, cfg, cfg)
-
-
-# The interpreter is slow: small tiles. GPU configs come from compiling candidates for sm_90 with
-# triton 3.6 and 3.9 (scripts/compile_kernels_sm90.py: shared memory, wgmma, ptxas spills); the
-# 16-bit D=128 ones (the benchmark's shape) are also timed: on an H200 (triton 3.6, B1 S8192 H32,
-# benchmarks/results/h200_2026-11-30.md) the forward's 128x64 w8 s3 beat the other three
-# tiles swept, and dK/dV's 64x128 w8 s2 took 7.5 ms (s3: 7.3 ms, 161 KB of shared memory) where
-# 32x64 w8 s3 took 17.2 ms. D=64 and D=256 are not timed yet. The dK/dV kernel keeps two fp32
-# [BLOCK_N, D] accumulators, so it spills first. Its transposed form (2026-11-30): 64x128 w8 at
-# D=128 uses all 255 registers and spills 40-52 B per thread under triton 3.6 (12-28 B under 3.9),
-# and was still the fastest; 32x128 at D=64 spills none; 16x64 at D=256 none (3.6) or 4 B (3.9,
-# causal). The figures that follow were taken on the earlier form: at D=128 a 64x64 tile with 4 warps
-# spilled ~300 B per thread, 32x64 with 8 warps none; at D=256 64x32 with 4 warps (the small-memory
-# tile) spills ~100 B and 16x64 with 8 warps none (the only wgmma tile found without spills; 32x64
-# with 8 warps needs 1 stage), and dQ's 64x32 spills up to 12 B with 4 warps under triton 3.6, none
-# with 8. fp32 (IEEE: FMA, no tensor cores; tests and fp32 users) spilled 13-45 KB per thread in dK/dV
-# at 64x64 / 32x32 with 4 warps; with 8 warps 32x32 spills none at D=64, 16x16 none at D=128
-# (32x32: ~0.6 KB) and ~0.4 KB at D=256 (16x16 with 4 warps: ~2.3 KB); dQ at D=128 16x64 (84 KB; 32x64
-# took 104 KB, over what ~100 KB GPUs have; with TF32 on 16x64 takes 112 KB there: CUDA_FLASH_FP32_SMALL).
-INTERPRETER_FLASH = _same(FlashConfig(16, 16))
-CUDA_FLASH_16BIT = {64: FlashConfigs(fwd=FlashConfig(128, 64, 8, 3), dkdv=FlashConfig(32, 128, 8, 2),
-                                     dq=FlashConfig(128, 64, 8, 3)),
-                    128: FlashConfigs(fwd=FlashConfig(128, 64, 8, 3), dkdv=FlashConfig(64, 128, 8, 2),
-                                      dq=FlashConfig(128, 64, 8, 3)),
-                    256: FlashConfigs(fwd=FlashConfig(64, 32, 4, 2), dkdv=FlashConfig(16, 64, 8, 2),
-                                      dq=FlashConfig(64, 32, 8, 2))}
-CUDA_FLASH_FP32 = {64: FlashConfigs(fwd=FlashConfig(32, 64, 8, 2), dkdv=FlashConfig(32, 32, 8, 2),
-                                    dq=FlashConfig(32, 64, 8, 2)),
-                   128: FlashConfigs(fwd=FlashConfig(32, 64, 8, 2), dkdv=FlashConfig(16, 16, 8, 2),
-                                     dq=FlashConfig(16, 64, 8, 2)),
-                   256: FlashConfigs(fwd=FlashConfig(16, 16, 4, 2), dkdv=FlashConfig(16, 16, 8, 2),
-                                     dq=FlashConfig(16, 16, 4, 2))}
-# fp32 on GPUs with ~100 KB of shared memory per block (sm_86/89): with TF32 allowed the kernels use
-# mma, and dQ's 16x64 at D=128 then takes 112 KB in 2 stages (IEEE: 84 KB); in one stage 80 KB, no
-# spills (compiled for sm_86, triton 3.9; checked by hand: compile_kernels_sm90.py compiles for sm_90
-# only). The other fp32 tiles up to D=256 fit there with TF32 too (D=512 does not: a test path).
-CUDA_FLASH_FP32_SMALL = {**CUDA_FLASH_FP32,
-                         128: FlashConfigs(fwd=CUDA_FLASH_FP32[128].fwd, dkdv=CUDA_FLASH_FP32[128].dkdv,
-                                           dq=FlashConfig(16, 64, 8, 1))}
-# 16-bit on GPUs with ~100 KB of shared memory per block (sm_86/89; compiled for sm_86): at D=256
-# 64x32 needs 100 KB in dK/dV and dQ, over the 99 KB such a GPU has.
-CUDA_FLASH_SMALL = {128: _same(FlashConfig(64, 32, 4, 2)),
-                    256: FlashConfigs(fwd=FlashConfig(64, 32, 4, 2), dkdv=FlashConfig(16, 32, 4, 2),
-                                      dq=FlashConfig(32, 32, 4, 2))}
-# D > 256, any dtype: 64x32 needs 256 KB in bf16 dQ at D=512 (over sm_90's 227 KB) and spills KBs;
-# these take <= 65 KB in 16-bit and spill none in bf16 at D=512. fp32 at D=512 takes 129 KB (too much
-# for ~100 KB GPUs) and dK/dV spills 2-8 KB: a test path only.
-CUDA_FLASH_WIDE = FlashConfigs(fwd=FlashConfig(16, 16, 4, 2), dkdv=FlashConfig(16, 16, 8, 2), dq=FlashConfig(16, 16, 4, 2))
-
-
-def _for_head_dim(table: dict, head_dim: int) -> FlashConfigs:
-    """The entry of the smallest listed head dim >= ``head_dim``; the wide tiles past the last."""
-    fits = [d for d in table if d >= head_dim]
-    return table[min(fits)] if fits else CUDA_FLASH_WIDE
-
-
-_forced: FlashConfigs | None = None
-
-
-@contextlib.contextmanager
-def forced_flash_configs(configs: FlashConfigs):
-    """Every flash kernel launched inside uses ``configs`` (benchmark sweeps, tile-shape tests)."""
-    global _forced
-    previous, _forced = _forced, configs
-    try:
-        yield configs
-    finally:
-        _forced = previous
-
-
-def flash_configs(device: torch.device, dtype: torch.dtype, head_dim: int) -> FlashConfigs:
-    """``head_dim``: the padded (power of two, >= 16) head dimension the kernels see."""
-    if _forced is not None:
-        return _forced
-    if device.type != "cuda":
-        return INTERPRETER_FLASH
-    small = shared_memory_per_block(device) < 160 * 1024
-    if dtype == torch.float32:
-        return _for_head_dim(CUDA_FLASH_FP32_SMALL if small else CUDA_FLASH_FP32, head_dim)
-    return _for_head_dim(CUDA_FLASH_SMALL if small else CUDA_FLASH_16BIT, head_dim)
-
-
 def _same_layout(k, v):
     """The kernels read v with k's strides: give both the same (the ring passes them alike; a caller
     may not, and a v laid out otherwise would be read wrongly, silently)."""
@@ -391,10 +376,28 @@ def _head_dim(q) -> int:
     return max(16, triton.next_power_of_2(q.shape[-1]))
 
 
-def block_forward(q, k, v, scale: float, *, q_start: int = 0, k_start: int = 0, causal: bool = False):
-    """-> out [B, H, Lq, D] fp32, lse [B, H, Lq] fp32."""
+def _segment_args(q, k, q_segments, k_segments) -> tuple:
+    """(SEGMENTS, the two id tensors, their batch strides) of a launch: the ids with a unit position
+    stride; without ids, q twice (pointers nothing reads)."""
+    if q_segments is None and k_segments is None:
+        return False, q, q, 0, 0
+    for name, ids, t in (("q_segments", q_segments, q), ("k_segments", k_segments, k)):
+        if ids is None or ids.dtype.is_floating_point or ids.dtype == torch.bool or \
+                tuple(ids.shape) != (t.shape[0], t.shape[2]):
+            raise ValueError(f"flash attention (Triton): {name} must be integer ids [B, L] = "
+                             f"{[t.shape[0], t.shape[2]]} (both or neither given), got "
+                             f"{None if ids is None else (ids.dtype, tuple(ids.shape))}")
+    q_segments, k_segments = (ids if ids.stride(-1) == 1 else ids.contiguous() for ids in (q_segments, k_segments))
+    return True, q_segments, k_segments, q_segments.stride(0), k_segments.stride(0)
+
+
+def block_forward(q, k, v, scale: float, *, q_start: int = 0, k_start: int = 0, causal: bool = False,
+                  q_segments=None, k_segments=None):
+    """-> out [B, H, Lq, D] fp32, lse [B, H, Lq] fp32. ``q_segments`` [B, Lq] / ``k_segments`` [B, Lk]:
+    integer segment ids; a query sees only keys of its own segment."""
     _check(q, k, v)
     k, v = _same_layout(k, v)
+    segments, sgq, sgk, sgq_b, sgk_b = _segment_args(q, k, q_segments, k_segments)
     b, h, lq, d = q.shape
     out = torch.empty(b, h, lq, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
@@ -402,19 +405,20 @@ def block_forward(q, k, v, scale: float, *, q_start: int = 0, k_start: int = 0, 
     cfg = flash_configs(q.device, q.dtype, head_dim).fwd
     grid = (triton.cdiv(lq, cfg.block_m), h, b)  # query tiles fastest: a head's K/V stay in L2
     with launch_device(q.device):
-        _flash_fwd_kernel[grid](q, k, v, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-                                k.stride(2), out.stride(0), out.stride(1), out.stride(2), lse.stride(0),
-                                lse.stride(1), h // k.shape[1], lq, k.shape[2], d, q_start, k_start,
-                                scale * LOG2E, CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype),
-                                **cfg.meta())
+        _flash_fwd_kernel[grid](q, k, v, out, lse, sgq, sgk, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
+                                k.stride(1), k.stride(2), out.stride(0), out.stride(1), out.stride(2), lse.stride(0),
+                                lse.stride(1), sgq_b, sgk_b, h // k.shape[1], lq, k.shape[2], d, q_start, k_start,
+                                scale * LOG2E, CAUSAL=causal, SEGMENTS=segments, HEAD_DIM=head_dim,
+                                DOT_PRECISION=dot_precision(q.dtype), **cfg.meta())
     return out, lse
 
 
 def block_backward(q, k, v, dout, lse, delta, scale: float, *, q_start: int = 0, k_start: int = 0,
-                   causal: bool = False):
+                   causal: bool = False, q_segments=None, k_segments=None):
     """-> dq [B, H, Lq, D], dk, dv [B, H_kv, Lk, D], fp32."""
     _check(q, k, v)
     k, v = _same_layout(k, v)
+    segments, sgq, sgk, sgq_b, sgk_b = _segment_args(q, k, q_segments, k_segments)
     b, h, lq, d = q.shape
     h_kv, lk = k.shape[1], k.shape[2]
     dout = dout.to(q.dtype)
@@ -427,14 +431,14 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, *, q_start: int = 0,
     dv = torch.empty_like(dk)
     head_dim = _head_dim(q)
     cfgs = flash_configs(q.device, q.dtype, head_dim)
-    fixed = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype))
+    fixed = dict(CAUSAL=causal, SEGMENTS=segments, HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype))
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), lse.stride(0),
               lse.stride(1))
     with launch_device(q.device):
         _flash_bwd_dkdv_kernel[(triton.cdiv(lk, cfgs.dkdv.block_n), h_kv, b)](
-            q, k, v, dout, lse, delta, dk, dv, *common, dk.stride(0), dk.stride(1), dk.stride(2),
-            h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E, **fixed, **cfgs.dkdv.meta())
+            q, k, v, dout, lse, delta, dk, dv, sgq, sgk, *common, dk.stride(0), dk.stride(1), dk.stride(2), sgq_b,
+            sgk_b, h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E, **fixed, **cfgs.dkdv.meta())
         _flash_bwd_dq_kernel[(triton.cdiv(lq, cfgs.dq.block_m), h, b)](
-            q, k, v, dout, lse, delta, dq, *common, dq.stride(0), dq.stride(1), dq.stride(2),
-            h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E, **fixed, **cfgs.dq.meta())
+            q, k, v, dout, lse, delta, dq, sgq, sgk, *common, dq.stride(0), dq.stride(1), dq.stride(2), sgq_b,
+            sgk_b, h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E, **fixed, **cfgs.dq.meta())
     return dq, dk, dv
