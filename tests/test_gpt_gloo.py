@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import overlapkernels as ok
+from comm_guard import no_communication
 from overlapkernels.layers import ParallelSelfAttention
 from overlapkernels.models import GPT, GPTConfig, gather_dense_state_dict, shard_dense_state_dict
 
@@ -16,16 +17,18 @@ CONFIG = dict(vocab_size=32, hidden=16, num_layers=2, num_heads=4, num_kv_heads=
 
 
 def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2, compiled=False, clip=None,
-                 planted_missing_sync=False):
+                 planted_missing_sync=False, documents=False):
+    """``documents``: rows packing documents (segment_ids) that cross the CP ranks' parts."""
     config = GPTConfig(**{**CONFIG, "num_kv_heads": kv_heads}, sequence_parallel=sequence_parallel, method=method)
     g = torch.Generator().manual_seed(42)
     tokens = torch.randint(0, CONFIG["vocab_size"], (2, 8), generator=g)
     targets = torch.randint(0, CONFIG["vocab_size"], (2, 8), generator=g)
     targets[1, 3] = -100  # an ignored position
+    ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2], [5, 3, 3, 3, 3, 3, 3, 3]]) if documents else None
 
     torch.manual_seed(0)
     dense = GPT(config, ok.init_parallel(), dtype=torch.float64)
-    dense_loss = dense.loss(tokens, targets)
+    dense_loss = dense.loss(tokens, targets, ids)
     dense_loss.backward()
     if clip is not None:  # (max_norm, norm_type): clipped in place, so dense_grads below are the clipped ones
         dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), *clip)
@@ -40,7 +43,7 @@ def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2, compiled=
     # (dynamo went on to trace the frames backward() reaches); aot_eager: dynamo + autograd without
     # inductor's C++ build
     def step(tokens, targets):
-        loss = model.loss(tokens, targets)
+        loss = model.loss(tokens, targets, ids)
         loss.backward()
         return loss
 
@@ -62,7 +65,7 @@ def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2, compiled=
             p.zero_()
     exported = gather_dense_state_dict(model)
     again.load_state_dict(exported, strict=True)
-    assert torch.equal(again.loss(tokens, targets), dense_loss.detach())
+    assert torch.equal(again.loss(tokens, targets, ids), dense_loss.detach())
     # a snapshot: training on does not change it (unsplit tensors, norms and biases, are copies too)
     before = {k: v.clone() for k, v in exported.items() if torch.is_tensor(v)}
     with torch.no_grad():
@@ -82,6 +85,42 @@ def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2, compiled=
 def test_gpt_matches_dense(rank_pool, layout_kwargs, sequence_parallel, method, kv_heads, compiled):
     losses = rank_pool(4).run(_gpt_on_rank, layout_kwargs, sequence_parallel, method, kv_heads, compiled)
     assert len(set(losses)) == 1  # every rank reports the same global loss
+
+
+@pytest.mark.parametrize("layout_kwargs, sequence_parallel", [
+    (dict(cp=2), False), (dict(tp=2, cp=2), True), (dict(tp=2), True), (dict(cp=4), True)])
+def test_gpt_with_packed_documents_matches_dense(rank_pool, layout_kwargs, sequence_parallel):
+    """segment_ids through the GPT: ring attention's document mask under CP, SDPA's without CP."""
+    losses = rank_pool(4).run(_gpt_on_rank, layout_kwargs, sequence_parallel, "auto", 2, False, None, False, True)
+    assert len(set(losses)) == 1
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_packed_row_trains_as_its_documents_apart():
+    """With segment ids, a row packing documents of 3 and 5 tokens gives the loss and gradients of the
+    two run apart (RoPE's scores depend on distances only, so positions 3.. act as 0..); without ids
+    the second document attends to the first and the loss moves."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CONFIG), ok.init_parallel(), dtype=torch.float64)
+    g = torch.Generator().manual_seed(7)
+    tokens, targets = (torch.randint(0, CONFIG["vocab_size"], (1, 8), generator=g) for _ in range(2))
+    packed = model.loss(tokens, targets, torch.tensor([[4, 4, 4, 9, 9, 9, 9, 9]]))
+    packed.backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    apart = (3 * model.loss(tokens[:, :3], targets[:, :3]) + 5 * model.loss(tokens[:, 3:], targets[:, 3:])) / 8
+    apart.backward()
+    torch.testing.assert_close(packed, apart, atol=1e-12, rtol=1e-12)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(packed_grads[name], p.grad, atol=1e-12, rtol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+    with torch.no_grad():
+        assert abs(float(model.loss(tokens, targets)) - float(packed)) > 1e-3
+    # the ids reach blocks that recompute their forward in backward too
+    recomputed = GPT(GPTConfig(**CONFIG, activation_checkpointing=True), ok.init_parallel(), dtype=torch.float64)
+    recomputed.load_state_dict(model.state_dict())
+    recomputed.loss(tokens, targets, torch.tensor([[4, 4, 4, 9, 9, 9, 9, 9]])).backward()
+    for name, p in recomputed.named_parameters():
+        torch.testing.assert_close(p.grad, packed_grads[name], atol=1e-12, rtol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("layout_kwargs, sequence_parallel, clip", [
@@ -153,6 +192,15 @@ def _bad_seq_on_rank():
         model.loss(ids[0], ids[0])
     with pytest.raises(ValueError, match=r"^sequence length 18 > max_seq_len=16$"):  # (nor divisible by 4)
         model.loss(torch.zeros(1, 18, dtype=torch.long), torch.zeros(1, 18, dtype=torch.long))
+    # segment ids: a [B, S] like the tokens, integers, sized to what the layer attends over
+    with pytest.raises(ValueError, match=r"^segment_ids shape \(1, 4\) must equal tokens shape \(1, 8\) \(\[B, S\]\)$"):
+        model.loss(ids, ids, ids[:, :4])
+    with no_communication():
+        with pytest.raises(ValueError, match=r"ParallelSelfAttention: segment_ids.shape=\(1, 2\), expected \[B, S_local\] "
+                                             r"= \[1, 4\] \(x is \[S, B, hidden\]\)"):
+            attn(torch.ones(4, 1, 16, dtype=torch.float64), torch.zeros(1, 2, dtype=torch.long))
+        with pytest.raises(TypeError, match=r"segment_ids.dtype=torch.float32: expected integer ids"):
+            attn(torch.ones(4, 1, 16, dtype=torch.float64), torch.zeros(1, 4))
     for bad in (0, True, 2.0):
         try:
             GPTConfig(**{**CONFIG, "num_heads": bad})

@@ -32,7 +32,9 @@ class ParallelSelfAttention(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn
     """Causal self-attention. QKV is column-parallel with one shared gather (H/P query heads and
     H_kv/P key/value heads per rank), the output projection row-parallel. With ``cp_group`` the
     sequence is also split over context-parallel ranks (laid out as ``cp_layout``) and attention
-    runs as ``ring_attention``; RoPE uses global positions either way."""
+    runs as ``ring_attention``; RoPE uses global positions either way. ``segment_ids`` (forward):
+    packed documents, attention within each (RoPE's positions stay those of the packed row: its
+    scores depend on distances only, so a document attends as it would alone)."""
 
     def __init__(self, hidden, num_heads, num_kv_heads=None, group=None, *, cp_group=None, cp_layout="zigzag",
                  sequence_parallel=False, method="auto", rope_base=10000.0, dtype=None, device=None,
@@ -103,8 +105,26 @@ class ParallelSelfAttention(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn
         return torch.cat([torch.arange(start, start + n, device=device)
                           for _, start, n in segments(self.cp_layout, world, rank, local_len)])
 
-    def forward(self, x):
+    def _check_segments(self, x, segment_ids):
+        """[B, S_local]: the batch and the sequence this rank attends over (the CP-local one; under
+        sequence parallelism x holds 1/TP of it), before the QKV gather communicates."""
+        if segment_ids is None:
+            return
+        if not isinstance(segment_ids, torch.Tensor):
+            raise TypeError(f"{type(self).__name__}: segment_ids must be a torch.Tensor, got "
+                            f"{type(segment_ids).__name__}")
+        tp = dist.get_world_size(self.group) if self.sequence_parallel else 1
+        want = (x.shape[1], x.shape[0] * tp)
+        if tuple(segment_ids.shape) != want:
+            raise ValueError(f"{type(self).__name__}: segment_ids.shape={tuple(segment_ids.shape)}, expected "
+                             f"[B, S_local] = {list(want)} (x is [S, B, hidden]"
+                             + (", S a TP share of S_local under sequence parallelism" if tp > 1 else "") + ")")
+        if segment_ids.dtype == torch.bool or segment_ids.is_floating_point() or segment_ids.is_complex():
+            raise TypeError(f"{type(self).__name__}: segment_ids.dtype={segment_ids.dtype}: expected integer ids")
+
+    def forward(self, x, segment_ids=None):
         self._check_length(x)
+        self._check_segments(x, segment_ids)
         q, k, v = column_parallel(x, [self.q_weight, self.k_weight, self.v_weight], [None] * 3, self.group,
                                   sequence_parallel=self.sequence_parallel, method=self.method,
                                   defer_weight_grad=self.defer_weight_grad)
@@ -115,10 +135,17 @@ class ParallelSelfAttention(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn
         pos = self.positions(s, x.device)
         q, k = rope(q, pos, self.rope_base), rope(k, pos, self.rope_base)
         if self.cp_group is not None:
-            ctx = ring_attention(q, k, v, self.cp_group, causal=True, layout=self.cp_layout, qkv_format="sbhd")
+            ctx = ring_attention(q, k, v, self.cp_group, causal=True, layout=self.cp_layout, qkv_format="sbhd",
+                                 segment_ids=segment_ids)
         else:
             group = self.heads // self.kv_heads
             qt, kt, vt = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
             kt, vt = kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1)
-            ctx = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).permute(2, 0, 1, 3)
+            if segment_ids is None:
+                ctx = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+            else:  # [B, 1, S, S]: the same document, at or before the query
+                ids = segment_ids.to(x.device)
+                mask = (ids[:, :, None] == ids[:, None, :]) & torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+                ctx = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[:, None])
+            ctx = ctx.permute(2, 0, 1, 3)
         return self.out(ctx.reshape(s, b, self.heads * self.head_dim))

@@ -30,6 +30,7 @@ class TransformerBlock(nn.Module):
         for layer in (self.attn_norm, self.attn, self.mlp_norm, self.mlp):
             layer.reset_parameters()
 
-    def forward(self, x):
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x, segment_ids=None):
+        """``segment_ids``: packed documents (ParallelSelfAttention)."""
+        x = x + self.attn(self.attn_norm(x), segment_ids)
         return x + self.mlp(self.mlp_norm(x))

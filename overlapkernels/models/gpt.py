@@ -154,9 +154,10 @@ class GPT(KeepsTags, nn.Module):
             return tokens
         return shard_sequence(tokens, self.cp_group, dim=1, layout=self.config.cp_layout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """[B, S_local] token ids (first stage) or hidden states -> hidden states, or the logits shard
-        [S_local, B, V/TP] (last stage)."""
+        [S_local, B, V/TP] (last stage). ``segment_ids`` [B, S_local]: packed documents, attention
+        within each (sharded as the tokens)."""
         if self.first:
             if x.dim() == 2 and x.shape[1] * self.dims.cp_size > self.config.max_seq_len:  # [B, S/CP] ids
                 raise ValueError(f"sequence length {x.shape[1] * self.dims.cp_size} > "
@@ -169,17 +170,23 @@ class GPT(KeepsTags, nn.Module):
         recompute = self.config.activation_checkpointing and torch.is_grad_enabled()
         for block in self.blocks.values():
             # every rank recomputes the same blocks in the same order: the collectives inside pair up
-            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+            x = checkpoint(block, x, segment_ids, use_reentrant=False) if recompute else block(x, segment_ids)
         return self.lm_head(self.norm(x)) if self.last else x
 
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean token loss of the whole batch (same value on every rank)."""
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean token loss of the whole batch (same value on every rank). ``segment_ids`` [B, S]:
+        the document of each token where rows pack several (attention stays within a document)."""
         if targets.shape != tokens.shape:  # (local_tokens would name a bad targets "tokens")
             raise ValueError(f"targets shape {tuple(targets.shape)} must equal tokens shape {tuple(tokens.shape)} "
                              "([B, S])")
+        if segment_ids is not None and (not isinstance(segment_ids, torch.Tensor)
+                                        or segment_ids.shape != tokens.shape):
+            raise ValueError(f"segment_ids shape {tuple(getattr(segment_ids, 'shape', ()))} must equal tokens shape "
+                             f"{tuple(tokens.shape)} ([B, S])")
         tokens_local, targets_local = self.local_tokens(tokens), self.local_tokens(targets)
+        segments_local = None if segment_ids is None else self.local_tokens(segment_ids)
         self.check_ids(tokens, targets)  # the whole batch: under CP a rank's part would hide its peers' ids
-        logits = self(tokens_local)  # through __call__, so module hooks (fsdp) run
+        logits = self(tokens_local, segments_local)  # through __call__, so module hooks (fsdp) run
         per_token = vocab_parallel_cross_entropy(logits, targets_local.transpose(0, 1), self.dims.tp_group,
                                                  ignore_index=self.config.ignore_index)
         local_sum = per_token.sum()
