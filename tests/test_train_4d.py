@@ -17,19 +17,23 @@ CONFIG = dict(vocab_size=16, hidden=8, num_layers=2, num_heads=2, num_kv_heads=2
 
 
 def _compose_on_rank(layout, schedule, sequence_parallel=True, lose_grad=False, zero_stage=1, max_grad_norm=None,
-                     init_scale=None, recompute=False, reduce_per_microbatch=True):
+                     init_scale=None, recompute=False, reduce_per_microbatch=True, documents=False):
     """The trainer's losses and weights after two steps equal single-process training's. With
     ``max_grad_norm``, both clip; with ``init_scale``, the trainer scales its loss (by a power of 2:
     exact in float64, so nothing may differ) and returns its grad norms and skip flags too. With
     ``recompute``, the trainer's GPT checkpoints its blocks' activations (each block runs its
     forward once more per microbatch, in backward). Counts each ZeRO unit's reduce-scatters and
-    all-gathers per step: once per microbatch, or once per step without ``reduce_per_microbatch``."""
+    all-gathers per step: once per microbatch, or once per step without ``reduce_per_microbatch``.
+    ``documents``: rows packing documents (segment ids, each row its own boundaries)."""
     config = GPTConfig(**CONFIG, method="decomposed", sequence_parallel=sequence_parallel)
     trainer_config = dataclasses.replace(config, activation_checkpointing=recompute)
     g = torch.Generator().manual_seed(5)
     batches = [(torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g))
                for _ in range(2)]
     batches[1][1][2, 3:7] = batches[1][1][5, 0] = -100  # padding: the mean is over the real tokens
+    # a document boundary after token 1-6 of each row (a second one in odd rows), or None
+    ids = [(torch.arange(8)[None] >= torch.randint(1, 7, (8, 1), generator=g)).long()
+           + (torch.arange(8)[None] >= 7) * (torch.arange(8)[:, None] % 2) if documents else None for _ in batches]
     torch.manual_seed(0)
     dense = GPT(config, ok.init_parallel(), dtype=torch.float64)
     start = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in dense.state_dict().items()}
@@ -37,9 +41,9 @@ def _compose_on_rank(layout, schedule, sequence_parallel=True, lose_grad=False, 
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
     opt = sgd(dense.parameters())
     want_losses, want_norms = [], []
-    for tokens, targets in batches:
+    for (tokens, targets), segment_ids in zip(batches, ids):
         opt.zero_grad()
-        loss = dense.loss(tokens, targets)
+        loss = dense.loss(tokens, targets, segment_ids)
         loss.backward()
         if max_grad_norm is not None:
             want_norms.append(float(torch.nn.utils.clip_grad_norm_(dense.parameters(), max_grad_norm)))
@@ -57,9 +61,9 @@ def _compose_on_rank(layout, schedule, sequence_parallel=True, lose_grad=False, 
         block.register_forward_pre_hook(lambda *_: block_calls.append(1))
     with _recording_w(trainer.stage, lose_grad) as deferred, _counting_unit_collectives() as counts:
         losses = []
-        for tokens, targets in batches:
+        for (tokens, targets), segment_ids in zip(batches, ids):
             counts.clear()
-            losses.append(trainer.step(tokens, targets))
+            losses.append(trainer.step(tokens, targets, segment_ids))
             norms.append(trainer.last_grad_norm)
             skipped.append(trainer.last_step_skipped)
             # per unit and step: once, or (ZeRO-2/3) once per microbatch - ZB-H1's after its W, with
@@ -175,6 +179,14 @@ def test_pipeline_with_zero_2_and_3_matches_single_process(rank_pool, zero_stage
     assert all(r == results[0] for r in results)
 
 
+@pytest.mark.parametrize("layout, schedule, zero_stage", [
+    (dict(cp=2, pp=2), "1f1b", 1), (dict(tp=2, pp=2), "zb-h1", 2), (dict(dp=2, pp=2), "gpipe", 3)])
+def test_packed_documents_train_as_single_process(rank_pool, layout, schedule, zero_stage):
+    """Trainer.step(tokens, targets, segment_ids): every stage gets its microbatch's ids."""
+    results = rank_pool(4).run(_compose_on_rank, layout, schedule, zero_stage=zero_stage, documents=True)
+    assert all(r == results[0] for r in results)
+
+
 @pytest.mark.parametrize("zero_stage, schedule", [(2, "1f1b"), (3, "zb-h1")])  # (ZeRO-3 interleaved: test_train_options)
 def test_reducing_once_per_step_matches_single_process(rank_pool, zero_stage, schedule):
     """reduce_per_microbatch=False: one reduce-scatter per unit and step (ZeRO-3: one all-gather),
@@ -228,12 +240,19 @@ def _bad_batch_on_rank():
             messages.append(str(exc))
         else:
             messages.append("accepted")
+    batch = torch.zeros(4, 8, dtype=torch.long)
+    for ids in (batch[:, :4], batch.float()):  # segment ids: shaped as the tokens, integers
+        try:
+            trainer.step(batch, batch, ids)
+        except ValueError as exc:
+            messages.append(str(exc).split(", got")[0])
     return messages
 
 
 def test_bad_batch_is_refused_on_every_rank(rank_pool):
+    ids_refused = "segment_ids must be integer ids shaped as the tokens (4, 8)"
     for messages in rank_pool(4).run(_bad_batch_on_rank):
-        assert messages == [message for _, _, message in _BAD_BATCHES]
+        assert messages == [message for _, _, message in _BAD_BATCHES] + [ids_refused] * 2
 
 
 def _bad_ids_on_rank():

@@ -83,7 +83,8 @@ class Trainer:
     gradients during its backward (ZB-H1: after its W, with what its B left), 3 also gathers each
     unit's parameters around its forward and backward. ``step(tokens, targets)``: the global [B, S]
     batch on every rank (B divisible by dp x microbatches); returns the step's mean token loss on
-    every rank.
+    every rank. ``step(tokens, targets, segment_ids)``: rows packing documents, [B, S] ids like the
+    tokens; every stage's attention stays within each document.
 
     ``max_grad_norm``: clip by the whole model's gradient norm (over DP, PP, CP and TP together,
     as one unsharded model would be; ``last_grad_norm`` holds it before clipping). ``grad_scaler``:
@@ -177,11 +178,15 @@ class Trainer:
             x = shard_sequence(x, self.dims.cp_group, dim=1, layout=self.config.cp_layout)
         return x
 
-    def check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+    def check_batch(self, tokens: torch.Tensor, targets: torch.Tensor, segment_ids=None) -> None:
         """Every rank checks the global batch, so a bad one fails everywhere before any P2P (the
         runner alone could only check it on the first and last stages)."""
         if tokens.shape != targets.shape or tokens.dim() != 2:
             raise ValueError(f"tokens {tuple(tokens.shape)} and targets {tuple(targets.shape)} must both be [B, S]")
+        if segment_ids is not None and (not torch.is_tensor(segment_ids) or segment_ids.shape != tokens.shape
+                                        or segment_ids.dtype == torch.bool or segment_ids.is_floating_point()):
+            raise ValueError(f"segment_ids must be integer ids shaped as the tokens {tuple(tokens.shape)}, got "
+                             f"{(segment_ids.dtype, tuple(segment_ids.shape)) if torch.is_tensor(segment_ids) else type(segment_ids).__name__}")
         rows = self.dims.dp_size * self.schedule.num_microbatches
         if tokens.shape[0] % rows:
             raise ValueError(f"batch size {tokens.shape[0]} must be divisible by dp x microbatches = "
@@ -189,10 +194,11 @@ class Trainer:
         self.stages[0].local_tokens(tokens)  # sequence split over CP (and TP under SP), max_seq_len
         self.stages[0].check_ids(tokens, targets)  # each stage's ranks see only part: checked whole here
 
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, segment_ids: torch.Tensor | None = None) -> float:
         """One optimizer step on the global batch; returns its mean token loss on every rank."""
-        self.check_batch(tokens, targets)
+        self.check_batch(tokens, targets, segment_ids)
         tokens, targets = tokens.to(self.device), targets.to(self.device)
+        stage_kwargs = None if segment_ids is None else {"segment_ids": self.local_batch(segment_ids.to(self.device))}
         t0 = time.perf_counter()
         first, last = self.stages[0].first, self.stages[-1].last
         self._tokens = max(1, int((targets != self.config.ignore_index).sum()))
@@ -202,7 +208,7 @@ class Trainer:
                 for chunk in self.chunks if not self.reduce_per_microbatch else ():
                     accumulating.enter_context(chunk.no_sync(reshard_after_backward=False))
                 self.runner.step(self.local_batch(tokens) if first else None,
-                                 self.local_batch(targets) if last else None)
+                                 self.local_batch(targets) if last else None, stage_kwargs=stage_kwargs)
             # a symm/fused call whose device wait timed out left garbage (raised a call late): not into the weights
             check_pending_errors_together(dist.group.WORLD, "Trainer.step", self.device)
             self._optimizer_step()

@@ -104,7 +104,9 @@ class PipelineRunner(MessageExchange):
     ``loss_fn(output, target)``: on the last stage, per microbatch; ``step`` divides it by the
     number of microbatches, so the gradients equal those of the whole batch's mean loss.
     ``step(inputs, targets)``: the first stage's rank passes ``inputs``, the last stage's
-    ``targets`` (others None); both are split into microbatches along dim 0. Returns the mean
+    ``targets`` (others None); both are split into microbatches along dim 0. ``stage_kwargs``:
+    tensors every stage takes besides its input (packed documents' ``segment_ids``), given on every
+    rank, split the same way and passed to each stage's forward by name. Returns the mean
     microbatch loss on the last stage's rank, None elsewhere; gradients accumulate in the stage
     modules (zero them, and step the optimizer, yourself). ``timeout`` (s): a peer that does not
     answer raises ``PipelineTimeout`` naming the stage, microbatch and peer; seconds or a timedelta.
@@ -185,7 +187,7 @@ class PipelineRunner(MessageExchange):
         return modules
 
     # -- the step -----------------------------------------------------------------------------
-    def step(self, inputs=None, targets=None):
+    def step(self, inputs=None, targets=None, *, stage_kwargs=None):
         """Run one schedule; returns the mean microbatch loss on the last stage, None elsewhere.
         Gradients accumulate in the stage modules (equal to the full batch's)."""
         if self._failed is not None:
@@ -201,8 +203,15 @@ class PipelineRunner(MessageExchange):
                 raise TypeError(f"{name}={type(t).__name__}: expected a tensor (microbatches split on dim 0)")
             if t is not None and (t.dim() == 0 or t.shape[0] % m):
                 raise ValueError(f"{name}.shape={tuple(t.shape)}: dim 0 must be divisible by {m} microbatches")
+        if stage_kwargs is not None and not isinstance(stage_kwargs, dict):
+            raise TypeError(f"stage_kwargs={type(stage_kwargs).__name__}: expected a dict of name -> tensor")
+        for name, t in (stage_kwargs or {}).items():
+            if not torch.is_tensor(t) or t.dim() == 0 or t.shape[0] % m:
+                raise ValueError(f"stage_kwargs[{name!r}]: expected a tensor whose dim 0 is divisible by {m} "
+                                 f"microbatches, got {tuple(t.shape) if torch.is_tensor(t) else type(t).__name__}")
         inputs_mb = inputs.chunk(m) if has_first else None
         targets_mb = targets.chunk(m) if has_last else None
+        self._kwargs_mb = [{name: t.chunk(m)[mb] for name, t in (stage_kwargs or {}).items()} for mb in range(m)]
         self._sends, self._unconfirmed, self._inbox, self._outbox = [], [], {}, {}
         self._posted = False
         # Shapes cross each boundary once per step, not once per runner: a middle stage never sees
@@ -230,7 +239,7 @@ class PipelineRunner(MessageExchange):
             raise
         finally:
             # nothing of this step outlives it (the next step would otherwise start with its tensors held)
-            self._sends, self._unconfirmed, self._inbox, self._outbox = [], [], {}, {}
+            self._sends, self._unconfirmed, self._inbox, self._outbox, self._kwargs_mb = [], [], {}, {}, []
         if self._events:  # CUDA: the step's kernels are done before its time is read
             self._events[-1][2].synchronize()
             for op, start, end in self._events:
@@ -306,7 +315,7 @@ class PipelineRunner(MessageExchange):
 
     def _forward(self, s: int, mb: int, x):
         try:
-            return self.modules[s](x)
+            return self.modules[s](x, **self._kwargs_mb[mb])
         except RuntimeError as exc:
             # a received activation is a leaf (its .grad is what backward sends upstream), and autograd
             # refuses in-place ops on those; say so, not just autograd's words (one process would run it)
