@@ -275,17 +275,17 @@ for add in (True, False):
 B, H, HKV, L = 2, 8, 2, 1024
 
 
-def check_flash(tables: dict, where: str = "", quick_keys=(), segment_keys=()) -> None:
+def check_flash(tables: dict, where: str = "", quick_keys=()) -> None:
     """Each (dtype name, head dim) -> FlashConfigs, causal and not; fp32 twice: IEEE (FMA) and, as
-    under torch's allow_tf32 / fp32_precision="tf32", TF32 (mma: other shared memory and registers).
-    ``segment_keys``: those also compiled with segment ids (packed documents: every tile masked, a
-    dynamic branch per tile)."""
+    under torch's allow_tf32 / fp32_precision="tf32", TF32 (mma: other shared memory and registers);
+    each also with segment ids (packed documents: every tile masked, loops bounded by tile spans);
+    --quick: segment ids for the first key only."""
     for (dname, hd), cfgs in tables.items():
         dt = DT[dname]
         if QUICK and (dname, hd) not in quick_keys:
             continue
         precisions = ("ieee", "tf32") if dt == torch.float32 and not QUICK else (dot_precision(dt),)
-        seg_options = (False, True) if (dname, hd) in segment_keys else (False,)
+        seg_options = (False, True) if not QUICK or (dname, hd) == quick_keys[0] else (False,)
         for precision, causal, seg in [(p, c, sg) for p in precisions for c in ((True,) if QUICK else (False, True))
                                        for sg in seg_options]:
             fixed = dict(HEAD_DIM=hd, DOT_PRECISION=precision, SEGMENTS=seg)
@@ -298,29 +298,34 @@ def check_flash(tables: dict, where: str = "", quick_keys=(), segment_keys=()) -
                       lse.stride(0), lse.stride(1))
 
             sg, sg_b = (ids, ids.stride(0)) if seg else (q, 0)
+            spans = t(B, triton.cdiv(L, 16), 2, dtype=torch.int32) if seg else q  # (shape: only its dtype matters)
+            span_b = spans.stride(0) if seg else 0
+
+            def pipelined(cfg):  # loads the loop prefetches (segment ids must not lose them: a branch around them did)
+                return dict(ptx_has=("cp.async",)) if cfg.num_stages > 1 else {}
 
             def tag(cfg):
                 return (f"{where}{dname} HEAD_DIM={hd} {cfg} CAUSAL={causal}" + (" tf32" if precision == "tf32" else "")
                         + (" SEGMENTS" if seg else ""))
 
-            check(f"_flash_fwd_kernel {tag(cfgs.fwd)}", FA._flash_fwd_kernel, q, k, v, o, lse, sg, sg,
+            check(f"_flash_fwd_kernel {tag(cfgs.fwd)}", FA._flash_fwd_kernel, q, k, v, o, lse, sg, sg, spans,
                   q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                  o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), sg_b, sg_b,
-                  H // HKV, L, L, hd, 0, 0, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.fwd.meta())
+                  o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), sg_b, sg_b, span_b,
+                  H // HKV, L, L, hd, 0, 0, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.fwd.meta(), **pipelined(cfgs.fwd))
             check(f"_flash_bwd_dkdv_kernel {tag(cfgs.dkdv)}", FA._flash_bwd_dkdv_kernel, q, k, v, do, lse, delta,
-                  dk, dv, sg, sg, *common, dk.stride(0), dk.stride(1), dk.stride(2), sg_b, sg_b, H // HKV, L, L, hd,
-                  0, 0, 0.125, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.dkdv.meta())
+                  dk, dv, sg, sg, spans, *common, dk.stride(0), dk.stride(1), dk.stride(2), sg_b, sg_b, span_b,
+                  H // HKV, L, L, hd, 0, 0, 0.125, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.dkdv.meta(),
+                  **pipelined(cfgs.dkdv))
             check(f"_flash_bwd_dq_kernel {tag(cfgs.dq)}", FA._flash_bwd_dq_kernel, q, k, v, do, lse, delta, dq,
-                  sg, sg, *common, dq.stride(0), dq.stride(1), dq.stride(2), sg_b, sg_b, H // HKV, L, L, hd, 0, 0,
-                  0.125, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.dq.meta())
+                  sg, sg, spans, *common, dq.stride(0), dq.stride(1), dq.stride(2), sg_b, sg_b, span_b, H // HKV, L,
+                  L, hd, 0, 0, 0.125, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.dq.meta(), **pipelined(cfgs.dq))
 
 
 check_flash({("bf16", 64): FC.CUDA_FLASH_16BIT[64], ("bf16", 128): FC.CUDA_FLASH_16BIT[128],
              ("bf16", 256): FC.CUDA_FLASH_16BIT[256], ("fp16", 128): FC.CUDA_FLASH_16BIT[128],
              ("fp32", 64): FC.CUDA_FLASH_FP32[64], ("fp32", 128): FC.CUDA_FLASH_FP32[128],
              ("fp32", 256): FC.CUDA_FLASH_FP32[256], ("bf16", 512): FC.CUDA_FLASH_WIDE,
-             ("fp32", 512): FC.CUDA_FLASH_WIDE}, quick_keys=(("bf16", 128), ("fp32", 64)),
-            segment_keys=(("bf16", 64), ("bf16", 128), ("bf16", 256), ("fp16", 128), ("fp32", 64)))
+             ("fp32", 512): FC.CUDA_FLASH_WIDE}, quick_keys=(("bf16", 128), ("fp32", 64)))
 # GPUs with ~100 KB a block (sm_86/89: 99 KB) get the small-memory tables (D <= 256; wider is a test path)
 use_target(86, 99)
 check_flash({("bf16", 128): FC.CUDA_FLASH_SMALL[128], ("bf16", 256): FC.CUDA_FLASH_SMALL[256],

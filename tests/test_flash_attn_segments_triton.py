@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from overlapkernels.kernels import attention_ref as ref
-from overlapkernels.kernels.triton import flash_attn as fa, flash_configs as fc
+from overlapkernels.kernels.triton import flash_attn as fa, flash_configs as fc, flash_segments as fs
 from test_flash_attn_triton import _ring_on_triton_on_rank
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3)}
@@ -66,13 +66,33 @@ def test_rectangular_tiles_and_unsorted_ids():
 
 
 def test_skipped_tiles_are_only_those_that_cannot_meet():
-    """Ids in order put documents in separate tiles: a skip must leave 0 only where the mask does.
-    (A range test that also skipped tiles meeting at their edge, one shared id, fails here and in
-    the cases above: checked by planting `<` for `<=` in each kernel's test.)"""
+    """Ids in order put documents in separate tiles: the loops' spans must leave out only tiles the
+    mask would zero. (A span one tile short at either end fails here and in the cases above: checked
+    by planting first + 1 and last - 1 in flash_segments.tile_spans.)"""
     q_ids = k_ids = _ids([16, 16, 16, 16])  # documents exactly on the 16-position tiles
     _check_block(torch.float32, q_ids, k_ids, causal=False)
     shifted = _ids([17, 15, 16, 16])  # one position of document 0 in the second tile
     _check_block(torch.float32, shifted, shifted, causal=False)
+
+
+def test_tile_spans_walk_only_the_tiles_that_can_meet():
+    """The loop bounds: per tile, the first and last tile of the other side with a shared id range."""
+    ids = _ids([16, 16, 16, 16], batch=1)  # a document per 16 positions
+    assert fs.tile_spans(ids, ids, 16, 16).tolist() == [[[0, 0], [1, 1], [2, 2], [3, 3]]]
+    assert fs.tile_spans(ids, ids, 32, 16).tolist() == [[[0, 1], [2, 3]]]  # row tiles of 32: two column tiles each
+    shifted = _ids([17, 15, 16, 16], batch=1)  # document 0 reaches into the second tile
+    assert fs.tile_spans(shifted, shifted, 16, 16).tolist() == [[[0, 1], [0, 1], [2, 2], [3, 3]]]
+    ragged = torch.tensor([[0] * 16 + [1] * 4])  # the last tile padded with its last id: no new id
+    assert fs.tile_spans(ragged, ragged, 16, 16).tolist() == [[[0, 0], [1, 1]]]
+    assert fs.tile_spans(torch.full((1, 16), 5), torch.full((1, 16), 7), 16, 16).tolist() == [[[1, -1]]]  # none
+    unsorted = torch.tensor([[0, 1] * 16])  # every tile holds both ids: all walked, the mask does the rest
+    assert fs.tile_spans(unsorted, unsorted, 16, 16).tolist() == [[[0, 1], [0, 1]]]
+    rows = torch.arange(64)[None] // 16  # 4 row tiles, more than _PAIRS_AT_ONCE lets through at once
+    old, fs._PAIRS_AT_ONCE = fs._PAIRS_AT_ONCE, 2
+    try:
+        assert fs.tile_spans(rows, rows, 16, 16).tolist() == [[[0, 0], [1, 1], [2, 2], [3, 3]]]
+    finally:
+        fs._PAIRS_AT_ONCE = old
 
 
 def test_segment_ids_must_be_both_or_neither_and_integer():
@@ -82,6 +102,8 @@ def test_segment_ids_must_be_both_or_neither_and_integer():
                 dict(q_segments=ids, k_segments=ids[:, :4])):
         with pytest.raises(ValueError, match=r"flash attention \(Triton\): (q|k)_segments must be integer ids"):
             fa.block_forward(q, k, v, 0.3, **bad)
+    with pytest.raises(ValueError, match=r"flash attention \(Triton\): k_segments is on meta but q is on cpu"):
+        fa.block_forward(q, k, v, 0.3, q_segments=ids, k_segments=ids.to("meta"))
 
 
 @pytest.mark.parametrize("layout, causal", [("zigzag", True), ("contiguous", False)])

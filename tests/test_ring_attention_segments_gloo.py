@@ -139,6 +139,26 @@ def test_one_segment_is_plain_attention(rank_pool):
     assert rank_pool(2).run(_one_segment_on_rank) == [True, True]
 
 
+def _ids_reused_on_rank():
+    """The caller refills its ids buffer (the next microbatch's) between forward and backward: the
+    backward still masks with the ids of its forward, whatever their integer dtype."""
+    g = torch.Generator().manual_seed(8)
+    results = []
+    for dtype in (torch.int64, torch.int32):
+        q, k, v = (torch.randn(1, 8, 2, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        ids = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2]], dtype=dtype)
+        want = torch.autograd.grad(ok.ring_attention(q, k, v, causal=True, segment_ids=ids.clone()).sum(), (q, k, v))
+        out = ok.ring_attention(q, k, v, causal=True, segment_ids=ids)
+        ids.fill_(0)
+        got = torch.autograd.grad(out.sum(), (q, k, v))
+        results.append(all(torch.equal(a, b) for a, b in zip(got, want)))
+    return results
+
+
+def test_ids_refilled_before_backward_do_not_change_it(rank_pool):
+    assert rank_pool(2).run(_ids_reused_on_rank) == [[True, True]] * 2
+
+
 BAD = [
     (lambda q, ids: ok.ring_attention(q, q, q, segment_ids=ids.double()), TypeError,
      r"segment_ids.dtype=torch.float64: expected an integer tensor \(one id per token\)"),

@@ -281,7 +281,8 @@ def _validate(q, k, v, qkv_format, layout, softmax_scale):
 
 def _check_segments(segment_ids, q, qkv_format):
     """[B, S_local] integer ids laid out as q's sequence (shard_sequence(ids, group, dim=1, ...)),
-    whatever ``qkv_format``; on q's device. -> int64, contiguous: every rank sends the same dtype."""
+    whatever ``qkv_format``; on q's device. -> an int64 copy (every rank sends the same dtype; saved
+    for backward, so a caller refilling its buffer meanwhile changes nothing, whatever its dtype)."""
     check_tensor("segment_ids", segment_ids)
     if segment_ids.dtype == torch.bool or segment_ids.is_floating_point() or segment_ids.is_complex():
         raise TypeError(f"segment_ids.dtype={segment_ids.dtype}: expected an integer tensor (one id per token)")
@@ -291,7 +292,7 @@ def _check_segments(segment_ids, q, qkv_format):
                          f"{[q.shape[batch], q.shape[seq]]} (batch-first whatever qkv_format={qkv_format!r})")
     if segment_ids.device != q.device:
         raise ValueError(f"segment_ids is on {segment_ids.device} but q is on {q.device}")
-    return segment_ids.to(torch.int64).contiguous()
+    return segment_ids.to(torch.int64, memory_format=torch.contiguous_format, copy=True)
 
 
 def _check_scale(softmax_scale) -> float:

@@ -3,7 +3,8 @@
 Same contract as ``kernels.attention_ref``: q [B, H, Lq, D], k/v [B, H_kv, Lk, D] (last dim
 contiguous), queries at positions q_start.., keys at k_start..; ``causal`` masks keys after the
 query; segment ids (``q_segments`` [B, Lq], ``k_segments`` [B, Lk]) mask keys of other segments,
-and skip tiles whose id ranges do not meet. Query head h reads kv head h // (H / H_kv). Outputs are fp32 (the ring merges in fp32);
+and each loop walks only the tiles between the first and the last whose ids can meet its own
+(flash_segments.py). Query head h reads kv head h // (H / H_kv). Outputs are fp32 (the ring merges in fp32);
 rows that see no key give out = 0 and lse = -inf, never NaN (NaN inputs still give NaN, as in
 SDPA). Backward takes the *final* lse and
 delta = rowsum(dO * O), as ring attention recomputes every block against the merged result.
@@ -24,6 +25,7 @@ import triton.language as tl
 
 from ..interpreter import bf16_message, bf16_miscomputed
 from .flash_configs import flash_configs
+from .flash_segments import segment_args, tile_spans
 from .tile_gemm import dot_precision, launch_device
 
 LOG2E = 1.4426950408889634
@@ -42,14 +44,15 @@ def _visible(offs_m, offs_n, Lq, Lk, q_start, k_start, seg_q, seg_k, CAUSAL: tl.
 
 
 @triton.jit
-def _segment_ids(seg_ptr, start, L, BLOCK: tl.constexpr):
-    """The segment ids of positions start .. start + BLOCK (those past L read as the first's) and
-    their range [lo, hi]: tiles whose ranges do not meet share no id, so they are skipped whole
-    (packed documents, ids in order: most tiles of a long sequence)."""
-    offs = start + tl.arange(0, BLOCK)
-    ids = tl.load(seg_ptr + offs, mask=offs < L, other=0)
-    ids = tl.where(offs < L, ids, tl.load(seg_ptr + start))  # (start < L: a tile's first position is in range)
-    return ids, tl.min(ids, 0), tl.max(ids, 0)
+def _span(lo, hi, span_ptr, tile, BLOCK: tl.constexpr, SEGMENTS: tl.constexpr):
+    """The other side's positions [lo, hi) this program walks, cut (with segment ids) to the tiles
+    from the first to the last whose id range meets this tile's (``span_ptr``: [first, last] per
+    tile, made on the host by ``_tile_spans``). A bound, not a branch per tile: the loop keeps its
+    software pipelining. Tiles between two that meet are walked, masked (ids out of order)."""
+    if SEGMENTS:
+        lo = tl.maximum(lo, tl.load(span_ptr + 2 * tile) * BLOCK)
+        hi = tl.minimum(hi, (tl.load(span_ptr + 2 * tile + 1) + 1) * BLOCK)
+    return lo, hi
 
 
 @triton.jit
@@ -77,29 +80,14 @@ def _unmasked_key_end(row0, Lk, q_start, k_start, CAUSAL: tl.constexpr, SEGMENTS
 
 @triton.jit
 def _fwd_step(acc, m_i, l_i, q, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start, k_start, sk_s,
-              scale_log2, seg_q, q_lo, q_hi, sgk_ptr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-              SEGMENTS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One key tile of the online softmax; with segment ids, none if its ids cannot meet the rows'."""
-    if SEGMENTS:
-        seg_k, k_lo, k_hi = _segment_ids(sgk_ptr, n0, Lk, BLOCK_N)
-        if (k_lo <= q_hi) & (k_hi >= q_lo):
-            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk,
-                                      q_start, k_start, sk_s, scale_log2, seg_q, seg_k, CAUSAL, True, True, BLOCK_N,
-                                      DOT_PRECISION)
-    else:
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk,
-                                  q_start, k_start, sk_s, scale_log2, seg_q, seg_q, CAUSAL, MASKED, False, BLOCK_N,
-                                  DOT_PRECISION)
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _fwd_tile(acc, m_i, l_i, q, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start, k_start, sk_s,
-              scale_log2, seg_q, seg_k, CAUSAL: tl.constexpr, MASKED: tl.constexpr, SEGMENTS: tl.constexpr,
+              scale_log2, seg_q, sgk_ptr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, SEGMENTS: tl.constexpr,
               BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Unmasked tiles need no -inf guards: every score is finite."""
+    """One key tile of the online softmax. Unmasked tiles need no -inf guards: every score is finite."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     k, v = _load_kv_tile(k_ptr, v_ptr, kv_base, offs_n, offs_d, d_mask, Lk, sk_s)
+    seg_k = offs_n
+    if SEGMENTS:
+        seg_k = tl.load(sgk_ptr + offs_n, mask=offs_n < Lk, other=0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
         s = tl.where(_visible(offs_m, offs_n, Lq, Lk, q_start, k_start, seg_q, seg_k, CAUSAL, SEGMENTS), s,
@@ -124,8 +112,8 @@ def _load_kv_tile(k_ptr, v_ptr, kv_base, offs_n, offs_d, d_mask, Lk, sk_s):
 
 
 @triton.jit
-def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, sgq_ptr, sgk_ptr,
-                      sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, so_b, so_h, so_s, sl_b, sl_h, sgq_b, sgk_b,
+def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, sgq_ptr, sgk_ptr, span_ptr,
+                      sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, so_b, so_h, so_s, sl_b, sl_h, sgq_b, sgk_b, span_b,
                       GROUP, Lq, Lk, D, q_start, k_start, scale_log2,
                       CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -136,10 +124,9 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, sgq_ptr, sgk_ptr,
     d_mask = offs_d < D
     q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_s + offs_d[None, :],
                 mask=(offs_m[:, None] < Lq) & d_mask[None, :], other=0.0)
+    seg_q = offs_m  # (without ids: a placeholder nothing reads)
     if SEGMENTS:
-        seg_q, q_lo, q_hi = _segment_ids(sgq_ptr + b * sgq_b, pid_m * BLOCK_M, Lq, BLOCK_M)
-    else:  # (placeholders nothing reads)
-        seg_q, q_lo, q_hi = offs_m, 0, 0
+        seg_q = tl.load(sgq_ptr + b * sgq_b + offs_m, mask=offs_m < Lq, other=0)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
@@ -148,12 +135,14 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, sgq_ptr, sgk_ptr,
     mid = _unmasked_key_end(pid_m * BLOCK_M, Lk, q_start, k_start, CAUSAL, SEGMENTS, BLOCK_N)
     for n0 in range(0, mid, BLOCK_N):
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start,
-                                  k_start, sk_s, scale_log2, seg_q, q_lo, q_hi, sgk_row, CAUSAL, False, SEGMENTS,
-                                  BLOCK_N, DOT_PRECISION)
-    for n0 in range(mid, _key_end(pid_m, Lk, q_start, k_start, CAUSAL, BLOCK_M), BLOCK_N):
+                                  k_start, sk_s, scale_log2, seg_q, sgk_row, CAUSAL, False, SEGMENTS, BLOCK_N,
+                                  DOT_PRECISION)
+    lo, hi = _span(mid, _key_end(pid_m, Lk, q_start, k_start, CAUSAL, BLOCK_M), span_ptr + b * span_b, pid_m, BLOCK_N,
+                   SEGMENTS)
+    for n0 in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start,
-                                  k_start, sk_s, scale_log2, seg_q, q_lo, q_hi, sgk_row, CAUSAL, True, SEGMENTS,
-                                  BLOCK_N, DOT_PRECISION)
+                                  k_start, sk_s, scale_log2, seg_q, sgk_row, CAUSAL, True, SEGMENTS, BLOCK_N,
+                                  DOT_PRECISION)
     # a row that saw no key sums exactly 0; a NaN sum (NaN or inf inputs) is not "nothing seen": it
     # propagates to out and lse, as in SDPA
     seen = l_i != 0
@@ -197,29 +186,8 @@ def _probs_t(k, q_t, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, 
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, q_base, l_base, m0, offs_n, offs_d, d_mask, Lq, Lk,
-               q_start, k_start, sq_s, scale_log2, seg_q, seg_k, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr,
-               BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """What the queries m0 .. m0 + BLOCK_M of one head add to this program's dK and dV."""
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    q_t = tl.load(q_ptr + q_base + offs_m[None, :] * sq_s + offs_d[:, None],
-                  mask=(offs_m[None, :] < Lq) & d_mask[:, None], other=0.0)
-    do = tl.load(do_ptr + q_base + offs_m[:, None] * sq_s + offs_d[None, :],
-                 mask=(offs_m[:, None] < Lq) & d_mask[None, :], other=0.0)
-    lse = tl.load(lse_ptr + l_base + offs_m, mask=offs_m < Lq, other=float("-inf"))
-    delta = tl.load(delta_ptr + l_base + offs_m, mask=offs_m < Lq, other=0.0)
-    p_t = _probs_t(k, q_t, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, seg_q, seg_k, CAUSAL, SEGMENTS,
-                   DOT_PRECISION)
-    dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-    ds_t = p_t * (dp_t - delta[None, :])
-    dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
-    return dk, dv
-
-
-@triton.jit
-def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, sgq_ptr, sgk_ptr,
-                           sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sl_b, sl_h, sdk_b, sdk_h, sdk_s, sgq_b, sgk_b,
+def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, sgq_ptr, sgk_ptr, span_ptr,
+                           sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sl_b, sl_h, sdk_b, sdk_h, sdk_s, sgq_b, sgk_b, span_b,
                            GROUP, Lq, Lk, D, q_start, k_start, scale, scale_log2,
                            CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -236,29 +204,35 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_p
     d_mask = offs_d < D
     kv_mask = (offs_n[:, None] < Lk) & d_mask[None, :]
     k, v = _load_kv_tile(k_ptr, v_ptr, b * sk_b + hk * sk_h, offs_n, offs_d, d_mask, Lk, sk_s)
+    seg_k = offs_n  # (without ids: a placeholder nothing reads)
     if SEGMENTS:
-        seg_k, k_lo, k_hi = _segment_ids(sgk_ptr + b * sgk_b, pid_n * BLOCK_N, Lk, BLOCK_N)
-    else:  # (placeholders nothing reads)
-        seg_k, k_lo, k_hi = offs_n, 0, 0
+        seg_k = tl.load(sgk_ptr + b * sgk_b + offs_n, mask=offs_n < Lk, other=0)
     dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     lo = 0
     if CAUSAL:  # queries before this block's first key see none of it
         lo = tl.maximum(k_start + pid_n * BLOCK_N - q_start, 0) // BLOCK_M * BLOCK_M
+    lo, hi = _span(lo, Lq, span_ptr + b * span_b, pid_n, BLOCK_M, SEGMENTS)
     for g in range(0, GROUP):  # every query head that reads this kv head (GQA)
         h = hk * GROUP + g
-        q_base, l_base = b * sq_b + h * sq_h, b * sl_b + h * sl_h
-        for m0 in range(lo, Lq, BLOCK_M):
-            if SEGMENTS:  # query tiles whose ids cannot meet these keys' add nothing: skipped
-                seg_q, q_lo, q_hi = _segment_ids(sgq_ptr + b * sgq_b, m0, Lq, BLOCK_M)
-                if (q_lo <= k_hi) & (q_hi >= k_lo):
-                    dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, q_base, l_base, m0, offs_n,
-                                        offs_d, d_mask, Lq, Lk, q_start, k_start, sq_s, scale_log2, seg_q, seg_k,
-                                        CAUSAL, True, BLOCK_M, DOT_PRECISION)
-            else:
-                dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, q_base, l_base, m0, offs_n,
-                                    offs_d, d_mask, Lq, Lk, q_start, k_start, sq_s, scale_log2, seg_k, seg_k, CAUSAL,
-                                    False, BLOCK_M, DOT_PRECISION)
+        q_base = b * sq_b + h * sq_h
+        for m0 in range(lo, hi, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            q_t = tl.load(q_ptr + q_base + offs_m[None, :] * sq_s + offs_d[:, None],
+                          mask=(offs_m[None, :] < Lq) & d_mask[:, None], other=0.0)
+            do = tl.load(do_ptr + q_base + offs_m[:, None] * sq_s + offs_d[None, :],
+                         mask=(offs_m[:, None] < Lq) & d_mask[None, :], other=0.0)
+            lse = tl.load(lse_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=float("-inf"))
+            delta = tl.load(delta_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=0.0)
+            seg_q = offs_m
+            if SEGMENTS:
+                seg_q = tl.load(sgq_ptr + b * sgq_b + offs_m, mask=offs_m < Lq, other=0)
+            p_t = _probs_t(k, q_t, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, seg_q, seg_k, CAUSAL,
+                           SEGMENTS, DOT_PRECISION)
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
     out_base = b * sdk_b + hk * sdk_h
     out_off = offs_n[:, None] * sdk_s + offs_d[None, :]
     tl.store(dk_ptr + out_base + out_off, dk * scale, mask=kv_mask)
@@ -267,26 +241,13 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_p
 
 @triton.jit
 def _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start, k_start, sk_s,
-             scale_log2, seg_q, q_lo, q_hi, sgk_ptr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-             SEGMENTS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One key tile's part of dQ; with segment ids, none if its ids cannot meet the rows'."""
-    if SEGMENTS:
-        seg_k, k_lo, k_hi = _segment_ids(sgk_ptr, n0, Lk, BLOCK_N)
-        if (k_lo <= q_hi) & (k_hi >= q_lo):
-            dq = _dq_tile(dq, q, do, lse, delta, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start,
-                          k_start, sk_s, scale_log2, seg_q, seg_k, CAUSAL, True, True, BLOCK_N, DOT_PRECISION)
-    else:
-        dq = _dq_tile(dq, q, do, lse, delta, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start,
-                      k_start, sk_s, scale_log2, seg_q, seg_q, CAUSAL, MASKED, False, BLOCK_N, DOT_PRECISION)
-    return dq
-
-
-@triton.jit
-def _dq_tile(dq, q, do, lse, delta, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start, k_start, sk_s,
-             scale_log2, seg_q, seg_k, CAUSAL: tl.constexpr, MASKED: tl.constexpr, SEGMENTS: tl.constexpr,
+             scale_log2, seg_q, sgk_ptr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, SEGMENTS: tl.constexpr,
              BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     k, v = _load_kv_tile(k_ptr, v_ptr, kv_base, offs_n, offs_d, d_mask, Lk, sk_s)
+    seg_k = offs_n
+    if SEGMENTS:
+        seg_k = tl.load(sgk_ptr + offs_n, mask=offs_n < Lk, other=0)
     p = _probs(q, k, lse, offs_m, offs_n, Lq, Lk, q_start, k_start, scale_log2, seg_q, seg_k, CAUSAL, SEGMENTS,
                DOT_PRECISION, MASKED)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
@@ -295,8 +256,8 @@ def _dq_tile(dq, q, do, lse, delta, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d
 
 
 @triton.jit
-def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, sgq_ptr, sgk_ptr,
-                         sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sl_b, sl_h, sdq_b, sdq_h, sdq_s, sgq_b, sgk_b,
+def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, sgq_ptr, sgk_ptr, span_ptr,
+                         sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sl_b, sl_h, sdq_b, sdq_h, sdq_s, sgq_b, sgk_b, span_b,
                          GROUP, Lq, Lk, D, q_start, k_start, scale, scale_log2,
                          CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -312,20 +273,21 @@ def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr
     do = tl.load(do_ptr + q_base + q_off, mask=q_mask, other=0.0)
     lse = tl.load(lse_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=float("inf"))
     delta = tl.load(delta_ptr + b * sl_b + h * sl_h + offs_m, mask=offs_m < Lq, other=0.0)
+    seg_q = offs_m  # (without ids: a placeholder nothing reads)
     if SEGMENTS:
-        seg_q, q_lo, q_hi = _segment_ids(sgq_ptr + b * sgq_b, pid_m * BLOCK_M, Lq, BLOCK_M)
-    else:  # (placeholders nothing reads)
-        seg_q, q_lo, q_hi = offs_m, 0, 0
+        seg_q = tl.load(sgq_ptr + b * sgq_b + offs_m, mask=offs_m < Lq, other=0)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     kv_base = b * sk_b + hk * sk_h
     sgk_row = sgk_ptr + b * sgk_b
     mid = _unmasked_key_end(pid_m * BLOCK_M, Lk, q_start, k_start, CAUSAL, SEGMENTS, BLOCK_N)
     for n0 in range(0, mid, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start, k_start,
-                      sk_s, scale_log2, seg_q, q_lo, q_hi, sgk_row, CAUSAL, False, SEGMENTS, BLOCK_N, DOT_PRECISION)
-    for n0 in range(mid, _key_end(pid_m, Lk, q_start, k_start, CAUSAL, BLOCK_M), BLOCK_N):
+                      sk_s, scale_log2, seg_q, sgk_row, CAUSAL, False, SEGMENTS, BLOCK_N, DOT_PRECISION)
+    lo, hi = _span(mid, _key_end(pid_m, Lk, q_start, k_start, CAUSAL, BLOCK_M), span_ptr + b * span_b, pid_m, BLOCK_N,
+                   SEGMENTS)
+    for n0 in range(lo, hi, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, kv_base, n0, offs_m, offs_d, d_mask, Lq, Lk, q_start, k_start,
-                      sk_s, scale_log2, seg_q, q_lo, q_hi, sgk_row, CAUSAL, True, SEGMENTS, BLOCK_N, DOT_PRECISION)
+                      sk_s, scale_log2, seg_q, sgk_row, CAUSAL, True, SEGMENTS, BLOCK_N, DOT_PRECISION)
     tl.store(dq_ptr + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_s + offs_d[None, :], dq * scale, mask=q_mask)
 
 
@@ -376,38 +338,25 @@ def _head_dim(q) -> int:
     return max(16, triton.next_power_of_2(q.shape[-1]))
 
 
-def _segment_args(q, k, q_segments, k_segments) -> tuple:
-    """(SEGMENTS, the two id tensors, their batch strides) of a launch: the ids with a unit position
-    stride; without ids, q twice (pointers nothing reads)."""
-    if q_segments is None and k_segments is None:
-        return False, q, q, 0, 0
-    for name, ids, t in (("q_segments", q_segments, q), ("k_segments", k_segments, k)):
-        if ids is None or ids.dtype.is_floating_point or ids.dtype == torch.bool or \
-                tuple(ids.shape) != (t.shape[0], t.shape[2]):
-            raise ValueError(f"flash attention (Triton): {name} must be integer ids [B, L] = "
-                             f"{[t.shape[0], t.shape[2]]} (both or neither given), got "
-                             f"{None if ids is None else (ids.dtype, tuple(ids.shape))}")
-    q_segments, k_segments = (ids if ids.stride(-1) == 1 else ids.contiguous() for ids in (q_segments, k_segments))
-    return True, q_segments, k_segments, q_segments.stride(0), k_segments.stride(0)
-
-
 def block_forward(q, k, v, scale: float, *, q_start: int = 0, k_start: int = 0, causal: bool = False,
                   q_segments=None, k_segments=None):
     """-> out [B, H, Lq, D] fp32, lse [B, H, Lq] fp32. ``q_segments`` [B, Lq] / ``k_segments`` [B, Lk]:
     integer segment ids; a query sees only keys of its own segment."""
     _check(q, k, v)
     k, v = _same_layout(k, v)
-    segments, sgq, sgk, sgq_b, sgk_b = _segment_args(q, k, q_segments, k_segments)
+    segments, sgq, sgk, sgq_b, sgk_b = segment_args(q, k, q_segments, k_segments)
     b, h, lq, d = q.shape
     out = torch.empty(b, h, lq, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
     head_dim = _head_dim(q)
     cfg = flash_configs(q.device, q.dtype, head_dim).fwd
+    spans = tile_spans(sgq, sgk, cfg.block_m, cfg.block_n) if segments else q
     grid = (triton.cdiv(lq, cfg.block_m), h, b)  # query tiles fastest: a head's K/V stay in L2
     with launch_device(q.device):
-        _flash_fwd_kernel[grid](q, k, v, out, lse, sgq, sgk, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
-                                k.stride(1), k.stride(2), out.stride(0), out.stride(1), out.stride(2), lse.stride(0),
-                                lse.stride(1), sgq_b, sgk_b, h // k.shape[1], lq, k.shape[2], d, q_start, k_start,
+        _flash_fwd_kernel[grid](q, k, v, out, lse, sgq, sgk, spans, q.stride(0), q.stride(1), q.stride(2),
+                                k.stride(0), k.stride(1), k.stride(2), out.stride(0), out.stride(1), out.stride(2),
+                                lse.stride(0), lse.stride(1), sgq_b, sgk_b, spans.stride(0) if segments else 0,
+                                h // k.shape[1], lq, k.shape[2], d, q_start, k_start,
                                 scale * LOG2E, CAUSAL=causal, SEGMENTS=segments, HEAD_DIM=head_dim,
                                 DOT_PRECISION=dot_precision(q.dtype), **cfg.meta())
     return out, lse
@@ -418,7 +367,7 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, *, q_start: int = 0,
     """-> dq [B, H, Lq, D], dk, dv [B, H_kv, Lk, D], fp32."""
     _check(q, k, v)
     k, v = _same_layout(k, v)
-    segments, sgq, sgk, sgq_b, sgk_b = _segment_args(q, k, q_segments, k_segments)
+    segments, sgq, sgk, sgq_b, sgk_b = segment_args(q, k, q_segments, k_segments)
     b, h, lq, d = q.shape
     h_kv, lk = k.shape[1], k.shape[2]
     dout = dout.to(q.dtype)
@@ -434,11 +383,16 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, *, q_start: int = 0,
     fixed = dict(CAUSAL=causal, SEGMENTS=segments, HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype))
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), lse.stride(0),
               lse.stride(1))
+    # per key tile the query tiles its ids may meet (dK/dV), per query tile the key tiles (dQ)
+    kq = tile_spans(sgk, sgq, cfgs.dkdv.block_n, cfgs.dkdv.block_m) if segments else q
+    qk = tile_spans(sgq, sgk, cfgs.dq.block_m, cfgs.dq.block_n) if segments else q
     with launch_device(q.device):
         _flash_bwd_dkdv_kernel[(triton.cdiv(lk, cfgs.dkdv.block_n), h_kv, b)](
-            q, k, v, dout, lse, delta, dk, dv, sgq, sgk, *common, dk.stride(0), dk.stride(1), dk.stride(2), sgq_b,
-            sgk_b, h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E, **fixed, **cfgs.dkdv.meta())
+            q, k, v, dout, lse, delta, dk, dv, sgq, sgk, kq, *common, dk.stride(0), dk.stride(1), dk.stride(2), sgq_b,
+            sgk_b, kq.stride(0) if segments else 0, h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E,
+            **fixed, **cfgs.dkdv.meta())
         _flash_bwd_dq_kernel[(triton.cdiv(lq, cfgs.dq.block_m), h, b)](
-            q, k, v, dout, lse, delta, dq, sgq, sgk, *common, dq.stride(0), dq.stride(1), dq.stride(2), sgq_b,
-            sgk_b, h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E, **fixed, **cfgs.dq.meta())
+            q, k, v, dout, lse, delta, dq, sgq, sgk, qk, *common, dq.stride(0), dq.stride(1), dq.stride(2), sgq_b,
+            sgk_b, qk.stride(0) if segments else 0, h // h_kv, lq, lk, d, q_start, k_start, scale, scale * LOG2E,
+            **fixed, **cfgs.dq.meta())
     return dq, dk, dv

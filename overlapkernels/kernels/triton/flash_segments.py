@@ -1,0 +1,60 @@
+"""Segment ids (packed documents) for the flash kernels, host side: the checks, and for each tile
+of one side the first and last tile of the other side whose ids can meet it (``_span`` in
+flash_attn.py bounds the kernels' loops with them). Made with torch ops on the ids' device: no
+host sync, a few small kernels per call."""
+from __future__ import annotations
+
+import torch
+
+# at most this many (row tile, column tile) pairs compared at once (bytes of a bool tensor)
+_PAIRS_AT_ONCE = 1 << 24
+
+
+def segment_args(q, k, q_segments, k_segments) -> tuple:
+    """(SEGMENTS, q ids, k ids, their batch strides) of a launch, ids with a unit position stride;
+    without ids, q twice (pointers nothing reads)."""
+    if q_segments is None and k_segments is None:
+        return False, q, q, 0, 0
+    for name, ids, t in (("q_segments", q_segments, q), ("k_segments", k_segments, k)):
+        if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex \
+                or ids.dtype == torch.bool or tuple(ids.shape) != (t.shape[0], t.shape[2]):
+            raise ValueError(f"flash attention (Triton): {name} must be integer ids [B, L] = "
+                             f"{[t.shape[0], t.shape[2]]} (both or neither given), got "
+                             f"{(ids.dtype, tuple(ids.shape)) if isinstance(ids, torch.Tensor) else ids}")
+        if ids.device != q.device:
+            raise ValueError(f"flash attention (Triton): {name} is on {ids.device} but q is on {q.device}")
+    q_segments, k_segments = (ids if ids.stride(-1) == 1 else ids.contiguous() for ids in (q_segments, k_segments))
+    return True, q_segments, k_segments, q_segments.stride(0), k_segments.stride(0)
+
+
+def tile_ranges(ids: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each tile's smallest and largest id, [B, tiles] each (the last tile padded with its row's
+    last id, which adds no id)."""
+    b, length = ids.shape
+    tiles = -(-length // block)
+    if tiles * block > length:
+        ids = torch.cat([ids, ids[:, -1:].expand(b, tiles * block - length)], dim=1)
+    ids = ids.reshape(b, tiles, block)
+    return ids.amin(-1), ids.amax(-1)
+
+
+def tile_spans(row_ids: torch.Tensor, col_ids: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:
+    """int32 [B, row tiles, 2]: for each row tile, the first and last column tile whose id range
+    meets its own ([tiles, -1] where none does). Ranges that do not meet share no id, so the tiles
+    outside [first, last] hold nothing the row tile may see; with ids in order (packing) the tiles
+    inside all meet it."""
+    rmin, rmax = tile_ranges(row_ids, block_rows)
+    cmin, cmax = tile_ranges(col_ids, block_cols)
+    b, col_tiles = cmin.shape
+    at_once = max(1, _PAIRS_AT_ONCE // max(1, b * col_tiles))
+    spans = []
+    for r0 in range(0, rmin.shape[1], at_once):
+        lo, hi = rmin[:, r0:r0 + at_once, None], rmax[:, r0:r0 + at_once, None]
+        meets = (cmin[:, None, :] <= hi) & (cmax[:, None, :] >= lo)  # [B, rows, cols]
+        found = meets.any(-1)
+        first = torch.where(found, meets.int().argmax(-1), col_tiles)
+        last = torch.where(found, col_tiles - 1 - meets.flip(-1).int().argmax(-1), -1)
+        spans.append(torch.stack([first, last], dim=-1))
+    if not spans:
+        return torch.zeros(b, 0, 2, dtype=torch.int32, device=row_ids.device)
+    return torch.cat(spans, dim=1).to(torch.int32).contiguous()
