@@ -95,6 +95,22 @@ def test_tile_spans_walk_only_the_tiles_that_can_meet():
         fs._PAIRS_AT_ONCE = old
 
 
+def test_empty_blocks_and_ids_of_mixed_signedness_match_reference():
+    """An empty side (no keys, or no queries: ring blocks never are, direct callers may be) gives what
+    the reference gives; int8 -1 and uint8 255 are different ids, as torch compares them."""
+    g = torch.Generator().manual_seed(4)
+    for lq, lk in ((8, 0), (0, 8)):
+        q, k, v, do = (torch.randn(1, 2, n, 16, generator=g) for n in (lq, lk, lk, lq))
+        ids = dict(q_segments=torch.zeros(1, lq, dtype=torch.long), k_segments=torch.zeros(1, lk, dtype=torch.long))
+        out, lse = fa.block_forward(q, k, v, 0.3, **ids)
+        want, want_lse = ref.block_forward(q, k, v, 0.3, **ids)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+        grads = fa.block_backward(q, k, v, do, want_lse, torch.zeros(1, 2, lq), 0.3, **ids)
+        assert all(t.shape == w.shape and not t.abs().sum() for t, w in zip(grads, (q, k, v)))
+    _check_block(torch.float32, torch.tensor([[-1] * 8 + [0] * 8] * 2, dtype=torch.int8),
+                 torch.tensor([[255] * 8 + [0] * 8] * 2, dtype=torch.uint8), causal=False)
+
+
 def test_segment_ids_must_be_both_or_neither_and_integer():
     q, k, v = (torch.ones(1, 2, 8, 16) for _ in range(3))
     ids = torch.zeros(1, 8, dtype=torch.long)

@@ -118,7 +118,10 @@ def test_a_packed_row_trains_as_its_documents_apart():
     # the ids reach blocks that recompute their forward in backward too
     recomputed = GPT(GPTConfig(**CONFIG, activation_checkpointing=True), ok.init_parallel(), dtype=torch.float64)
     recomputed.load_state_dict(model.state_dict())
-    recomputed.loss(tokens, targets, torch.tensor([[4, 4, 4, 9, 9, 9, 9, 9]])).backward()
+    ids = torch.tensor([[4, 4, 4, 9, 9, 9, 9, 9]])
+    loss = recomputed.loss(tokens, targets, ids)
+    ids.fill_(0)  # the caller's buffer refilled before backward: the recompute keeps the forward's ids
+    loss.backward()
     for name, p in recomputed.named_parameters():
         torch.testing.assert_close(p.grad, packed_grads[name], atol=1e-12, rtol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
 
@@ -193,7 +196,8 @@ def _bad_seq_on_rank():
     with pytest.raises(ValueError, match=r"^sequence length 18 > max_seq_len=16$"):  # (nor divisible by 4)
         model.loss(torch.zeros(1, 18, dtype=torch.long), torch.zeros(1, 18, dtype=torch.long))
     # segment ids: a [B, S] like the tokens, integers, sized to what the layer attends over
-    with pytest.raises(ValueError, match=r"^segment_ids shape \(1, 4\) must equal tokens shape \(1, 8\) \(\[B, S\]\)$"):
+    with pytest.raises(ValueError, match=r"^segment_ids must be integer ids shaped as the tokens \(1, 8\), got "
+                                         r"torch.int64 \(1, 4\)$"):
         model.loss(ids, ids, ids[:, :4])
     with no_communication():
         with pytest.raises(ValueError, match=r"ParallelSelfAttention: segment_ids.shape=\(1, 2\), expected \[B, S_local\] "
@@ -201,6 +205,11 @@ def _bad_seq_on_rank():
             attn(torch.ones(4, 1, 16, dtype=torch.float64), torch.zeros(1, 2, dtype=torch.long))
         with pytest.raises(TypeError, match=r"segment_ids.dtype=torch.float32: expected integer ids"):
             attn(torch.ones(4, 1, 16, dtype=torch.float64), torch.zeros(1, 4))
+        with pytest.raises(ValueError, match=r"ParallelSelfAttention: segment_ids is on meta but x is on cpu"):
+            attn(torch.ones(4, 1, 16, dtype=torch.float64), torch.zeros(1, 4, dtype=torch.long, device="meta"))
+        with pytest.raises(ValueError, match=r"segment_ids was laid out with layout='contiguous'"):  # cp_layout zigzag
+            attn(torch.ones(4, 1, 16, dtype=torch.float64),
+                 ok.shard_sequence(torch.zeros(1, 8, dtype=torch.long), dims.cp_group, dim=1, layout="contiguous"))
     for bad in (0, True, 2.0):
         try:
             GPTConfig(**{**CONFIG, "num_heads": bad})

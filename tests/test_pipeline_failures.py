@@ -188,3 +188,39 @@ def test_a_refusal_on_some_ranks_is_raised_on_every_rank(rank_pool, world, refus
         else:
             assert got == ("RefusedElsewhere", f"PipelineRunner: rank {refusing[0]} of the group{others} refused, so "
                            f"this rank stops too: ValueError: {own}"), (rank, got)
+
+
+class _TakesIds(nn.Linear):
+    def forward(self, x, segment_ids=None):
+        return super().forward(x) + (0 if segment_ids is None else segment_ids.sum() * 0)
+
+
+class _TakesAnything(nn.Linear):
+    def forward(self, x, **kwargs):
+        return super().forward(x)
+
+
+def _misnamed_stage_kwarg_on_rank():
+    """Rank 0's stage takes no such keyword (rank 1's takes any): both ranks are told at once, before
+    any P2P, and the runner stays usable (a step with the right name follows)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    runner = pp.PipelineRunner((_TakesIds if rank == 0 else _TakesAnything)(WIDTH, WIDTH),
+                               schedule=pp.make_schedule("1f1b", 2, 2), loss_fn=F.mse_loss, timeout=60)
+    x = torch.randn(4, WIDTH)
+    said = []
+    for name in ("segment_id", "segment_ids"):
+        try:
+            loss = runner.step(x if rank == 0 else None, x if rank == 1 else None,
+                               stage_kwargs={name: torch.zeros(4, 3, dtype=torch.long)})
+            said.append("ran" if (loss is None) == (rank == 0) else "no loss")
+        except TypeError as exc:
+            said.append(f"TypeError: {exc}")
+        except Exception as exc:  # noqa: BLE001 - RefusedElsewhere
+            said.append(type(exc).__name__)
+    return said
+
+
+def test_a_stage_kwarg_a_stage_does_not_take_is_refused_on_every_rank(rank_pool):
+    refused = "TypeError: stage 0: its forward takes no keyword argument ['segment_id'] (stage_kwargs)"
+    assert rank_pool(2).run(_misnamed_stage_kwarg_on_rank) == [[refused, "ran"], ["RefusedElsewhere", "ran"]]

@@ -6,6 +6,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from ..kernels.ids import integer_ids
 from ..ops._validate import check_flag
 from ..ops.dispatch import check_method
 from ..ops.ring_attention import ring_attention
@@ -119,8 +120,12 @@ class ParallelSelfAttention(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn
             raise ValueError(f"{type(self).__name__}: segment_ids.shape={tuple(segment_ids.shape)}, expected "
                              f"[B, S_local] = {list(want)} (x is [S, B, hidden]"
                              + (", S a TP share of S_local under sequence parallelism" if tp > 1 else "") + ")")
-        if segment_ids.dtype == torch.bool or segment_ids.is_floating_point() or segment_ids.is_complex():
+        if not integer_ids(segment_ids):
             raise TypeError(f"{type(self).__name__}: segment_ids.dtype={segment_ids.dtype}: expected integer ids")
+        if segment_ids.device != x.device:  # (a copy per layer and forward, were it moved here)
+            raise ValueError(f"{type(self).__name__}: segment_ids is on {segment_ids.device} but x is on {x.device}")
+        if self.cp_group is not None:  # sharded in another layout: a wrong mask, refused before the gather
+            check_layout_tag(segment_ids, "segment_ids", 1, self.cp_group, self.cp_layout, type(self).__name__)
 
     def forward(self, x, segment_ids=None):
         self._check_length(x)
@@ -144,7 +149,7 @@ class ParallelSelfAttention(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn
             if segment_ids is None:
                 ctx = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
             else:  # [B, 1, S, S]: the same document, at or before the query
-                ids = segment_ids.to(x.device)
+                ids = segment_ids
                 mask = (ids[:, :, None] == ids[:, None, :]) & torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
                 ctx = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[:, None])
             ctx = ctx.permute(2, 0, 1, 3)

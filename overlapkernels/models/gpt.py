@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import _compat
 from ..comm.collectives import all_reduce_coalesced
+from ..kernels.ids import integer_ids
 from ..layers import ColumnParallelLinear, RMSNorm, TransformerBlock, VocabParallelEmbedding
 from ..layers.embedding import check_token_ids
 from ..layers.linear import default_init
@@ -51,6 +52,18 @@ class GPTConfig:
         self.sequence_parallel = check_flag(self.sequence_parallel, "GPTConfig.sequence_parallel")
         self.ignore_index = check_ignore_index(self.ignore_index, "GPTConfig.ignore_index")
         self.activation_checkpointing = check_flag(self.activation_checkpointing, "GPTConfig.activation_checkpointing")
+
+
+def check_segment_ids(segment_ids, tokens: torch.Tensor) -> None:
+    """Packed documents' ids: None, or integer ids shaped as the tokens [B, S], on their device."""
+    if segment_ids is None:
+        return
+    if not integer_ids(segment_ids) or segment_ids.shape != tokens.shape:
+        raise ValueError(f"segment_ids must be integer ids shaped as the tokens {tuple(tokens.shape)}, got "
+                         + (f"{segment_ids.dtype} {tuple(segment_ids.shape)}" if isinstance(segment_ids, torch.Tensor)
+                            else type(segment_ids).__name__))
+    if segment_ids.device != tokens.device:
+        raise ValueError(f"segment_ids is on {segment_ids.device} but the tokens are on {tokens.device}")
 
 
 class GPT(KeepsTags, nn.Module):
@@ -168,6 +181,8 @@ class GPT(KeepsTags, nn.Module):
             if not self.sequence_parallel:
                 x = x.transpose(0, 1)  # [S, B, hidden]
         recompute = self.config.activation_checkpointing and torch.is_grad_enabled()
+        if recompute and segment_ids is not None:  # saved for the recompute: the caller may refill its buffer
+            segment_ids = segment_ids.clone()
         for block in self.blocks.values():
             # every rank recomputes the same blocks in the same order: the collectives inside pair up
             x = checkpoint(block, x, segment_ids, use_reentrant=False) if recompute else block(x, segment_ids)
@@ -179,10 +194,7 @@ class GPT(KeepsTags, nn.Module):
         if targets.shape != tokens.shape:  # (local_tokens would name a bad targets "tokens")
             raise ValueError(f"targets shape {tuple(targets.shape)} must equal tokens shape {tuple(tokens.shape)} "
                              "([B, S])")
-        if segment_ids is not None and (not isinstance(segment_ids, torch.Tensor)
-                                        or segment_ids.shape != tokens.shape):
-            raise ValueError(f"segment_ids shape {tuple(getattr(segment_ids, 'shape', ()))} must equal tokens shape "
-                             f"{tuple(tokens.shape)} ([B, S])")
+        check_segment_ids(segment_ids, tokens)
         tokens_local, targets_local = self.local_tokens(tokens), self.local_tokens(targets)
         segments_local = None if segment_ids is None else self.local_tokens(segment_ids)
         self.check_ids(tokens, targets)  # the whole batch: under CP a rank's part would hide its peers' ids

@@ -25,7 +25,7 @@ from ..ops.sequence_shard import shard_sequence
 from ..parallel import comm_device
 from ..runtime import fsdp
 from ..runtime import pipeline as pp
-from .gpt import GPT, shard_dense_state_dict
+from .gpt import GPT, check_segment_ids, shard_dense_state_dict
 
 
 def _adamw(params):
@@ -183,10 +183,7 @@ class Trainer:
         runner alone could only check it on the first and last stages)."""
         if tokens.shape != targets.shape or tokens.dim() != 2:
             raise ValueError(f"tokens {tuple(tokens.shape)} and targets {tuple(targets.shape)} must both be [B, S]")
-        if segment_ids is not None and (not torch.is_tensor(segment_ids) or segment_ids.shape != tokens.shape
-                                        or segment_ids.dtype == torch.bool or segment_ids.is_floating_point()):
-            raise ValueError(f"segment_ids must be integer ids shaped as the tokens {tuple(tokens.shape)}, got "
-                             f"{(segment_ids.dtype, tuple(segment_ids.shape)) if torch.is_tensor(segment_ids) else type(segment_ids).__name__}")
+        check_segment_ids(segment_ids, tokens)
         rows = self.dims.dp_size * self.schedule.num_microbatches
         if tokens.shape[0] % rows:
             raise ValueError(f"batch size {tokens.shape[0]} must be divisible by dp x microbatches = "

@@ -21,6 +21,7 @@ import torch
 from .._compat import eager_under_compile
 from ..comm.ring import Ring, settled_on_error, wait_all
 from ..kernels import attention_ref
+from ..kernels.ids import integer_ids
 from ..parallel import resolve_group
 from ..profiling.ranges import span
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands
@@ -284,7 +285,7 @@ def _check_segments(segment_ids, q, qkv_format):
     whatever ``qkv_format``; on q's device. -> an int64 copy (every rank sends the same dtype; saved
     for backward, so a caller refilling its buffer meanwhile changes nothing, whatever its dtype)."""
     check_tensor("segment_ids", segment_ids)
-    if segment_ids.dtype == torch.bool or segment_ids.is_floating_point() or segment_ids.is_complex():
+    if not integer_ids(segment_ids):
         raise TypeError(f"segment_ids.dtype={segment_ids.dtype}: expected an integer tensor (one id per token)")
     seq, batch = (1, 0) if qkv_format == "bshd" else (0, 1)
     if tuple(segment_ids.shape) != (q.shape[batch], q.shape[seq]):

@@ -47,7 +47,7 @@ def _visible(offs_m, offs_n, Lq, Lk, q_start, k_start, seg_q, seg_k, CAUSAL: tl.
 def _span(lo, hi, span_ptr, tile, BLOCK: tl.constexpr, SEGMENTS: tl.constexpr):
     """The other side's positions [lo, hi) this program walks, cut (with segment ids) to the tiles
     from the first to the last whose id range meets this tile's (``span_ptr``: [first, last] per
-    tile, made on the host by ``_tile_spans``). A bound, not a branch per tile: the loop keeps its
+    tile, made per call by ``flash_segments.tile_spans``). A bound, not a branch per tile: the loop keeps its
     software pipelining. Tiles between two that meet are walked, masked (ids out of order)."""
     if SEGMENTS:
         lo = tl.maximum(lo, tl.load(span_ptr + 2 * tile) * BLOCK)

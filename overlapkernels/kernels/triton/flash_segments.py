@@ -6,23 +6,26 @@ from __future__ import annotations
 
 import torch
 
+from ..ids import integer_ids
+
 # at most this many (row tile, column tile) pairs compared at once (bytes of a bool tensor)
 _PAIRS_AT_ONCE = 1 << 24
 
 
 def segment_args(q, k, q_segments, k_segments) -> tuple:
-    """(SEGMENTS, q ids, k ids, their batch strides) of a launch, ids with a unit position stride;
-    without ids, q twice (pointers nothing reads)."""
+    """(SEGMENTS, q ids, k ids, their batch strides) of a launch: both int64 (compared in one dtype,
+    as torch compares them: int8 -1 is not uint8 255), with a unit position stride; without ids, q
+    twice (pointers nothing reads)."""
     if q_segments is None and k_segments is None:
         return False, q, q, 0, 0
     for name, ids, t in (("q_segments", q_segments, q), ("k_segments", k_segments, k)):
-        if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex \
-                or ids.dtype == torch.bool or tuple(ids.shape) != (t.shape[0], t.shape[2]):
+        if not integer_ids(ids) or tuple(ids.shape) != (t.shape[0], t.shape[2]):
             raise ValueError(f"flash attention (Triton): {name} must be integer ids [B, L] = "
                              f"{[t.shape[0], t.shape[2]]} (both or neither given), got "
                              f"{(ids.dtype, tuple(ids.shape)) if isinstance(ids, torch.Tensor) else ids}")
         if ids.device != q.device:
             raise ValueError(f"flash attention (Triton): {name} is on {ids.device} but q is on {q.device}")
+    q_segments, k_segments = (ids.to(torch.int64) for ids in (q_segments, k_segments))
     q_segments, k_segments = (ids if ids.stride(-1) == 1 else ids.contiguous() for ids in (q_segments, k_segments))
     return True, q_segments, k_segments, q_segments.stride(0), k_segments.stride(0)
 
@@ -46,6 +49,8 @@ def tile_spans(row_ids: torch.Tensor, col_ids: torch.Tensor, block_rows: int, bl
     rmin, rmax = tile_ranges(row_ids, block_rows)
     cmin, cmax = tile_ranges(col_ids, block_cols)
     b, col_tiles = cmin.shape
+    if col_tiles == 0:  # an empty other side: nothing to walk
+        return torch.tensor([0, -1], dtype=torch.int32, device=row_ids.device).expand(b, rmin.shape[1], 2).contiguous()
     at_once = max(1, _PAIRS_AT_ONCE // max(1, b * col_tiles))
     spans = []
     for r0 in range(0, rmin.shape[1], at_once):

@@ -18,6 +18,7 @@ gradients to W (``enable_zero_bubble``, applied here), and fsdp-sharded stages t
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import time
 import typing
@@ -105,8 +106,10 @@ class PipelineRunner(MessageExchange):
     number of microbatches, so the gradients equal those of the whole batch's mean loss.
     ``step(inputs, targets)``: the first stage's rank passes ``inputs``, the last stage's
     ``targets`` (others None); both are split into microbatches along dim 0. ``stage_kwargs``:
-    tensors every stage takes besides its input (packed documents' ``segment_ids``), given on every
-    rank, split the same way and passed to each stage's forward by name. Returns the mean
+    tensors every stage takes besides its input (packed documents' ``segment_ids``), given alike on
+    every rank, split the same way and passed to each stage's forward by name (a stage whose forward
+    does not take a name is refused on every rank at the first step passing it; a tensor its forward
+    then rejects fails that stage mid-step, as any stage error). Returns the mean
     microbatch loss on the last stage's rank, None elsewhere; gradients accumulate in the stage
     modules (zero them, and step the optimizer, yourself). ``timeout`` (s): a peer that does not
     answer raises ``PipelineTimeout`` naming the stage, microbatch and peer; seconds or a timedelta.
@@ -148,6 +151,7 @@ class PipelineRunner(MessageExchange):
         self.modules = {chunk * self.world + self.rank: mod for chunk, mod in enumerate(modules)}
         # W-split: the fsdp wrappers W hands its gradients to (see _held_until_w)
         self._sharded = {s: _sharded_in(mod) for s, mod in self.modules.items()} if self._splits_w else {}
+        self._kwargs_checked: set = set()  # the stage_kwargs names every rank's stages were found to take
         self.schedule, self.loss_fn, self.timeout = schedule, loss_fn, timeout
         self._posted, self._failed = False, None  # (a step that failed after posting: see step)
         self.last_stage = schedule.num_stages - 1
@@ -209,6 +213,7 @@ class PipelineRunner(MessageExchange):
             if not torch.is_tensor(t) or t.dim() == 0 or t.shape[0] % m:
                 raise ValueError(f"stage_kwargs[{name!r}]: expected a tensor whose dim 0 is divisible by {m} "
                                  f"microbatches, got {tuple(t.shape) if torch.is_tensor(t) else type(t).__name__}")
+        self._check_kwargs_names(frozenset(stage_kwargs or ()))
         inputs_mb = inputs.chunk(m) if has_first else None
         targets_mb = targets.chunk(m) if has_last else None
         self._kwargs_mb = [{name: t.chunk(m)[mb] for name, t in (stage_kwargs or {}).items()} for mb in range(m)]
@@ -246,6 +251,28 @@ class PipelineRunner(MessageExchange):
                 self.compute_s[op] += start.elapsed_time(end) / 1e3
         self.step_s = time.perf_counter() - step_start
         return torch.stack(losses).sum() if has_last else None
+
+    def _check_kwargs_names(self, names: frozenset) -> None:
+        """The first step passing these stage_kwargs names: every stage module of every rank must take
+        them, refused together (one all-reduce, once per set of names) - a stage refusing them in its
+        forward would leave its peers waiting out the timeout. Ranks must pass the same names."""
+        if not names or names in self._kwargs_checked:
+            return
+        error = None
+        for s, module in self.modules.items():
+            inner = getattr(module, "module", module)  # (fsdp.shard's wrapper hands every argument on)
+            try:
+                params = inspect.signature(getattr(inner, "forward", inner)).parameters
+            except (TypeError, ValueError):  # no signature to read: its forward will say
+                continue
+            if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                continue
+            missing = sorted(n for n in names if n not in params or params[n].kind is inspect.Parameter.POSITIONAL_ONLY)
+            if missing:
+                error = TypeError(f"stage {s}: its forward takes no keyword argument {missing} (stage_kwargs)")
+                break
+        refuse_together(error, self.group, "PipelineRunner.step", comm_device(self.group))
+        self._kwargs_checked.add(names)
 
     def _run_action(self, a, inputs_mb, targets_mb, state, stores, losses) -> None:
         """One F, B, BW or W: take what it needs, compute, leave what it made for the next batch."""
