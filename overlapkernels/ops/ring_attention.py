@@ -101,6 +101,11 @@ def _travelling(k, v, segments) -> tuple:
     return (k, v) if segments is None else (k, v, segments)
 
 
+def _ids_of(block) -> torch.Tensor | None:
+    """A travelling block's segment ids (None without)."""
+    return block[2] if len(block) == 3 else None
+
+
 def ring_forward(q, k, v, group, causal, scale, layout, backend, segments=None):
     """q [B, H, S, D], k/v [B, H_kv, S, D] contiguous, segments [B, S] or None -> out, lse in the
     accumulation dtype."""
@@ -118,7 +123,7 @@ def ring_forward(q, k, v, group, causal, scale, layout, backend, segments=None):
         with span(f"ok/ring_attention/step{step}/compute"), settled_on_error(pending):
             kb, vb = _kv_for_step(cur[0], cur[1], k, v, step)
             _attend_block(out, lse, q, kb, vb, kern, scale, layout, world, r, (r - step) % world, causal, segments,
-                          cur[2] if segments is not None else None)
+                          _ids_of(cur))
         if pending:
             with span(f"ok/ring_attention/step{step}/comm"):
                 wait_all(pending)
@@ -141,7 +146,7 @@ def allgather_kv_forward(q, k, v, group, causal, scale, layout, backend, *, comm
     for src in range(world):
         block = [t[src] for t in gathered] if communicate else own
         _attend_block(out, lse, q, block[0], block[1], kern, scale, layout, world, r, src, causal, segments,
-                      block[2] if segments is not None else None)
+                      _ids_of(block))
     return out, lse
 
 
@@ -177,8 +182,7 @@ def ring_backward(q, k, v, segments, out, lse, dout, dlse, group, causal, scale,
                                                        vb[:, :, ko:ko + kl], dout[:, :, qo:qo + ql],
                                                        lse[:, :, qo:qo + ql], delta[:, :, qo:qo + ql], scale,
                                                        q_start=qs, k_start=ks, causal=masked,
-                                                       **_segment_slices(segments, cur[2] if segments is not None
-                                                                         else None, qo, ql, ko, kl))
+                                                       **_segment_slices(segments, _ids_of(cur), qo, ql, ko, kl))
                 dq[:, :, qo:qo + ql] += dq_b
                 dk[:, :, ko:ko + kl] += dk_b
                 dv[:, :, ko:ko + kl] += dv_b
