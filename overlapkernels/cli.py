@@ -131,7 +131,7 @@ def _bench_ring(args) -> int:
     cfg = rb.RingConfig(batch=args.batch, seq=seq, heads=args.heads, kv_heads=args.kv_heads,
                         head_dim=args.head_dim, dtype=args.dtype, iters=args.iters, warmup=args.warmup,
                         layouts=tuple(x.strip() for x in args.layouts.split(",")), causal=(True, False) if args.causal == "both" else
-                        (args.causal == "true",))
+                        (args.causal == "true",), documents=args.documents)
     cfg.validate(_world(args))  # before any rank starts
     rows, device = _run_ranks(rb.rank_main, rb.config_dict(cfg), args)
     title = "ring attention (E = 1 - (T_ring - T_compute)/(T_allgather - T_compute), forward)"
@@ -335,6 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     ring.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16 | float64")
     ring.add_argument("--layouts", default="contiguous,zigzag")
     ring.add_argument("--causal", default="both", choices=["both", "true", "false"])
+    ring.add_argument("--documents", type=int, default=0,
+                      help="pack this many documents into the sequence (segment ids); default 0: one sequence")
     _rank_args(ring, iters=5, warmup=1)
     ring.set_defaults(func=_bench_ring)
     lay = kinds.add_parser("layers", help="one transformer block fwd+bwd: baseline vs decomposed vs auto")

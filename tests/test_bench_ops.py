@@ -141,6 +141,16 @@ def test_ring_attention_bench_smoke(rank_pool):
     _spread_and_telemetry(rows, "fwd_ring_us")
     with pytest.raises(ValueError, match="seq=10 must be divisible by 2 x the world size 4"):
         rb.RingConfig(seq=10).validate(4)
+    # packed documents: every timed call masks by segment ids; flops count attention within documents
+    docs = rb.RingConfig(seq=16, heads=2, kv_heads=1, head_dim=4, iters=1, warmup=0, layouts=("zigzag",),
+                         causal=(False,), documents=3)
+    rows = rank_pool(2).run(rb.rank_main, rb.config_dict(docs))[0]
+    assert rows[0]["documents"] == 3 and rows[0]["fwd_ring_us"] > 0
+    assert rb._document_ids(docs)[0].tolist() == [0] * 6 + [1] * 5 + [2] * 5  # lengths 6, 5, 5
+    assert rb._flops(docs, 2, False) == 4 * 2 * 4 * (36 + 25 + 25) / 2
+    for bad in (-1, 17, 1.5, True):
+        with pytest.raises(ValueError, match=f"documents={bad!r}: expected a whole number from 0 to seq=16"):
+            rb.RingConfig(seq=16, documents=bad).validate(2)
 
 
 def test_layers_bench_smoke(rank_pool):

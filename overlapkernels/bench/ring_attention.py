@@ -5,6 +5,8 @@ the ring, the compute alone (every block attended without traffic) and the overl
 E = 1 - (T_ring - T_compute) / (T_allgather - T_compute). Times are the slowest rank's median;
 min_us / max_us are the ring forward's (the time E and TFLOP/s come from). T_compute is timed as
 the others are (``time_calls``), though it involves no other rank: E subtracts one from another.
+``documents`` > 0: the sequence packs that many documents of (nearly) equal length, masked apart by
+segment ids in every timed call; TFLOP/s then counts the attention within documents only.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from .metrics import overlap_efficiency, summarize
 from .progress import track
 from .timing import DTYPES, check_counts, check_dtype, check_sizes, slowest_rank, telemetry, time_calls
 
-COLUMNS = [("layout", "layout", ""), ("causal", "causal", ""), ("seq", "S", "d"), ("fwd_allgather_us", "AG fwd(us)", ".0f"),
+COLUMNS = [("layout", "layout", ""), ("causal", "causal", ""), ("seq", "S", "d"), ("documents", "docs", "d"), ("fwd_allgather_us", "AG fwd(us)", ".0f"),
            ("fwd_ring_us", "ring fwd(us)", ".0f"), ("compute_us", "compute(us)", ".0f"),
            ("fwd_bwd_ring_us", "ring f+b(us)", ".0f"), ("speedup", "vs AG", ".3f"), ("efficiency", "E", ".2f"),
            ("tflops_fwd", "TFLOP/s fwd", ".4f")]
@@ -39,6 +41,7 @@ class RingConfig:
     causal: tuple = (True, False)
     iters: int = 5
     warmup: int = 1
+    documents: int = 0  # packed documents in the sequence (segment ids); 0: one sequence, no ids
 
     def validate(self, world: int | None = None) -> None:
         check_counts(self.iters, self.warmup)
@@ -48,13 +51,25 @@ class RingConfig:
             raise ValueError(f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
         if not self.layouts or any(layout not in LAYOUTS for layout in self.layouts):
             raise ValueError(f"layouts={list(self.layouts)}: expected a non-empty subset of {', '.join(LAYOUTS)}")
+        if isinstance(self.documents, bool) or not isinstance(self.documents, int) or \
+                not 0 <= self.documents <= self.seq:
+            raise ValueError(f"documents={self.documents!r}: expected a whole number from 0 to seq={self.seq}")
         if world and self.seq % (2 * world):
             raise ValueError(f"seq={self.seq} must be divisible by 2 x the world size {world} (zigzag)")
 
 
+def _document_ids(cfg: RingConfig) -> torch.Tensor | None:
+    """[B, S] ids of ``cfg.documents`` documents of nearly equal length, in order (None: no ids)."""
+    if not cfg.documents:
+        return None
+    return (torch.arange(cfg.seq) * cfg.documents // cfg.seq).expand(cfg.batch, cfg.seq)
+
+
 def _flops(cfg: RingConfig, world: int, causal: bool) -> float:
-    """This rank's attention matmul flops for one forward (4 B H S_local S D, halved when causal)."""
-    f = 4 * cfg.batch * cfg.heads * (cfg.seq // world) * cfg.seq * cfg.head_dim
+    """A rank's attention matmul flops for one forward: 4 B H S_local S D, halved when causal; with
+    documents, the same within each document (averaged over the ranks)."""
+    lengths = torch.bincount(_document_ids(cfg)[0]).tolist() if cfg.documents else [cfg.seq]
+    f = 4 * cfg.batch * cfg.heads * cfg.head_dim * sum(n * n for n in lengths) / world
     return f / 2 if causal else f
 
 
@@ -80,21 +95,24 @@ def run_ring(cfg: RingConfig, group=None) -> list[dict]:
             return slowest_rank(summarize(time_calls(fn, cfg.iters, cfg.warmup, device, group)), device, group)
 
         qg, kg, vg = (t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v))
+        ids = _document_ids(cfg)
+        ids = None if ids is None else ok.shard_sequence(ids.to(device), group, dim=1, layout=layout).contiguous()
 
         def fwd_bwd():
-            out = ok.ring_attention(qg, kg, vg, group, causal=causal, layout=layout)
+            out = ok.ring_attention(qg, kg, vg, group, causal=causal, layout=layout, segment_ids=ids)
             out.backward(torch.ones_like(out))
 
         with telemetry(device) as tel:
             with torch.no_grad():
                 t_ag = timed(lambda: ra.allgather_kv_forward(q, k, v, group, causal, scale, layout,
-                                                             backend))["median_s"]
-                ring = timed(lambda: ra.ring_forward(q, k, v, group, causal, scale, layout, backend))
+                                                             backend, segments=ids))["median_s"]
+                ring = timed(lambda: ra.ring_forward(q, k, v, group, causal, scale, layout, backend, ids))
                 t_comp = timed(lambda: ra.allgather_kv_forward(q, k, v, group, causal, scale, layout, backend,
-                                                               communicate=False))["median_s"]
+                                                               communicate=False, segments=ids))["median_s"]
             t_fb = timed(fwd_bwd)["median_s"]
         t_ring = ring["median_s"]
-        rows.append({"layout": layout, "causal": causal, "seq": cfg.seq, "batch": cfg.batch, "heads": cfg.heads,
+        rows.append({"layout": layout, "causal": causal, "seq": cfg.seq, "documents": cfg.documents,
+                     "batch": cfg.batch, "heads": cfg.heads,
                      "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "dtype": cfg.dtype, "world_size": world,
                      "backend": dist.get_backend(group), "kernels": backend, "fwd_allgather_us": t_ag * 1e6,
                      "fwd_ring_us": t_ring * 1e6,
