@@ -79,9 +79,10 @@ def test_kernels_with_segment_ids_vs_sdpa(causal):
     torch.testing.assert_close(dv, vr.grad.float().reshape(2, 2, 4, 700, 128).sum(2), atol=5e-2, rtol=5e-2)
 
 
-def _ring_bf16_one_gpu_on_rank(layout):
+def _ring_bf16_one_gpu_on_rank(layout, documents=False):
     """Two processes sharing cuda:0, gloo moving K/V through host memory: the ring on the compiled
-    Triton kernels in bf16 vs SDPA on the full sequence."""
+    Triton kernels in bf16 vs SDPA on the full sequence; with ``documents``, packed documents (segment
+    ids travelling with K/V) vs SDPA with their mask."""
     import overlapkernels as ok
 
     torch.cuda.set_device(0)
@@ -90,8 +91,15 @@ def _ring_bf16_one_gpu_on_rank(layout):
     seq, heads, kv_heads, dim = 128 * world, 8, 2, 64
     q, k, v = (torch.randn(2, seq, n, dim, generator=g).to("cuda", torch.bfloat16).requires_grad_()
                for n in (heads, kv_heads, kv_heads))
+    ids = None
+    mask = None
+    if documents:  # documents of 1, 90 and the rest: boundaries inside ranks' parts and zigzag halves
+        row = torch.repeat_interleave(torch.arange(3), torch.tensor([1, 90, seq - 91]))
+        ids = torch.stack([row, row.flip(0)]).cuda()
+        mask = ((ids[:, :, None] == ids[:, None, :]) & torch.ones(seq, seq, dtype=torch.bool, device="cuda").tril())[:, None]
     want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(4, 1),
-                                          v.transpose(1, 2).repeat_interleave(4, 1), is_causal=True).transpose(1, 2)
+                                          v.transpose(1, 2).repeat_interleave(4, 1), attn_mask=mask,
+                                          is_causal=not documents).transpose(1, 2)
     do = torch.randn(want.shape, generator=g).to("cuda", torch.bfloat16)
     want.backward(do)
 
@@ -99,7 +107,8 @@ def _ring_bf16_one_gpu_on_rank(layout):
         return ok.shard_sequence(x.detach(), layout=layout)
 
     ql, kl, vl = (local(x).requires_grad_() for x in (q, k, v))
-    out = ok.ring_attention(ql, kl, vl, causal=True, layout=layout)
+    out = ok.ring_attention(ql, kl, vl, causal=True, layout=layout,
+                            segment_ids=None if ids is None else ok.shard_sequence(ids, dim=1, layout=layout))
     out.backward(local(do))
     for name, got, ref_t in (("out", out, want), ("dq", ql.grad, q.grad), ("dk", kl.grad, k.grad),
                              ("dv", vl.grad, v.grad)):
@@ -112,6 +121,11 @@ def _ring_bf16_one_gpu_on_rank(layout):
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_ring_bf16_two_ranks_one_gpu(rank_pool, layout):
     assert rank_pool(2).run(_ring_bf16_one_gpu_on_rank, layout) == [True, True]
+
+
+@pytest.mark.gpu
+def test_ring_bf16_two_ranks_one_gpu_packed_documents(rank_pool):
+    assert rank_pool(2).run(_ring_bf16_one_gpu_on_rank, "zigzag", True) == [True, True]
 
 
 def _ring_fp64_cuda_on_rank():
