@@ -35,7 +35,7 @@ except ImportError as exc:  # the internals this relies on moved in this triton
     sys.exit(3)
 
 from overlapkernels.kernels.triton import ag_gemm as AG, gemm_rs as RS, all_gather as AL, signals as SG, \
-    flash_attn as FA, flash_configs as FC
+    flash_attn as FA, flash_configs as FC, flash_segments as FS
 from overlapkernels.kernels.triton import tile_gemm as TG
 from overlapkernels.kernels.triton.tile_gemm import dot_precision
 
@@ -236,6 +236,14 @@ for dname, dt in DT.items():
                   # 16-byte remote stores (signals.peer_ptr's alignment)
                   ptx_has=("st.global.v4",) + ((TMA_LOADS,) if tma else ()),
                   ptx_re=(RELEASE_SYS,), ptx_not=TMA_STORES if tma else NO_TMA)  # tiles' stores, then the count
+
+# --- segment ids: the span tables' kernels (the block sizes the flash tables use) --------------------
+for block in (64,) if QUICK else (16, 64, 128):
+    ids, ranges, spans_out = t(2, 1000, dtype=torch.int64), t(2, 63, 2, dtype=torch.int64), t(2, 63, 2, dtype=torch.int32)
+    check(f"_tile_range_kernel BLOCK={block}", FS._tile_range_kernel, ids, ranges, 1000, ids.stride(0),
+          ranges.stride(0), BLOCK=block)
+    check(f"_tile_span_kernel BLOCK={block}", FS._tile_span_kernel, ids, ranges, spans_out, 1000, 63, ids.stride(0),
+          ranges.stride(0), spans_out.stride(0), BLOCK=block, CHUNK=64)
 
 # --- all_gather ---------------------------------------------------------------------------------
 for dname in ("bf16", "fp32"):

@@ -75,24 +75,43 @@ def test_skipped_tiles_are_only_those_that_cannot_meet():
     _check_block(torch.float32, shifted, shifted, causal=False)
 
 
-def test_tile_spans_walk_only_the_tiles_that_can_meet():
-    """The loop bounds: per tile, the first and last tile of the other side with a shared id range."""
+@pytest.mark.parametrize("spans", ["tile_spans", "tile_spans_reference"])
+def test_tile_spans_walk_only_the_tiles_that_can_meet(spans):
+    """The loop bounds: per tile, the first and last tile of the other side with a shared id range
+    (the kernels' launcher, and the torch form the next test holds it to)."""
+    tile_spans = getattr(fs, spans)
     ids = _ids([16, 16, 16, 16], batch=1)  # a document per 16 positions
-    assert fs.tile_spans(ids, ids, 16, 16).tolist() == [[[0, 0], [1, 1], [2, 2], [3, 3]]]
-    assert fs.tile_spans(ids, ids, 32, 16).tolist() == [[[0, 1], [2, 3]]]  # row tiles of 32: two column tiles each
+    assert tile_spans(ids, ids, 16, 16).tolist() == [[[0, 0], [1, 1], [2, 2], [3, 3]]]
+    assert tile_spans(ids, ids, 32, 16).tolist() == [[[0, 1], [2, 3]]]  # row tiles of 32: two column tiles each
     shifted = _ids([17, 15, 16, 16], batch=1)  # document 0 reaches into the second tile
-    assert fs.tile_spans(shifted, shifted, 16, 16).tolist() == [[[0, 1], [0, 1], [2, 2], [3, 3]]]
+    assert tile_spans(shifted, shifted, 16, 16).tolist() == [[[0, 1], [0, 1], [2, 2], [3, 3]]]
     ragged = torch.tensor([[0] * 16 + [1] * 4])  # the last tile padded with its last id: no new id
-    assert fs.tile_spans(ragged, ragged, 16, 16).tolist() == [[[0, 0], [1, 1]]]
-    assert fs.tile_spans(torch.full((1, 16), 5), torch.full((1, 16), 7), 16, 16).tolist() == [[[1, -1]]]  # none
+    assert tile_spans(ragged, ragged, 16, 16).tolist() == [[[0, 0], [1, 1]]]
+    assert tile_spans(torch.full((1, 16), 5), torch.full((1, 16), 7), 16, 16).tolist() == [[[1, -1]]]  # none
     unsorted = torch.tensor([[0, 1] * 16])  # every tile holds both ids: all walked, the mask does the rest
-    assert fs.tile_spans(unsorted, unsorted, 16, 16).tolist() == [[[0, 1], [0, 1]]]
-    rows = torch.arange(64)[None] // 16  # 4 row tiles, more than _PAIRS_AT_ONCE lets through at once
+    assert tile_spans(unsorted, unsorted, 16, 16).tolist() == [[[0, 1], [0, 1]]]
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    assert tile_spans(ids, empty, 16, 16).tolist() == [[[0, -1]] * 4] and tile_spans(empty, ids, 16, 16).shape == (1, 0, 2)
+    rows = torch.arange(64)[None] // 16  # 4 row tiles, more than _PAIRS_AT_ONCE lets the torch form compare at once
     old, fs._PAIRS_AT_ONCE = fs._PAIRS_AT_ONCE, 2
     try:
-        assert fs.tile_spans(rows, rows, 16, 16).tolist() == [[[0, 0], [1, 1], [2, 2], [3, 3]]]
+        assert tile_spans(rows, rows, 16, 16).tolist() == [[[0, 0], [1, 1], [2, 2], [3, 3]]]
     finally:
         fs._PAIRS_AT_ONCE = old
+
+
+def test_tile_spans_kernels_equal_the_torch_form(monkeypatch):
+    """Random ids (sorted as packing makes them, or not), ragged lengths, several tile sizes, two rows;
+    the span kernel's loop over column tiles in chunks of 2 (1024 on GPUs), so several chunks."""
+    monkeypatch.setattr(fs, "_SPAN_CHUNK", 2)
+    g = torch.Generator().manual_seed(11)
+    for case in range(10):
+        draw = [torch.randint(-3, 6, (2, int(n)), generator=g) for n in torch.randint(1, 90, (2,), generator=g)]
+        row_ids, col_ids = (d.sort(dim=1).values if case % 2 else d for d in draw)
+        for block_rows, block_cols in ((16, 16), (32, 16), (16, 32)):
+            got = fs.tile_spans(row_ids, col_ids, block_rows, block_cols)
+            want = fs.tile_spans_reference(row_ids, col_ids, block_rows, block_cols)
+            assert torch.equal(got, want), (case, block_rows, block_cols)
 
 
 def test_empty_blocks_and_ids_of_mixed_signedness_match_reference():

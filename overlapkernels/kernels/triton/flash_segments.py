@@ -1,15 +1,20 @@
-"""Segment ids (packed documents) for the flash kernels, host side: the checks, and for each tile
+"""Segment ids (packed documents) for the flash kernels: the launch arguments' checks, and for each tile
 of one side the first and last tile of the other side whose ids can meet it (``_span`` in
-flash_attn.py bounds the kernels' loops with them). Made with torch ops on the ids' device: no
-host sync, a few small kernels per call."""
+flash_attn.py bounds the kernels' loops with them), made on the ids' device by two small kernels
+per call: no host sync."""
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from ..ids import integer_ids
+from .tile_gemm import launch_device
 
 # at most this many (row tile, column tile) pairs compared at once (bytes of a bool tensor)
 _PAIRS_AT_ONCE = 1 << 24
+# column tiles the span kernel compares per loop step
+_SPAN_CHUNK = 1024
 
 
 def segment_args(q, k, q_segments, k_segments) -> tuple:
@@ -30,9 +35,64 @@ def segment_args(q, k, q_segments, k_segments) -> tuple:
     return True, q_segments, k_segments, q_segments.stride(0), k_segments.stride(0)
 
 
+@triton.jit
+def _tile_range_kernel(ids_ptr, out_ptr, L, ids_b, out_b, BLOCK: tl.constexpr):
+    """[min, max] of one tile of one row's ids (positions past L read as the tile's first: no new id)."""
+    t, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    offs = t * BLOCK + tl.arange(0, BLOCK)
+    row = ids_ptr + b * ids_b
+    ids = tl.where(offs < L, tl.load(row + offs, mask=offs < L, other=0), tl.load(row + t * BLOCK))
+    tl.store(out_ptr + b * out_b + 2 * t, tl.min(ids, 0))
+    tl.store(out_ptr + b * out_b + 2 * t + 1, tl.max(ids, 0))
+
+
+@triton.jit
+def _tile_span_kernel(ids_ptr, ranges_ptr, out_ptr, L, col_tiles, ids_b, ranges_b, out_b, BLOCK: tl.constexpr,
+                      CHUNK: tl.constexpr):
+    """One row tile's [first, last] column tile whose [min, max] (``ranges``) meets its own."""
+    t, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    offs = t * BLOCK + tl.arange(0, BLOCK)
+    row = ids_ptr + b * ids_b
+    ids = tl.where(offs < L, tl.load(row + offs, mask=offs < L, other=0), tl.load(row + t * BLOCK))
+    lo, hi = tl.min(ids, 0), tl.max(ids, 0)
+    first, last = col_tiles + 0, col_tiles * 0 - 1  # (tensors: loop-carried)
+    for c0 in range(0, col_tiles, CHUNK):
+        c = c0 + tl.arange(0, CHUNK)
+        inside = c < col_tiles
+        cmin = tl.load(ranges_ptr + b * ranges_b + 2 * c, mask=inside, other=0)
+        cmax = tl.load(ranges_ptr + b * ranges_b + 2 * c + 1, mask=inside, other=0)
+        meets = inside & (cmin <= hi) & (cmax >= lo)
+        first = tl.minimum(first, tl.min(tl.where(meets, c, col_tiles), 0))
+        last = tl.maximum(last, tl.max(tl.where(meets, c, -1), 0))
+    tl.store(out_ptr + b * out_b + 2 * t, first)
+    tl.store(out_ptr + b * out_b + 2 * t + 1, last)
+
+
+def tile_spans(row_ids: torch.Tensor, col_ids: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:
+    """int32 [B, row tiles, 2]: for each row tile, the first and last column tile whose id range
+    meets its own ([tiles, -1] where none does). Ranges that do not meet share no id, so the tiles
+    outside [first, last] hold nothing the row tile may see; with ids in order (packing) the tiles
+    inside all meet it. Two launches (the column tiles' ranges, then the spans), where the same in
+    torch ops (``tile_spans_reference``) took about twenty small kernels per call."""
+    b, rows = row_ids.shape
+    row_tiles, col_tiles = triton.cdiv(rows, block_rows), triton.cdiv(col_ids.shape[1], block_cols)
+    out = torch.empty(b, row_tiles, 2, dtype=torch.int32, device=row_ids.device)
+    if not (b and row_tiles):
+        return out
+    ranges = torch.empty(b, col_tiles, 2, dtype=torch.int64, device=row_ids.device)
+    with launch_device(row_ids.device):
+        if col_tiles:
+            _tile_range_kernel[(col_tiles, b)](col_ids, ranges, col_ids.shape[1], col_ids.stride(0), ranges.stride(0),
+                                               BLOCK=block_cols)
+        _tile_span_kernel[(row_tiles, b)](row_ids, ranges, out, rows, col_tiles, row_ids.stride(0), ranges.stride(0),
+                                          out.stride(0), BLOCK=block_rows,
+                                          CHUNK=min(_SPAN_CHUNK, triton.next_power_of_2(max(col_tiles, 1))))
+    return out
+
+
 def tile_ranges(ids: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each tile's smallest and largest id, [B, tiles] each (the last tile padded with its row's
-    last id, which adds no id)."""
+    last id, which adds no id). For ``tile_spans_reference``."""
     b, length = ids.shape
     tiles = -(-length // block)
     if tiles * block > length:
@@ -41,11 +101,9 @@ def tile_ranges(ids: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
     return ids.amin(-1), ids.amax(-1)
 
 
-def tile_spans(row_ids: torch.Tensor, col_ids: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:
-    """int32 [B, row tiles, 2]: for each row tile, the first and last column tile whose id range
-    meets its own ([tiles, -1] where none does). Ranges that do not meet share no id, so the tiles
-    outside [first, last] hold nothing the row tile may see; with ids in order (packing) the tiles
-    inside all meet it."""
+def tile_spans_reference(row_ids: torch.Tensor, col_ids: torch.Tensor, block_rows: int,
+                         block_cols: int) -> torch.Tensor:
+    """``tile_spans`` in torch ops, by comparing every pair of tiles (the tests' yardstick)."""
     rmin, rmax = tile_ranges(row_ids, block_rows)
     cmin, cmax = tile_ranges(col_ids, block_cols)
     b, col_tiles = cmin.shape
