@@ -242,8 +242,10 @@ for block in (64,) if QUICK else (16, 64, 128):
     ids, ranges, spans_out = t(2, 1000, dtype=torch.int64), t(2, 63, 2, dtype=torch.int64), t(2, 63, 2, dtype=torch.int32)
     check(f"_tile_range_kernel BLOCK={block}", FS._tile_range_kernel, ids, ranges, 1000, ids.stride(0),
           ranges.stride(0), BLOCK=block)
-    check(f"_tile_span_kernel BLOCK={block}", FS._tile_span_kernel, ids, ranges, spans_out, 1000, 63, ids.stride(0),
-          ranges.stride(0), spans_out.stride(0), BLOCK=block, CHUNK=64)
+    for col_tiles in (63, 1):  # (an argument equal to 1 is specialized into a constant)
+        check(f"_tile_span_kernel BLOCK={block} col_tiles={col_tiles}", FS._tile_span_kernel, ids, ranges, spans_out,
+              1000, col_tiles, ids.stride(0), ranges.stride(0), spans_out.stride(0), BLOCK=block,
+              CHUNK=64 if col_tiles > 1 else 1)
 
 # --- all_gather ---------------------------------------------------------------------------------
 for dname in ("bf16", "fp32"):

@@ -151,6 +151,17 @@ def test_ring_attention_bench_smoke(rank_pool):
     for bad in (-1, 17, 1.5, True):
         with pytest.raises(ValueError, match=f"documents={bad!r}: expected a whole number from 0 to seq=16"):
             rb.RingConfig(seq=16, documents=bad).validate(2)
+    # the compute-only timing attends with each rank's ids in turn: shard_sequence's parts
+    assert rank_pool(2).run(_rank_ids_are_shards_on_rank) == [True, True]
+
+
+def _rank_ids_are_shards_on_rank():
+    import overlapkernels as ok
+    from overlapkernels.bench import ring_attention as rb
+
+    ids = rb._document_ids(rb.RingConfig(seq=16, documents=5))
+    return all(torch.equal(rb._rank_ids(ids, layout, 2, r), ok.shard_sequence(ids, dim=1, layout=layout))
+               for layout in ("zigzag", "contiguous") for r in [dist.get_rank()])
 
 
 def test_layers_bench_smoke(rank_pool):

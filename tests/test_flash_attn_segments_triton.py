@@ -112,6 +112,11 @@ def test_tile_spans_kernels_equal_the_torch_form(monkeypatch):
             got = fs.tile_spans(row_ids, col_ids, block_rows, block_cols)
             want = fs.tile_spans_reference(row_ids, col_ids, block_rows, block_cols)
             assert torch.equal(got, want), (case, block_rows, block_cols)
+    wide = torch.arange(64).reshape(1, 64).expand(2, 64) // 8  # rows at stride 0, then positions at stride 2
+    for row_ids in (wide, wide[:, ::2], wide.t().contiguous().t()):
+        assert torch.equal(fs.tile_spans(row_ids, wide, 16, 16), fs.tile_spans_reference(row_ids, wide, 16, 16))
+    with pytest.raises(ValueError, match=r"tile_spans: row_ids \(2, 64\) and col_ids \(1, 64\) differ in batch"):
+        fs.tile_spans(wide, wide[:1], 16, 16)
 
 
 def test_empty_blocks_and_ids_of_mixed_signedness_match_reference():

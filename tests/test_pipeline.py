@@ -246,8 +246,23 @@ def test_stage_kwargs_reach_each_stage_split_by_microbatch():
 
     runner = pp.PipelineRunner(Stage(3, 3), schedule=pp.make_schedule("gpipe", 1, 2), loss_fn=F.mse_loss)
     offset = torch.arange(12.0).reshape(4, 3)
+    with pytest.raises(TypeError, match=r"^stage 0: its forward takes no keyword argument \['offsets'\] \(stage_kwargs\)$"):
+        runner.step(_X, _Y, stage_kwargs={"offsets": offset})  # refused before the stage runs: the runner goes on
+    with pytest.raises(ValueError, match=r"^stage_kwargs\['offset'\] is on meta but the stages run on cpu$"):
+        runner.step(_X, _Y, stage_kwargs={"offset": offset.to("meta")})
     runner.step(_X, _Y, stage_kwargs={"offset": offset})
     assert [t.tolist() for t in seen] == [t.tolist() for t in offset.chunk(2)]
+
+    class Wrapper(nn.Module):  # a child named "module" (as fsdp.shard's wrapper has): its own forward counts
+        def __init__(self):
+            super().__init__()
+            self.module = nn.Linear(3, 3)
+
+        def forward(self, x, offset=None):
+            return self.module(x) + offset
+
+    pp.PipelineRunner(Wrapper(), schedule=pp.make_schedule("gpipe", 1, 2), loss_fn=F.mse_loss).step(
+        _X, _Y, stage_kwargs={"offset": offset})
 
 
 @pytest.mark.usefixtures("world_of_one")

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from ..ops.sequence_shard import LAYOUTS
+from ..ops.sequence_shard import LAYOUTS, segments
 from ..parallel import comm_device
 from .metrics import overlap_efficiency, summarize
 from .progress import track
@@ -65,6 +65,12 @@ def _document_ids(cfg: RingConfig) -> torch.Tensor | None:
     return (torch.arange(cfg.seq) * cfg.documents // cfg.seq).expand(cfg.batch, cfg.seq)
 
 
+def _rank_ids(ids: torch.Tensor, layout: str, world: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s part of the [B, S] ids under ``layout`` (shard_sequence's, without its group)."""
+    local = ids.shape[1] // world
+    return torch.cat([ids[:, start:start + n] for _, start, n in segments(layout, world, rank, local)], dim=1)
+
+
 def _flops(cfg: RingConfig, world: int, causal: bool) -> float:
     """A rank's attention matmul flops for one forward: 4 B H S_local S D, halved when causal; with
     documents, the same within each document (averaged over the ranks)."""
@@ -95,8 +101,10 @@ def run_ring(cfg: RingConfig, group=None) -> list[dict]:
             return slowest_rank(summarize(time_calls(fn, cfg.iters, cfg.warmup, device, group)), device, group)
 
         qg, kg, vg = (t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v))
-        ids = _document_ids(cfg)
-        ids = None if ids is None else ok.shard_sequence(ids.to(device), group, dim=1, layout=layout).contiguous()
+        ids_all = _document_ids(cfg)
+        ids = None if ids_all is None else ok.shard_sequence(ids_all.to(device), group, dim=1, layout=layout).contiguous()
+        # each rank's ids, for the compute-only timing: it attends to the local K/V in every rank's place
+        per_rank = None if ids_all is None else [_rank_ids(ids_all, layout, world, r).to(device) for r in range(world)]
 
         def fwd_bwd():
             out = ok.ring_attention(qg, kg, vg, group, causal=causal, layout=layout, segment_ids=ids)
@@ -108,7 +116,8 @@ def run_ring(cfg: RingConfig, group=None) -> list[dict]:
                                                              backend, segments=ids))["median_s"]
                 ring = timed(lambda: ra.ring_forward(q, k, v, group, causal, scale, layout, backend, ids))
                 t_comp = timed(lambda: ra.allgather_kv_forward(q, k, v, group, causal, scale, layout, backend,
-                                                               communicate=False, segments=ids))["median_s"]
+                                                               communicate=False, segments=ids,
+                                                               source_segments=per_rank))["median_s"]
             t_fb = timed(fwd_bwd)["median_s"]
         t_ring = ring["median_s"]
         rows.append({"layout": layout, "causal": causal, "seq": cfg.seq, "documents": cfg.documents,

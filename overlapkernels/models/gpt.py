@@ -54,15 +54,15 @@ class GPTConfig:
         self.activation_checkpointing = check_flag(self.activation_checkpointing, "GPTConfig.activation_checkpointing")
 
 
-def check_segment_ids(segment_ids, tokens: torch.Tensor) -> None:
-    """Packed documents' ids: None, or integer ids shaped as the tokens [B, S], on their device."""
+def check_segment_ids(segment_ids, tokens: torch.Tensor, same_device: bool = True) -> None:
+    """Packed documents' ids: None, or integer ids shaped as the tokens [B, S] (and on their device)."""
     if segment_ids is None:
         return
     if not integer_ids(segment_ids) or segment_ids.shape != tokens.shape:
         raise ValueError(f"segment_ids must be integer ids shaped as the tokens {tuple(tokens.shape)}, got "
                          + (f"{segment_ids.dtype} {tuple(segment_ids.shape)}" if isinstance(segment_ids, torch.Tensor)
                             else type(segment_ids).__name__))
-    if segment_ids.device != tokens.device:
+    if same_device and segment_ids.device != tokens.device:
         raise ValueError(f"segment_ids is on {segment_ids.device} but the tokens are on {tokens.device}")
 
 
@@ -181,6 +181,8 @@ class GPT(KeepsTags, nn.Module):
             if not self.sequence_parallel:
                 x = x.transpose(0, 1)  # [S, B, hidden]
         recompute = self.config.activation_checkpointing and torch.is_grad_enabled()
+        if segment_ids is not None and self.cp_group is not None:  # (here: the copy below carries no layout tag)
+            check_layout_tag(segment_ids, "segment_ids", 1, self.cp_group, self.config.cp_layout, "GPT")
         if recompute and segment_ids is not None:  # saved for the recompute: the caller may refill its buffer
             segment_ids = segment_ids.clone()
         for block in self.blocks.values():

@@ -183,7 +183,7 @@ class Trainer:
         runner alone could only check it on the first and last stages)."""
         if tokens.shape != targets.shape or tokens.dim() != 2:
             raise ValueError(f"tokens {tuple(tokens.shape)} and targets {tuple(targets.shape)} must both be [B, S]")
-        check_segment_ids(segment_ids, tokens)
+        check_segment_ids(segment_ids, tokens, same_device=False)  # (both go to the trainer's device)
         rows = self.dims.dp_size * self.schedule.num_microbatches
         if tokens.shape[0] % rows:
             raise ValueError(f"batch size {tokens.shape[0]} must be divisible by dp x microbatches = "

@@ -131,10 +131,12 @@ def ring_forward(q, k, v, group, causal, scale, layout, backend, segments=None):
     return out, lse
 
 
-def allgather_kv_forward(q, k, v, group, causal, scale, layout, backend, *, communicate=True, segments=None):
+def allgather_kv_forward(q, k, v, group, causal, scale, layout, backend, *, communicate=True, segments=None,
+                         source_segments=None):
     """The unoverlapped baseline: all-gather K and V (and segment ids), then attend to every block.
     With ``communicate=False`` it attends to the local block P times: the same compute, no traffic
-    (T_compute of the overlap efficiency)."""
+    (T_compute of the overlap efficiency); with segment ids, ``source_segments[src]`` are rank src's
+    ids (what the ring would bring), so the masks and skipped tiles are the ring's too."""
     ring, kern = Ring.of(group), _backend(backend)
     r, world = ring.rank, ring.world_size
     own = _travelling(k, v, segments)
@@ -144,7 +146,8 @@ def allgather_kv_forward(q, k, v, group, causal, scale, layout, backend, *, comm
         gathered = [all_gather(t.unsqueeze(0), group)[0] for t in own]
     out, lse = _empty_result(q)
     for src in range(world):
-        block = [t[src] for t in gathered] if communicate else own
+        block = [t[src] for t in gathered] if communicate else own[:2] + (
+            (source_segments[src],) if segments is not None else ())
         _attend_block(out, lse, q, block[0], block[1], kern, scale, layout, world, r, src, causal, segments,
                       _ids_of(block))
     return out, lse

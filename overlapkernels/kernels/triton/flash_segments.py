@@ -75,6 +75,10 @@ def tile_spans(row_ids: torch.Tensor, col_ids: torch.Tensor, block_rows: int, bl
     inside all meet it. Two launches (the column tiles' ranges, then the spans), where the same in
     torch ops (``tile_spans_reference``) took about twenty small kernels per call."""
     b, rows = row_ids.shape
+    if col_ids.shape[0] != b:
+        raise ValueError(f"tile_spans: row_ids {tuple(row_ids.shape)} and col_ids {tuple(col_ids.shape)} differ in batch")
+    # the kernels read positions at unit stride (rows at any stride, expanded ones too)
+    row_ids, col_ids = (t if t.shape[1] <= 1 or t.stride(1) == 1 else t.contiguous() for t in (row_ids, col_ids))
     row_tiles, col_tiles = triton.cdiv(rows, block_rows), triton.cdiv(col_ids.shape[1], block_cols)
     out = torch.empty(b, row_tiles, 2, dtype=torch.int32, device=row_ids.device)
     if not (b and row_tiles):

@@ -81,6 +81,18 @@ class _Deferred(typing.NamedTuple):
     held: list
 
 
+def _parameters(fn):
+    """``fn``'s parameters by name, or None where its signature cannot be read."""
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+
+
+def _takes_any(params) -> bool:
+    return any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def _sharded_in(mod) -> list:
     """The fsdp ShardedModules in a stage module."""
     from ..fsdp.sharded import ShardedModule
@@ -107,9 +119,9 @@ class PipelineRunner(MessageExchange):
     ``step(inputs, targets)``: the first stage's rank passes ``inputs``, the last stage's
     ``targets`` (others None); both are split into microbatches along dim 0. ``stage_kwargs``:
     tensors every stage takes besides its input (packed documents' ``segment_ids``), given alike on
-    every rank, split the same way and passed to each stage's forward by name (a stage whose forward
-    does not take a name is refused on every rank at the first step passing it; a tensor its forward
-    then rejects fails that stage mid-step, as any stage error). Returns the mean
+    every rank, split the same way and passed to each stage's forward by name (a name a stage's
+    forward does not take, or a tensor on another device, is refused before any P2P on that rank; a
+    tensor its forward then rejects fails the stage mid-step, as any stage error). Returns the mean
     microbatch loss on the last stage's rank, None elsewhere; gradients accumulate in the stage
     modules (zero them, and step the optimizer, yourself). ``timeout`` (s): a peer that does not
     answer raises ``PipelineTimeout`` naming the stage, microbatch and peer; seconds or a timedelta.
@@ -213,7 +225,7 @@ class PipelineRunner(MessageExchange):
             if not torch.is_tensor(t) or t.dim() == 0 or t.shape[0] % m:
                 raise ValueError(f"stage_kwargs[{name!r}]: expected a tensor whose dim 0 is divisible by {m} "
                                  f"microbatches, got {tuple(t.shape) if torch.is_tensor(t) else type(t).__name__}")
-        self._check_kwargs_names(frozenset(stage_kwargs or ()))
+        self._check_stage_kwargs(stage_kwargs or {})
         inputs_mb = inputs.chunk(m) if has_first else None
         targets_mb = targets.chunk(m) if has_last else None
         self._kwargs_mb = [{name: t.chunk(m)[mb] for name, t in (stage_kwargs or {}).items()} for mb in range(m)]
@@ -252,26 +264,30 @@ class PipelineRunner(MessageExchange):
         self.step_s = time.perf_counter() - step_start
         return torch.stack(losses).sum() if has_last else None
 
-    def _check_kwargs_names(self, names: frozenset) -> None:
-        """The first step passing these stage_kwargs names: every stage module of every rank must take
-        them, refused together (one all-reduce, once per set of names) - a stage refusing them in its
-        forward would leave its peers waiting out the timeout. Ranks must pass the same names."""
+    def _check_stage_kwargs(self, stage_kwargs: dict) -> None:
+        """This rank's stages must take the stage_kwargs names (read from their forwards' signatures,
+        once per set of names) and get the tensors on their device: refused here, before any P2P, not
+        in a stage's forward mid-step. Refused on this rank only, as a bad ``inputs`` is: its peers
+        stop at the runner's timeout, naming it (an agreement among the ranks, a collective, would
+        hang where ranks pass different names; they must pass the same)."""
+        for name, t in stage_kwargs.items():
+            if t.device != self.device:
+                raise ValueError(f"stage_kwargs[{name!r}] is on {t.device} but the stages run on {self.device}")
+        names = frozenset(stage_kwargs)
         if not names or names in self._kwargs_checked:
             return
-        error = None
+        from ..fsdp.sharded import ShardedModule
+
         for s, module in self.modules.items():
-            inner = getattr(module, "module", module)  # (fsdp.shard's wrapper hands every argument on)
-            try:
-                params = inspect.signature(getattr(inner, "forward", inner)).parameters
-            except (TypeError, ValueError):  # no signature to read: its forward will say
-                continue
-            if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            forward = getattr(module, "forward", module)
+            params = _parameters(forward)
+            if isinstance(module, ShardedModule) and params is not None and _takes_any(params):
+                params = _parameters(module.module.forward)  # (fsdp.shard's wrapper hands every argument on)
+            if params is None or _takes_any(params):  # no signature to read, or **kwargs: its forward will say
                 continue
             missing = sorted(n for n in names if n not in params or params[n].kind is inspect.Parameter.POSITIONAL_ONLY)
             if missing:
-                error = TypeError(f"stage {s}: its forward takes no keyword argument {missing} (stage_kwargs)")
-                break
-        refuse_together(error, self.group, "PipelineRunner.step", comm_device(self.group))
+                raise TypeError(f"stage {s}: its forward takes no keyword argument {missing} (stage_kwargs)")
         self._kwargs_checked.add(names)
 
     def _run_action(self, a, inputs_mb, targets_mb, state, stores, losses) -> None:
