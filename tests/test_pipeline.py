@@ -226,43 +226,7 @@ def test_bad_step_batches_are_named_before_any_communication(monkeypatch, inputs
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: calls.append("p2p"))
     with pytest.raises(error, match=match):
         runner.step(inputs, targets)
-    for bad, error, match in (([_X], TypeError, r"^stage_kwargs=list: expected a dict of name -> tensor$"),
-                              ({"segment_ids": _X[:3]}, ValueError, r"^stage_kwargs\['segment_ids'\]: expected a "
-                               r"tensor whose dim 0 is divisible by 2 microbatches, got \(3, 3\)$")):
-        with pytest.raises(error, match=match):
-            runner.step(_X, _Y, stage_kwargs=bad)
     assert calls == []
-
-
-@pytest.mark.usefixtures("world_of_one")
-def test_stage_kwargs_reach_each_stage_split_by_microbatch():
-    """Each microbatch's slice of every stage_kwargs tensor, by name, beside the stage's input."""
-    seen = []
-
-    class Stage(nn.Linear):
-        def forward(self, x, *, offset):
-            seen.append(offset.clone())
-            return super().forward(x) + offset
-
-    runner = pp.PipelineRunner(Stage(3, 3), schedule=pp.make_schedule("gpipe", 1, 2), loss_fn=F.mse_loss)
-    offset = torch.arange(12.0).reshape(4, 3)
-    with pytest.raises(TypeError, match=r"^stage 0: its forward takes no keyword argument \['offsets'\] \(stage_kwargs\)$"):
-        runner.step(_X, _Y, stage_kwargs={"offsets": offset})  # refused before the stage runs: the runner goes on
-    with pytest.raises(ValueError, match=r"^stage_kwargs\['offset'\] is on meta but the stages run on cpu$"):
-        runner.step(_X, _Y, stage_kwargs={"offset": offset.to("meta")})
-    runner.step(_X, _Y, stage_kwargs={"offset": offset})
-    assert [t.tolist() for t in seen] == [t.tolist() for t in offset.chunk(2)]
-
-    class Wrapper(nn.Module):  # a child named "module" (as fsdp.shard's wrapper has): its own forward counts
-        def __init__(self):
-            super().__init__()
-            self.module = nn.Linear(3, 3)
-
-        def forward(self, x, offset=None):
-            return self.module(x) + offset
-
-    pp.PipelineRunner(Wrapper(), schedule=pp.make_schedule("gpipe", 1, 2), loss_fn=F.mse_loss).step(
-        _X, _Y, stage_kwargs={"offset": offset})
 
 
 @pytest.mark.usefixtures("world_of_one")

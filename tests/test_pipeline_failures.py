@@ -188,36 +188,3 @@ def test_a_refusal_on_some_ranks_is_raised_on_every_rank(rank_pool, world, refus
         else:
             assert got == ("RefusedElsewhere", f"PipelineRunner: rank {refusing[0]} of the group{others} refused, so "
                            f"this rank stops too: ValueError: {own}"), (rank, got)
-
-
-class _TakesIds(nn.Linear):
-    def forward(self, x, segment_ids=None):
-        return super().forward(x) + (0 if segment_ids is None else segment_ids.sum() * 0)
-
-
-class _TakesAnything(nn.Linear):
-    def forward(self, x, **kwargs):
-        return super().forward(x)
-
-
-def _misnamed_stage_kwarg_on_rank():
-    """Rank 0's stage takes no such keyword: refused there before any P2P (its runner stays usable);
-    rank 1 (whose stage takes any), waiting for rank 0's first message, stops at the runner's timeout
-    naming it."""
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    runner = pp.PipelineRunner((_TakesIds if rank == 0 else _TakesAnything)(WIDTH, WIDTH),
-                               schedule=pp.make_schedule("1f1b", 2, 2), loss_fn=F.mse_loss, timeout=2)
-    x = torch.randn(4, WIDTH)
-    try:
-        runner.step(x if rank == 0 else None, x if rank == 1 else None,
-                    stage_kwargs={"segment_id": torch.zeros(4, 3, dtype=torch.long)})
-    except (TypeError, pp.PipelineTimeout) as exc:
-        return f"{type(exc).__name__}: {exc}", runner._failed is None
-
-
-def test_a_stage_kwarg_a_stage_does_not_take_is_refused_before_any_p2p():
-    with RankPool(2, timeout=60) as pool:  # (rank 1's timed-out receives stay posted: a pool of its own)
-        (said0, usable0), (said1, usable1) = pool.run(_misnamed_stage_kwarg_on_rank)
-    assert said0 == "TypeError: stage 0: its forward takes no keyword argument ['segment_id'] (stage_kwargs)"
-    assert usable0 and said1.startswith("PipelineTimeout: stage 1 microbatch 0") and "rank 0" in said1, said1

@@ -149,8 +149,8 @@ class ParallelSelfAttention(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn
             if segment_ids is None:
                 ctx = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
             else:  # [B, 1, S, S]: the same document, at or before the query
-                ids = segment_ids
-                mask = (ids[:, :, None] == ids[:, None, :]) & torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+                mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) \
+                    & torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
                 ctx = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[:, None])
             ctx = ctx.permute(2, 0, 1, 3)
         return self.out(ctx.reshape(s, b, self.heads * self.head_dim))

@@ -36,14 +36,20 @@ def segment_args(q, k, q_segments, k_segments) -> tuple:
 
 
 @triton.jit
-def _tile_range_kernel(ids_ptr, out_ptr, L, ids_b, out_b, BLOCK: tl.constexpr):
-    """[min, max] of one tile of one row's ids (positions past L read as the tile's first: no new id)."""
-    t, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+def _tile_range(row, t, L, BLOCK: tl.constexpr):
+    """(min, max) of tile ``t`` of the ids at ``row`` (positions past L read as the tile's first: no new id)."""
     offs = t * BLOCK + tl.arange(0, BLOCK)
-    row = ids_ptr + b * ids_b
     ids = tl.where(offs < L, tl.load(row + offs, mask=offs < L, other=0), tl.load(row + t * BLOCK))
-    tl.store(out_ptr + b * out_b + 2 * t, tl.min(ids, 0))
-    tl.store(out_ptr + b * out_b + 2 * t + 1, tl.max(ids, 0))
+    return tl.min(ids, 0), tl.max(ids, 0)
+
+
+@triton.jit
+def _tile_range_kernel(ids_ptr, out_ptr, L, ids_b, out_b, BLOCK: tl.constexpr):
+    """[min, max] of one tile of one row's ids."""
+    t, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    lo, hi = _tile_range(ids_ptr + b * ids_b, t, L, BLOCK)
+    tl.store(out_ptr + b * out_b + 2 * t, lo)
+    tl.store(out_ptr + b * out_b + 2 * t + 1, hi)
 
 
 @triton.jit
@@ -51,10 +57,7 @@ def _tile_span_kernel(ids_ptr, ranges_ptr, out_ptr, L, col_tiles, ids_b, ranges_
                       CHUNK: tl.constexpr):
     """One row tile's [first, last] column tile whose [min, max] (``ranges``) meets its own."""
     t, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    offs = t * BLOCK + tl.arange(0, BLOCK)
-    row = ids_ptr + b * ids_b
-    ids = tl.where(offs < L, tl.load(row + offs, mask=offs < L, other=0), tl.load(row + t * BLOCK))
-    lo, hi = tl.min(ids, 0), tl.max(ids, 0)
+    lo, hi = _tile_range(ids_ptr + b * ids_b, t, L, BLOCK)
     first, last = col_tiles + 0, col_tiles * 0 - 1  # (tensors: loop-carried)
     for c0 in range(0, col_tiles, CHUNK):
         c = c0 + tl.arange(0, CHUNK)

@@ -163,7 +163,7 @@ class PipelineRunner(MessageExchange):
         self.modules = {chunk * self.world + self.rank: mod for chunk, mod in enumerate(modules)}
         # W-split: the fsdp wrappers W hands its gradients to (see _held_until_w)
         self._sharded = {s: _sharded_in(mod) for s, mod in self.modules.items()} if self._splits_w else {}
-        self._kwargs_checked: set = set()  # the stage_kwargs names every rank's stages were found to take
+        self._kwargs_checked: set = set()  # the sets of stage_kwargs names this rank's stages were found to take
         self.schedule, self.loss_fn, self.timeout = schedule, loss_fn, timeout
         self._posted, self._failed = False, None  # (a step that failed after posting: see step)
         self.last_stage = schedule.num_stages - 1
@@ -219,16 +219,11 @@ class PipelineRunner(MessageExchange):
                 raise TypeError(f"{name}={type(t).__name__}: expected a tensor (microbatches split on dim 0)")
             if t is not None and (t.dim() == 0 or t.shape[0] % m):
                 raise ValueError(f"{name}.shape={tuple(t.shape)}: dim 0 must be divisible by {m} microbatches")
-        if stage_kwargs is not None and not isinstance(stage_kwargs, dict):
-            raise TypeError(f"stage_kwargs={type(stage_kwargs).__name__}: expected a dict of name -> tensor")
-        for name, t in (stage_kwargs or {}).items():
-            if not torch.is_tensor(t) or t.dim() == 0 or t.shape[0] % m:
-                raise ValueError(f"stage_kwargs[{name!r}]: expected a tensor whose dim 0 is divisible by {m} "
-                                 f"microbatches, got {tuple(t.shape) if torch.is_tensor(t) else type(t).__name__}")
-        self._check_stage_kwargs(stage_kwargs or {})
+        stage_kwargs = self._check_stage_kwargs(stage_kwargs, m)
         inputs_mb = inputs.chunk(m) if has_first else None
         targets_mb = targets.chunk(m) if has_last else None
-        self._kwargs_mb = [{name: t.chunk(m)[mb] for name, t in (stage_kwargs or {}).items()} for mb in range(m)]
+        kwargs_chunks = {name: t.chunk(m) for name, t in stage_kwargs.items()}
+        self._kwargs_mb = [{name: chunks[mb] for name, chunks in kwargs_chunks.items()} for mb in range(m)]
         self._sends, self._unconfirmed, self._inbox, self._outbox = [], [], {}, {}
         self._posted = False
         # Shapes cross each boundary once per step, not once per runner: a middle stage never sees
@@ -264,18 +259,26 @@ class PipelineRunner(MessageExchange):
         self.step_s = time.perf_counter() - step_start
         return torch.stack(losses).sum() if has_last else None
 
-    def _check_stage_kwargs(self, stage_kwargs: dict) -> None:
-        """This rank's stages must take the stage_kwargs names (read from their forwards' signatures,
-        once per set of names) and get the tensors on their device: refused here, before any P2P, not
-        in a stage's forward mid-step. Refused on this rank only, as a bad ``inputs`` is: its peers
-        stop at the runner's timeout, naming it (an agreement among the ranks, a collective, would
-        hang where ranks pass different names; they must pass the same)."""
+    def _check_stage_kwargs(self, stage_kwargs, m: int) -> dict:
+        """-> the stage_kwargs as a dict ({} for None). Tensors splitting into ``m`` microbatches, on
+        the stages' device, under names this rank's stages take (read from their forwards'
+        signatures, once per set of names): refused here, before any P2P, not in a stage's forward
+        mid-step. Refused on this rank only, as a bad ``inputs`` is: its peers stop at the runner's
+        timeout, naming it (an agreement among the ranks, a collective, would hang where ranks pass
+        different names; they must pass the same)."""
+        if stage_kwargs is None:
+            return {}
+        if not isinstance(stage_kwargs, dict):
+            raise TypeError(f"stage_kwargs={type(stage_kwargs).__name__}: expected a dict of name -> tensor")
         for name, t in stage_kwargs.items():
+            if not torch.is_tensor(t) or t.dim() == 0 or t.shape[0] % m:
+                raise ValueError(f"stage_kwargs[{name!r}]: expected a tensor whose dim 0 is divisible by {m} "
+                                 f"microbatches, got {tuple(t.shape) if torch.is_tensor(t) else type(t).__name__}")
             if t.device != self.device:
                 raise ValueError(f"stage_kwargs[{name!r}] is on {t.device} but the stages run on {self.device}")
         names = frozenset(stage_kwargs)
         if not names or names in self._kwargs_checked:
-            return
+            return stage_kwargs
         from ..fsdp.sharded import ShardedModule
 
         for s, module in self.modules.items():
@@ -289,6 +292,7 @@ class PipelineRunner(MessageExchange):
             if missing:
                 raise TypeError(f"stage {s}: its forward takes no keyword argument {missing} (stage_kwargs)")
         self._kwargs_checked.add(names)
+        return stage_kwargs
 
     def _run_action(self, a, inputs_mb, targets_mb, state, stores, losses) -> None:
         """One F, B, BW or W: take what it needs, compute, leave what it made for the next batch."""
