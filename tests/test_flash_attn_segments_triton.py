@@ -46,9 +46,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("case", range(len(CASES)))
-def test_kernels_match_reference_with_segment_ids(dtype, case):
+# fp16 on the diagonal case only: the id masks and loop spans do not depend on the dtype (~4 s of CI)
+@pytest.mark.parametrize("case, dtype", [(c, torch.float32) for c in range(len(CASES))] + [(0, torch.float16)],
+                         ids=str)
+def test_kernels_match_reference_with_segment_ids(case, dtype):
     q_lengths, k_lengths, causal, q_start, k_start = CASES[case]
     out_ref = _check_block(dtype, _ids(q_lengths), _ids(k_lengths), causal=causal, q_start=q_start, k_start=k_start,
                            kv_heads=(2, 1, 4, 2)[case], heads=4)
