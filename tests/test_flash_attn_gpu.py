@@ -128,6 +128,35 @@ def test_ring_bf16_two_ranks_one_gpu_packed_documents(rank_pool):
     assert rank_pool(2).run(_ring_bf16_one_gpu_on_rank, "zigzag", True) == [True, True]
 
 
+@pytest.mark.gpu
+def test_local_attention_packed_documents_on_the_kernels(monkeypatch):
+    """The layers' path for packed documents without CP (sbhd, as they call it): the Triton kernels
+    (D=64's tiles, as the two-rank ring above), not SDPA with a dense mask; vs SDPA with that mask."""
+    from overlapkernels.ops.local_attention import local_attention
+
+    calls = []
+    block_forward = fa.block_forward
+    monkeypatch.setattr(fa, "block_forward", lambda *a, **kw: calls.append(1) or block_forward(*a, **kw))
+    g = torch.Generator().manual_seed(2)
+    seq = 256
+    q, k, v = (torch.randn(seq, 2, n, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_() for n in (8, 2, 2))
+    row = torch.repeat_interleave(torch.arange(4), torch.tensor([1, 120, 70, 65]))
+    ids = torch.stack([row, row.flip(0)]).cuda()
+    out = local_attention(q, k, v, causal=True, qkv_format="sbhd", segment_ids=ids)
+    assert calls and out.dtype == torch.bfloat16
+    do = torch.randn(out.shape, generator=g).to("cuda", torch.bfloat16)
+    out.backward(do)
+    mask = ((ids[:, :, None] == ids[:, None, :]) & torch.ones(seq, seq, dtype=torch.bool, device="cuda").tril())[:, None]
+    ref = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    want = F.scaled_dot_product_attention(ref[0].permute(1, 2, 0, 3), ref[1].permute(1, 2, 0, 3).repeat_interleave(4, 1),
+                                          ref[2].permute(1, 2, 0, 3).repeat_interleave(4, 1),
+                                          attn_mask=mask).permute(2, 0, 1, 3)
+    want.backward(do.float())
+    for name, got, ref_t in (("out", out, want), ("dq", q.grad, ref[0].grad), ("dk", k.grad, ref[1].grad),
+                             ("dv", v.grad, ref[2].grad)):
+        torch.testing.assert_close(got.float(), ref_t.float(), atol=5e-2, rtol=5e-2, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def _ring_fp64_cuda_on_rank():
     """float64 on a GPU runs the torch backend (the kernels take 16/32-bit): exact to fp64 rounding."""
     import overlapkernels as ok

@@ -55,7 +55,11 @@ class Ring:
     timeout: timedelta | None = None  # gloo: each wait's bound (see _TimedWork); NCCL: its watchdog's
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup) -> "Ring":
+    def of(cls, group: dist.ProcessGroup | None) -> "Ring":
+        """``group=None``: a ring of one in any process, with or without torch.distributed (its
+        loops never exchange: attention over a sequence held whole)."""
+        if group is None:
+            return cls(None, 0, 1)
         host_only = not uses_nccl(group)
         return cls(group, dist.get_rank(group), dist.get_world_size(group), host_only,
                    group_timeout(group) if host_only else None)

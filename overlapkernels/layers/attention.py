@@ -9,6 +9,7 @@ from torch.nn import functional as F
 from ..kernels.ids import integer_ids
 from ..ops._validate import check_flag
 from ..ops.dispatch import check_method
+from ..ops.local_attention import local_attention
 from ..ops.ring_attention import ring_attention
 from ..ops.sequence_shard import check_layout, check_layout_tag, segments
 from ..parallel import resolve_group
@@ -35,7 +36,8 @@ class ParallelSelfAttention(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn
     sequence is also split over context-parallel ranks (laid out as ``cp_layout``) and attention
     runs as ``ring_attention``; RoPE uses global positions either way. ``segment_ids`` (forward):
     packed documents, attention within each (RoPE's positions stay those of the packed row: its
-    scores depend on distances only, so a document attends as it would alone)."""
+    scores depend on distances only, so a document attends as it would alone); without CP through
+    ``local_attention`` (on CUDA our flash kernels, which skip the tiles between documents)."""
 
     def __init__(self, hidden, num_heads, num_kv_heads=None, group=None, *, cp_group=None, cp_layout="zigzag",
                  sequence_parallel=False, method="auto", rope_base=10000.0, dtype=None, device=None,
@@ -142,15 +144,11 @@ class ParallelSelfAttention(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn
         if self.cp_group is not None:
             ctx = ring_attention(q, k, v, self.cp_group, causal=True, layout=self.cp_layout, qkv_format="sbhd",
                                  segment_ids=segment_ids)
+        elif segment_ids is not None:  # packed documents: no dense [B, 1, S, S] mask (see local_attention)
+            ctx = local_attention(q, k, v, causal=True, qkv_format="sbhd", segment_ids=segment_ids)
         else:
             group = self.heads // self.kv_heads
             qt, kt, vt = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
             kt, vt = kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1)
-            if segment_ids is None:
-                ctx = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-            else:  # [B, 1, S, S]: the same document, at or before the query
-                mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) \
-                    & torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-                ctx = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[:, None])
-            ctx = ctx.permute(2, 0, 1, 3)
+            ctx = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).permute(2, 0, 1, 3)
         return self.out(ctx.reshape(s, b, self.heads * self.head_dim))

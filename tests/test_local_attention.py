@@ -1,0 +1,122 @@
+"""local_attention: attention over a sequence held whole (the layers' path for packed documents
+without CP), ring attention's kernels on a ring of one, no process group. Against SDPA with the
+dense mask: fp64 on the torch backend, fp32 on the Triton kernels in the interpreter."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from overlapkernels.kernels import attention_ref
+from overlapkernels.kernels.triton import flash_attn
+from overlapkernels.ops import local_attention as la
+from overlapkernels.ops.local_attention import local_attention
+
+DOCS = [7, 20, 13]  # 40 positions: tiles of 16 meet one or two documents
+
+
+def _ids(batch=2):
+    ids = torch.cat([torch.full((n,), d) for d, n in enumerate(DOCS)])
+    return torch.stack([ids + 10 * b for b in range(batch)]) if batch > 1 else ids[None]
+
+
+def _inputs(dtype, qkv_format, batch=2, heads=4, kv_heads=2, dim=16):
+    g = torch.Generator().manual_seed(5)
+    s = sum(DOCS)
+    shape = (lambda h: (batch, s, h, dim)) if qkv_format == "bshd" else (lambda h: (s, batch, h, dim))
+    q, k, v, do = (torch.randn(*shape(h), generator=g, dtype=torch.float64).to(dtype)
+                   for h in (heads, kv_heads, kv_heads, heads))
+    return q, k, v, do
+
+
+def _sdpa(q, k, v, causal, ids, qkv_format):
+    """SDPA in fp64 with the dense mask (documents, then causal), [B, H, S, D] inside."""
+    to_bhsd = (lambda x: x.transpose(1, 2)) if qkv_format == "bshd" else (lambda x: x.permute(1, 2, 0, 3))
+    q, k, v = (to_bhsd(x.double()) for x in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    s = q.shape[2]
+    mask = torch.ones(q.shape[0], s, s, dtype=torch.bool)
+    if ids is not None:
+        mask &= ids[:, :, None] == ids[:, None, :]
+    if causal:
+        mask &= torch.ones(s, s, dtype=torch.bool).tril()
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                         attn_mask=mask[:, None])
+    return out.transpose(1, 2) if qkv_format == "bshd" else out.permute(2, 0, 1, 3)
+
+
+def _check(dtype, qkv_format, causal, with_ids, tol, **shape):
+    q, k, v, do = _inputs(dtype, qkv_format, **shape)
+    ids = _ids(q.shape[0] if qkv_format == "bshd" else q.shape[1]) if with_ids else None
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = local_attention(*leaves, causal=causal, qkv_format=qkv_format, segment_ids=ids)
+    assert out.dtype == dtype and out.shape == q.shape and out.is_contiguous()
+    out.backward(do)
+    ref_leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    want = _sdpa(*ref_leaves, causal, ids, qkv_format)
+    want.backward(do.double())
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), [out] + [x.grad for x in leaves],
+                              [want] + [x.grad for x in ref_leaves]):
+        torch.testing.assert_close(got.double(), ref.detach(), atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
+    if with_ids:  # the mask matters here: the test fails an implementation that ignores the ids
+        unmasked = _sdpa(q, k, v, causal, None, qkv_format)
+        assert (unmasked - want.detach()).abs().max() > 100 * tol
+
+
+@pytest.mark.parametrize("with_ids", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("qkv_format", ["bshd", "sbhd"])
+def test_torch_backend_matches_sdpa_with_the_dense_mask(qkv_format, causal, with_ids):
+    _check(torch.float64, qkv_format, causal, with_ids, 1e-12)
+
+
+@pytest.mark.parametrize("qkv_format, causal", [("sbhd", True), ("bshd", False)])
+def test_triton_kernels_match_sdpa_with_the_dense_mask(monkeypatch, qkv_format, causal):
+    """What CUDA runs (the interpreter here, fp32): documents in the kernels' masks and loop spans."""
+    used = []
+    block_forward = flash_attn.block_forward
+    monkeypatch.setattr(la, "default_backend", lambda q: "triton")
+    monkeypatch.setattr(flash_attn, "block_forward", lambda *a, **kw: used.append(1) or block_forward(*a, **kw))
+    _check(torch.float32, qkv_format, causal, True, 2e-5, batch=1, heads=2, kv_heads=1)
+    assert used  # not the torch reference
+
+
+def test_no_process_group_is_needed_and_nothing_travels(monkeypatch):
+    import torch.distributed as dist
+    from overlapkernels.comm.ring import Ring
+
+    monkeypatch.setattr(Ring, "exchange", lambda *a, **kw: pytest.fail("a ring of one exchanged"))
+    assert not dist.is_initialized()
+    _check(torch.float64, "bshd", True, True, 1e-12)
+
+
+def test_autocast_runs_in_its_dtype_and_gradients_reach_fp32_leaves():
+    q, k, v, do = _inputs(torch.float32, "bshd")
+    q.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = local_attention(q, k, v, causal=True, segment_ids=_ids())
+    assert out.dtype == torch.bfloat16
+    out.float().backward(do)
+    assert q.grad.dtype == torch.float32
+    want = _sdpa(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), True, _ids(), "bshd")
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_bad_input_is_refused_by_name():
+    q, k, v, _ = _inputs(torch.float64, "bshd")
+    with pytest.raises(TypeError, match=r"segment_ids\.dtype=torch\.float32: expected an integer tensor"):
+        local_attention(q, k, v, segment_ids=_ids().float())
+    with pytest.raises(ValueError, match=r"segment_ids\.shape=\(2, 39\): expected \[B, S_local\] = \[2, 40\]"):
+        local_attention(q, k, v, segment_ids=_ids()[:, 1:])
+    with pytest.raises(TypeError, match=r"causal='yes': expected a bool"):
+        local_attention(q, k, v, causal="yes")
+    with pytest.raises(ValueError, match=r"qkv_format='bhsd': expected one of"):
+        local_attention(q, k, v, qkv_format="bhsd")
+    with pytest.raises(ValueError, match=r"k\.dtype=torch\.float32 does not match q\.dtype=torch\.float64"):
+        local_attention(q, k.float(), v)
+    with pytest.raises(ValueError, match=r"query heads must be a multiple of the key/value heads"):
+        local_attention(q[:, :, :3], k, v)
+
+
+def test_the_torch_backend_is_the_reference_module():
+    """On CPU and for float64 the torch reference runs (the kernels take no float64)."""
+    assert la.default_backend(torch.zeros(1, dtype=torch.float32)) == "torch"
+    assert la._backend("torch") is attention_ref
