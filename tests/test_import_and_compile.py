@@ -36,7 +36,8 @@ def test_import_is_light_and_first_call_under_compile_runs_eagerly():
 
 
 @pytest.mark.parametrize("name", ["all_gather_matmul", "matmul_reduce_scatter", "ring_attention",
-                                  "vocab_parallel_cross_entropy", "shard_sequence", "unshard_sequence"])
+                                  "vocab_parallel_cross_entropy", "shard_sequence", "unshard_sequence",
+                                  "local_attention"])
 def test_the_ops_taking_a_process_group_run_eagerly_under_compile(name):
     """Each public op is wrapped whole by eager_under_compile (torch's dynamo-disable wrapper keeps the
     op as __wrapped__): a helper inserted between the decorator and the op once took the decorator

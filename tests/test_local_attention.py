@@ -1,14 +1,19 @@
 """local_attention: attention over a sequence held whole (the layers' path for packed documents
 without CP), ring attention's kernels on a ring of one, no process group. Against SDPA with the
 dense mask: fp64 on the torch backend, fp32 on the Triton kernels in the interpreter."""
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+import overlapkernels as ok
 from overlapkernels.kernels import attention_ref
 from overlapkernels.kernels.triton import flash_attn
-from overlapkernels.ops import local_attention as la
-from overlapkernels.ops.local_attention import local_attention
+from overlapkernels.profiling.ranges import span
+
+la = importlib.import_module("overlapkernels.ops.local_attention")
+local_attention = ok.local_attention
 
 DOCS = [7, 20, 13]  # 40 positions: tiles of 16 meet one or two documents
 
@@ -114,6 +119,23 @@ def test_bad_input_is_refused_by_name():
         local_attention(q, k.float(), v)
     with pytest.raises(ValueError, match=r"query heads must be a multiple of the key/value heads"):
         local_attention(q[:, :, :3], k, v)
+
+
+def test_profiles_name_it_and_a_second_derivative_is_refused_by_name(monkeypatch):
+    """Its NVTX ranges (and so `profile report`'s rows) say attention, not ring attention."""
+    names = []
+    monkeypatch.setattr(la, "span", lambda name: names.append(name) or span(name))
+    ring_module = importlib.import_module("overlapkernels.ops.ring_attention")
+    monkeypatch.setattr(ring_module, "span", lambda name: names.append(name) or span(name))
+    q, k, v, _ = _inputs(torch.float64, "bshd")
+    q.requires_grad_()
+    out = local_attention(q, k, v, causal=True, segment_ids=_ids())
+    torch.autograd.grad(out.sum(), q)
+    assert names == ["ok/attention", "ok/attention/step0/compute", "ok/attention/backward",
+                     "ok/attention/backward/step0/compute"], names
+    with pytest.raises(RuntimeError, match=r"^local_attention: create_graph=True \(a second derivative\) is not "
+                                           r"supported through it: its backward runs the flash kernels'"):
+        torch.autograd.grad(local_attention(q, k, v).sum(), q, create_graph=True)
 
 
 def test_the_torch_backend_is_the_reference_module():

@@ -15,7 +15,7 @@ from test_ops_tp_gloo import _ag_case_on_rank, _rs_case_on_rank
 from test_ops_tp_peer import _forward_cases_on_rank
 from test_pipeline import _executor_on_rank
 from test_ring_attention_gloo import _case_on_rank as _ring_case_on_rank
-from test_ring_attention_precision_gloo import beyond_the_bounds, excess_alone, worst_excess
+from test_ring_attention_precision_gloo import worst_excess
 
 NODE = 8
 SUBGROUPS = ([1, 4, 6], [0, 2, 3, 5, 7])  # odd sizes, global ranks neither contiguous nor starting at 0
@@ -56,12 +56,11 @@ def test_ring_attention_on_eight_ranks(node_pool):
     assert node_pool.run(_ring_cases_on_rank) == [True] * NODE
 
 
-@pytest.mark.usefixtures("world_of_one")
-def test_sixteen_bit_ring_attention_on_eight_ranks_is_as_accurate_as_one(node_pool):
-    """bf16 over 16 zigzag chunks: out and dV the exact values rounded once, dQ and dK no worse than
-    on one rank (test_ring_attention_precision_gloo.py has the bounds and their plants)."""
-    ring, alone = worst_excess(node_pool, torch.bfloat16), excess_alone(torch.bfloat16)
-    assert not beyond_the_bounds(ring, alone), (ring, alone)
+def test_sixteen_bit_ring_attention_on_eight_ranks_rounds_once(node_pool):
+    """bf16 over 16 zigzag chunks: every result the exact value rounded once
+    (test_ring_attention_precision_gloo.py has the bound and its plants)."""
+    worst = worst_excess(node_pool, torch.bfloat16)
+    assert max(worst.values()) <= 1.0, worst
 
 
 @pytest.mark.parametrize("kind, v", [("interleaved-1f1b", 2), ("zb-h1", 1)])

@@ -55,14 +55,16 @@ class Ring:
     timeout: timedelta | None = None  # gloo: each wait's bound (see _TimedWork); NCCL: its watchdog's
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup | None) -> "Ring":
-        """``group=None``: a ring of one in any process, with or without torch.distributed (its
-        loops never exchange: attention over a sequence held whole)."""
-        if group is None:
-            return cls(None, 0, 1)
+    def of(cls, group: dist.ProcessGroup) -> "Ring":
         host_only = not uses_nccl(group)
         return cls(group, dist.get_rank(group), dist.get_world_size(group), host_only,
                    group_timeout(group) if host_only else None)
+
+    @classmethod
+    def alone(cls) -> "Ring":
+        """A ring of one in any process, with or without torch.distributed: loops over it never
+        exchange (attention over a sequence held whole). Not ``of(None)``: None is the world group."""
+        return cls(None, 0, 1)
 
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank % self.world_size)

@@ -15,9 +15,21 @@ import torch
 
 from .._compat import eager_under_compile
 from ..profiling.ranges import span
-from ._autocast import autocast_dtype, autocast_off, cast_operands
-from .ring_attention import (RingAttention, _backend, _check_scale, _check_segments, _from_bhsd, _to_bhsd, _validate,
-                             default_backend)
+from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands
+from ._autograd import first_order_only
+from .ring_attention import (RingAttention, _backend, _backward, _check_scale, _check_segments, _from_bhsd, _to_bhsd,
+                             _validate, default_backend)
+
+
+class LocalAttention(RingAttention):
+    """``RingAttention`` on a ring of one (``group=None``): its table of shapes holds, nothing travels."""
+
+    @staticmethod
+    @first_order_only("local_attention", "its backward runs the flash kernels' backward, which has none of its own")
+    @backward_without_autocast
+    def backward(ctx, dout, dlse):
+        return _backward(ctx, dout, dlse)
+
 
 
 @eager_under_compile  # it drives Triton kernels and their span tables, as ring_attention does
@@ -41,7 +53,7 @@ def local_attention(q, k, v, *, causal=False, softmax_scale=None, qkv_format="bs
         _backend(backend).check_inputs(_to_bhsd(q, qkv_format).shape, _to_bhsd(k, qkv_format).shape, q.dtype,
                                        q.device)
     with span("ok/attention"), autocast_off(q.device):
-        out, _ = RingAttention.apply(_to_bhsd(q, qkv_format), _to_bhsd(k, qkv_format), _to_bhsd(v, qkv_format),
+        out, _ = LocalAttention.apply(_to_bhsd(q, qkv_format), _to_bhsd(k, qkv_format), _to_bhsd(v, qkv_format),
                                      segments, None, causal, scale, "contiguous", backend)
     # a copy laid out like q (callers .view() it), never the tensor saved for backward
     return _from_bhsd(out, qkv_format).clone(memory_format=torch.contiguous_format)

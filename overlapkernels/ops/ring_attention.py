@@ -106,10 +106,20 @@ def _ids_of(block) -> torch.Tensor | None:
     return block[2] if len(block) == 3 else None
 
 
+def _ring(group) -> Ring:
+    """``group=None``: a ring of one, for ``local_attention`` (attention over a sequence held whole)."""
+    return Ring.alone() if group is None else Ring.of(group)
+
+
+def _op_name(group) -> str:
+    """The op's name in profiles (NVTX ranges, `profile report`)."""
+    return "ok/attention" if group is None else "ok/ring_attention"
+
+
 def ring_forward(q, k, v, group, causal, scale, layout, backend, segments=None):
     """q [B, H, S, D], k/v [B, H_kv, S, D] contiguous, segments [B, S] or None -> out, lse in the
     accumulation dtype."""
-    ring, kern = Ring.of(group), _backend(backend)
+    ring, name, kern = _ring(group), _op_name(group), _backend(backend)
     r, world = ring.rank, ring.world_size
     out, lse = _empty_result(q)
     own = _travelling(k, v, segments)
@@ -120,12 +130,12 @@ def ring_forward(q, k, v, group, causal, scale, layout, backend, segments=None):
         if step + 1 < world:
             nxt = bufs[step % 2]
             pending = ring.exchange(list(cur), r + 1, list(nxt), r - 1, tag=KV_TAG)
-        with span(f"ok/ring_attention/step{step}/compute"), settled_on_error(pending):
+        with span(f"{name}/step{step}/compute"), settled_on_error(pending):
             kb, vb = _kv_for_step(cur[0], cur[1], k, v, step)
             _attend_block(out, lse, q, kb, vb, kern, scale, layout, world, r, (r - step) % world, causal, segments,
                           _ids_of(cur))
         if pending:
-            with span(f"ok/ring_attention/step{step}/comm"):
+            with span(f"{name}/step{step}/comm"):
                 wait_all(pending)
             cur = nxt
     return out, lse
@@ -154,7 +164,7 @@ def allgather_kv_forward(q, k, v, group, causal, scale, layout, backend, *, comm
 
 
 def ring_backward(q, k, v, segments, out, lse, dout, dlse, group, causal, scale, layout, backend):
-    ring, kern = Ring.of(group), _backend(backend)
+    ring, name, kern = _ring(group), _op_name(group), _backend(backend)
     r, world, length = ring.rank, ring.world_size, q.shape[2]
     acc = attention_ref.acc_dtype(q.dtype)
     delta = (dout.to(acc) * out.to(acc)).sum(-1)
@@ -169,12 +179,12 @@ def ring_backward(q, k, v, segments, out, lse, dout, dlse, group, causal, scale,
     grad_inflight = None  # (pending works, the tensors they send)
     for step in range(world):
         kv_pending = None
-        comm = f"ok/ring_attention/backward/step{step}/comm"
+        comm = f"{name}/backward/step{step}/comm"
         if step + 1 < world:
             nxt = kv_bufs[step % 2]
             with span(comm):
                 kv_pending = ring.exchange(list(cur), r + 1, list(nxt), r - 1, tag=KV_TAG)
-        with span(f"ok/ring_attention/backward/step{step}/compute"), \
+        with span(f"{name}/backward/step{step}/compute"), \
                 settled_on_error(kv_pending, grad_inflight[0] if grad_inflight else None):
             kb, vb = _kv_for_step(cur[0], cur[1], k, v, step)
             dk = torch.zeros(k.shape, dtype=acc, device=k.device)
@@ -206,7 +216,7 @@ def ring_backward(q, k, v, segments, out, lse, dout, dlse, group, causal, scale,
             with span(comm):
                 wait_all(kv_pending)
             cur = nxt
-    with span(f"ok/ring_attention/backward/step{world - 1}/comm"):
+    with span(f"{name}/backward/step{world - 1}/comm"):
         wait_all(grad_inflight[0])
     dk_own, dv_own = grad_bufs[world % 2]
     return dq, dk_own, dv_own
@@ -241,12 +251,16 @@ class RingAttention(torch.autograd.Function):
     @first_order_only("ring_attention")
     @backward_without_autocast
     def backward(ctx, dout, dlse):
-        q, k, v, segments, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        with span("ok/ring_attention/backward"):  # an op window for `profile report`, like the forward's
-            dq, dk, dv = ring_backward(q, k, v, segments, out, lse, dout.contiguous(), dlse, *ctx.args)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        return _backward(ctx, dout, dlse)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, segments, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    with span(f"{_op_name(ctx.args[0])}/backward"):  # an op window for `profile report`, like the forward's
+        dq, dk, dv = ring_backward(q, k, v, segments, out, lse, dout.contiguous(), dlse, *ctx.args)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def _to_bhsd(x, qkv_format):
