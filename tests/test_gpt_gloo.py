@@ -17,8 +17,9 @@ CONFIG = dict(vocab_size=32, hidden=16, num_layers=2, num_heads=4, num_kv_heads=
 
 
 def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2, compiled=False, clip=None,
-                 planted_missing_sync=False, documents=False):
-    """``documents``: rows packing documents (segment_ids) that cross the CP ranks' parts."""
+                 planted_missing_sync=False, documents=False, planted_lost_grad=False):
+    """``documents``: rows packing documents (segment_ids) that cross the CP ranks' parts;
+    ``planted_lost_grad``: the final norm's weight loses its gradient (what a detached weight does)."""
     config = GPTConfig(**{**CONFIG, "num_kv_heads": kv_heads}, sequence_parallel=sequence_parallel, method=method)
     g = torch.Generator().manual_seed(42)
     tokens = torch.randint(0, CONFIG["vocab_size"], (2, 8), generator=g)
@@ -34,6 +35,7 @@ def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2, compiled=
         dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), *clip)
         assert dense_norm > clip[0]  # the clip bites
     dense_grads = {n: p.grad for n, p in dense.named_parameters()}
+    assert all(g is not None for g in dense_grads.values())  # every dense parameter is in the loss
 
     dims = ok.init_parallel(**layout_kwargs)
     model = GPT(config, dims, dtype=torch.float64)
@@ -56,7 +58,11 @@ def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2, compiled=
         norm = ok.clip_grad_norm_(model if dims.cp_size > 1 else model.parameters(), *clip, dims=dims)
         torch.testing.assert_close(norm, dense_norm, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(loss, dense_loss, atol=1e-12, rtol=1e-12)
-    for name, grad in gather_dense_state_dict(model, grads=True).items():
+    if planted_lost_grad:
+        model.norm.weight.grad = None
+    grads = gather_dense_state_dict(model, grads=True)  # (a parameter without a gradient is left out)
+    assert sorted(grads) == sorted(dense_grads), sorted(set(dense_grads) ^ set(grads))
+    for name, grad in grads.items():
         torch.testing.assert_close(grad, dense_grads[name], atol=1e-11, rtol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
     # and back: the gathered state dict loads strictly into a dense GPT (_extra_state included)
     again = GPT(config, ok.init_parallel(), dtype=torch.float64)
@@ -150,6 +156,8 @@ def test_clip_grad_norm_skips_parameters_without_gradients():
 def _planted_missing_gradient_sync_on_rank():
     with pytest.raises(AssertionError):  # CP and DP ranks' partial gradients never summed
         _gpt_on_rank(dict(cp=2), False, "baseline", planted_missing_sync=True)
+    with pytest.raises(AssertionError, match=r"\[.norm\.weight.\]"):  # a gradient lost is not skipped
+        _gpt_on_rank(dict(tp=2), True, "baseline", planted_lost_grad=True)
     return True
 
 

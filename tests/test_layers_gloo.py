@@ -36,8 +36,10 @@ def _twins(make, tp_group, one_group):
     torch.manual_seed(0)
     dense = make(one_group)
     with torch.no_grad():
-        for p in dense.parameters():  # biases start at 0: randomise everything so every term is tested
-            p.copy_(_randn(*p.shape, seed=p.numel()) * (1 if _EXACT["on"] else 0.3))
+        # biases start at 0: randomise everything so every term is tested, each parameter with its own
+        # values (k and v, gate and up swapped must not compute the same)
+        for i, p in enumerate(dense.parameters()):
+            p.copy_(_randn(*p.shape, seed=1000 + i) * (1 if _EXACT["on"] else 0.3))
     par = make(tp_group)
     par.load_state_dict(shard_dense_state_dict(par, dense.state_dict(), tp_group), strict=True)
     return dense, par
@@ -54,7 +56,10 @@ def _run_pair(dense, par, x_full, x_local, g_full, g_local, *, out_local_of, x_g
     allreduce_sequence_parallel_grads(par, tp_group)
     _close("input grad", xp.grad, x_grad_local_of(xd.grad))
     dense_grads = {n: p.grad for n, p in dense.named_parameters()}
-    for name, grad in gather_dense_state_dict(par, tp_group, grads=True).items():
+    assert all(g is not None for g in dense_grads.values()), [n for n, g in dense_grads.items() if g is None]
+    grads = gather_dense_state_dict(par, tp_group, grads=True)  # (a parameter without a gradient is left out)
+    assert sorted(grads) == sorted(dense_grads), sorted(set(dense_grads) ^ set(grads))
+    for name, grad in grads.items():
         _close(f"grad {name}", grad, dense_grads[name])
 
 

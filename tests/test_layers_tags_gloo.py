@@ -70,8 +70,8 @@ def _block_under_fsdp2_on_rank(reshard_after_backward):
         torch.manual_seed(0)
         block = TransformerBlock(16, 4, 2, 32, tp, sequence_parallel=True, dtype=F64)
         with torch.no_grad():
-            for p in block.parameters():  # norms start at 1: randomise so every term is tested
-                p.copy_(p + 0.1 * _randn(*p.shape, seed=p.numel()))
+            for i, p in enumerate(block.parameters()):  # norms start at 1: randomise so every term is tested
+                p.copy_(p + 0.1 * _randn(*p.shape, seed=1000 + i))  # (by index: same shapes, other values)
         return block
 
     x = _randn(8, 4, 16, seed=3).chunk(2, dim=0)[dims.tp_rank]  # [S/tp, B, H]: SP splits the sequence

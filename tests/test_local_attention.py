@@ -94,15 +94,23 @@ def test_no_process_group_is_needed_and_nothing_travels(monkeypatch):
 
 
 def test_autocast_runs_in_its_dtype_and_gradients_reach_fp32_leaves():
+    """Inside torch.autocast: bf16, as SDPA; the backward (run inside too) must not autocast its own
+    fp32 math: everything equals the same call on inputs cast by hand, bitwise."""
     q, k, v, do = _inputs(torch.float32, "bshd")
-    q.requires_grad_()
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = local_attention(q, k, v, causal=True, segment_ids=_ids())
-    assert out.dtype == torch.bfloat16
-    out.float().backward(do)
-    assert q.grad.dtype == torch.float32
-    want = _sdpa(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), True, _ids(), "bshd")
-    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+        out = local_attention(*leaves, causal=True, segment_ids=_ids())
+        assert out.dtype == torch.bfloat16
+        out.float().backward(do)
+    assert all(x.grad.dtype == torch.float32 for x in leaves)
+    by_hand = [x.bfloat16().requires_grad_() for x in (q, k, v)]
+    want = local_attention(*by_hand, causal=True, segment_ids=_ids())
+    want.backward(do.bfloat16())
+    assert torch.equal(out, want)
+    for name, got, ref in zip(("dq", "dk", "dv"), leaves, by_hand):
+        assert torch.equal(got.grad, ref.grad.float()), name
+    exact = _sdpa(*(x.double() for x in by_hand), True, _ids(), "bshd")  # and bf16 is near the truth
+    torch.testing.assert_close(out.double(), exact, atol=2e-2, rtol=2e-2)
 
 
 def test_bad_input_is_refused_by_name():
