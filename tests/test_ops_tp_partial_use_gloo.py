@@ -20,27 +20,26 @@ def _partial_use_on_rank(method, uses, save_gathered):
     g = torch.Generator().manual_seed(0)
     shards = [torch.randn(3, 8, generator=g, dtype=torch.float64) for _ in range(world)]
     weights = [[torch.randn(8, n, generator=g, dtype=torch.float64) for n in (2, 5)] for _ in range(world)]
+    # each rank's gradient of each output: random, so a row or chunk out of order shows
+    upstream = [[torch.randn(3 * world, n, generator=g, dtype=torch.float64) for n in (2, 5)] for _ in range(world)]
     a = shards[rank].clone().requires_grad_()
     bs = [b.clone().requires_grad_() for b in weights[rank]]
     gathered, outs = ok.all_gather_matmul(a, bs, return_gathered=True, method=method, save_gathered=save_gathered)
     used, uses_gathered = uses[rank]
-    loss = sum((q + 1) * outs[i].sum() for q, i in enumerate(used)) + (gathered.pow(2).sum() if uses_gathered else 0)
+    loss = sum((outs[i] * upstream[rank][i]).sum() for i in used) + (gathered.pow(2).sum() if uses_gathered else 0)
     loss.backward()
 
     a_full = torch.cat(shards)  # dense: d loss_r / d a_full, summed over ranks r
     grad_full = torch.zeros_like(a_full)
     for r, (used_r, gathered_r) in enumerate(uses):
-        for q, i in enumerate(used_r):
-            ones = torch.ones(len(a_full), weights[r][i].shape[1], dtype=torch.float64)
-            grad_full += (q + 1) * ones @ weights[r][i].T
+        for i in used_r:
+            grad_full += upstream[r][i] @ weights[r][i].T
         if gathered_r:
             grad_full += 2 * a_full
     torch.testing.assert_close(a.grad, grad_full.chunk(world)[rank], atol=1e-12, rtol=1e-12)
     for i, b in enumerate(bs):
         if i in used:  # a weight whose output this rank did not use keeps grad None, as in torch
-            q = used.index(i)
-            want = (q + 1) * a_full.T @ torch.ones(len(a_full), b.shape[1], dtype=torch.float64)
-            torch.testing.assert_close(b.grad, want, atol=1e-12, rtol=1e-12)
+            torch.testing.assert_close(b.grad, a_full.T @ upstream[rank][i], atol=1e-12, rtol=1e-12)
         else:
             assert b.grad is None
     return True
