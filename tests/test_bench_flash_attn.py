@@ -20,7 +20,12 @@ class _Rows(list):
 
 def test_packed_documents_rows(monkeypatch):
     calls = []
-    monkeypatch.setattr(bench, "gpu_median_s", lambda fn: calls.append(fn()) or 1e-3)  # one call, 1 ms
+
+    def one_call(fn):  # the k-th timing "takes" k ms: each row must pair the right two
+        calls.append(fn())
+        return len(calls) * 1e-3
+
+    monkeypatch.setattr(bench, "gpu_median_s", one_call)
     rows = _Rows()
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, 2, 64, 16, generator=g) for _ in range(4))
@@ -31,8 +36,11 @@ def test_packed_documents_rows(monkeypatch):
         ("backward", "4 documents of 16 (segment ids; SDPA: each apart)"),
         ("forward", "4 documents of 16 (segment ids; SDPA: dense mask)"),
         ("backward", "4 documents of 16 (segment ids; SDPA: dense mask)")]
+    # timed in order: SDPA apart forward, backward; SDPA masked forward, backward; ours forward, backward
+    assert [(r["ours_us"], r["sdpa_us"]) for r in rows] == [(5000, 1000), (6000, 2000), (5000, 3000), (6000, 4000)]
     flops = 4 * 2 * 16 * 16 * 16 / 2 * 4  # attention within the documents only
-    assert rows[0]["ours_tflops"] == flops / 1e-3 / 1e12 and rows[1]["ours_tflops"] == 2.5 * flops / 1e-3 / 1e12
+    assert rows[0]["ours_tflops"] == flops / 5e-3 / 1e12 and rows[1]["ours_tflops"] == 2.5 * flops / 6e-3 / 1e12
+    assert rows[2]["vs_sdpa"] == 3 / 5
     # a sequence the documents do not divide: no rows, nothing run
     rows.clear()
     bench.packed_documents(rows, q[:, :, :63], k[:, :, :63], v[:, :, :63], do[:, :, :63], 0.25, 4)

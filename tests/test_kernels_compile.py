@@ -6,6 +6,7 @@ configuration per kernel, in a process without TRITON_INTERPRET.
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,7 @@ for i, (name, (patch, name_filter, _)) in enumerate(plants.items()):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
+            sys.stdout.reconfigure(line_buffering=True)  # what it printed survives a crash
             exec(patch)
             sys.argv = ["compile_kernels_sm90.py", "--quick", name_filter]
             runpy.run_path(script, run_name="__main__")
@@ -82,11 +84,18 @@ def planted_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("plants")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp / "cache"))  # a fresh cache: really compile
-    out = subprocess.run([sys.executable, "-c", PLANT_RUNNER, json.dumps(PLANTS),
-                          str(ROOT / "scripts" / "compile_kernels_sm90.py"), str(tmp)],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    return {name: (code, Path(path).read_text()) for name, (code, path) in json.loads(out.stdout).items()}
+    # its own session: a timeout kills the forked children (and their compile workers) too
+    runner = subprocess.Popen([sys.executable, "-c", PLANT_RUNNER, json.dumps(PLANTS),
+                               str(ROOT / "scripts" / "compile_kernels_sm90.py"), str(tmp)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = runner.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(runner.pid, signal.SIGKILL)
+        runner.communicate()
+        raise
+    assert runner.returncode == 0, stdout[-4000:] + stderr[-4000:]
+    return {name: (code, Path(path).read_text()) for name, (code, path) in json.loads(stdout).items()}
 
 
 @pytest.mark.parametrize("plant", list(PLANTS))
