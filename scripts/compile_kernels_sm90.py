@@ -311,8 +311,8 @@ def check_flash(tables: dict, where: str = "", quick_keys=()) -> None:
             spans = t(B, triton.cdiv(L, 16), 2, dtype=torch.int32) if seg else q  # (shape: only its dtype matters)
             span_b = spans.stride(0) if seg else 0
 
-            def pipelined(cfg):  # loads the loop prefetches (segment ids must not lose them: a branch around them did)
-                return dict(ptx_has=("cp.async",)) if cfg.num_stages > 1 else {}
+            def pipelined(cfg, *also):  # loads the loop prefetches (segment ids must not lose them: a branch around them did)
+                return dict(ptx_has=also + (("cp.async",) if cfg.num_stages > 1 else ()))
 
             def tag(cfg):
                 return (f"{where}{dname} HEAD_DIM={hd} {cfg} CAUSAL={causal}" + (" tf32" if precision == "tf32" else "")
@@ -321,7 +321,8 @@ def check_flash(tables: dict, where: str = "", quick_keys=()) -> None:
             check(f"_flash_fwd_kernel {tag(cfgs.fwd)}", FA._flash_fwd_kernel, q, k, v, o, lse, sg, sg, spans,
                   q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                   o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), sg_b, sg_b, span_b,
-                  H // HKV, L, L, hd, 0, 0, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.fwd.meta(), **pipelined(cfgs.fwd))
+                  H // HKV, L, L, hd, 0, 0, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.fwd.meta(),
+                  **pipelined(cfgs.fwd, "fma.rn.f32"))  # multiply-adds contracted (tile_gemm.FP_FUSION, asked per launch)
             check(f"_flash_bwd_dkdv_kernel {tag(cfgs.dkdv)}", FA._flash_bwd_dkdv_kernel, q, k, v, do, lse, delta,
                   dk, dv, sg, sg, spans, *common, dk.stride(0), dk.stride(1), dk.stride(2), sg_b, sg_b, span_b,
                   H // HKV, L, L, hd, 0, 0, 0.125, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.dkdv.meta(),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tile_gemm import shared_memory_per_block
+from .tile_gemm import FP_FUSION, shared_memory_per_block
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,8 @@ class FlashConfig:
         return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}"
 
     def meta(self) -> dict:
-        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages)
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages,
+                    **FP_FUSION)
 
 
 @dataclass(frozen=True)

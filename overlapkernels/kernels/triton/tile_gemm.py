@@ -109,8 +109,13 @@ class GemmConfig:
     def meta(self, k: int) -> dict:
         """The constexprs and launch options of one kernel call with reduction length ``k``."""
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, EVEN_K=k % self.block_k == 0,
-                    num_warps=self.num_warps, num_stages=self.num_stages)
+                    num_warps=self.num_warps, num_stages=self.num_stages, **FP_FUSION)
 
+
+# Multiply-adds contracted into FMAs, as every triton so far compiles by default: triton 3.9 warns that
+# 3.10 turns the default off, which would change the kernels' speed and rounding under a new triton.
+# Asked per launch (triton's global knob would change every other kernel in the process too).
+FP_FUSION = dict(enable_fp_fusion=True)
 
 # The interpreter runs tiles as numpy arrays: mid-sized tiles keep CPU tests quick.
 INTERPRETER_GEMM = GemmConfig(64, 64, 32)
