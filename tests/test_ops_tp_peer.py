@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import overlapkernels as ok
+from overlapkernels.comm.rank_pool import RankError
 from overlapkernels.comm.thread_world import ThreadWorld
 from test_ops_tp_gloo import fp32_partial_sums_case
 
@@ -160,6 +161,23 @@ def _autograd_checks(group, r, w, dev, method):
 @pytest.mark.parametrize("world, method", [(2, "symm"), (2, "fused"), (4, "fused")])
 def test_autograd_matches_dense(world, method):
     assert ThreadWorld(world, timeout=60).run(_autograd_on_rank, method) == [True] * world
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+def test_a_planted_error_fails_the_autograd_checks(monkeypatch, op):
+    """The checks above hold fp32 to 1e-5: a result off by 1e-4 in one element (a tile or chunk
+    read early, a partial added twice would be off by far more) must fail them."""
+    original = getattr(ok, op)
+
+    def off(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if not isinstance(result, torch.Tensor):
+            return result
+        return result + 1e-4 * (torch.arange(result.numel()) == 0).reshape(result.shape)
+
+    monkeypatch.setattr(ok, op, off)
+    with pytest.raises(RankError, match="Tensor-likes are not close"):
+        ThreadWorld(2, timeout=60).run(_autograd_on_rank, "symm")
 
 
 def _auto_on_rank(ctx):
