@@ -84,6 +84,33 @@ def test_triton_kernels_match_sdpa_with_the_dense_mask(monkeypatch, qkv_format, 
     assert used  # not the torch reference
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_lse_is_the_masked_logsumexp_and_differentiable(monkeypatch, backend):
+    """return_lse: [B, H, S] fp32, as ring_attention's; a loss using it backpropagates through it."""
+    dtype, tol = (torch.float64, 1e-12) if backend == "torch" else (torch.float32, 2e-5)
+    monkeypatch.setattr(la, "default_backend", lambda q: backend)
+    q, k, v, do = _inputs(dtype, "bshd", batch=1, heads=2, kv_heads=1)
+    weight = torch.randn(1, 2, sum(DOCS), generator=torch.Generator().manual_seed(1))  # fp32: dlse exact
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = local_attention(*leaves, causal=True, segment_ids=_ids(1), return_lse=True)
+    assert lse.dtype == torch.float32 and lse.shape == (1, 2, sum(DOCS))
+    ((out * do).sum() + (lse * weight).sum()).backward()
+    ref = [x.double().requires_grad_() for x in (q, k, v)]
+    s = sum(DOCS)
+    visible = (_ids(1)[0][:, None] == _ids(1)[0][None, :]) & torch.ones(s, s, dtype=torch.bool).tril()
+    scores = (ref[0].transpose(1, 2) @ ref[1].transpose(1, 2).repeat_interleave(2, 1).transpose(-1, -2)) * 16 ** -0.5
+    scores = scores.masked_fill(~visible, -torch.inf)
+    lse_ref = scores.logsumexp(-1)
+    out_ref = (scores.softmax(-1) @ ref[2].transpose(1, 2).repeat_interleave(2, 1)).transpose(1, 2)
+    ((out_ref * do.double()).sum() + (lse_ref * weight.double()).sum()).backward()
+    torch.testing.assert_close(lse.double(), lse_ref.detach(), atol=max(tol, 1e-6), rtol=max(tol, 1e-6))
+    torch.testing.assert_close(out.double(), out_ref.detach(), atol=tol, rtol=tol)
+    for name, got, want in zip(("dq", "dk", "dv"), leaves, ref):
+        torch.testing.assert_close(got.grad.double(), want.grad, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
+    with pytest.raises(TypeError, match=r"return_lse=1: expected a bool"):
+        local_attention(q, k, v, return_lse=1)
+
+
 def test_no_process_group_is_needed_and_nothing_travels(monkeypatch):
     import torch.distributed as dist
     from overlapkernels.comm.ring import Ring

@@ -31,29 +31,32 @@ class LocalAttention(RingAttention):
         return _backward(ctx, dout, dlse)
 
 
-
 @eager_under_compile  # it drives Triton kernels and their span tables, as ring_attention does
-def local_attention(q, k, v, *, causal=False, softmax_scale=None, qkv_format="bshd", segment_ids=None):
+def local_attention(q, k, v, *, causal=False, softmax_scale=None, qkv_format="bshd", return_lse=False,
+                    segment_ids=None):
     """``softmax(scale q k^T + mask) v`` over the whole sequence in this process.
 
     q [B, S, H, D], k/v [B, S, H_kv, D] (``"sbhd"``: sequence first; H a multiple of H_kv). ``segment_ids``:
     an integer id per token [B, S] (batch first in either format); a query then sees only keys with its own
     id (and, if ``causal``, at or before its position). Returns out laid out like q, in q's dtype (inside
-    ``torch.autocast``: its dtype, as SDPA). The Triton kernels on CUDA, the torch reference elsewhere and
-    for float64 (``ring_attention``'s choice)."""
+    ``torch.autocast``: its dtype, as SDPA); with ``return_lse`` also the log-sum-exp [B, H, S] in fp32 (-inf
+    for rows that see no key), differentiable, as ``ring_attention``'s. The Triton kernels on CUDA, the
+    torch reference elsewhere and for float64 (``ring_attention``'s choice)."""
     if isinstance(q, torch.Tensor):
         q, k, v = cast_operands(autocast_dtype(q.device), q, k, v)
     _validate(q, k, v, qkv_format, "contiguous", softmax_scale)
     segments = _check_segments(segment_ids, q, qkv_format) if segment_ids is not None else None
-    if not isinstance(causal, bool):  # causal="no" is truthy: it would silently mean causal
-        raise TypeError(f"causal={causal!r}: expected a bool")
+    for name, flag in (("causal", causal), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):  # causal="no" is truthy: it would silently mean causal
+            raise TypeError(f"{name}={flag!r}: expected a bool")
     scale = _check_scale(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(max(q.shape[-1], 1))
     backend = default_backend(q)
     if backend == "triton":
         _backend(backend).check_inputs(_to_bhsd(q, qkv_format).shape, _to_bhsd(k, qkv_format).shape, q.dtype,
                                        q.device)
     with span("ok/attention"), autocast_off(q.device):
-        out, _ = LocalAttention.apply(_to_bhsd(q, qkv_format), _to_bhsd(k, qkv_format), _to_bhsd(v, qkv_format),
-                                     segments, None, causal, scale, "contiguous", backend)
+        out, lse = LocalAttention.apply(_to_bhsd(q, qkv_format), _to_bhsd(k, qkv_format), _to_bhsd(v, qkv_format),
+                                        segments, None, causal, scale, "contiguous", backend)
     # a copy laid out like q (callers .view() it), never the tensor saved for backward
-    return _from_bhsd(out, qkv_format).clone(memory_format=torch.contiguous_format)
+    out = _from_bhsd(out, qkv_format).clone(memory_format=torch.contiguous_format)
+    return (out, lse) if return_lse else out
