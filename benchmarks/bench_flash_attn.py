@@ -1,6 +1,7 @@
 """Triton flash attention (forward; backward = dK/dV + dQ kernels) vs SDPA's flash backend on one
 GPU, B=1, S=8192, H=32, D=128 bf16 by default; then a row packing 8 documents (segment ids) against
-SDPA on each apart, and against SDPA on the row with the dense mask. GPU only. Outputs are checked against SDPA before any time is reported.
+SDPA on each apart, and against SDPA on the row with the dense mask. GPU only. Outputs are checked
+against SDPA before any time is reported.
 
     python benchmarks/bench_flash_attn.py [--seq 8192 --heads 32 --head-dim 128] [--csv F]
 """

@@ -13,6 +13,7 @@ from overlapkernels.kernels.triton import flash_attn
 from overlapkernels.profiling.ranges import span
 
 la = importlib.import_module("overlapkernels.ops.local_attention")
+ra = importlib.import_module("overlapkernels.ops.ring_attention")  # its checks choose the backend
 local_attention = ok.local_attention
 
 DOCS = [7, 20, 13]  # 40 positions: tiles of 16 meet one or two documents
@@ -78,7 +79,7 @@ def test_triton_kernels_match_sdpa_with_the_dense_mask(monkeypatch, qkv_format, 
     """What CUDA runs (the interpreter here, fp32): documents in the kernels' masks and loop spans."""
     used = []
     block_forward = flash_attn.block_forward
-    monkeypatch.setattr(la, "default_backend", lambda q: "triton")
+    monkeypatch.setattr(ra, "default_backend", lambda q: "triton")
     monkeypatch.setattr(flash_attn, "block_forward", lambda *a, **kw: used.append(1) or block_forward(*a, **kw))
     _check(torch.float32, qkv_format, causal, True, 2e-5, batch=1, heads=2, kv_heads=1)
     assert used  # not the torch reference
@@ -88,7 +89,7 @@ def test_triton_kernels_match_sdpa_with_the_dense_mask(monkeypatch, qkv_format, 
 def test_the_lse_is_the_masked_logsumexp_and_differentiable(monkeypatch, backend):
     """return_lse: [B, H, S] fp32, as ring_attention's; a loss using it backpropagates through it."""
     dtype, tol = (torch.float64, 1e-12) if backend == "torch" else (torch.float32, 2e-5)
-    monkeypatch.setattr(la, "default_backend", lambda q: backend)
+    monkeypatch.setattr(ra, "default_backend", lambda q: backend)
     q, k, v, do = _inputs(dtype, "bshd", batch=1, heads=2, kv_heads=1)
     weight = torch.randn(1, 2, sum(DOCS), generator=torch.Generator().manual_seed(1))  # fp32: dlse exact
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -175,5 +176,5 @@ def test_profiles_name_it_and_a_second_derivative_is_refused_by_name(monkeypatch
 
 def test_the_torch_backend_is_the_reference_module():
     """On CPU and for float64 the torch reference runs (the kernels take no float64)."""
-    assert la.default_backend(torch.zeros(1, dtype=torch.float32)) == "torch"
-    assert la._backend("torch") is attention_ref
+    assert ra.default_backend(torch.zeros(1, dtype=torch.float32)) == "torch"
+    assert ra._backend("torch") is attention_ref

@@ -9,16 +9,13 @@ SDPA's flash backend on an H200 (benchmarks/results/h200_2026-11-30.md).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .._compat import eager_under_compile
 from ..profiling.ranges import span
-from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands
+from ._autocast import autocast_off, backward_without_autocast
 from ._autograd import first_order_only
-from .ring_attention import (RingAttention, _backend, _backward, _check_scale, _check_segments, _from_bhsd, _to_bhsd,
-                             _validate, default_backend)
+from .ring_attention import RingAttention, _backward, _from_bhsd, _to_bhsd, checked_inputs
 
 
 class LocalAttention(RingAttention):
@@ -42,18 +39,8 @@ def local_attention(q, k, v, *, causal=False, softmax_scale=None, qkv_format="bs
     ``torch.autocast``: its dtype, as SDPA); with ``return_lse`` also the log-sum-exp [B, H, S] in fp32 (-inf
     for rows that see no key), differentiable, as ``ring_attention``'s. The Triton kernels on CUDA, the
     torch reference elsewhere and for float64 (``ring_attention``'s choice)."""
-    if isinstance(q, torch.Tensor):
-        q, k, v = cast_operands(autocast_dtype(q.device), q, k, v)
-    _validate(q, k, v, qkv_format, "contiguous", softmax_scale)
-    segments = _check_segments(segment_ids, q, qkv_format) if segment_ids is not None else None
-    for name, flag in (("causal", causal), ("return_lse", return_lse)):
-        if not isinstance(flag, bool):  # causal="no" is truthy: it would silently mean causal
-            raise TypeError(f"{name}={flag!r}: expected a bool")
-    scale = _check_scale(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(max(q.shape[-1], 1))
-    backend = default_backend(q)
-    if backend == "triton":
-        _backend(backend).check_inputs(_to_bhsd(q, qkv_format).shape, _to_bhsd(k, qkv_format).shape, q.dtype,
-                                       q.device)
+    q, k, v, segments, scale, backend = checked_inputs(q, k, v, causal, softmax_scale, "contiguous", qkv_format,
+                                                       return_lse, segment_ids)
     with span("ok/attention"), autocast_off(q.device):
         out, lse = LocalAttention.apply(_to_bhsd(q, qkv_format), _to_bhsd(k, qkv_format), _to_bhsd(v, qkv_format),
                                         segments, None, causal, scale, "contiguous", backend)

@@ -331,6 +331,25 @@ def _check_scale(softmax_scale) -> float:
     return value
 
 
+def checked_inputs(q, k, v, causal, softmax_scale, layout, qkv_format, return_lse, segment_ids):
+    """The checks and casts ring_attention and local_attention share, before any communication ->
+    (q, k, v) in autocast's dtype, the segment ids' int64 copy (or None), the scale, the backend."""
+    if isinstance(q, torch.Tensor):  # inside torch.autocast: its dtype, as SDPA would
+        q, k, v = cast_operands(autocast_dtype(q.device), q, k, v)
+    _validate(q, k, v, qkv_format, layout, softmax_scale)
+    segments = _check_segments(segment_ids, q, qkv_format) if segment_ids is not None else None
+    for name, flag in (("causal", causal), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):  # causal="no" is truthy: it would silently mean causal
+            raise TypeError(f"{name}={flag!r}: expected a bool")
+    # D = 0 (an empty result, as SDPA gives) must not divide by zero
+    scale = _check_scale(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(max(q.shape[-1], 1))
+    backend = default_backend(q)
+    if backend == "triton":  # the kernels' own limits, before the ring exchanges anything
+        _backend(backend).check_inputs(_to_bhsd(q, qkv_format).shape, _to_bhsd(k, qkv_format).shape, q.dtype,
+                                       q.device)
+    return q, k, v, segments, scale, backend
+
+
 @eager_under_compile  # takes a ProcessGroup: see _compat
 def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, layout="contiguous",
                    qkv_format="bshd", return_lse=False, segment_ids=None):
@@ -351,21 +370,10 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, lay
             check_layout_tag(t, name, seq_dim, group, layout, "ring_attention")
         if segment_ids is not None:
             check_layout_tag(segment_ids, "segment_ids", 1, group, layout, "ring_attention")
-        if isinstance(q, torch.Tensor):  # inside torch.autocast: its dtype, as SDPA would
-            q, k, v = cast_operands(autocast_dtype(q.device), q, k, v)
-        _validate(q, k, v, qkv_format, layout, softmax_scale)
-        segments = _check_segments(segment_ids, q, qkv_format) if segment_ids is not None else None
-        for name, flag in (("causal", causal), ("return_lse", return_lse)):
-            if not isinstance(flag, bool):  # causal="no" is truthy: it would silently mean causal
-                raise TypeError(f"{name}={flag!r}: expected a bool")
-        # D = 0 (an empty result, as SDPA gives) must not divide by zero
-        scale = _check_scale(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(max(q.shape[-1], 1))
+        q, k, v, segments, scale, backend = checked_inputs(q, k, v, causal, softmax_scale, layout, qkv_format,
+                                                           return_lse, segment_ids)
         call.args = dict(q=q, k=k, v=v, causal=causal, softmax_scale=scale, layout=layout,
                          qkv_format=qkv_format, segment_ids=segments)
-        backend = default_backend(q)
-        if backend == "triton":  # the kernels' own limits, before the ring exchanges anything
-            _backend(backend).check_inputs(_to_bhsd(q, qkv_format).shape, _to_bhsd(k, qkv_format).shape, q.dtype,
-                                           q.device)
     with span("ok/ring_attention"), autocast_off(q.device):  # the kernels keep fp32 softmax statistics
         out, lse = RingAttention.apply(_to_bhsd(q, qkv_format), _to_bhsd(k, qkv_format), _to_bhsd(v, qkv_format),
                                        segments, group, causal, scale, layout, backend)
