@@ -56,10 +56,9 @@ def packed_documents(rows, q, k, v, do, scale, documents: int) -> None:
     t_mask = gpu_median_s(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
     out_masked = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask)
     t_mask_bwd = gpu_median_s(lambda: torch.autograd.grad(out_masked, (qr, kr, vr), do, retain_graph=True))
-    run_fwd = lambda: fa.block_forward(q, k, v, scale, causal=True, q_segments=ids, k_segments=ids)  # noqa: E731
-    run_bwd = lambda: fa.block_backward(q, k, v, do, lse, delta, scale, causal=True, q_segments=ids,  # noqa: E731
-                                        k_segments=ids)
-    t_fwd, t_bwd = gpu_median_s(run_fwd), gpu_median_s(run_bwd)
+    t_fwd = gpu_median_s(lambda: fa.block_forward(q, k, v, scale, causal=True, q_segments=ids, k_segments=ids))
+    t_bwd = gpu_median_s(lambda: fa.block_backward(q, k, v, do, lse, delta, scale, causal=True, q_segments=ids,
+                                                   k_segments=ids))
     for reference, fwd_ref, bwd_ref in (("each apart", t_sdpa, t_sdpa_bwd), ("dense mask", t_mask, t_mask_bwd)):
         label = f"{documents} documents of {n} (segment ids; SDPA: {reference})"
         for pass_, t, t_ref, f in (("forward", t_fwd, fwd_ref, flops), ("backward", t_bwd, bwd_ref, 2.5 * flops)):
