@@ -105,14 +105,33 @@ def test_backward_gather_without_gemm_is_one_collective(rank_pool):
 def _rs_reason_on_rank():
     ok.reset_overlap_stats()
     ok.matmul_reduce_scatter(torch.ones(2 * 128, 512, dtype=torch.float64), torch.ones(512, 8, dtype=torch.float64))
+    # bf16 operands: the running sum travels in fp32, 128 x 1024 x 4 B = 512 KiB (2 B each would be 256 KiB)
+    ok.matmul_reduce_scatter(torch.ones(2 * 128, 8, dtype=torch.bfloat16), torch.ones(8, 1024, dtype=torch.bfloat16))
     return {key: list(reasons) for key, reasons in ok.overlap_stats(reset=True).reasons.items()}
 
 
 def test_reduce_scatter_rules_see_one_chunk(rank_pool):
     """A ring step of matmul + reduce-scatter sends one [m, N] running sum, m = rows / world:
-    128 x 8 fp64 = 8192 B here (the whole [256, 8] would be twice that)."""
+    128 x 8 fp64 = 8192 B here (the whole [256, 8] would be twice that); fp32 for 16-bit inputs."""
     for reasons in rank_pool(2).run(_rs_reason_on_rank):
         assert any("gloo ring message 8192 B <" in r for r in reasons[("matmul_reduce_scatter", "baseline")]), reasons
+        assert reasons[("matmul_reduce_scatter", "decomposed")] == [
+            "gloo ring message 524288 B, 4 flop/B: async P2P overlaps the CPU matmul (CPU benchmark)"], reasons
+
+
+def _shared_gather_reason_on_rank():
+    ok.reset_overlap_stats()
+    a = torch.ones(128, 512, dtype=torch.float64)  # 512 KiB ring messages
+    ok.all_gather_matmul(a, [torch.ones(512, 384, dtype=torch.float64)] * 2)  # 2 x 384 columns: 192 flop/B
+    return {key: list(reasons) for key, reasons in ok.overlap_stats(reset=True).reasons.items()}
+
+
+def test_a_shared_gather_counts_every_weights_gemm(rank_pool):
+    """One gather feeding several GEMMs (QKV, gate/up) hides behind all of them: the intensity is
+    that of the weights' total width (each alone, 96 flop/B, would be under the limit of 128)."""
+    for reasons in rank_pool(2).run(_shared_gather_reason_on_rank):
+        assert list(reasons) == [("all_gather_matmul", "baseline")], reasons
+        assert "gloo, 192 GEMM flop per byte sent > 128" in reasons[("all_gather_matmul", "baseline")][0], reasons
 
 
 def test_rule_thresholds_at_their_boundaries():
@@ -134,6 +153,20 @@ def test_rule_thresholds_at_their_boundaries():
             assert [method(op, flops=most * least + extra) for extra in (0, 1)] == ["decomposed", "baseline"], op
     finally:
         ok.reset_overlap_stats()
+
+
+def test_a_peer_memory_world_says_why_float64_runs_symm():
+    """float64 in a peer-memory world: the ops pass fused_fits=False for a dtype the fused GEMMs do
+    not take, and the reason names the dtype, not the 32-bit offsets the chunks are within."""
+    from overlapkernels.ops import dispatch
+
+    try:
+        choice = dispatch.choose("all_gather_matmul", "auto", world_size=2, rows_per_rank=8, step_bytes=512,
+                                 step_flops=4096, device=torch.device("cpu"), peer_memory=True,
+                                 dtype=torch.float64, fused_fits=False)
+    finally:
+        ok.reset_overlap_stats()
+    assert choice.method == "symm" and "torch.float64: the fused GEMMs take float32/16-bit operands" in choice.reason
 
 
 def test_reasons_stay_bounded_over_many_shapes():

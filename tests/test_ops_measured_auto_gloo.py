@@ -85,6 +85,11 @@ def _measured_choice_on_fake_clock(costs_by_rank):
     ([{"baseline": 0.010, "decomposed": 0.004}, {"baseline": 0.012, "decomposed": 0.006}], "decomposed"),
     # faster by less than the margin (2% < 3%): a tie, and baseline is the safe side
     ([{"baseline": 0.010, "decomposed": 0.0098}, {"baseline": 0.010, "decomposed": 0.0098}], "baseline"),
+    # faster by more than the margin (5% > 3%): decomposed
+    ([{"baseline": 0.010, "decomposed": 0.0095}, {"baseline": 0.010, "decomposed": 0.0095}], "decomposed"),
+    # rank 0 alone would keep baseline (10 < 12 ms), but its peer's 30 ms baseline is the step's time:
+    # every rank takes decomposed (14 ms), or the ranks would run different methods and hang
+    ([{"baseline": 0.010, "decomposed": 0.012}, {"baseline": 0.030, "decomposed": 0.014}], "decomposed"),
 ])
 def test_measured_auto_picks_the_fastest_by_the_slowest_rank(rank_pool, costs, expected):
     for method, reason in rank_pool(2).run(_measured_choice_on_fake_clock, costs):
@@ -273,3 +278,44 @@ def _measured_shapes_capped_on_rank():
 def test_measured_auto_stops_measuring_new_shapes_past_its_cap(rank_pool):
     for measured_flags, keys in rank_pool(2).run(_measured_shapes_capped_on_rank):
         assert measured_flags == [True, True, False, True] and keys == 2
+
+
+def _measured_cap_is_per_op_and_group_on_rank():
+    """The cap counts one op's shapes on one group: another op, or the same op on another group,
+    still measures its first shape. And matmul_reduce_scatter scattered over N (the output's last
+    dim) is measured as over M."""
+    import os
+
+    from overlapkernels.ops import measure
+
+    os.environ["OVERLAPKERNELS_AUTO"] = "measure"
+    saved = measure.MAX_SHAPES
+    measure.MAX_SHAPES = 1
+    b = torch.ones(8, 4, dtype=torch.float64)
+    group = dist.new_group(list(range(dist.get_world_size())))
+    calls = [lambda: ok.all_gather_matmul(torch.ones(4, 8, dtype=torch.float64), b),  # fills the cap
+             lambda: ok.matmul_reduce_scatter(torch.ones(4, 8, dtype=torch.float64), b),  # another op
+             lambda: ok.all_gather_matmul(torch.ones(6, 8, dtype=torch.float64), b, group)]  # another group
+    try:
+        measure._cache.clear()
+        reasons = []
+        for call in calls:
+            ok.reset_overlap_stats()
+            call()
+            (by_reason,) = ok.overlap_stats().reasons.values()
+            reasons.append(next(iter(by_reason)))
+        measure.MAX_SHAPES = saved
+        ok.reset_overlap_stats()
+        ok.matmul_reduce_scatter(torch.ones(4, 8, dtype=torch.float64), b, scatter_dim=-1)
+        (by_reason,) = ok.overlap_stats(reset=True).reasons.values()
+        reasons += list(by_reason)
+    finally:
+        measure.MAX_SHAPES = saved
+        measure._cache.clear()
+        del os.environ["OVERLAPKERNELS_AUTO"]
+    return [r.startswith("measured on the first call") for r in reasons]
+
+
+def test_measured_auto_caps_shapes_per_op_and_group(rank_pool):
+    for measured_flags in rank_pool(2).run(_measured_cap_is_per_op_and_group_on_rank):
+        assert measured_flags == [True, True, True, True]

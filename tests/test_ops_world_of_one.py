@@ -1,7 +1,7 @@
 """The ops on a world of one, in the pytest process: what a single-GPU user (or a TP = 1 run) calls.
-Precision contracts (fp32 softmax statistics, autocast leaving fp64 alone, a backward run inside
-autocast), strict mode where nothing is eligible for overlap, and the zero-bubble store reused
-across microbatches. Each of these once passed every other test with a plausible bug planted."""
+Precision contracts (fp32 softmax statistics, autocast leaving fp64 alone), strict mode where
+nothing is eligible for overlap, the zero-bubble store reused across microbatches, and a gathered
+input that is never the caller's shard itself. Each of these once passed every other test with a plausible bug planted."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -92,3 +92,13 @@ def test_the_gathered_input_takes_a_gradient_only_when_the_shard_does(method):
     gathered, out = ok.all_gather_matmul(a, b, return_gathered=True, method=method)
     gathered.sum().backward()
     assert torch.equal(a.grad, torch.ones(4, 8))
+
+
+@pytest.mark.parametrize("method", ["baseline", "decomposed"])
+def test_the_gathered_input_is_a_copy_of_the_shard(method):
+    """As torch.cat(all_gather(a)): a new tensor even where the world has one rank - gathering one
+    shard must not hand the caller its own input back, which an in-place change would then edit."""
+    a, b = torch.ones(4, 8), torch.ones(8, 3)
+    gathered, out = ok.all_gather_matmul(a, b, return_gathered=True, method=method)
+    gathered.add_(1)
+    assert torch.equal(a, torch.ones(4, 8)) and torch.equal(out, torch.full((4, 3), 8.0))
