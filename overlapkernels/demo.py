@@ -90,7 +90,9 @@ def add_arguments(parser, default_nproc: int):
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel size (tp*pp*cp*dp ranks in all)")
+    # -1: the ranks left, as init_parallel's dp=-1 (``--tp 1 --pp 2`` on the default 4 ranks runs dp=2)
+    parser.add_argument("--dp", type=int, default=-1, help="data-parallel size (tp*pp*cp*dp ranks in all; default: "
+                                                           "the ranks left over)")
     parser.add_argument("--steps", type=int, default=20, help="training steps")
     parser.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | zb-h1 | interleaved-1f1b (2 chunks per rank)")
     parser.add_argument("--zero-stage", type=int, default=1, help="ZeRO stage over DP: 1, 2 or 3")

@@ -1,5 +1,7 @@
 """The demo (`make demo`): the 4-D run agrees with its single-process reference, its composition
 checks fail before any rank starts, and its zero-bubble simulation uses the measured W times."""
+import argparse
+
 import pytest
 
 from overlapkernels import demo
@@ -43,6 +45,16 @@ def test_demo_refuses_compositions_it_cannot_run_before_spawning():
                             (dict(reduce_per_microbatch=0), r"reduce_per_microbatch=0: expected a bool")):
         with pytest.raises(ValueError, match=message):
             demo.DemoConfig(**kwargs).resolved(3 if kwargs.get("tp") == 3 else 4)
+
+
+def test_demo_data_parallel_size_defaults_to_the_ranks_left():
+    """`overlapkernels demo --tp 1 --pp 2` on its default 4 ranks runs dp=2 (with dp=1 it refused:
+    1 x 2 x 1 x 1 != 4); an explicit --dp that does not fit is still refused before any rank starts."""
+    parser = demo.add_arguments(argparse.ArgumentParser(), 4)
+    for argv, dp in ((["--tp", "1", "--pp", "2"], 2), ([], 1), (["--tp", "1", "--pp", "1"], 4)):
+        assert demo.config_from_args(parser.parse_args(argv)).resolved(4).dp == dp
+    with pytest.raises(ValueError, match="world size 4"):
+        demo.config_from_args(parser.parse_args(["--tp", "1", "--pp", "2", "--dp", "1"])).resolved(4)
 
 
 def test_demo_interleaved_runs_two_chunks_per_rank(rank_pool):
