@@ -51,6 +51,11 @@ def _megatron_linears_on_rank(planted=False):
         assert set(sd) == set(ours.state_dict()), (name, sorted(sd), sorted(ours.state_dict()))
         ours.load_state_dict(sd)  # Megatron -> ours, _extra_state included
         theirs.load_state_dict(ours.state_dict())  # and back
+        # the size and flag attributes code written against Megatron's linears reads
+        for attr in ("input_size", "output_size", "sequence_parallel") + (
+                ("output_size_per_partition", "gather_output") if ours is col else
+                ("input_size_per_partition", "input_is_parallel")):
+            assert getattr(ours, attr) == getattr(theirs, attr), (name, attr)
         for p_ours, (pname, p_theirs) in zip(ours.parameters(), theirs.named_parameters()):
             assert getattr(p_theirs, "partition_dim", None) == getattr(p_ours, "partition_dim", None), (name, pname)
         results[name] = (ours, theirs)

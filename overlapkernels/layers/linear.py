@@ -101,6 +101,21 @@ class _MegatronExtraState:
         pass
 
 
+class _MegatronSizes:
+    """Megatron's names for the full sizes (``input_size``, ``output_size``), read by code written
+    against its linears (adapters, checkpoint converters); torch's ``in_features``/``out_features``
+    stay the stored ones. (``skip_bias_add`` is left out on purpose: forward returns a Tensor, where a
+    Megatron linear returns ``(output, bias)`` whatever that flag says.)"""
+
+    @property
+    def input_size(self) -> int:
+        return self.in_features
+
+    @property
+    def output_size(self) -> int:
+        return self.out_features
+
+
 class DefersWeightGrad:
     """A layer whose weight gradients a zero-bubble schedule's B can leave to its W.
 
@@ -116,7 +131,7 @@ class DefersWeightGrad:
     defer_weight_grad = False
 
 
-class ColumnParallelLinear(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn.Module):
+class ColumnParallelLinear(KeepsTags, DefersWeightGrad, _MegatronExtraState, _MegatronSizes, nn.Module):
     """Y = X A^T + b with A split by rows (output features) over the TP group."""
 
     def __init__(self, in_features, out_features, group=None, *, bias=True, gather_output=False,
@@ -161,7 +176,7 @@ class ColumnParallelLinear(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn.
                 f"method={self.method!r}")
 
 
-class RowParallelLinear(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn.Module):
+class RowParallelLinear(KeepsTags, DefersWeightGrad, _MegatronExtraState, _MegatronSizes, nn.Module):
     """Y = X A^T + b with A split by columns (input features); b added once, after the reduction."""
 
     def __init__(self, in_features, out_features, group=None, *, bias=True, input_is_parallel=True,
