@@ -19,7 +19,7 @@ def _tp_dp_on_rank(layout=None, stage=3, clip=None):
     """GPT with TP=2 (+SP) inside (or CP=2: ring attention, every gradient partial over CP),
     ZeRO over DP=2, vs the dense GPT on the whole batch."""
     from overlapkernels.layers import TransformerBlock
-    from overlapkernels.models import GPT, GPTConfig, shard_dense_state_dict
+    from overlapkernels.models import GPT, GPTConfig, gather_dense_state_dict, shard_dense_state_dict
 
     config = GPTConfig(vocab_size=16, hidden=8, num_layers=2, num_heads=2, num_kv_heads=2, ffn_hidden=16,
                        max_seq_len=8, method="decomposed")
@@ -56,6 +56,14 @@ def _tp_dp_on_rank(layout=None, stage=3, clip=None):
     for name, t in sharded.full_state_dict().items():
         if torch.is_tensor(t):
             torch.testing.assert_close(t, want[name], atol=1e-10, rtol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+    # the export from the sharded model (over DP, then TP): the dense model's state dict, key for key
+    exported, reference = gather_dense_state_dict(sharded), dense.state_dict()
+    assert list(exported) == list(reference)
+    for name, t in reference.items():
+        if torch.is_tensor(t):
+            torch.testing.assert_close(exported[name], t, atol=1e-10, rtol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+    with pytest.raises(ValueError, match=r"grads=True\) of an fsdp.shard model"):
+        gather_dense_state_dict(sharded, grads=True)
     return True
 
 

@@ -281,11 +281,16 @@ def gather_dense_state_dict(model: nn.Module, group=None, *, grads: bool = False
     state dict has every key of ``model.state_dict()`` (buffers and ``_extra_state`` as they are),
     so a dense model loads it strictly. Works under torch's FSDP2 too (to export a trained model):
     its DTensors are gathered over their mesh, and the TP split is known from the names our layers
-    remember (FSDP2 drops the tags). Every rank of the model's TP and FSDP2 groups must call it."""
+    remember (FSDP2 drops the tags). Every rank of the model's TP and FSDP2 groups must call it.
+    ``model`` may also be what ``fsdp.shard`` returned (any stage): its units are gathered over DP
+    (``full_state_dict``), keyed as the model inside it, then over TP; weights only, since its
+    gradients live in the DP-sharded masters that ``step()`` consumes."""
     from ..layers.tags import tensor_parallel_parameters
+    from ..runtime.fsdp.sharded import ShardedModule
 
+    if isinstance(model, ShardedModule):
+        return _gather_dense_from_fsdp(model, group, grads)
     group = group if group is not None else _tp_group_of(model)
-    world = dist.get_world_size(group)
     dense = {}
     for names, param, partition_dim in tensor_parallel_parameters(model):  # the same order on every rank
         t = param.grad if grads else param
@@ -294,16 +299,41 @@ def gather_dense_state_dict(model: nn.Module, group=None, *, grads: bool = False
         t = t.detach()
         if hasattr(t, "full_tensor"):  # FSDP2's shard: all-gather over its mesh
             t = t.full_tensor()
-        if partition_dim is not None and world > 1:
-            parts = [torch.empty_like(t) for _ in range(world)]
-            dist.all_gather(parts, t.contiguous(), group=group)
-            t = torch.cat(parts, dim=partition_dim)
-        t = t.clone()
+        t = _gathered_over_tp(t, partition_dim, group).clone()  # never the model's own memory
         dense.update((name, t) for name in names)  # tied: one tensor under each of its names, as state_dict does
     if grads:
         return dense
     return {name: dense[name] if name in dense else (value.detach().clone() if torch.is_tensor(value) else value)
             for name, value in model.state_dict().items()}
+
+
+def _gathered_over_tp(t: torch.Tensor, partition_dim, group) -> torch.Tensor:
+    """The whole tensor from every TP rank's slice along ``partition_dim`` (None, or one rank: ``t``)."""
+    world = dist.get_world_size(group)
+    if partition_dim is None or world == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=partition_dim)
+
+
+def _gather_dense_from_fsdp(sharded, group, grads: bool) -> dict:
+    """``gather_dense_state_dict`` of an ``fsdp.shard`` model: over DP, then over TP."""
+    from ..layers.tags import tensor_parallel_parameters
+
+    if grads:  # refused before any collective: every rank refuses alike
+        raise ValueError("gather_dense_state_dict(grads=True) of an fsdp.shard model: its gradients are reduced into "
+                         "each unit's DP-sharded master and consumed by step(); only the weights export")
+    group = group if group is not None else _tp_group_of(sharded.module)
+    full = sharded.full_state_dict()  # a collective over DP: unsharded over DP, still sliced over TP
+    split = {}
+    for names, _, partition_dim in tensor_parallel_parameters(sharded.module):  # the same order on every rank
+        name = next((n for n in names if n in full), None)
+        if name is None:  # (a parameter state_dict leaves out, as torch's own state_dict may)
+            continue
+        t = _gathered_over_tp(full[name], partition_dim, group)
+        split.update((n, t) for n in names if n in full)
+    return {name: split.get(name, value) for name, value in full.items()}
 
 
 def _tp_group_of(model):

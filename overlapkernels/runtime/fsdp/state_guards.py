@@ -35,7 +35,8 @@ def _refuse_freed(sharded, unit):
             raise RuntimeError(
                 f"state_dict() of {type(module).__name__} (fsdp unit {unit.name!r}): its parameters are sharded "
                 f"(stage {sharded.stage}) and freed between forward passes. Use sharded.full_state_dict() (a "
-                "collective) or fsdp.save / fsdp.load instead")
+                "collective; models.gather_dense_state_dict(sharded) for a tensor-parallel model's dense weights) or "
+                "fsdp.save / fsdp.load instead")
     return hook
 
 
