@@ -81,7 +81,8 @@ def _train_on_rank(stage, prefetch, units, steps=3, per_rank=4, opt_name="adamw"
     assert list(got) == list(want)
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-12, rtol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
-    return sharded.memory_stats(), [(u.numel, u is sharded.root) for u in sharded.all_units]
+    in_flat = [u.master.untyped_storage().data_ptr() == u.flat.untyped_storage().data_ptr() for u in sharded.all_units]
+    return sharded.memory_stats(), [(u.numel, u is sharded.root) for u in sharded.all_units], in_flat
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -95,13 +96,15 @@ def test_training_equals_single_process(rank_pool, world, stage):
 
 def test_memory_follows_zero_accounting(rank_pool):
     """Exact bytes from each unit's size (fp64, 4 ranks, AdamW): a unit of n elements is padded to
-    4 * ceil(n / 4) and each rank keeps a quarter of it as its fp32/fp64 master shard."""
+    4 * ceil(n / 4) and each rank keeps a quarter of it as its fp64 master shard: at stage 3 apart
+    from the freed buffers, at stages 1/2 inside the full buffers (ZeRO's Psi, not Psi (1 + 1/4))."""
     for stage in (1, 2, 3):
-        stats, units = rank_pool(4).run(_train_on_rank, stage, 1, (Block,))[0]
+        stats, units, master_in_flat = rank_pool(4).run(_train_on_rank, stage, 1, (Block,))[0]
         padded = [-(-n // 4) * 4 * 8 for n, _ in units]  # bytes of each unit's full buffer
         master = sum(padded) // 4
         full_params = sum(b for b, (_, root) in zip(padded, units) if stage < 3 or root)
-        assert stats["param_bytes"] == master + full_params, (stage, stats)
+        assert master_in_flat == [stage < 3] * len(units)  # the shard's own memory, not a copy
+        assert stats["param_bytes"] == (master if stage == 3 else 0) + full_params, (stage, stats)
         assert stats["grad_bytes"] == (sum(padded) if stage == 1 else master), (stage, stats)
         assert stats["optim_bytes"] == 2 * master, (stage, stats)  # AdamW: exp_avg + exp_avg_sq
         assert len(units) > 2 and sum(root for _, root in units) == 1  # per-block units and a root

@@ -169,20 +169,21 @@ def _peak_param_memory_on_rank(stage):
 
 
 def test_stage_3_peak_parameter_memory_is_below_stage_1(rank_pool):
-    """ZeRO's point, over a forward, backward and step on 2 ranks (fp64): each rank always keeps its
-    master shards (half of every unit); stage 1 also keeps every unit's full parameters, stage 3 at
-    most the root, the unit in use and the one prefetched. A unit of 72 elements is 576 bytes full,
-    the root's 8 are 64; the masters are (6 * 36 + 4) * 8 = 1760 bytes."""
+    """ZeRO's point, over a forward, backward and step on 2 ranks (fp64): stage 1 keeps every unit's
+    full parameters (its master shards are half of them, not a copy), stage 3 its master shards
+    (half of every unit) and at most the root, the unit in use and the one prefetched. A unit of 72
+    elements is 576 bytes full, the root's 8 are 64; the masters are (6 * 36 + 4) * 8 = 1760 bytes."""
     unit, root, master = 72 * 8, 8 * 8, (6 * 36 + 4) * 8
     peaks = {}
     for stage in (1, 3):
         stats, units = rank_pool(2).run(_peak_param_memory_on_rank, stage)[0]
         assert units == [(unit, False)] * 6 + [(root, True)], units
-        resident = 6 * unit + root if stage == 1 else root  # full parameters kept between steps
-        assert stats["param_bytes"] == master + resident, (stage, stats)
-        # the masters are always there; the full buffers at their peak on top of them
-        peaks[stage] = master + stats["peak_gathered_param_bytes"]
-    assert peaks == {1: master + 6 * unit + root, 3: master + 2 * unit + root} == {1: 5280, 3: 2976}, peaks
+        # full parameters kept between steps, and the masters apart from them (stage 3)
+        kept = 6 * unit + root if stage == 1 else master + root
+        assert stats["param_bytes"] == kept, (stage, stats)
+        # stage 3: the masters, and the full buffers at their peak on top of them
+        peaks[stage] = stats["peak_gathered_param_bytes"] + (master if stage == 3 else 0)
+    assert peaks == {1: 6 * unit + root, 3: master + 2 * unit + root} == {1: 3520, 3: 2976}, peaks
     assert peaks[3] < peaks[1]
 
 

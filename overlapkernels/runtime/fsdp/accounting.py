@@ -37,16 +37,18 @@ class Accounting:
         """Bytes this rank keeps between steps (ZeRO's accounting) and the peak of gathered params."""
         stage = self.stage
         full_params = sum(u.flat_bytes for u in self.all_units if stage < 3 or u in self.roots)
-        master = sum(u.master.numel() * u.master.element_size() for u in self.all_units)
+        # (a master that is the flat buffer's own shard, stages 1/2 in one dtype, is not kept twice)
+        master = sum(u.master.numel() * u.master.element_size() for u in self.all_units if not u.master_in_flat)
         frozen = sum(u.master.numel() * u.master.element_size() for u in self.saved_units if not u.trained)
         in_units = {id(p) for u in self.saved_units for p in u.params}
         whole = {id(p): p for p in self.module.parameters() if not p.requires_grad and id(p) not in in_units}
         frozen += sum(p.numel() * p.element_size() for p in whole.values())  # kept whole on every rank
+        master_grads = sum(u.master.numel() * u.master.element_size() for u in self.all_units)
         full_grads = sum(u.padded * torch.empty((), dtype=u.reduce_dtype).element_size() for u in self.all_units)
         states = self.optimizer.state.values() if self.optimizer is not None else ()  # (None: a frozen model)
         optim = sum(t.numel() * t.element_size() for state in states
                     for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
-        return {"param_bytes": full_params + master + frozen, "grad_bytes": full_grads if stage == 1 else master,
+        return {"param_bytes": full_params + master + frozen, "grad_bytes": full_grads if stage == 1 else master_grads,
                 "optim_bytes": optim, "peak_gathered_param_bytes": self.peak_gathered_bytes}
 
     def comm_stats(self, reset: bool = False) -> dict:

@@ -11,6 +11,10 @@ unit's parameters are size-0 tensors (as in torch FSDP), so reading one gives an
 freed memory. Between a forward with autograd and ``step`` they keep their shapes over the empty
 storage (``keep_shapes``): deferred weight-gradient closures (zero-bubble W) assign ``.grad`` after
 backward, which torch only allows on a parameter of the gradient's shape.
+
+At stages 1/2 (the buffer is never freed) a master in the buffer's own dtype is this rank's slice of
+the buffer itself, not a copy: ZeRO's Psi of parameters, where a copy kept Psi (1 + 1/N). The
+optimizer's step then writes the parameters' own shard, and ``publish`` brings the others' in.
 """
 from __future__ import annotations
 
@@ -49,10 +53,12 @@ def check_unit_params(name: str, params: list) -> None:
 
 class FlatUnit:
     def __init__(self, name: str, module: nn.Module, params: list, group, *, param_dtype, reduce_dtype,
-                 trained: bool = True):
+                 trained: bool = True, master_in_flat: bool = False):
         """``params`` passed ``check_unit_params`` (ShardedModule checks every unit before building any).
         ``trained=False``: frozen parameters (stage 3, ``frozen_units.py``): the shard is kept in their
-        own dtype, a plain tensor no optimizer sees, and no gradient is ever reduced."""
+        own dtype, a plain tensor no optimizer sees, and no gradient is ever reduced.
+        ``master_in_flat``: the flat buffer is never freed (stages 1/2), so a master of its dtype may
+        be its shard itself (see the module's docstring)."""
         self.name, self.module, self.params, self.group = name, module, params, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.device, self.model_dtype = params[0].device, params[0].dtype
@@ -67,12 +73,13 @@ class FlatUnit:
         self.padded = -(-self.numel // self.world) * self.world
         self.shard_numel = self.padded // self.world
         full = self.flatten(params, self.master_dtype)
-        if trained:
-            self.master = nn.Parameter(self.local_shard(full).clone())  # what the optimizer updates
+        self.flat = full.to(self.param_dtype)  # the gathered buffer the parameters view, from attach()
+        if trained:  # what the optimizer updates
+            shared = master_in_flat and self.flat.dtype == self.master_dtype  # (then flat is full)
+            self.master = nn.Parameter(self.local_shard(full) if shared else self.local_shard(full).clone())
             self.master.grad = torch.zeros_like(self.master)
         else:
             self.master = self.local_shard(full).clone()
-        self.flat = full.to(self.param_dtype)  # the gathered buffer the parameters view, from attach()
         # context parallelism: each CP rank saw part of the sequence, so every gradient of a model
         # tagged ``context_parallel_group`` is partial; the unit sums its reduced shard over that
         # group (CP peers own the same shard), at any stage, before the optimizer sees it
@@ -129,6 +136,19 @@ class FlatUnit:
     def flat_bytes(self) -> int:
         return self.padded * self.flat.element_size()
 
+    @property
+    def master_in_flat(self) -> bool:
+        """The master is this rank's shard of the flat buffer itself (not a copy of it)."""
+        if self.flat.untyped_storage().nbytes() == 0:  # freed (stage 3): the master is apart
+            return False
+        shard = self.local_shard(self.flat)
+        return self.master.data_ptr() == shard.data_ptr() and self.master.dtype == shard.dtype
+
+    def _staged_master(self) -> torch.Tensor:
+        """What an all-gather into the flat buffer sends: the master cast to ``param_dtype``, and a copy
+        when the master is the buffer's own shard (no backend promises an input inside its output)."""
+        return self.master.detach().to(self.param_dtype, copy=self.master_in_flat)
+
     @eager_under_compile  # (collectives and storage resizes: see ShardedModule)
     def free(self, *, keep_shapes: bool = False) -> None:
         """Drop the gathered parameters (stage 3, between uses)."""
@@ -170,7 +190,7 @@ class FlatUnit:
         # parameters outside its forward is unsupported at stage 3, as under FSDP2
         if not async_op:
             self._view_params()
-        staged = self.master.detach().to(self.param_dtype)
+        staged = self._staged_master()
         with span(f"ok/fsdp/{self.name}/gather/comm"):
             work = all_gather_single(_wire(self.flat), _wire(staged), group=self.group, async_op=async_op)
         self.bytes_gathered += self.flat_bytes
@@ -301,7 +321,7 @@ class FlatUnit:
     def publish(self) -> None:
         """After the optimizer step: the new master shards, gathered into the full parameters."""
         if self.gathered:
-            all_gather_single(_wire(self.flat), _wire(self.master.detach().to(self.param_dtype)), group=self.group)
+            all_gather_single(_wire(self.flat), _wire(self._staged_master()), group=self.group)
             self.bytes_gathered += self.flat_bytes
             self._gathered_version = self._versions()
 

@@ -97,7 +97,8 @@ class ShardedModule(GradientReduction, Accounting, nn.Module):
         # work as without fsdp); each unit module is then split into one flat unit per param group it
         # holds, gathered and prefetched together (param_groups.py)
         self.optimizer, trained_units, self.roots = optimizer_and_units(
-            optimizer, model, plan, rest, group, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+            optimizer, model, plan, rest, group, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            master_in_flat=stage < 3)  # (stage 3 frees the buffers)
         self.units = [u for made in trained_units for u in made]
         self.root = self.roots[0] if self.roots else None  # (the first: with one param group, the only one)
         self.all_units = self.units + self.roots  # the trained ones (gradients, optimizer)
