@@ -168,6 +168,31 @@ def test_forward_keeps_no_per_step_outputs(rank_pool):
     assert rank_pool(4).run(_live_block_outputs_on_rank) == [(16, 1)] * 4
 
 
+def _live_gradient_sums_on_rank():
+    """Backward passes each block's dK/dV partial sums on as they are made: when a step sends its
+    sums, at most the previous step's (whose send may still be in flight) are alive besides them -
+    not every step's, which would hold P blocks' gradients."""
+    sent, most_alive, original = [], [0], Ring.exchange
+
+    def tracking(self, send, to, recv, frm, *, tag=0):
+        if tag == ra.GRAD_TAG:
+            most_alive[0] = max(most_alive[0], sum(ref() is not None for ref in sent))
+            sent.extend(weakref.ref(t) for t in send)
+        return original(self, send, to, recv, frm, tag=tag)
+
+    Ring.exchange = tracking
+    try:
+        q = torch.randn(1, 2, 4, 4, dtype=torch.float64, requires_grad=True)
+        ok.ring_attention(q, q, q).sum().backward()  # 4 steps, 4 gradient hops of (dK, dV)
+    finally:
+        Ring.exchange = original
+    return len(sent), most_alive[0]
+
+
+def test_backward_keeps_no_per_step_gradient_sums(rank_pool):
+    assert rank_pool(4).run(_live_gradient_sums_on_rank) == [(8, 2)] * 4
+
+
 def _allgather_baseline_on_rank():
     """The benchmark's unoverlapped baseline (all-gather K/V, then every block) computes what the
     ring does: its times are only comparable if its answers are."""
@@ -205,17 +230,36 @@ def test_head_dim_zero_gives_an_empty_result_not_a_division_by_zero(rank_pool):
 def _failing_step_on_rank(where):
     """A rank-local error inside a ring step (an out-of-memory, a kernel's limit) left that step's
     posted exchange unwaited: gloo's pair was then unusable and the next collective of the group
-    hung on every rank. Now the step's exchanges are waited for before the error propagates."""
+    hung on every rank. Now the step's exchanges are waited for before the error propagates - in
+    backward's last step too, where the one in flight is the previous step's dK/dV hop (whether an
+    unwaited one hangs depends on timing there, so every posted exchange is checked to be waited)."""
     import overlapkernels.kernels.attention_ref as ref
 
     q = torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True)
     module, name = (ra, "_attend_block") if where == "forward" else (ref, "block_backward")
-    original = getattr(module, name)
+    original, calls, posted, exchange = getattr(module, name), [], [], Ring.exchange
+
+    class Waited:
+        def __init__(self, work):
+            self.work, self.waited = work, False
+
+        def wait(self, *args):
+            self.waited = True
+            return self.work.wait(*args)
 
     def planted(*args, **kwargs):
+        calls.append(None)
+        if where == "backward, last step" and len(calls) == 1:  # (one block per step: contiguous, not causal)
+            return original(*args, **kwargs)
         raise RuntimeError("planted: out of memory")
 
+    def recording(self, *args, **kwargs):
+        works = [Waited(work) for work in exchange(self, *args, **kwargs)]
+        posted.extend(works)
+        return works
+
     setattr(module, name, planted)
+    Ring.exchange = recording
     try:
         ok.ring_attention(q, q, q).sum().backward()
         said = "no error"
@@ -223,13 +267,14 @@ def _failing_step_on_rank(where):
         said = str(exc)
     finally:
         setattr(module, name, original)
+        Ring.exchange = exchange
     dist.barrier()  # hung (until the pool's timeout) before
-    return said
+    return said, bool(posted) and all(work.waited for work in posted)
 
 
-@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("where", ["forward", "backward", "backward, last step"])
 def test_an_error_inside_a_ring_step_leaves_the_group_usable(rank_pool, where):
-    assert rank_pool(2).run(_failing_step_on_rank, where) == ["planted: out of memory"] * 2
+    assert rank_pool(2).run(_failing_step_on_rank, where) == [("planted: out of memory", True)] * 2
 
 
 def _kernel_limits_on_rank():

@@ -14,15 +14,16 @@ from overlapkernels.ops.weight_grad_store import WeightGradStore
 
 def _in_place_on_outputs_on_rank():
     """Shapes where .contiguous() hands back its input (dim 0, batch 1, [1, 1, H]): the results are
-    still plain tensors, in-place ops work, and they match the unsharded reference."""
+    still plain tensors, in-place ops work, and they match the unsharded reference. Inputs require
+    grad: autograd refuses an in-place op on a Function's view output only when it tracks it."""
     r, w, g = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
-    full = torch.arange(1 * 8 * 4, dtype=torch.float64).reshape(1, 8, 4)  # batch 1, [B, S, H]
+    full = torch.arange(1 * 8 * 4, dtype=torch.float64).reshape(1, 8, 4).requires_grad_()  # batch 1, [B, S, H]
     for dim, x in ((1, full), (0, full[0])):  # (the [S, H] layout gathers along dim 0)
         part = ok.shard_sequence(x, dim=dim) * 1
         y = ok.unshard_sequence(part, dim=dim)
         y.mul_(2)
         assert torch.equal(y, 2 * x)
-    x = torch.arange(4.0, dtype=torch.float64).reshape(1, 1, 4) + 10 * r
+    x = (torch.arange(4.0, dtype=torch.float64).reshape(1, 1, 4) + 10 * r).requires_grad_()
     y = tp_regions.gather_last_dim(x * 1, g)
     y.add_(1)
     assert torch.equal(y, torch.cat([torch.arange(4.0, dtype=torch.float64).reshape(1, 1, 4) + 10 * q + 1
@@ -33,6 +34,10 @@ def _in_place_on_outputs_on_rank():
     s = tp_regions.split_last_dim(x, g)
     s.zero_()  # the caller's input must not change
     assert torch.equal(x, x_before) and s.shape == (1, 1, 4 // w)
+    x = torch.arange(8.0, dtype=torch.float64).reshape(8, 1)
+    for layout in ("contiguous", "zigzag"):  # nor does a shard (a view would also keep the whole sequence alive)
+        ok.shard_sequence(x, dim=0, layout=layout).zero_()
+    assert torch.equal(x, torch.arange(8.0, dtype=torch.float64).reshape(8, 1))
     return True
 
 
@@ -73,11 +78,13 @@ def test_the_weight_grad_store_never_applies_a_closure_twice():
 
 
 def _sp_embedding_with_1d_tokens_on_rank():
+    from comm_guard import no_communication
     from overlapkernels.layers.embedding import VocabParallelEmbedding
 
     emb = VocabParallelEmbedding(16, 4, sequence_parallel=True)
     try:
-        emb(torch.arange(6))
+        with no_communication():  # refused before the reduce-scatter, not after it
+            emb(torch.arange(6))
     except ValueError as exc:
         return str(exc)
     return "no error"
@@ -123,3 +130,18 @@ def test_a_weight_the_caller_excluded_from_backward_gets_no_deferred_gradient():
     assert w.grad is None and len(store.closures) == 1
     store.run()
     torch.testing.assert_close(w.grad, x.detach().T @ torch.ones(3, 2, dtype=torch.float64), rtol=0, atol=0)
+
+
+def test_deferring_ends_with_its_block_when_the_block_raises():
+    """A B step that raised (an out-of-memory) inside ``deferring`` must not leave the store active:
+    every later backward would push its weight gradients to a store no W ever runs."""
+    from overlapkernels.ops.weight_grad_store import deferring
+
+    store = WeightGradStore()
+    with pytest.raises(RuntimeError, match="out of memory"), deferring(store):
+        raise RuntimeError("out of memory")
+    x = torch.randn(3, 4, dtype=torch.float64)
+    w = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
+    _DeferringLinear.apply(x, w).sum().backward()  # outside deferring: at once
+    assert store.closures == []
+    torch.testing.assert_close(w.grad, x.T @ torch.ones(3, 2, dtype=torch.float64), rtol=0, atol=0)
