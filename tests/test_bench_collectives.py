@@ -55,6 +55,8 @@ def test_overlap_efficiency_is_flux_definition():
 
 def test_summary_is_median_min_max():
     assert metrics.summarize([1.0, 2.0, 10.0]) == {"median_s": 2.0, "min_s": 1.0, "max_s": 10.0}  # not the mean
+    # an even count (--iters 4): the mean of the middle two, of the sorted times, not either one alone
+    assert metrics.summarize([4.0, 1.0, 3.0, 2.0]) == {"median_s": 2.5, "min_s": 1.0, "max_s": 4.0}
 
 
 def test_table_and_csv(tmp_path):
@@ -79,6 +81,7 @@ def test_run_collectives_on_gloo_ranks(rank_pool):
         assert row["count"] % 4 == 0 and row["world_size"] == 4 and row["backend"] == "gloo"
         assert 0 < row["min_us"] <= row["time_us"] <= row["max_us"]
         assert row["busbw_gbps"] == pytest.approx(metrics.busbw_gbps(row["op"], row["bytes"], row["time_us"] / 1e6, 4))
+        assert row["algbw_gbps"] == pytest.approx(metrics.algbw_gbps(row["bytes"], row["time_us"] / 1e6))
     # every rank reports the slowest rank's figures
     assert all([r["time_us"] for r in rows] == [r["time_us"] for r in other] for other in per_rank)
 

@@ -209,9 +209,6 @@ def test_pipeline_bench_smoke(rank_pool):
 
 
 def _bubble_of_uneven_steps_on_rank():
-    from overlapkernels.bench import pipeline as pb
-    from overlapkernels.runtime import pipeline as pp
-
     class Runner:  # steps of 1 s: 0.5 s of compute, the last timed one 0.9 s
         def __init__(self, stages, group, schedule, loss_fn):
             self.calls = 0
@@ -221,17 +218,76 @@ def _bubble_of_uneven_steps_on_rank():
             self.step_s, late = 1.0, self.calls == 4
             self.compute_s = {"F": 0.5 if late else 0.3, "B": 0.0, "W": 0.0, "BW": 0.4 if late else 0.2}
 
-    own, pp.PipelineRunner = pp.PipelineRunner, Runner
+    return _pipeline_row_with(Runner, kinds=("gpipe",), iters=3, warmup=1)
+
+
+def _pipeline_row_with(runner, **config):
+    """(bubble_measured, sim_us) of the pipeline bench's one row, its PipelineRunner replaced by ``runner``."""
+    from overlapkernels.bench import pipeline as pb
+    from overlapkernels.runtime import pipeline as pp
+
+    own, pp.PipelineRunner = pp.PipelineRunner, runner
     try:
-        cfg = pb.PipelineBenchConfig(kinds=("gpipe",), microbatches=2, width=4, batch=4, iters=3, warmup=1)
-        return pb.run_pipeline(cfg)[0]["bubble_measured"]
+        row = pb.run_pipeline(pb.PipelineBenchConfig(microbatches=2, width=4, batch=4, **config))[0]
+        return row["bubble_measured"], row["sim_us"]
     finally:
         pp.PipelineRunner = own
 
 
 def test_pipeline_bench_bubble_is_over_every_timed_step(rank_pool):
-    """1 - (0.5 + 0.5 + 0.9) / 3, where the last step's alone (0.1) was reported."""
-    assert rank_pool(1).run(_bubble_of_uneven_steps_on_rank) == [pytest.approx(1 - 1.9 / 3)]
+    """1 - (0.5 + 0.5 + 0.9) / 3, where the last step's alone (0.1) was reported. The simulated GPipe
+    step of 2 microbatches: 2 (t_F + t_BW), with t_F 1.1 / 6 and t_BW 0.8 / 6 s per microbatch."""
+    assert rank_pool(1).run(_bubble_of_uneven_steps_on_rank) == [pytest.approx((1 - 1.9 / 3, 2 * 1.9 / 6 * 1e6))]
+
+
+def _speedup_and_efficiency_of_fake_times_on_rank(kind):
+    """ring-attention's timings in order: all-gather 3 s, ring 2 s, compute alone 1 s, fwd+bwd 5 s;
+    layers': baseline 2 s, decomposed 1 s (a fake timer, alike on every rank)."""
+    from overlapkernels.bench import layers as lb
+    from overlapkernels.bench import ring_attention as rb
+
+    module = rb if kind == "ring" else lb
+    fake = iter([3.0, 2.0, 1.0, 5.0] if kind == "ring" else [2.0, 1.0])
+    own, module.time_calls = module.time_calls, lambda fn, iters, *a, **k: [next(fake)] * iters
+    try:
+        if kind == "ring":
+            cfg = rb.RingConfig(seq=8, heads=2, kv_heads=1, head_dim=4, iters=1, warmup=0, layouts=("zigzag",),
+                                causal=(False,))
+            return [(r["speedup"], r["efficiency"]) for r in rb.run_ring(cfg)]
+        cfg = lb.LayersConfig(seq=8, hidden=16, heads=4, kv_heads=2, ffn_hidden=32, iters=1, warmup=0,
+                              methods=("baseline", "decomposed"))
+        return [r["speedup"] for r in lb.run_layers(cfg)]
+    finally:
+        module.time_calls = own
+
+
+def test_speedup_and_efficiency_of_ring_attention_and_layers_rows(rank_pool):
+    """Speedup = T_reference / T (> 1: faster); ring's E = 1 - (T_ring - T_compute) / (T_allgather - T_compute)."""
+    assert rank_pool(2).run(_speedup_and_efficiency_of_fake_times_on_rank, "ring")[0] == [(1.5, 0.5)]
+    assert rank_pool(2).run(_speedup_and_efficiency_of_fake_times_on_rank, "layers")[0] == [1.0, 2.0]
+
+
+def _zb_row_of_fake_steps_on_rank():
+    r = dist.get_rank()
+
+    class Runner:  # steps of 1 s; rank 0 computes 0.5 s of each, rank 1 0.9 s
+        def __init__(self, stages, group, schedule, loss_fn):
+            pass
+
+        def step(self, x, y):
+            self.step_s = 1.0
+            self.compute_s = {"F": 0.2 + 0.2 * r, "B": 0.2, "W": 0.1 + 0.2 * r, "BW": 0.0}
+
+    return _pipeline_row_with(Runner, kinds=("zb-h1",), iters=2, warmup=0)
+
+
+def test_pipeline_bench_averages_the_ranks_and_simulates_their_measured_w(rank_pool):
+    """Per microbatch, averaged over the 2 ranks: t_F 0.15 s, t_B 0.1 s, t_W 0.1 s; bubbles 0.5 and 0.1 -> 0.3.
+    The simulated step is ZB-H1's with those times, W included."""
+    from overlapkernels.runtime import pipeline as pp
+
+    sim = pp.simulate(pp.make_schedule("zb-h1", 2, 2), t_f=0.15, t_b=0.1, t_w=0.1)
+    assert rank_pool(2).run(_zb_row_of_fake_steps_on_rank) == [pytest.approx((0.3, sim.makespan * 1e6))] * 2
 
 
 @pytest.mark.parametrize("kind", ["collectives", "ag-matmul", "matmul-rs", "ring-attention", "layers", "fsdp",

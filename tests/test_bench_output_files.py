@@ -27,6 +27,12 @@ def test_a_symlinked_csv_and_json_keep_feeding_their_target(tmp_path):
     assert json.loads((tmp_path / "rows.json").read_text()) == [{"a": 1}, {"a": 2, "b": 3}]
 
 
+def test_rows_of_one_append_with_other_columns_share_one_header(tmp_path):
+    """One call's rows need not have the same keys (fsdp's own rows and its peers'): the header is their union."""
+    append_csv(tmp_path / "rows.csv", [{"a": 1}, {"a": 2, "b": 3}])
+    assert _rows(tmp_path / "rows.csv") == (["a", "b"], [{"a": "1", "b": ""}, {"a": "2", "b": "3"}])
+
+
 def test_missing_telemetry_is_an_empty_cell_and_a_json_null(tmp_path):
     """Rows without NVML hold None in its columns: the CSV cell stays empty, the JSON value is null
     (it was "", a string where GPU rows hold numbers)."""

@@ -29,7 +29,7 @@ def test_overlap_efficiency_takes_every_time_from_one_timer(monkeypatch):
     """E = 1 - (T - T_gemm) / (T_baseline - T_gemm) subtracts times: the GEMM alone is timed as the
     methods are (barrier-started calls), not by do_bench, whose cache flush between calls and
     back-to-back launches measured another thing. A fake timer: GEMM 1 s, baseline 3 s,
-    decomposed 2 s -> E 0.5."""
+    decomposed 2 s -> E 0.5, speedup 3 / 2."""
     import triton.testing
 
     from overlapkernels.bench import tp_ops
@@ -41,5 +41,5 @@ def test_overlap_efficiency_takes_every_time_from_one_timer(monkeypatch):
     config = tp_ops.TpOpsConfig(op="ag-matmul", shapes=(("tiny", (4, 4, 4)),), methods=("baseline", "decomposed"),
                                 iters=2, warmup=0)
     rows = tp_ops.run_tp_ops(config)
-    assert [(r["method"], r["gemm_us"], r["time_us"], r["efficiency"]) for r in rows] == [
-        ("baseline", 1e6, 3e6, 0.0), ("decomposed", 1e6, 2e6, 0.5)]
+    assert [(r["method"], r["gemm_us"], r["time_us"], r["efficiency"], r["speedup"]) for r in rows] == [
+        ("baseline", 1e6, 3e6, 0.0, 1.0), ("decomposed", 1e6, 2e6, 0.5, 1.5)]

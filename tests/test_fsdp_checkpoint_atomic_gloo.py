@@ -15,18 +15,32 @@ from test_fsdp_gloo import OPTIMIZERS, _batches, _loss, _net
 
 
 def _checkpoint_after_crash_on_rank(path):
+    """A crash after the switch left both checkpoints, whole: ``path`` is the newer, and a load takes
+    it, not ``.old``. A save interrupted before it left a temp folder: the next save starts afresh,
+    none of its files end up in the checkpoint."""
+    import shutil
+
     sharded = fsdp.shard(_net(), stage=2)
+    fsdp.save(sharded, path + "-older")
+    with torch.no_grad():
+        sharded.all_units[0].master.add_(1.0)
     fsdp.save(sharded, path)
+    newer = sharded.full_state_dict()
     if dist.get_rank() == 0:  # a crash after the switch but before the old one was deleted
-        os.makedirs(path + ".old", exist_ok=True)
+        shutil.copytree(path + "-older", path + ".old")
+        os.makedirs(path + ".tmp")
+        open(os.path.join(path + ".tmp", "stale.distcp"), "w").close()
     dist.barrier()
-    fsdp.save(sharded, path)  # must not trip over the leftover
+    fresh = fsdp.shard(_net(), stage=2)
+    fsdp.load(fresh, path)
+    took_newer = all(torch.equal(v, newer[k]) for k, v in fresh.full_state_dict().items())
+    fsdp.save(sharded, path)  # must not trip over the leftovers
     fsdp.load(sharded, path)
-    return not os.path.exists(path + ".old")
+    return took_newer, not os.path.exists(path + ".old"), os.listdir(path).count("stale.distcp")
 
 
 def test_save_after_a_crash_that_left_both_checkpoints(rank_pool, tmp_path):
-    assert rank_pool(2).run(_checkpoint_after_crash_on_rank, str(tmp_path / "c")) == [True, True]
+    assert rank_pool(2).run(_checkpoint_after_crash_on_rank, str(tmp_path / "c")) == [(True, True, 0)] * 2
 
 
 def _fail_in_dcp_write_on_rank_1(mp, ck):

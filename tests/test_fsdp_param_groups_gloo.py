@@ -111,11 +111,27 @@ def _resume_on_rank(path):
     return sharded.full_state_dict(), resumed.full_state_dict(), resumed.optimizer.param_groups[1]["weight_decay"]
 
 
+def _resume_alone_on_rank(path):
+    """The 2 ranks' checkpoint on 1: the groups put the units in another order than the optimizer's
+    indices (blocks#group1 last), so the moments reshard only if each index finds its own unit."""
+    model = _model()
+    resumed = fsdp.shard(model, stage=2, optimizer=by_name(model))
+    fsdp.load(resumed, path)
+    for x, y in _batches(STEPS, PER_RANK, 2)[1:]:  # the same global batches, on one rank
+        _loss(resumed(x), y).backward()
+        resumed.step()
+    return resumed.full_state_dict()
+
+
 def test_param_groups_survive_a_checkpoint(rank_pool, tmp_path):
-    for straight, resumed, decay in rank_pool(2).run(_resume_on_rank, str(tmp_path / "ckpt")):
+    path = str(tmp_path / "ckpt")
+    for straight, resumed, decay in rank_pool(2).run(_resume_on_rank, path):
         assert decay == 0.0
         for name in straight:
             torch.testing.assert_close(resumed[name], straight[name], atol=0, rtol=0)
+    (alone,) = rank_pool(1).run(_resume_alone_on_rank, path)
+    for name in straight:
+        torch.testing.assert_close(alone[name], straight[name], atol=1e-12, rtol=1e-12)
 
 
 def _gather_order_on_rank():

@@ -57,6 +57,12 @@ def _bad_layers_on_rank():
          r"^cp_layout='ring': expected one of \['contiguous', 'zigzag'\]$"),
         (lambda: ParallelSelfAttention(8, 2, 2, tp)(torch.ones(3, 8)),
          r"^x must be \[S, B, hidden\], got shape \(3, 8\)$"),
+        # segment_ids in the layer's terms before the QKV gather communicates (under SP, x holds 1/TP of S_local)
+        (lambda: ParallelSelfAttention(8, 2, 2, tp, sequence_parallel=True)(torch.ones(2, 1, 8),
+                                                                              torch.zeros(1, 2, dtype=torch.long)),
+         r"^ParallelSelfAttention: segment_ids.shape=\(1, 2\), expected \[B, S_local\] = \[1, 4\]"),
+        (lambda: ParallelSelfAttention(8, 2, 2, tp, sequence_parallel=True)(torch.ones(2, 1, 8), torch.zeros(1, 4)),
+         TypeError, r"^ParallelSelfAttention: segment_ids.dtype=torch.float32: expected integer ids$"),
         (lambda: RowParallelLinear(8, 4, tp)([[1.0] * 4]), TypeError,
          r"^RowParallelLinear: x must be a torch.Tensor, got list$"),
         (lambda: mark_sequence_parallel(torch.nn.Parameter(torch.ones(2)), True, tp, owner=torch.nn.Linear(2, 2)),

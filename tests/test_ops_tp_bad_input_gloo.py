@@ -61,6 +61,8 @@ BAD_AG = [
      r"^return_gathered=1: expected a bool$"),
     (lambda: ok.matmul_reduce_scatter(torch.ones(5, 8), torch.ones(8, 3)), ValueError,
      r"a.shape\[scatter_dim=0\]=5 is not divisible by the group size 2"),
+    (lambda: ok.matmul_reduce_scatter(torch.ones(5, 8), torch.ones(8, 3), scatter_dim=-2), ValueError,
+     r"^a.shape\[scatter_dim=-2\]=5 is not divisible by the group size 2$"),  # the caller's value, as passed
     (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 3), scatter_dim=1), ValueError,
      r"^b.shape\[1\]=3 \(N, the output's scatter_dim=1\) is not divisible by the group size 2$"),
     (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8), torch.ones(8, 4), scatter_dim=2), ValueError,
@@ -144,6 +146,12 @@ def _bad_inputs_on_rank():
         else:
             raise AssertionError(f"no TypeError for {pattern}")
     assert ok.overlap_stats() == {}, ok.overlap_stats()  # a call that raised never ran: not counted
+    # divisible by the group's size, not the world's: 3 rows (or N = 3) scatter over a group of one rank
+    one = ok.init_parallel().tp_group
+    for dim in (0, 1):
+        got = ok.matmul_reduce_scatter(torch.ones(3, 8), torch.ones(8, 3), one, scatter_dim=dim)
+        assert torch.equal(got, torch.full((3, 3), 8.0)), (dim, got)
+    ok.reset_overlap_stats()
     with no_communication():
         assert collectives.all_reduce_coalesced([]) is None  # nothing to sum: a no-op, not torch.cat's error
     total = torch.ones(1)

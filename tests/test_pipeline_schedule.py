@@ -106,6 +106,11 @@ def test_comm_time_and_busy():
     assert pp.simulate(pp.make_schedule("gpipe", 2, 2), t_f=1.0, t_b=2.0, t_comm=0.0).makespan == 9.0
     # a dependency on the same rank costs no comm time: F0 0-1 | F1 1.5-2.5, B1 2.5-3.5 | B0 4-5
     assert pp.simulate(pp.make_schedule("1f1b", 2, 1), t_f=1.0, t_b=1.0, t_comm=0.5).makespan == 5.0
+    # the step ends when its last rank does, not rank 0: under ZB-H1 with comm time, rank 2's last
+    # W (35) ends after rank 0's (34); the bubble is over that makespan, 1 - 3 x 30 / (3 x 35)
+    zb = pp.simulate(pp.make_schedule("zb-h1", 3, 6), t_f=1.0, t_b=1.0, t_w=3.0, t_comm=0.5)
+    assert [tl[-1][1] for tl in zb.timeline] == [34.0, 34.5, 35.0] and zb.makespan == 35.0
+    assert zb.bubble_fraction == pytest.approx(1 / 7)
 
 
 def test_deadlock_and_broken_schedules_are_named():

@@ -54,6 +54,9 @@ def test_known_answer():
     assert (second["comm_us"], second["compute_us"], second["both_us"], second["hidden"]) == (20, 20, 0, 0.0)
     total = summarize(rows + [dict(first)])
     assert total[0]["calls"] == 2 and total[0]["hidden"] == 0.5
+    # the total's hidden fraction is of the summed comm time (25 of 80 us), not the mean of the calls' (0.25)
+    total = summarize(rows + [dict(first, comm_us=30, both_us=0, hidden=0.0)])
+    assert total[0]["hidden"] == 25 / 80
 
 
 def test_begin_end_events_read_like_complete_ones():
@@ -120,6 +123,8 @@ def test_cli_report(tmp_path, capsys):
     assert main(["profile", "report", str(path)]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[1].endswith(" 50.0%") and table[2].strip().startswith("ok/ring_attention") and table[2].endswith(" -")
+    # calls, time, comm busy (0-4), compute busy (2-8), their overlap: each in its own column
+    assert table[1].split() == ["ok/all_gather_matmul[fused]", "1", "10", "4", "6", "2", "50.0%"]
     assert main(["profile", "report", str(path), "--json"]) == 0
     rows = _strict_json(capsys.readouterr().out)  # standard JSON: an op without comm has hidden null, not NaN
     assert rows[0]["hidden"] == pytest.approx(0.5) and rows[1]["op"] == "ok/ring_attention"
@@ -286,6 +291,10 @@ def test_a_range_around_backward_spans_what_the_autograd_thread_launched():
              ev("kernel", "sm90_xmma_gemm_bf16", 5, 40, 7, corr=1, pid=0), ev("kernel", "sm90_xmma_gemm_bf16", 45, 2000, 7, corr=2, pid=0),
              ev("kernel", "sm90_xmma_gemm_bf16", 2050, 10, 7, corr=3, pid=0)]
     assert [(r["start_us"], r["dur_us"]) for r in overlap_report(ranks)] == [(5, 40), (2050, 10)]
+    # nor is what a thread of another process launched while the op was open (pid 200, at 30)
+    other = ranks + [ev("cuda_runtime", "cudaLaunchKernel", 30, 1, 9, corr=6, pid=200),
+                     ev("kernel", "sm90_xmma_gemm_bf16", 3000, 10, 7, corr=6, pid=0)]
+    assert [(r["start_us"], r["dur_us"]) for r in overlap_report(other)] == [(5, 40), (2050, 10)]
 
 
 def _fwd_bwd_ranges(trace_dir):
