@@ -127,3 +127,84 @@ def _step_after_a_failed_backward_on_rank(stage):
 def test_a_step_after_a_failed_backward_without_zero_grad(rank_pool, stage):
     for kept in rank_pool(2).run(_step_after_a_failed_backward_on_rank, stage):
         assert kept == [stage == 1] * 8, kept
+
+
+class _StepThenRaise(torch.optim.SGD):
+    """SGD whose step updates every master, then raises (a post-step NaN check, an out-of-memory
+    making a later group's state) on the ranks in ``failing``."""
+
+    failing = ()
+
+    def step(self, closure=None):
+        super().step(closure)
+        if dist.get_rank() in self.failing:
+            raise RuntimeError("planted: after the update")
+
+
+def _optimizer_raising_after_its_update_on_rank(stage, failing):
+    """The ranks must agree on the parameters afterwards, and these must be the masters (at stages
+    1/2 a master is the parameters' own shard, so a rank that stopped before publishing kept its own
+    slice updated and its peers' slices old); a rank whose step went through must not wait for ever."""
+    _StepThenRaise.failing = failing
+    torch.manual_seed(0)
+    model = _three_units()
+    sharded = fsdp.shard(model, stage=stage, optimizer=lambda ps: _StepThenRaise(ps, lr=0.5))
+    x = torch.randn(4, D_IN, dtype=torch.float64) * (1 + dist.get_rank())
+    sharded(x).sum().backward()
+    try:
+        sharded.step()
+        said = "stepped"
+    except RuntimeError as exc:
+        said = str(exc)
+    sharded.zero_grad()
+    return (said, *_parameters_alike_and_the_masters(model, sharded))
+
+
+def _parameters_alike_and_the_masters(model, sharded) -> tuple:
+    """(every rank's parameters are equal, they equal the masters)."""
+    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    masters = torch.cat([t.reshape(-1) for t in sharded.full_state_dict().values()])
+    return all(torch.equal(t, everyone[0]) for t in everyone), torch.equal(mine, masters)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("failing", [(0, 1), (0,)], ids=["every rank", "one rank"])
+def test_an_optimizer_raising_after_its_update_leaves_the_ranks_alike(rank_pool, stage, failing):
+    said = ["planted: after the update" if r in failing else "stepped" for r in range(2)]
+    assert rank_pool(2).run(_optimizer_raising_after_its_update_on_rank, stage, failing, timeout=60) == \
+        [(s, True, True) for s in said]
+
+
+def _failed_load_on_rank(path, stage):
+    """A load that fails on every rank (a rank's checkpoint file gone) after some masters took the
+    checkpoint's values: the ranks still compute with one set of parameters, the masters."""
+    import os
+
+    torch.manual_seed(0)
+    model = _three_units()
+    sharded = fsdp.shard(model, stage=stage, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
+    x = torch.randn(4, D_IN, dtype=torch.float64)
+    for step in range(2):  # saved after the first step: the checkpoint differs from the parameters
+        sharded(x).sum().backward()
+        sharded.step()
+        if step == 0:
+            fsdp.save(sharded, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for name in os.listdir(path):
+            if name.startswith("__1_") and name.endswith(".distcp"):
+                os.remove(os.path.join(path, name))
+    dist.barrier()
+    try:
+        fsdp.load(sharded, path)
+        said = "loaded"
+    except RuntimeError:
+        said = "raised"
+    return (said, *_parameters_alike_and_the_masters(model, sharded))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_failed_load_leaves_the_ranks_alike(rank_pool, tmp_path, stage):
+    assert rank_pool(2).run(_failed_load_on_rank, str(tmp_path / "ckpt"), stage, timeout=60) == [("raised", True, True)] * 2

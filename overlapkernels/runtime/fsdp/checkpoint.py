@@ -326,17 +326,20 @@ def load(sharded, path) -> dict:
         loaded.append((chunk, template, entry))
         for unit in chunk.saved_units:  # a prefetch in flight (an eval forward left early) lands first: it
             unit.wait_gather()          # carries the old masters, and is republished below like any gathered unit
-    with _dcp_errors_as_runtime_errors("fsdp.load", f"reading {path!r}"):
-        dcp.load(state, checkpoint_id=path)
+    try:
+        with _dcp_errors_as_runtime_errors("fsdp.load", f"reading {path!r}"):
+            dcp.load(state, checkpoint_id=path)
+    except RuntimeError:  # (dcp.load fails on every rank alike)
+        for chunk in chunks:  # some masters may hold the checkpoint's values already: keep the ranks alike
+            chunk.publish_masters()
+        raise
     for chunk, template, entry in loaded:
         for unit in chunk.saved_units:  # the padding past numel is not in the checkpoint: zeros
             unit.master.data[_valid(unit):].zero_()
         if chunk.optimizer is not None:
             groups = tensor_groups(entry["param_groups"], chunk.optimizer.param_groups)
             chunk.optimizer.load_state_dict({"state": template, "param_groups": groups})
-        for unit in chunk.saved_units:
-            if unit.gathered:
-                unit.publish()
+        chunk.publish_masters()
         chunk._masters_published = True
     return meta.get("extra", {})
 

@@ -53,12 +53,12 @@ def check_unit_params(name: str, params: list) -> None:
 
 class FlatUnit:
     def __init__(self, name: str, module: nn.Module, params: list, group, *, param_dtype, reduce_dtype,
-                 trained: bool = True, master_in_flat: bool = False):
+                 trained: bool = True, share_master: bool = False):
         """``params`` passed ``check_unit_params`` (ShardedModule checks every unit before building any).
         ``trained=False``: frozen parameters (stage 3, ``frozen_units.py``): the shard is kept in their
         own dtype, a plain tensor no optimizer sees, and no gradient is ever reduced.
-        ``master_in_flat``: the flat buffer is never freed (stages 1/2), so a master of its dtype may
-        be its shard itself (see the module's docstring)."""
+        ``share_master``: the flat buffer is never freed (stages 1/2), so a master of its dtype may be
+        its shard itself (see the module's docstring; ``master_in_flat`` says whether it is)."""
         self.name, self.module, self.params, self.group = name, module, params, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.device, self.model_dtype = params[0].device, params[0].dtype
@@ -75,7 +75,7 @@ class FlatUnit:
         full = self.flatten(params, self.master_dtype)
         self.flat = full.to(self.param_dtype)  # the gathered buffer the parameters view, from attach()
         if trained:  # what the optimizer updates
-            shared = master_in_flat and self.flat.dtype == self.master_dtype  # (then flat is full)
+            shared = share_master and self.flat.dtype == self.master_dtype  # (then flat is full)
             self.master = nn.Parameter(self.local_shard(full) if shared else self.local_shard(full).clone())
             self.master.grad = torch.zeros_like(self.master)
         else:
@@ -145,9 +145,10 @@ class FlatUnit:
         return self.master.data_ptr() == shard.data_ptr() and self.master.dtype == shard.dtype
 
     def _staged_master(self) -> torch.Tensor:
-        """What an all-gather into the flat buffer sends: the master cast to ``param_dtype``, and a copy
-        when the master is the buffer's own shard (no backend promises an input inside its output)."""
-        return self.master.detach().to(self.param_dtype, copy=self.master_in_flat)
+        """What an all-gather into the flat buffer sends: the master cast to ``param_dtype``. A master
+        that is the buffer's own shard goes as it is: an input inside its output, at this rank's
+        offset (an in-place all-gather, as NCCL documents and torch's FSDP2 sends on every backend)."""
+        return self.master.detach().to(self.param_dtype)
 
     @eager_under_compile  # (collectives and storage resizes: see ShardedModule)
     def free(self, *, keep_shapes: bool = False) -> None:
@@ -309,6 +310,9 @@ class FlatUnit:
         those: the rest of the master keeps its precision under a lower ``param_dtype``. Each rank
         takes its own shard of what it wrote. (A write through ``.data`` is not seen: no version.)"""
         if self.trained and self.gathered and self._versions() != self._gathered_version:
+            if self.master_in_flat:  # the write is in the master already
+                self._gathered_version = self._versions()
+                return
             with torch.no_grad():
                 # what the shard held before the write: the master's cast, as every gather and publish
                 # sends it (fsdp.load lets a prefetch in flight land first, so none is stale)

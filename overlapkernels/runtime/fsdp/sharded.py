@@ -98,7 +98,7 @@ class ShardedModule(GradientReduction, Accounting, nn.Module):
         # holds, gathered and prefetched together (param_groups.py)
         self.optimizer, trained_units, self.roots = optimizer_and_units(
             optimizer, model, plan, rest, group, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-            master_in_flat=stage < 3)  # (stage 3 frees the buffers)
+            share_master=stage < 3)  # (stage 3 frees the buffers)
         self.units = [u for made in trained_units for u in made]
         self.root = self.roots[0] if self.roots else None  # (the first: with one param group, the only one)
         self.all_units = self.units + self.roots  # the trained ones (gradients, optimizer)
@@ -379,6 +379,14 @@ class ShardedModule(GradientReduction, Accounting, nn.Module):
         self._in_step = True
         try:
             self.optimizer.step()
+        except Exception:
+            # the masters may be part-updated (at stages 1/2 in place, in the parameters' own shard):
+            # publish them before raising, so that every rank computes with one set of parameters, and
+            # ranks whose step went through are not left waiting in their publish (the same calls:
+            # stage 3 publishes nothing in step)
+            if self.stage < 3:
+                self.publish_masters()
+            raise
         finally:
             self._in_step = False
         restore_gradless(held, self.optimizer)
@@ -392,6 +400,13 @@ class ShardedModule(GradientReduction, Accounting, nn.Module):
         if self.stage == 3:  # now nothing can assign gradients: freed parameters become size-0
             for unit in self.saved_units:
                 unit.free()
+
+    def publish_masters(self) -> None:
+        """The masters, gathered into the units' full parameters where those are kept (stages 1/2,
+        and units gathered at stage 3): a collective, every rank in the same order."""
+        for unit in self.saved_units:
+            if unit.gathered:
+                unit.publish()
 
     def full_state_dict(self) -> dict:
         """Unsharded tensors under the keys of ``model.state_dict()``, on every rank (a collective)."""
