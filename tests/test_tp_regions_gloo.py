@@ -37,9 +37,11 @@ class _RawGatherFirstDim(torch.autograd.Function):
         return out, None
 
 
-def _second_order_on_rank(pair):
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _second_order_on_rank(pair, halves=False):
     group = dist.group.WORLD
+    if halves:  # two groups of 2 ranks (both created on every rank): each op must stay within its own
+        group = [dist.new_group([0, 1]), dist.new_group([2, 3])][dist.get_rank() // 2]
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     m, d = 3, 2
     w = [_rand(10 + r, world * m, world * d) for r in range(world)]  # rank r's weight
     c, v = _rand(20, world * m, world * d), _rand(21, world * m, world * d)  # dL/dy and the 2nd-order probe
@@ -67,9 +69,10 @@ def _second_order_on_rank(pair):
     return True
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.parametrize("pair", ["copy/reduce", "split/gather last", "gather/reduce-scatter first"])
-def test_second_order_through_regions(rank_pool, pair):
-    assert rank_pool(2).run(_second_order_on_rank, pair) == [True, True]
+def test_second_order_through_regions(rank_pool, pair, ranks):
+    assert rank_pool(ranks).run(_second_order_on_rank, pair, ranks == 4) == [True] * ranks
 
 
 def _planted_on_rank():
