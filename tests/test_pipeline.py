@@ -2,7 +2,6 @@
 a peer failing mid-step: test_pipeline_failures.py; the zero-bubble weight-gradient split itself:
 test_pipeline_zero_bubble.py)."""
 import copy
-import weakref
 from datetime import timedelta
 
 import pytest
@@ -437,31 +436,6 @@ def test_completed_works_are_confirmed_and_dropped_at_each_post_point():
     assert done.waited and not pending.waited
     with pytest.raises(pp.PipelineTimeout, match="stage 0 microbatch 3: no receipt of the activation by rank 1"):
         runner._reap([(_Work(True, fails=True), msg)])
-
-
-class _Tracked(nn.Module):
-    """A stage that counts, at each forward, how many of its earlier outputs are still alive."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin, self.outs, self.alive = nn.Linear(4, 4).double(), [], []
-
-    def forward(self, x):
-        self.alive.append(sum(r() is not None for r in self.outs))
-        out = torch.tanh(self.lin(x))
-        self.outs.append(weakref.ref(out))
-        return out
-
-
-@pytest.mark.usefixtures("world_of_one")
-def test_a_microbatchs_activations_are_released_by_its_backward():
-    """1F1B's memory bound: a microbatch's stage output is dropped once its backward ran, not held
-    to the step's end (every microbatch's activations alive at once, as under GPipe)."""
-    stages = [_Tracked(), nn.Linear(4, 4).double()]
-    sched = pp.make_schedule("interleaved-1f1b", 1, 4, num_virtual=2)
-    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
-    pp.PipelineRunner(stages, schedule=sched, loss_fn=F.mse_loss).step(x, y)
-    assert len(stages[0].alive) == 4 and max(stages[0].alive) <= 1, (sched.actions, stages[0].alive)
 
 
 def test_every_message_of_a_step_has_its_own_tag():

@@ -1,8 +1,10 @@
 """What crosses a pipeline stage boundary, on gloo ranks: activations of any dtype (bool masks,
 uint8 codes, complex values) travel as their bytes and come back with the right gradients (zeros
 for ones that take none), vs the same model in one process; what cannot cross (more dims than a
-shape message holds, sparse tensors) is refused by name. Integer token ids:
-test_pipeline.py."""
+shape message holds, sparse tensors) is refused by name; and a microbatch's activations are let go
+once its backward ran. Integer token ids: test_pipeline.py."""
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -108,3 +110,29 @@ def test_what_cannot_cross_a_stage_is_refused_by_name(make, what):
                                          r"8 dims$"):
         runner._send_later("activation", 0, 1, make())
     assert runner._outbox == {}
+
+
+class _Tracked(nn.Module):
+    """A stage that counts, at each forward, how many of its earlier outputs are still alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.outs, self.alive = nn.Linear(4, 4).double(), [], []
+
+    def forward(self, x):
+        self.alive.append(sum(r() is not None for r in self.outs))
+        out = torch.tanh(self.lin(x))
+        self.outs.append(weakref.ref(out))
+        return out
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_microbatchs_activations_are_released_by_its_backward():
+    """1F1B's memory bound: a microbatch's stage output is dropped once its backward ran, not held
+    to the step's end (every microbatch's activations alive at once, as under GPipe)."""
+    stages = [_Tracked(), nn.Linear(4, 4).double()]
+    sched = pp.make_schedule("interleaved-1f1b", 1, 4, num_virtual=2)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    pp.PipelineRunner(stages, schedule=sched, loss_fn=F.mse_loss).step(x, y)
+    assert len(stages[0].alive) == 4 and max(stages[0].alive) <= 1, (sched.actions, stages[0].alive)
+
