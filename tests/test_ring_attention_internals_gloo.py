@@ -305,3 +305,23 @@ def test_kernel_limits_and_sparse_inputs_are_refused_before_the_ring(rank_pool):
         assert said[0].startswith("flash attention (Triton): q.shape=(65536, 1, 2, 2): batch and heads must each be "
                                   "<= 65535"), said
         assert said[1].startswith("q is a sparse_coo tensor; these ops take dense (strided) tensors"), said
+
+
+def _exchanges_matched_by_tag_on_rank():
+    """Two exchanges between the same ranks in flight at once, posted in opposite orders on the two
+    ranks (ring attention's K/V and gradient exchanges): each message lands where its tag says, not
+    in whichever receive was posted first."""
+    ring, rank = Ring.of(dist.group.WORLD), dist.get_rank()
+    peer = 1 - rank
+    sends = {tag: torch.full((4,), float(10 * rank + tag)) for tag in (1, 2)}
+    recvs = {tag: torch.zeros(4) for tag in (1, 2)}
+    works = [ring.exchange(sends[tag], peer, recvs[tag], peer, tag=tag) for tag in ((1, 2) if rank == 0 else (2, 1))]
+    for w in works:
+        for work in w:
+            work.wait()
+    return {tag: recvs[tag][0].item() for tag in (1, 2)}
+
+
+def test_concurrent_exchanges_are_matched_by_tag(rank_pool):
+    assert rank_pool(2).run(_exchanges_matched_by_tag_on_rank) == [{1: 11.0, 2: 12.0}, {1: 1.0, 2: 2.0}]
+

@@ -9,7 +9,7 @@ from overlapkernels.comm.rank_pool import RankError, RankTimeout
 from overlapkernels.comm.side_stream import ThreadSideStream
 from overlapkernels.comm.thread_world import ThreadWorld
 from overlapkernels import SignalTimeoutError  # the public name README gives
-from overlapkernels.kernels.errors import new_error_record
+from overlapkernels.kernels.errors import ABORT_SLOT, new_error_record
 from overlapkernels.kernels.triton import all_gather as ag
 from overlapkernels.kernels.triton import signals as sig
 
@@ -397,3 +397,18 @@ def test_a_failed_run_leaves_no_half_taken_allocation_behind():
         world.run(_fails_between_allocations)
     (shape0, dtype0, ptrs0), (shape1, dtype1, ptrs1) = world.run(_two_allocations)
     assert shape0 == shape1 == (16,) and dtype0 == dtype1 == torch.float64 and ptrs0 == ptrs1
+
+
+def test_a_failed_runs_release_does_not_reach_the_next_run():
+    """A rank's failure releases its peers' waits (their error records' abort slot): the next run's
+    records start clear, or every wait of a reused world would give up at once."""
+    world = ThreadWorld(2)
+
+    def fail(ctx):
+        ctx.error_record()
+        if ctx.rank == 0:
+            raise ValueError("planted")
+
+    with pytest.raises(RankError, match="planted"):
+        world.run(fail)
+    assert world.run(lambda ctx: int(ctx.error_record()[ABORT_SLOT])) == [0, 0]
