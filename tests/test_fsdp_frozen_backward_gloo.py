@@ -60,6 +60,28 @@ def test_the_release_rule():
     assert hidden.opaque and freed == [0, 0]
 
 
+def test_the_release_rule_starts_over_at_each_backward():
+    """What the last backward counted is reset at its end: in the next one too a call's inputs'
+    gradients before the trained units' keep the frozen units (a trained unit's gradient may still
+    read them: a frozen op on a trained parameter)."""
+    from types import SimpleNamespace
+
+    from overlapkernels.runtime.fsdp.frozen_units import FrozenRelease
+
+    freed = []
+    trained, frozen = SimpleNamespace(trained=True, module_index=0), SimpleNamespace(trained=False, module_index=0)
+    release = FrozenRelease([[trained, frozen]], freed.append)
+    x = torch.ones(2, requires_grad=True)
+    for backward in range(3):
+        call, _, _ = release.watch_inputs(0, (x * 1,), {})
+        release.backward_started(0, call)
+        release._input_done(0, call)
+        assert freed == [0] * backward, (backward, freed)
+        release.trained_unit_done(0)
+        assert freed == [0] * (backward + 1), (backward, freed)
+        release.reset()
+
+
 # --- the orders backward can take (from a review): each vs shard_frozen=False, which keeps them whole
 class CondLoRA(LoRA):
     """Also reads a conditioning its caller passes (a learned vector, adaLN's c) through a frozen op."""

@@ -272,3 +272,35 @@ def test_a_frozen_fp8_weight_is_gathered_as_bytes_and_counted_alike():
         stats.append(sharded.memory_stats()["param_bytes"])
         assert sharded.full_state_dict()["0.w8"].dtype == torch.float8_e4m3fn
     assert torch.equal(outs[0], outs[1]) and stats[0] == stats[1], stats
+
+
+class Fp8Seen(Fp8Base):
+    def forward(self, x):
+        self.seen = self.w8.dtype
+        return super().forward(x)
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("shard_frozen", [False, True])
+def test_a_frozen_fp8_weight_is_not_cast_to_param_dtype(shard_frozen):
+    """param_dtype casts the usual floating dtypes only: the forward reads the fp8 weight as it is,
+    gathered (shard_frozen) or whole, as the bf16 model around it computes."""
+    torch.manual_seed(0)
+    sharded = fsdp.shard(nn.Sequential(Fp8Seen()), stage=3, optimizer=SGD, shard_frozen=shard_frozen,
+                         param_dtype=torch.bfloat16)
+    out = sharded(torch.randn(3, D_IN))
+    assert out.dtype == torch.bfloat16 and sharded.module[0].seen == torch.float8_e4m3fn
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_zero_grad_frees_frozen_units_kept_gathered():
+    """As the trained units (test_fsdp_gloo.py's): no_sync(reshard_after_backward=False) keeps the
+    frozen units gathered too, and zero_grad() returns them to their shards."""
+    torch.manual_seed(0)
+    sharded = fsdp.shard(Model().double(), stage=3, optimizer=SGD, shard_frozen=True)
+    (x, y), = _batches(1, 2, 1)
+    with sharded.no_sync(reshard_after_backward=False):
+        _loss(sharded(x), y).backward()
+        kept = [u.gathered for u in sharded.frozen_units]
+        sharded.zero_grad()
+    assert kept and all(kept) and not any(u.gathered for u in sharded.frozen_units), kept

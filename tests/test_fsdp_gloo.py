@@ -403,3 +403,29 @@ def _state_dict_snapshot_on_rank(stage):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_full_state_dict_is_a_snapshot(rank_pool, stage):
     assert rank_pool(2).run(_state_dict_snapshot_on_rank, stage) == [[], []]
+
+
+def _shapes_through_a_step_on_rank():
+    sharded = fsdp.shard(_net(), stage=3, optimizer=OPTIMIZERS["sgd"])
+    (x, y), = _batches(1, 4, 1)
+    params = [p for u in sharded.units for p in u.params]
+    full = [s for u in sharded.units for s in u.shapes]
+    with torch.no_grad():
+        sharded(x)
+    seen = [[p.shape for p in params]]
+    loss = _loss(sharded(x), y)
+    seen.append([p.shape for p in params])  # between the forward and its backward
+    loss.backward()
+    seen.append([p.shape for p in params])
+    sharded.step()
+    seen.append([p.shape for p in params])
+    empty = [torch.Size([0])] * len(params)
+    return seen == [empty, full, full, empty] and all(p.untyped_storage().nbytes() == 0 for p in params)
+
+
+def test_stage_3_parameters_keep_their_shapes_from_a_training_forward_to_step(rank_pool):
+    """The module docstring's contract (flat_unit.py): freed units' parameters are size 0 outside a
+    step, and keep their shapes over the empty storage from a forward with autograd to ``step`` - a
+    deferred weight gradient (zero-bubble W) assigns ``.grad``, which torch allows only at the
+    parameter's shape, after a later microbatch's forward freed the unit."""
+    assert rank_pool(1).run(_shapes_through_a_step_on_rank) == [True]

@@ -228,3 +228,21 @@ def test_optimizer_edge_cases(rank_pool):
         assert kept == {"count": 7}
         assert names == [(["inp", "blocks#group0", "out#group0"], 3), (["blocks#group1", "out#group1", "<root>"], 3)], \
             names
+
+
+def _bf16_adagrad_on_rank(stage):
+    model = _model().bfloat16()
+    sharded = fsdp.shard(model, stage=stage, optimizer=adagrad(model))
+
+    def dtypes():
+        return {t.dtype for s in sharded.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()}
+    made = dtypes()
+    _train(sharded, _batches(2, PER_RANK, 2, torch.bfloat16))
+    return made, dtypes()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_state_made_in_the_constructor_of_a_bf16_model_is_kept_as_the_master(rank_pool, stage):
+    """A bf16 model trains fp32 master shards: Adagrad's sums, made over the bf16 parameters, are
+    sharded into fp32 too (kept bf16, they accumulated the squared gradients in bf16)."""
+    assert rank_pool(2).run(_bf16_adagrad_on_rank, stage) == [({torch.float32}, {torch.float32})] * 2

@@ -9,19 +9,21 @@ from overlapkernels.runtime import fsdp
 from test_fsdp_gloo import D_IN, Net, _batches, _loss
 
 
-def _mixed_precision_on_rank(reduce_dtype=torch.float32):
+def _mixed_precision_on_rank(reduce_dtype=torch.float32, stage=3, dropped=False):
     """bf16 compute, fp32 master and reduction, bit for bit against a reference kept by hand: each
     rank's half-batch forward and backward in bf16 (parameters = the fp32 master rounded to bf16),
     its bf16 gradients cast to fp32 and divided by N, summed over ranks in fp32 (two terms: exact in
     any order, so world 2 only), SGD on the fp32 master. A bf16 reduction rounds that sum and
     differs. Also close to fp32 training, not equal (bf16 did run). SGD, whose update is
     proportional to the gradient: AdamW's normalised update would turn tiny gradient errors into
-    full-size steps, and is blind to the gradient's scale."""
+    full-size steps, and is blind to the gradient's scale. ``dropped``: each step first runs a
+    backward that ``zero_grad`` drops (a skipped non-finite loss): at stage 1 its gradients were
+    summed apart in fp32, which zero_grad must forget too."""
     world, rank = dist.get_world_size(), dist.get_rank()
     assert world == 2, "the fp32 sum of two terms is order-free; more would need gloo's order"
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.05)  # noqa: E731
     torch.manual_seed(0)
-    sharded = fsdp.shard(Net(), stage=3, param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, optimizer=sgd)
+    sharded = fsdp.shard(Net(), stage=stage, param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, optimizer=sgd)
     torch.manual_seed(0)
     ref = Net()
     ref_opt = sgd(ref.parameters())
@@ -30,6 +32,9 @@ def _mixed_precision_on_rank(reduce_dtype=torch.float32):
     master_opt = sgd(master)
     for x, y in _batches(3, 4, world, torch.float32):
         mine = slice(rank * 4, (rank + 1) * 4)
+        if dropped:
+            _loss(sharded(3 * x[mine].bfloat16()).float(), y[mine]).backward()
+            sharded.zero_grad()
         _loss(sharded(x[mine].bfloat16()).float(), y[mine]).backward()
         sharded.step()
         ref_opt.zero_grad()
@@ -59,8 +64,10 @@ def _mixed_precision_on_rank(reduce_dtype=torch.float32):
     return worst
 
 
-def test_mixed_precision_equals_bf16_reference_and_is_close_to_fp32(rank_pool):
-    rank_pool(2).run(_mixed_precision_on_rank)
+@pytest.mark.parametrize("stage, dropped", [(3, False), (1, False), (1, True), (2, True), (3, True)])
+def test_mixed_precision_equals_bf16_reference_and_is_close_to_fp32(rank_pool, stage, dropped):
+    """Stage 1 sums the bf16 gradients apart in fp32 until step (stages 2/3 reduce in backward)."""
+    rank_pool(2).run(_mixed_precision_on_rank, reduce_dtype=torch.float32, stage=stage, dropped=dropped)
 
 
 def _planted_bf16_reduction_on_rank():
@@ -149,3 +156,35 @@ def _bf16_model_on_rank():
 
 def test_bf16_model_keeps_fp32_master_and_casts_inputs(rank_pool):
     assert rank_pool(1).run(_bf16_model_on_rank) == [True]
+
+
+def _memory_on_rank(stage, reduce_dtype):
+    sharded = fsdp.shard(Net(), stage=stage, param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype,
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    return sharded.memory_stats(), [(u.padded, u in sharded.roots) for u in sharded.all_units]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("reduce_dtype", [None, torch.float32])
+def test_memory_counts_each_buffer_in_its_own_dtype(rank_pool, stage, reduce_dtype):
+    """bf16 full buffers, fp32 master shards (apart from the buffers: another dtype) and their
+    gradients; stage 1's full gradients in the reduce dtype (summed apart in fp32 where it is)."""
+    stats, units = rank_pool(2).run(_memory_on_rank, stage, reduce_dtype)[0]
+    padded = sum(n for n, _ in units)
+    full = sum(n for n, root in units if stage < 3 or root) * 2
+    assert stats["param_bytes"] == full + padded // 2 * 4, stats
+    want_grads = padded * (4 if reduce_dtype else 2) if stage == 1 else padded // 2 * 4
+    assert stats["grad_bytes"] == want_grads and stats["optim_bytes"] == 0, stats
+
+
+def _keyword_inputs_on_rank():
+    sharded = fsdp.shard(Net(), stage=2, param_dtype=torch.bfloat16)
+    x = torch.randn(2, D_IN)  # fp32, as callers keep feeding
+    with torch.no_grad():
+        return torch.equal(sharded(x=x), sharded(x))
+
+
+def test_keyword_inputs_are_cast_to_param_dtype_too(rank_pool):
+    """FSDP2 casts the floating tensors among the args and the kwargs: an fp32 keyword input met
+    bf16 weights (a dtype error in the first matmul)."""
+    assert rank_pool(1).run(_keyword_inputs_on_rank) == [True]
