@@ -171,6 +171,21 @@ def test_attention(dims, kv_heads, sp):
     _check(attn, lambda x, p: ref_attention(x, p, HEADS, kv_heads), _randn(S, B, HIDDEN, seed=0))
 
 
+def test_rope_base_and_norm_eps_are_the_layers_own(dims):
+    """Non-default rope_base and eps reach the maths (at the defaults a dropped argument is invisible)."""
+    attn = ParallelSelfAttention(HIDDEN, HEADS, 2, dims.tp_group, rope_base=500.0, dtype=F64)
+    _check(attn, lambda x, p: ref_attention(x, p, HEADS, 2, base=500.0), _randn(S, B, HIDDEN, seed=0))
+    x = _randn(S, B, HIDDEN, seed=0) * 0.05  # small rows: eps matters
+    _check(RMSNorm(HIDDEN, eps=1e-2, dtype=F64), lambda x, p: ref_rms(x, p["weight"], eps=1e-2), x)
+    _check(LayerNorm(HIDDEN, eps=1e-2, dtype=F64), lambda x, p: ref_layer_norm(x, p["weight"], p["bias"], eps=1e-2), x)
+
+
+def test_attention_without_num_kv_heads_is_multi_head(dims):
+    attn = ParallelSelfAttention(HIDDEN, HEADS, group=dims.tp_group, dtype=F64)
+    assert attn.k_weight.shape == attn.v_weight.shape == attn.q_weight.shape
+    _check(attn, lambda x, p: ref_attention(x, p, HEADS, HEADS), _randn(S, B, HIDDEN, seed=0))
+
+
 def test_block(dims):
     block = TransformerBlock(HIDDEN, HEADS, 2, FFN, dims.tp_group, dtype=F64)
     _check(block, lambda x, p: ref_block(x, p, HEADS, 2), _randn(S, B, HIDDEN, seed=0))
