@@ -41,6 +41,8 @@ def eager_under_compile(fn):
 
 _interp_lock = threading.Lock()
 _interp_state = {"active": 0, "scope": None, "installed": False, "fixed": False}
+# held while the interpreter rewrites a kernel's source (once per kernel, at its first launch)
+_interp_rewrite_lock = threading.RLock()
 
 
 def fix_triton_interpreter() -> None:
@@ -84,7 +86,11 @@ def make_triton_interpreter_threadsafe() -> None:
     first to finish un-patches the language under the other (observed: "y >= grid_dim[1]"). We
     make the grid index thread-local and reference-count the language patch. It also skips the
     interpreter's copy-back of CPU arguments onto themselves, which could overwrite a peer's
-    concurrent write into a symmetric buffer. Idempotent; a no-op without the interpreter module.
+    concurrent write into a symmetric buffer. And it rewrites one kernel at a time: the first launch
+    parses the kernel's source with ``ast`` and transforms it with one visitor shared by every
+    kernel, which Python 3.11's ``ast`` does not allow from two threads at once (observed under
+    load: "SystemError: AST constructor recursion depth mismatch", CPython gh-106905). Idempotent;
+    a no-op without the interpreter module.
     """
     fix_triton_interpreter()  # first, so the original patch taken below keeps the fix
     with _interp_lock:
@@ -98,6 +104,7 @@ def make_triton_interpreter_threadsafe() -> None:
         tls = threading.local()
         orig_patch = interp._patch_lang
         orig_call = interp.GridExecutor.__call__
+        orig_rewrite = interp.InterpretedFunction.rewrite
         # Patch the language as a kernel seeing both `tl` and `tl.core` would, so the one shared
         # patch serves every kernel whatever it imported.
         any_kernel = types.SimpleNamespace(__globals__={"tl": tl, "core": tl.core})
@@ -144,6 +151,10 @@ def make_triton_interpreter_threadsafe() -> None:
             for dev, hst in pairs:
                 dev.copy_(hst)
 
+        def rewrite(self):
+            with _interp_rewrite_lock:
+                return orig_rewrite(self)
+
         def thread_local(name):
             return property(lambda self: getattr(tls, name, None),
                             lambda self, value: setattr(tls, name, value))
@@ -153,6 +164,7 @@ def make_triton_interpreter_threadsafe() -> None:
         interp._patch_lang = patch_lang
         interp.GridExecutor.__call__ = grid_call
         interp.GridExecutor._restore_args_dev = restore_args_dev
+        interp.InterpretedFunction.rewrite = rewrite
         _interp_state["installed"] = True
 
 

@@ -297,6 +297,41 @@ def test_device_waits_give_up_before_the_run_does():
     assert ThreadWorld(2, timeout=10).run(lambda ctx: ctx.wait_timeout) == [5.0, 5.0]
 
 
+def test_interpreter_rewrites_one_kernel_at_a_time(monkeypatch):
+    """A kernel's first launch parses and transforms its source with ``ast`` (one visitor shared by
+    every kernel); Python 3.11's ``ast`` fails when two threads do so at once ("AST constructor
+    recursion depth mismatch", seen when two ranks first launched a kernel together under load).
+    While one thread rewrites, another cannot take the rewrite lock: checked from inside."""
+    import threading
+
+    from triton.runtime import interpreter as interp
+
+    from overlapkernels import _compat
+
+    _compat.make_triton_interpreter_threadsafe()
+    others_could_take = []
+
+    def rewrite_ast(rewriter):
+        def try_take():
+            took = _compat._interp_rewrite_lock.acquire(blocking=False)
+            others_could_take.append(took)
+            if took:
+                _compat._interp_rewrite_lock.release()
+        other = threading.Thread(target=try_take)
+        other.start()
+        other.join()
+        return rewriter.fn
+
+    monkeypatch.setattr(interp.FunctionRewriter, "rewrite_ast", rewrite_ast)
+    monkeypatch.setattr(interp.InterpretedFunction, "rewritten_fn", {})
+
+    def kernel():
+        pass
+
+    assert interp.InterpretedFunction(kernel).rewrite() is kernel
+    assert others_could_take == [False]
+
+
 def test_cpu_world_without_the_interpreter_says_how_to_get_it():
     """Triton picks its interpreter when a kernel is defined: a CPU thread world in a process started
     without TRITON_INTERPRET=1 would fail at the first launch deep inside triton; it says why at once."""
