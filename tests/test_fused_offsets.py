@@ -96,3 +96,27 @@ def test_auto_weighs_every_weight_together_against_fused_offsets(world_of_one, m
                   device=torch.device("cpu"), peer_memory=True, dtype=torch.float32)
     assert choose("all_gather_matmul", "auto", **common).method == "fused"
     assert choose("all_gather_matmul", "auto", fused_fits=False, **common).method == "symm"
+
+
+def test_the_offset_limit_is_exactly_2_to_the_31_elements():
+    """A last offset of 2^31 - 1 (2^31 elements) fits in int32 offsets; one more element does not."""
+    from overlapkernels.kernels.offsets import fused_sizes_error, offsets_error
+
+    assert offsets_error({"b": (1 << 31) - 1}, "") is None
+    assert offsets_error({"b": 1 << 31}, "").startswith("fused GEMM: the b spans 2147483649 elements")
+    assert fused_sizes_error(1 << 15, 1 << 16, 1) is None  # a chunk of exactly 2^31 elements
+    assert "the a chunk spans 2147483649 elements" in fused_sizes_error(1, (1 << 31) + 1, 1)
+
+
+def _fused_weights_together_on_rank(ctx):
+    # K * 16385 < 2^31 for each weight; backward's dual op multiplies by both: K * 32770 > 2^31
+    x, ws = torch.empty(8, 1 << 16, device="meta"), [torch.empty(1 << 16, 16385, device="meta")] * 2
+    with pytest.raises(ValueError) as info:
+        ok.all_gather_matmul(x, ws, ctx, method="fused")
+    return str(info.value)
+
+
+def test_an_explicit_fused_call_weighs_every_weight_together_before_communicating():
+    want = ("fused GEMM: the b spans 2147614720 elements (8 rows per chunk, K=65536, N=32770); the kernel's offsets "
+            "within a chunk are 32-bit (< 2^31 elements): use method='symm' (cuBLAS per chunk) or 'decomposed'")
+    assert ThreadWorld(2, timeout=30).run(_fused_weights_together_on_rank) == [want, want]

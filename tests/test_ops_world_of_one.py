@@ -102,3 +102,54 @@ def test_the_gathered_input_is_a_copy_of_the_shard(method):
     gathered, out = ok.all_gather_matmul(a, b, return_gathered=True, method=method)
     gathered.add_(1)
     assert torch.equal(a, torch.ones(4, 8)) and torch.equal(out, torch.full((4, 3), 8.0))
+
+
+def test_linear_under_deferring_defers_a_3d_inputs_bias_grad_summed_over_every_token():
+    """A [batch, seq, K] input: W's bias gradient sums grad_out over batch and sequence alike (plain
+    autograd forgives a bias gradient summed over the first dim only: it reduces it to [N] itself)."""
+    x, w, b = _randn(2, 3, 4, seed=0, dtype=torch.float64), _randn(5, 4, seed=1, dtype=torch.float64), \
+        _randn(5, seed=2, dtype=torch.float64)
+    g = _randn(2, 3, 5, seed=3, dtype=torch.float64)
+    w.requires_grad_(), b.requires_grad_()
+    store = WeightGradStore()
+    with deferring(store):
+        (linear(x, w, b) * g).sum().backward()
+    assert w.grad is None and b.grad is None and len(store.closures) == 1
+    store.run()
+    assert b.grad.shape == (5,)
+    torch.testing.assert_close(b.grad, g.sum((0, 1)), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(w.grad, g.reshape(-1, 5).T @ x.reshape(-1, 4), atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_linear_under_deferring_and_create_graph_computes_differentiable_grads_at_once():
+    """backward(create_graph=True) inside ``deferring`` (a gradient penalty on the weights): nothing is
+    deferred; the weight and bias gradients arrive at once, as graphs a second backward differentiates."""
+    x = _randn(6, 4, seed=0, dtype=torch.float64)
+    got, want = ([_randn(5, 4, seed=1, dtype=torch.float64).requires_grad_(),
+                  _randn(5, seed=2, dtype=torch.float64).requires_grad_()] for _ in range(2))
+    store = WeightGradStore()
+    with deferring(store):
+        linear(x, *got).pow(2).sum().backward(create_graph=True)
+    assert not store.closures
+    assert got[0].grad is not None and got[0].grad.requires_grad and got[1].grad.requires_grad
+    F.linear(x, *want).pow(2).sum().backward(create_graph=True)
+    for p, q in zip(got, want):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-12, rtol=1e-12)
+    second = torch.autograd.grad(got[0].grad.pow(2).sum(), got[1])
+    torch.testing.assert_close(second[0], torch.autograd.grad(want[0].grad.pow(2).sum(), want[1])[0],
+                               atol=1e-12, rtol=1e-12)
+
+
+def test_w_run_under_autocast_computes_in_the_backwards_precision():
+    """A schedule may run W inside ``torch.autocast``: the deferred products stay fp32, as the
+    backward that deferred them would have computed them (bf16 would be off by ~1e-2 here)."""
+    x, w = _randn(6, 32, seed=0), _randn(5, 32, seed=1).requires_grad_()
+    g = _randn(6, 5, seed=2)
+    store = WeightGradStore()
+    with deferring(store):
+        (linear(x, w) * g).sum().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        store.run()
+    assert w.grad.dtype == torch.float32
+    torch.testing.assert_close(w.grad, (g.double().T @ x.double()).float(), atol=1e-5, rtol=1e-5)
