@@ -75,3 +75,22 @@ def test_dims_none_on_a_model_split_over_tp_or_pp_is_refused(rank_pool):
                             "group of 2 ranks, but dims=None takes "
                             "every rank's gradients for data-parallel replicas, so the norm would be wrong; pass "
                             "dims= (the ParallelDims)"], said
+
+
+def test_the_norm_is_summed_in_fp64_whatever_the_gradients_dtype(world_of_one):
+    """A float16 gradient of norm 120000 (past float16's 65504): summed in fp64 the norm is finite,
+    returned in float32 (at least), and clips by its true value; in float16 it was inf, and every
+    gradient was scaled to 0."""
+    p = nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    p.grad = torch.full((4,), 60000.0, dtype=torch.float16)
+    norm = ok.clip_grad_norm_([p], 60000.0, dims=None)
+    assert norm.dtype == torch.float32 and float(norm) == 120000.0
+    assert torch.equal(p.grad, torch.full((4,), 30000.0, dtype=torch.float16))  # halved
+    wide = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    wide.grad = torch.full((2,), 1.0 + 2.0 ** -40, dtype=torch.float64)  # (fp32 would round it to 1)
+    p.grad = torch.zeros(4, dtype=torch.float16)
+    norm = ok.clip_grad_norm_([p, wide], 1e9, dims=None)  # the widest dtype: float64
+    assert norm.dtype == torch.float64 and float(norm) > 2 ** 0.5
+    empty = nn.Parameter(torch.zeros(0))
+    empty.grad = torch.zeros(0)  # a parameter with no elements: nothing to take the max of
+    assert float(ok.clip_grad_norm_([empty, wide], 1e9, float("inf"), dims=None)) == 1.0 + 2.0 ** -40

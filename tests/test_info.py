@@ -32,6 +32,25 @@ def test_info_under_torchrun_reports_once_per_node():
     assert out.returncode == 0 and out.stdout == "", (out.stdout, out.stderr)
 
 
+def test_info_under_a_launcher_reports_on_each_nodes_first_rank(monkeypatch, capsys):
+    """Local rank 0 of every node prints (its inventory is the node's), not only the world's rank 0."""
+    from overlapkernels import cli
+    from overlapkernels.profiling import inventory as inv
+
+    monkeypatch.setattr(inv, "inventory", lambda: {"node": "this one"})
+    monkeypatch.setattr(inv, "format_inventory", lambda info: f"inventory of {info['node']}")
+    for name in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    printed = []
+    for rank, local in (("4", "0"), ("5", "1"), ("0", "0")):  # node 1's first rank, its second, node 0's first
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "8")
+        monkeypatch.setenv("LOCAL_RANK", local)
+        assert cli.main(["info"]) == 0
+        printed.append(capsys.readouterr().out)
+    assert printed == ["inventory of this one\n", "", "inventory of this one\n"]
+
+
 def test_settings_in_effect_are_recorded(monkeypatch):
     """OVERLAPKERNELS_* change what runs (auto mode, SM reserve, ...): info and every bench row say so."""
     from overlapkernels.bench.report import environment

@@ -225,19 +225,23 @@ def _timeouts_under_distributed_debug():
     torch's own _set_pg_timeout does not reach; ours does."""
     from overlapkernels._compat import group_timeout
 
+    import warnings
+
     level = dist.get_debug_level()
     dist.set_debug_level(dist.DebugLevel.DETAIL)
     try:
-        dims = ok.init_parallel(tp=2, timeout=7.5)
+        with warnings.catch_warnings(record=True) as said:  # (not "cannot set the timeout": set past the wrapper)
+            warnings.simplefilter("always")
+            dims = ok.init_parallel(tp=2, timeout=7.5)
     finally:
         dist.set_debug_level(level)
     backend = dims.tp_group._get_backend(torch.device("cpu"))
-    return type(backend).__name__, group_timeout(dims.tp_group).total_seconds()
+    return type(backend).__name__, group_timeout(dims.tp_group).total_seconds(), [str(w.message) for w in said]
 
 
 def test_timeout_reaches_groups_under_distributed_debug(rank_pool):
-    for wrapper, seconds in rank_pool(4).run(_timeouts_under_distributed_debug):
-        assert wrapper == "_ProcessGroupWrapper" and seconds == 7.5
+    for wrapper, seconds, said in rank_pool(4).run(_timeouts_under_distributed_debug):
+        assert wrapper == "_ProcessGroupWrapper" and seconds == 7.5 and said == [], said
 
 
 def test_launch_environment_problems_are_named(monkeypatch):
@@ -307,6 +311,7 @@ def test_nccl_is_recognised_in_every_spelling_of_the_backend(world_of_one, monke
     ({"OMPI_COMM_WORLD_LOCAL_RANK": "2", "SLURM_LOCALID": "0"}, 4, 2),  # mpirun inside a Slurm allocation
     ({"MPI_LOCALRANKID": "3", "SLURM_LOCALID": "0"}, 4, 3),     # MPICH / Intel MPI there
     ({"LOCAL_RANK": "1", "SLURM_LOCALID": "6"}, 8, 1),              # torchrun inside an allocation
+    ({"LOCAL_RANK": "", "SLURM_LOCALID": "2"}, 4, 2),               # set but empty: the next launcher's
     ({"LOCAL_RANK": "3"}, 1, 0),                                    # one visible GPU per process
     ({}, 8, 0),
     ({"LOCAL_RANK": "5"}, 4, "LOCAL_RANK=5: this process sees 4 GPUs"),  # more ranks than GPUs
@@ -365,3 +370,9 @@ def test_a_backend_that_disagrees_with_the_existing_group_is_refused(world_of_on
                                          "'gloo'; pass backend=None to use it"):
         ok.init_parallel(backend="nccl")
     assert ok.init_parallel(backend="gloo").tp_size == 1  # agreeing: fine
+
+
+def test_a_group_that_is_not_a_process_group_is_named():
+    with pytest.raises(TypeError, match=r"^tp_group=1: expected a torch.distributed ProcessGroup or None \(for a "
+                                        r"DeviceMesh dimension pass mesh.get_group\(dim\)\), got int$"):
+        resolve_group(1, "tp_group")

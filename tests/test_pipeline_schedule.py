@@ -250,6 +250,8 @@ def test_render_png(tmp_path):
     pytest.importorskip("matplotlib")  # the [bench] extra; without it render draws no PNG
     pp.render(pp.make_schedule("zb-h1", 3, 4), str(tmp_path / "zb.png"))
     assert (tmp_path / "zb.png").stat().st_size > 0
+    pp.render(pp.make_schedule("1f1b", 2, 2), str(tmp_path / "b.png").encode())  # a bytes path: a file, not a stream
+    assert _png_width(tmp_path / "b.png") > 0
     widths = []
     for scale in (1, 1e3, 1e6):  # seconds, milliseconds, microseconds
         res = pp.simulate(pp.make_schedule("1f1b", 4, 8), t_f=0.12 * scale, t_b=0.24 * scale)
@@ -330,3 +332,61 @@ def test_p2p_checks_catch_crossed_and_mismatched_orders():
         p2p.check_comm_plan(sched, plan)
     with pytest.raises(AssertionError, match="rank 0 -> rank 1"):
         replay_like_nccl(_as_log(plan))
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("p, m", [(4, 1), (4, 3), (3, 2)])
+def test_fewer_microbatches_than_stages(kind, p, m):
+    """m < p: the warm-up is cut at m forwards (p - r - 1 of them named microbatches that do not exist)."""
+    sched = pp.make_schedule(kind, p, m)
+    pp.validate(sched)
+    assert all(a.microbatch < m for acts in sched.actions for a in acts)
+    p2p.check_comm_plan(sched, p2p.comm_plan(sched))
+    want = [m] * p if kind == "gpipe" else [min(m, p - r) for r in range(p)]
+    assert pp.simulate(sched, t_w=1.0 if kind == "zb-h1" else 0.0).peak_activations == want
+
+
+def test_schedules_run_their_microbatches_in_the_published_order():
+    """Every order is pinned (a reordered one can be as valid, with the same bubble): GPipe's and
+    1F1B's backwards in microbatch order, as torch's; ZB-H1's deferred W's in microbatch order."""
+    def order(kind, p, m, v=1):
+        return [" ".join(map(str, acts)) for acts in pp.make_schedule(kind, p, m, num_virtual=v).actions]
+
+    assert order("gpipe", 2, 3) == ["F0.0 F0.1 F0.2 BW0.0 BW0.1 BW0.2", "F1.0 F1.1 F1.2 BW1.0 BW1.1 BW1.2"]
+    assert order("1f1b", 3, 4) == ["F0.0 F0.1 F0.2 BW0.0 F0.3 BW0.1 BW0.2 BW0.3",
+                                   "F1.0 F1.1 BW1.0 F1.2 BW1.1 F1.3 BW1.2 BW1.3",
+                                   "F2.0 BW2.0 F2.1 BW2.1 F2.2 BW2.2 F2.3 BW2.3"]
+    assert order("zb-h1", 3, 4) == ["F0.0 F0.1 F0.2 B0.0 W0.0 F0.3 B0.1 W0.1 B0.2 W0.2 B0.3 W0.3",
+                                    "F1.0 F1.1 B1.0 F1.2 B1.1 W1.1 F1.3 B1.2 W1.2 B1.3 W1.3 W1.0",
+                                    "F2.0 B2.0 F2.1 B2.1 F2.2 B2.2 W2.2 F2.3 B2.3 W2.3 W2.0 W2.1"]
+    assert order("interleaved-1f1b", 2, 4, 2) == [
+        "F0.0 F0.1 F2.0 F2.1 F0.2 BW2.0 F0.3 BW2.1 F2.2 BW0.0 F2.3 BW0.1 BW2.2 BW2.3 BW0.2 BW0.3",
+        "F1.0 F1.1 F3.0 BW3.0 F3.1 BW3.1 F1.2 BW1.0 F1.3 BW1.1 F3.2 BW3.2 F3.3 BW3.3 BW1.2 BW1.3"]
+
+
+def test_p2p_check_names_a_message_no_one_receives():
+    """A send without its receive (or a receive without its send) is a mismatch, named as such."""
+    sched = pp.make_schedule("gpipe", 2, 2)
+    plan = p2p.comm_plan(sched)
+    dropped = [(k, i) for k, point in enumerate(plan[1]) for i, batch in enumerate(point)
+               if any(m.what == "activation" and m.microbatch == 1 for m in batch)]
+    assert len(dropped) == 1 and len(plan[1][dropped[0][0]][dropped[0][1]]) == 1
+    del plan[1][dropped[0][0]][dropped[0][1]]
+    with pytest.raises(pp.ScheduleError, match=r"^P2P mismatch: message #2 from rank 0 to rank 1 is activation 0->1 "
+                                               r"microbatch 1, but rank 1 posts 'nothing' for it"):
+        p2p.check_comm_plan(sched, plan)
+
+
+def test_render_header_names_the_schedule_and_its_figures():
+    assert pp.render(pp.make_schedule("zb-h1", 3, 4)).splitlines()[0] == (
+        "zb-h1: 3 ranks, 4 microbatches; makespan 14, bubble 14.3%, peak activations [3, 2, 1]")
+    assert pp.render(pp.make_schedule("interleaved-1f1b", 2, 4, num_virtual=2)).splitlines()[0] == (
+        "interleaved-1f1b: 2 ranks, 4 microbatches, 2 virtual; makespan 18, bubble 11.1%, peak activations [5, 3]")
+
+
+def test_render_coarsens_a_grid_too_fine_to_print():
+    """A tiny comm time next to whole-unit ops made cells 1e-5 long: rows of millions of characters."""
+    max_cols = sys.modules["overlapkernels.runtime.pipeline.render"]._MAX_COLS
+    res = pp.simulate(pp.make_schedule("1f1b", 2, 2), t_f=1.0, t_b=1.0, t_comm=1e-5)
+    rows = pp.render(res).splitlines()[1:]
+    assert len(rows) == 2 and all(len(row) <= len("rank 0: ") + 6 * max_cols for row in rows)
