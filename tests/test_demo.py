@@ -124,3 +124,35 @@ def test_demo_table_puts_each_figure_under_its_heading():
     assert header.split() == ["step", "loss", "1-proc", "ref", "grad", "norm", "1-proc", "ref", "tokens/s", "bubble",
                               "meas.", "bubble", "sim."]
     assert line.split() == ["0", "2.5000", "2.5000", "1.2500", "1.5000", "1000", "25.0%", "20.0%"]
+
+
+def _demo_with_fixed_times_on_rank(config):
+    """The demo with each pipeline rank's compute times replaced by known ones (rank r of the
+    pipeline group: F 1 + r s, B 2 + r s, no W, a step of 4 + 2r s)."""
+    import torch.distributed as dist
+
+    from overlapkernels.runtime.pipeline.runner import PipelineRunner
+
+    step = PipelineRunner.step
+
+    def fixed(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        r = dist.get_rank(self.group)
+        self.compute_s, self.step_s = {"F": 1.0 + r, "B": 0.0, "BW": 2.0 + r, "W": 0.0}, 4.0 + 2 * r
+        return out
+
+    PipelineRunner.step = fixed
+    try:
+        return demo.rank_main(config)
+    finally:
+        PipelineRunner.step = step
+
+
+def test_demo_averages_the_measured_times_over_the_pipeline_ranks(rank_pool):
+    """The measured bubble and the per-action costs fed to the simulator are the pipeline ranks'
+    mean (a sum scales every cost alike, which leaves the simulated bubble unchanged)."""
+    cfg = demo.DemoConfig(tp=1, dp=2, steps=1, reference_steps=1, batch=8, seq=8, vocab=16, hidden=16, layers=2)
+    row, = rank_pool(4).run(_demo_with_fixed_times_on_rank, demo.config_dict(cfg))[0]
+    m = 2 * 2  # microbatches: 2 x pp
+    assert row["bubble_measured"] == pytest.approx(((1 - 3 / 4) + (1 - 5 / 6)) / 2, rel=1e-12)
+    assert (row["t_f"], row["t_b"], row["t_w"]) == pytest.approx((1.5 / m, 2.5 / m, 0.0), rel=1e-12)
