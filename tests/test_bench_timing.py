@@ -43,3 +43,18 @@ def test_overlap_efficiency_takes_every_time_from_one_timer(monkeypatch):
     rows = tp_ops.run_tp_ops(config)
     assert [(r["method"], r["gemm_us"], r["time_us"], r["efficiency"], r["speedup"]) for r in rows] == [
         ("baseline", 1e6, 3e6, 0.0, 1.0), ("decomposed", 1e6, 2e6, 0.5, 1.5)]
+
+
+def test_overlap_efficiency_is_undefined_in_a_world_of_one(monkeypatch):
+    """One rank communicates nothing: E is NaN whatever the (fake) times, the speedup still a ratio."""
+    import math
+
+    from overlapkernels.bench import tp_ops
+
+    fake = iter([1.0, 3.0, 2.0])
+    monkeypatch.setattr(tp_ops, "time_calls", lambda fn, iters, *a, **k: [next(fake)] * iters)
+    config = tp_ops.TpOpsConfig(op="ag-matmul", shapes=(("tiny", (4, 4, 4)),), methods=("baseline", "decomposed"),
+                                iters=1, warmup=0)
+    rows = tp_ops.run_tp_ops(config)
+    assert [(r["world_size"], r["speedup"]) for r in rows] == [(1, 1.0), (1, 1.5)]
+    assert all(math.isnan(r["efficiency"]) for r in rows)

@@ -283,3 +283,62 @@ def test_gpu_check_script_runs_every_step_and_reports_failures(tmp_path):
     assert loading == ["lazy]"] * 6 + ["EAGER]"] + ["lazy]"] * 2 + ["EAGER]"], loading
     assert f"--csv {tmp_path}/gpu-check.csv" in out.stdout
     assert "=== FAILED: bench_reduce (exit 3)" in out.stdout and "all steps passed" not in out.stdout
+
+
+def test_telemetry_stops_its_sampler_and_samples_once_at_the_end(monkeypatch):
+    """Leaving the context stops the sampler thread (it would poll NVML for the rest of the run) and
+    takes a last sample, so a run shorter than one interval still has a reading."""
+    from overlapkernels.profiling import telemetry
+
+    with telemetry.Telemetry(0, interval_s=0.01, nvml=FakeTelemetryNVML()) as tel:
+        thread = tel._thread
+    assert thread is not None and not thread.is_alive()
+
+    class Idle:  # a sampler thread that never gets to sample
+        def __init__(self, **kwargs):
+            pass
+
+        def start(self):
+            pass
+
+        def join(self):
+            pass
+
+    monkeypatch.setattr(telemetry.threading, "Thread", Idle)
+    with telemetry.Telemetry(0, interval_s=60.0, nvml=FakeTelemetryNVML()) as tel:
+        pass
+    assert len(tel.samples) == 1 and tel.summary()["power_w"] == 650.0
+
+
+def test_gpu_inventory_counts_only_enabled_links_and_names_pcie_levels():
+    """A link NVML reports disabled (state 0) is no link; GPUs without NVLink between them show the
+    PCIe/socket level nvidia-smi prints (NODE: one NUMA node, PHB: one host bridge)."""
+    class Partial(FakeNVML):
+        def nvmlDeviceGetNvLinkState(self, h, link):
+            if h == 2:
+                raise self.NotSupported()
+            return 1 if link < 4 else 0
+
+        def nvmlDeviceGetTopologyCommonAncestor(self, a, b):
+            return {frozenset((0, 2)): 40, frozenset((1, 2)): 30}[frozenset((a, b))]
+
+    inv = gpu_inventory(Partial())
+    assert [g["nvlink"]["active_links"] for g in inv["gpus"]] == [4, 4, 0]
+    assert inv["topology"] == [["X", "NV4", "NODE"], ["NV4", "X", "PHB"], ["NODE", "PHB", "X"]]
+
+
+def test_telemetry_reads_the_sm_clock_and_the_gpu_temperature_sensor():
+    """NVML's clock and temperature queries take which clock / sensor: the SM clock (not memory's),
+    the GPU die's sensor."""
+    from overlapkernels.profiling.telemetry import Telemetry
+
+    class Fake(FakeTelemetryNVML):
+        NVML_TEMPERATURE_GPU = 0
+
+        def nvmlDeviceGetClockInfo(self, h, kind): return {1: 1980, 2: 3201}[kind]
+        def nvmlDeviceGetTemperature(self, h, sensor): return {0: 61}[sensor]
+
+    tel = Telemetry(0, nvml=Fake())
+    tel._handle = "gpu0"  # what __enter__ sets, without starting its sampler thread
+    tel._sample()
+    assert (tel.samples[0]["sm_clock_mhz"], tel.samples[0]["temp_c"]) == (1980, 61)

@@ -408,3 +408,19 @@ def test_fsdp_pipeline_and_collectives_traces_have_op_windows(rank_pool, tmp_pat
             assert rows[name]["calls"] >= 1 and rows[name]["comm_us"] > 0, (kind, sorted(rows))
         if kind != "collectives":  # (a collective has nothing to hide behind)
             assert all(rows[name]["compute_us"] > 0 for name in expected[kind]), (kind, rows)
+
+
+def test_an_nvtx_range_is_closed_when_its_body_raises(monkeypatch):
+    """On CUDA a span pushes an NVTX range: an exception inside must still pop it, else every later
+    range nests under the failed one on the Nsight timeline."""
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: seen.append(("push", name)))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: seen.append(("pop",)))
+    with pytest.raises(RuntimeError, match="planted"):
+        with span("ok/ag_matmul/chunk3/comm"):
+            raise RuntimeError("planted")
+    with span("ok/ag_matmul/chunk3/compute"):
+        pass
+    assert seen == [("push", "ok/ag_matmul/chunk3/comm"), ("pop",), ("push", "ok/ag_matmul/chunk3/compute"), ("pop",)]
