@@ -243,6 +243,43 @@ def test_side_stream_is_its_own_where_the_library_is_built(monkeypatch, loadable
         assert streams == ["pool"] * 3 and made == [("pool", cuda1, -1)] * 2
 
 
+def test_side_stream_work_is_ordered_after_the_ranks_and_before_its_next_use(monkeypatch):
+    """Stream order, CUDA faked: submitted work waits for what the rank's stream (of the side
+    stream's device, whatever is current) enqueued before it, its inputs are kept from the allocator
+    until the side stream is done, and synchronize orders the rank's later work after it."""
+    import contextlib
+
+    from overlapkernels.comm import side_stream
+
+    log, cuda1 = [], torch.device("cuda", 1)
+
+    class Stream:
+        def __init__(self, name):
+            self.name, self.device = name, cuda1
+
+        def wait_stream(self, other):
+            log.append(f"{self.name} waits for {other.name}")
+
+    class Tensor:
+        def record_stream(self, stream):
+            log.append(f"input used on {stream.name}")
+
+    @contextlib.contextmanager
+    def on(stream):
+        log.append(f"on {stream.name}")
+        yield
+        log.append("back")
+
+    main = Stream("main")
+    monkeypatch.setattr(side_stream, "own_streams", lambda device, slots: [Stream("side")])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main if device == cuda1 else Stream("other"))
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    side = side_stream.CudaSideStream(cuda1)
+    side.submit(lambda: log.append("copy"), keep_alive=[Tensor()])
+    side.synchronize()
+    assert log == ["side waits for main", "input used on side", "on side", "copy", "back", "main waits for side"]
+
+
 def test_a_cuda_thread_world_makes_every_rank_stream_and_side_stream_together(monkeypatch):
     """Back to back at construction (hardware queues of their own, see side_stream.own_streams),
     ranks' streams first; each run and each side_stream() reuses them; a second world of the same

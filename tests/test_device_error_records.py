@@ -74,3 +74,34 @@ def test_deferred_error_records_raise_in_call_order():
     assert events[1].waited and [p[2] for p in check._pending] == ["op2"]
     check.flush()
     assert check._pending == [] and events[2].waited
+
+
+def test_a_destroyed_groups_world_still_has_its_pending_errors_raised(monkeypatch):
+    """A world whose group was destroyed is kept (its symmetric memory is never freed) among the
+    retired values: a timeout its last call left pending must still be raised, not dropped."""
+    from types import SimpleNamespace
+
+    from overlapkernels.comm import group_cache, process_world as pw
+    from overlapkernels.kernels.errors import SignalTimeoutError
+
+    def flush():
+        raise SignalTimeoutError("ok/matmul_reduce_scatter[symm]: rank 1 timed out (a retired world)")
+
+    world = pw.ProcessPeerWorld.__new__(pw.ProcessPeerWorld)  # (no group needed: only its error queue is read)
+    world._errors = SimpleNamespace(flush=flush)
+    monkeypatch.setattr(pw, "_worlds", {})
+    monkeypatch.setattr(group_cache, "_retired", [object(), world])  # other caches' values are skipped
+    with pytest.raises(SignalTimeoutError, match="a retired world"):
+        pw.check_pending_errors()
+
+
+def test_an_error_record_without_its_abort_slot_is_refused():
+    """The waits read err[ABORT_SLOT] (index 4): a 4-element record (the CUDA library's layout) would
+    be read past its end."""
+    from overlapkernels.kernels.errors import ERROR_RECORD_LEN, check_error_record, new_error_record
+
+    check_error_record(new_error_record("cpu"))
+    for bad in (torch.zeros(4, dtype=torch.int32), torch.zeros(ERROR_RECORD_LEN, dtype=torch.int64),
+                torch.zeros(2 * ERROR_RECORD_LEN, dtype=torch.int32)[::2]):
+        with pytest.raises(ValueError, match="expected a contiguous int32 error record of 5 elements"):
+            check_error_record(bad)

@@ -36,6 +36,23 @@ def test_fused_rectangular_tiles_with_remainders(k):
         assert ThreadWorld(2, timeout=60).run(_tile_shapes_on_rank, k) == [True, True]
 
 
+def _fp16_sums_on_rank(ctx):
+    """fp16 with one nonzero product per K block: 2048, then 1, then 1. Accumulated in fp32 the sum is
+    2050, exact in fp16; accumulated in fp16 each +1 rounds away (2049 is not an fp16)."""
+    w = ctx.world_size
+    b = torch.zeros(48, 16, dtype=torch.float16)
+    b[0], b[16], b[32] = 2048, 1, 1
+    out = ok.all_gather_matmul(torch.ones(16, 48, dtype=torch.float16), b, ctx, method="fused")
+    out2 = ok.matmul_reduce_scatter(torch.ones(w * 16, 48, dtype=torch.float16), b, ctx, method="fused")
+    return out.unique().tolist(), out2.unique().tolist()
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_fused_gemm_tiles_accumulate_in_fp32(tma):
+    with forced_gemm_config(GemmConfig(16, 16, 16, tma=tma)):
+        assert ThreadWorld(2, timeout=60).run(_fp16_sums_on_rank) == [([2050.0], [4100.0])] * 2
+
+
 GPU_GEMM_CONFIGS = {name: getattr(TG, name) for name in ("CUDA_GEMM_16BIT", "CUDA_GEMM_16BIT_SMALL", "CUDA_GEMM_FP32",
                                                              "SMALL_SMEM_GEMM", "SMALL_SMEM_GEMM_SMALL")}
 
@@ -285,6 +302,9 @@ def test_tma_output_qualifies_only_an_aligned_16bit_output():
     used, desc = TG.tma_output(out, 2, cfg)
     assert used and list(desc.shape) == [2, 7, 40] and list(desc.strides) == [7 * 40, 40, 1]
     assert desc.block_shape == [1, 16, 32]
+    padded = torch.zeros(2 * 7, 48, dtype=torch.float16)[:, :40]  # rows 48 apart: the chunk stride counts them
+    used, desc = TG.tma_output(padded, 2, cfg)
+    assert used and list(desc.shape) == [2, 7, 40] and list(desc.strides) == [7 * 48, 48, 1]
     for why, (t, c) in {"config without tma_store": (out, GemmConfig(16, 32, 16, tma=True)),
                         "fp32": (out.float(), cfg), "empty": (out[:0], cfg),
                         "row stride of 36 bytes": (torch.zeros(14, 18, dtype=torch.float16), cfg),

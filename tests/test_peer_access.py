@@ -10,12 +10,13 @@ OK, NOT_SUPPORTED = 0, 5
 NO_ATOMICS_1_2 = {(UUIDS[1], UUIDS[2]): "no peer-to-peer atomics (NVML: NOT_SUPPORTED)"}
 
 
-def _fake_nvml(no_atomics=(), init_error=False, calls=None):
+def _fake_nvml(no_atomics=(), init_error=False, calls=None, no_read=()):
     calls = [] if calls is None else calls
 
     def p2p(a, b, index):
         calls.append((a, b, index))
-        return NOT_SUPPORTED if index == ATOMICS and frozenset((a, b)) in no_atomics else OK
+        missing = {ATOMICS: no_atomics, READ: no_read}.get(index, ())
+        return NOT_SUPPORTED if frozenset((a, b)) in missing else OK
 
     def init():
         if init_error:
@@ -52,3 +53,11 @@ def test_groups_not_using_a_failing_pair_or_sharing_one_gpu_are_fine():
 def test_no_verdict_where_nvml_cannot_answer():
     assert failing_pairs(_fake_nvml(init_error=True)) == {}
     assert peer_access_problem(UUIDS, [{}, {}]) is None
+
+
+def test_a_pair_missing_several_capabilities_is_named_by_the_first():
+    """A PCIe pair with neither peer reads nor atomics: the report names what fails first (reads),
+    the most basic access the kernels need."""
+    pair = frozenset((0, 3))
+    assert failing_pairs(_fake_nvml(no_atomics={pair}, no_read={pair})) == {
+        (UUIDS[0], UUIDS[3]): "no peer-to-peer read (NVML: NOT_SUPPORTED)"}

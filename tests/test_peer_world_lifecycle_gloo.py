@@ -79,3 +79,72 @@ def test_a_rank_that_cannot_join_the_peer_world_fails_every_rank(rank_pool):
     """Rank 1 has no peer memory of its own (here: no CUDA library): it raised alone while rank 0
     waited for it in the world's exchange. Now both raise, naming it."""
     assert rank_pool(2).run(_one_rank_without_peer_memory_on_rank) == ["rank 1: no CUDA library built here"] * 2
+
+
+def test_a_peer_memory_setting_changed_between_calls_gets_its_own_answer_and_world(monkeypatch):
+    """OVERLAPKERNELS_PEER_MEMORY is read at every call: set to ipc where only symmetric memory
+    serves, the group's cached 'yes' (and its symm_mem world) must not answer for it."""
+    from overlapkernels.comm import process_world as pw
+
+    assert not dist.is_initialized()
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(pw, "peer_memory_unavailable_reason",
+                        lambda device: "no CUDA library built here" if pw.requested_peer_memory() == "ipc" else None)
+    monkeypatch.setattr(pw, "resolve_peer_memory", lambda requested, **kw: (requested, None))
+    monkeypatch.setattr(pw, "failing_pairs", lambda: {})
+    cpu, answers, worlds = torch.device("cpu"), [], []
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for setting in ("symm_mem", "ipc", "symm_mem"):
+            monkeypatch.setenv(pw.PEER_MEMORY_ENV, setting)
+            answers.append(pw.group_has_peer_memory(dist.group.WORLD, cpu))
+            worlds.append(pw.process_peer_world(dist.group.WORLD, cpu))
+        assert answers == [True, False, True]
+        assert [w.peer_memory for w in worlds] == ["symm_mem", "ipc", "symm_mem"] and worlds[2] is worlds[0]
+    finally:
+        for key in [key for key, value in pw._worlds.items() if any(value is w for w in worlds)]:
+            del pw._worlds[key]  # (stand-ins: no later test may find them)
+        dist.destroy_process_group()
+
+
+def _peer_world_agreement_on_rank(cases):
+    """A ProcessPeerWorld built (on CPU, peer memory faked) for each case of per-rank (kind, GPU,
+    host, failing pairs): what each rank got, its kind and ranks per GPU, or the error it raised."""
+    from overlapkernels.comm import process_world as pw
+
+    r, got = dist.get_rank(), []
+    saved = pw.resolve_peer_memory, pw._device_uuid, pw.host_identity, pw.failing_pairs
+    try:
+        for kinds, uuids, hosts, pairs in cases:
+            pw.resolve_peer_memory = lambda *a, kinds=kinds, **k: (kinds[r], None)
+            pw._device_uuid = lambda device, uuids=uuids: uuids[r]
+            pw.host_identity = lambda hosts=hosts: hosts[r]
+            pw.failing_pairs = lambda pairs=pairs: pairs[r]
+            try:
+                world = pw.ProcessPeerWorld(dist.group.WORLD, torch.device("cpu"))
+                got.append((world.peer_memory, world.ranks_per_device))
+            except ValueError as exc:
+                got.append(str(exc))
+    finally:
+        pw.resolve_peer_memory, pw._device_uuid, pw.host_identity, pw.failing_pairs = saved
+    return got
+
+
+def test_the_ranks_of_a_peer_world_agree_on_what_every_rank_found(rank_pool):
+    """Each rank decides from every rank's report: ranks sharing a GPU (each persistent GEMM takes its
+    share of the SMs), kinds of peer memory that differ (alloc_symmetric would deadlock), two hosts,
+    and a failing GPU pair that only one rank's NVML could name - every rank raises alike."""
+    ipc, same, both = ["ipc", "ipc"], ["h", "h"], [{}, {}]
+    no_atomics = {("gpu0", "gpu1"): "no peer-to-peer atomics (NVML: NOT_SUPPORTED)"}
+    cases = [(ipc, ["gpu0", "gpu0"], same, both), (ipc, ["gpu0", "gpu1"], same, both),
+             (["ipc", "symm_mem"], ["gpu0", "gpu1"], same, both), (ipc, ["gpu0", "gpu1"], ["node0", "node1"], both),
+             (ipc, ["gpu0", "gpu1"], same, [{}, no_atomics])]
+    for got in rank_pool(2).run(_peer_world_agreement_on_rank, cases):
+        assert got[:2] == [("ipc", 2), ("ipc", 1)], got
+        for said, want in zip(got[2:], ["ranks chose different peer memory ['ipc', 'symm_mem'] (set",
+                                        "peer memory ('symm'/'fused') needs the group on one node; its ranks are on "
+                                        "['node0', 'node1']",
+                                        "peer memory ('symm'/'fused'): GPUs gpu0 and gpu1 have no peer-to-peer atomics"],
+                              strict=True):
+            assert isinstance(said, str) and said.startswith(want), (said, want)

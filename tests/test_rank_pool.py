@@ -32,9 +32,11 @@ def test_ranks_see_the_callers_environment_of_now(rank_pool, monkeypatch):
     rank_pool(2).run(_rank_and_sum)  # the forkserver runs by now
     monkeypatch.setenv("OK_TEST_SET_LATER", "42")
     monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "INFO")  # torch read it at import, in the forkserver
+    monkeypatch.delenv("HOME", raising=False)  # in the forkserver's environment, gone from the caller's since
     pool = RankPool(2, threads_per_rank=2)
     try:
         assert pool.run(_environment, "OK_TEST_SET_LATER") == [("42", 2, "DebugLevel.INFO")] * 2
+        assert pool.run(_environment, "HOME") == [(None, 2, "DebugLevel.INFO")] * 2
     finally:
         pool.close()
 
@@ -155,6 +157,9 @@ def test_a_pool_holding_many_groups_respawns():
         made = pool.run(_make_mesh_groups)
         assert min(made) > 3 and pool.respawns == 1
         assert pool.run(_group_count) == [1, 1] and pool.respawns == 1
+    with RankPool(2, timeout=60.0, max_groups=1) as pool:  # at the limit, not past it: the ranks stay
+        first = pool.run(os.getpid)
+        assert pool.run(_group_count) == [1, 1] and pool.run(os.getpid) == first and pool.respawns == 0
 
 
 class _NoUnpickle(Exception):
