@@ -82,6 +82,20 @@ def test_uneven_vocabulary_slices_match_torch(rank_pool, split, smoothing):
     torch.testing.assert_close(torch.cat([grad for _, grad in results], dim=-1), full.grad, atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_three_uneven_slices_match_torch(rank_pool, smoothing):
+    """Vocabulary 7 split 2 + 3 + 2: rank 2's slice starts at 5, not at 2 x its own or rank 0's width
+    (with two ranks the two coincide)."""
+    results = rank_pool(3).run(_uneven_on_rank, [2, 5], smoothing, timeout=30)
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(6, 7, generator=g, dtype=torch.float64).requires_grad_()
+    want = F.cross_entropy(full, torch.tensor([0, 3, 4, 5, 6, -100]), reduction="none", label_smoothing=smoothing)
+    want.sum().backward()
+    for loss, _ in results:
+        torch.testing.assert_close(loss, want.detach(), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(torch.cat([grad for _, grad in results], dim=-1), full.grad, atol=1e-12, rtol=1e-12)
+
+
 def _bad_logits_on_rank():
     from comm_guard import no_communication
     from torch.distributed.device_mesh import init_device_mesh

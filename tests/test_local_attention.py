@@ -178,3 +178,13 @@ def test_the_torch_backend_is_the_reference_module():
     """On CPU and for float64 the torch reference runs (the kernels take no float64)."""
     assert ra.default_backend(torch.zeros(1, dtype=torch.float32)) == "torch"
     assert ra._backend("torch") is attention_ref
+
+
+def test_the_default_scale_is_one_over_sqrt_head_dim_down_to_a_head_dim_of_one():
+    for dim in (1, 9):
+        q, k, v, _ = _inputs(torch.float64, "bshd", dim=dim)
+        out = local_attention(q, k, v, causal=True)
+        want = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k.repeat_interleave(2, 2),
+                                                                           v.repeat_interleave(2, 2))),
+                                              is_causal=True).transpose(1, 2)
+        torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12, msg=f"head dim {dim}")

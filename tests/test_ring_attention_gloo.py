@@ -168,6 +168,11 @@ def _shard_roundtrip_on_rank():
     with pytest.raises(ValueError, match=r"x_local was laid out with layout='contiguous'"):
         ok.unshard_sequence(out)
     assert ok.unshard_sequence(out, layout="contiguous").shape == (1, 4 * world, 2, 4)
+    zz = ok.shard_sequence(torch.ones(1, 4 * world, 2, 4, dtype=torch.float64))  # zigzag, the default
+    out = ok.ring_attention(zz, zz, zz, causal=True, layout="zigzag")  # tagged with its own layout
+    with pytest.raises(ValueError, match=r"x_local was laid out with layout='zigzag'"):
+        ok.unshard_sequence(out, layout="contiguous")
+    assert ok.unshard_sequence(out).shape == (1, 4 * world, 2, 4)
     # tags are per (dim, group): a sequence sharded over CP (zigzag) and then its heads over TP
     # (contiguous) is still zigzag along the sequence over CP
     if world == 4:
@@ -212,6 +217,10 @@ BAD = [
     (lambda q, k, v: ok.ring_attention(q[:, :5], k[:, :5], v[:, :5], layout="zigzag"), ValueError,
      r"local sequence length 5 \(q.shape\[1\], bshd\) is odd: layout='zigzag' needs S divisible by 2 x the group "
      r"size"),
+    # sbhd: the sequence is dim 0 (checking dim 1, the batch, let an odd part through to be cut short)
+    (lambda q, k, v: ok.ring_attention(*(t.transpose(0, 1)[:5] for t in (q, k, v)), layout="zigzag",
+                                       qkv_format="sbhd"), ValueError,
+     r"local sequence length 5 \(q.shape\[0\], sbhd\) is odd"),
     (lambda q, k, v: ok.ring_attention(q, k[:, :4], v[:, :4]), ValueError,
      r"must agree in batch, local sequence length and head dim"),
     (lambda q, k, v: ok.ring_attention(q[0], k, v), ValueError, r"q must be 4-D \(bshd\), got shape \(6, 4, 8\)"),
