@@ -152,6 +152,11 @@ def make_triton_interpreter_threadsafe() -> None:
                 dev.copy_(hst)
 
         def rewrite(self):
+            # every launch and every device-function call asks for the rewrite: only the first
+            # (not yet cached) takes the lock, so running kernels never wait on one another here
+            done = self.rewritten_fn.get(self.fn)
+            if done is not None:
+                return done
             with _interp_rewrite_lock:
                 return orig_rewrite(self)
 
