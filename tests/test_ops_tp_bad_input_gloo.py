@@ -216,21 +216,34 @@ def test_communication_guard_bites(rank_pool):
 def _failing_chunk_on_rank():
     """An error in a decomposed ring step's compute (an out-of-memory) after the step's exchange was
     posted: the exchange is waited for before the error propagates, so the group's next collective
-    runs (it hung on every rank: gloo's pair is unusable after an unwaited exchange)."""
+    runs (it hung on every rank: gloo's pair is unusable after an unwaited exchange). The compute
+    streams are joined too (on CUDA the buffers are freed on the main stream while earlier steps'
+    GEMMs may still run on the side one): recorded by a stand-in, as CPU has one stream."""
+    from overlapkernels.ops import _collective_methods
     from overlapkernels.ops._collective_methods import ring_all_gather
+
+    joins = []
+
+    class RecordedStreams(_collective_methods._ComputeStreams):
+        def join(self):
+            joins.append(True)
+            super().join()
 
     def on_chunk(c, chunk):
         if c != dist.get_rank():  # a received chunk: the next exchange is in flight
             raise RuntimeError("planted: out of memory")
 
+    real, _collective_methods._ComputeStreams = _collective_methods._ComputeStreams, RecordedStreams
     try:
         ring_all_gather(torch.ones(2, 3), dist.group.WORLD, on_chunk)
         said = "no error"
     except RuntimeError as exc:
         said = str(exc)
+    finally:
+        _collective_methods._ComputeStreams = real
     dist.barrier()
-    return said
+    return said, joins
 
 
 def test_an_error_inside_a_decomposed_step_leaves_the_group_usable(rank_pool):
-    assert rank_pool(4).run(_failing_chunk_on_rank) == ["planted: out of memory"] * 4
+    assert rank_pool(4).run(_failing_chunk_on_rank) == [("planted: out of memory", [True])] * 4

@@ -75,19 +75,24 @@ def ring_all_gather(a_shard: torch.Tensor, group, on_chunk, *, alternate_streams
     a_full[r].copy_(a_shard)
     streams = _ComputeStreams(a_shard.device if alternate_streams else torch.device("cpu"))
     pending = None
-    for s in range(world):
-        chunk = (r + s) % world
-        with streams.step(s):
-            # comm ranges are named by the chunk whose transfer they wait for / start (step 0's is local)
-            if pending is not None:
-                with span(f"ok/{name}/chunk{chunk}/comm"):
-                    wait_all(pending)  # chunk has arrived (on CUDA: this stream waits, the host does not)
-            if s + 1 < world:
-                with span(f"ok/{name}/chunk{(chunk + 1) % world}/comm"):
-                    pending = ring.exchange(a_full[chunk], r - 1, a_full[(chunk + 1) % world], r + 1)
-            with span(f"ok/{name}/chunk{chunk}/compute"), settled_on_error(pending):  # (see settled_on_error)
-                on_chunk(chunk, a_full[chunk])
-    streams.join()
+    try:
+        for s in range(world):
+            chunk = (r + s) % world
+            with streams.step(s):
+                # comm ranges are named by the chunk whose transfer they wait for / start (step 0's is local)
+                if pending is not None:
+                    with span(f"ok/{name}/chunk{chunk}/comm"):
+                        wait_all(pending)  # chunk has arrived (on CUDA: this stream waits, the host does not)
+                if s + 1 < world:
+                    with span(f"ok/{name}/chunk{(chunk + 1) % world}/comm"):
+                        pending = ring.exchange(a_full[chunk], r - 1, a_full[(chunk + 1) % world], r + 1)
+                with span(f"ok/{name}/chunk{chunk}/compute"), settled_on_error(pending):  # (see settled_on_error)
+                    on_chunk(chunk, a_full[chunk])
+    finally:
+        # also when a step raises (an out-of-memory that OVERLAPKERNELS_AUTO=measure catches and goes
+        # on from): the buffers are freed on the main stream, and without this join the allocator
+        # could hand them out while side-stream GEMMs of earlier steps still read and write them
+        streams.join()
     return a_flat
 
 
