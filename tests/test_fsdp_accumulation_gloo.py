@@ -171,7 +171,8 @@ def _zero_bubble_on_rank(stage, outer_no_sync=False, planted=False):
     # held through B (ZeRO-2/3 without a caller's no_sync): B stashes the norm's gradients only (the
     # linears leave theirs to W, reduced from .grad) - a whole-unit stash buffer would hold theirs too
     held_stash = max(stashed, default=0) == norm if stage > 1 and not outer_no_sync else True
-    return error, deferred, in_flight <= 1, held_stash
+    # in_flight: none under the caller's own no_sync (the runner holds and reduces only what it synced)
+    return error, deferred, in_flight == 0 if outer_no_sync else in_flight <= 1, held_stash
 
 
 @pytest.mark.parametrize("stage, outer_no_sync", [(1, False), (2, False), (3, False), (3, True)])

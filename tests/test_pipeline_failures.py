@@ -143,6 +143,7 @@ def test_a_stage_changing_its_received_input_in_place_is_told_why():
         first, second = pool.run(_in_place_first_op_on_rank)
     assert second.startswith("RuntimeError: stage 1 microbatch 0: the stage modifies its input in place"), second
     assert "make that first op out of place" in second
+    assert "its input is the activation received from stage 0, a leaf" in second, second
     assert first.startswith("PipelineTimeout: stage 0 microbatch 0: no gradient from rank 1"), first
 
 
