@@ -276,3 +276,42 @@ def test_ranks_that_disagree_are_named_under_distributed_debug(rank_pool):
     assert errors[1][7] == layer + "x.shape[scatter_dim=0]=5 is not divisible by the group size 2"
     assert errors[0][7] == layer + ("linear_reduce_scatter: other ranks' arguments were rejected (rank 1: ValueError: "
                                     "x.shape[scatter_dim=0]=5 is not divisible by the group size 2)" + hint)
+
+
+def _strict_only_around_backward_on_rank():
+    """strict_overlap() around backward alone (forward ran outside it): backward's dual ops are calls
+    made inside it, and are policed as any other. K = 1024: the forward matmul + reduce-scatter
+    overlaps, its backward all-gather + GEMM (256 flop/B) would not."""
+    a = torch.ones(128, 1024, dtype=torch.float64, requires_grad=True)
+    out = ok.matmul_reduce_scatter(a, torch.ones(1024, 1024, dtype=torch.float64))
+    try:
+        with ok.strict_overlap():
+            out.sum().backward()
+    except ok.StrictOverlapError as exc:
+        return str(exc)
+    finally:
+        ok.reset_overlap_stats()
+    return None
+
+
+def test_strict_overlap_around_backward_alone_polices_the_dual_ops(rank_pool):
+    for said in rank_pool(2).run(_strict_only_around_backward_on_rank):
+        assert said and said.startswith("all_gather_matmul: strict_overlap() is active"), said
+
+
+def _no_grad_calls_under_distributed_debug_on_rank():
+    """Under torch.no_grad() no gradient flows whatever the inputs' requires_grad: ranks whose shards
+    differ only there make the same call (no backward will communicate) and are not refused."""
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        with torch.no_grad():
+            out = ok.all_gather_matmul(torch.ones(4, 8, requires_grad=dist.get_rank() == 0), torch.ones(8, 3),
+                                       method="decomposed")
+    finally:
+        dist.set_debug_level(level)
+    return torch.equal(out, torch.full((4 * dist.get_world_size(), 3), 8.0))
+
+
+def test_requires_grad_that_differs_under_no_grad_is_no_disagreement(rank_pool):
+    assert rank_pool(2).run(_no_grad_calls_under_distributed_debug_on_rank) == [True, True]

@@ -319,3 +319,31 @@ def _measured_cap_is_per_op_and_group_on_rank():
 def test_measured_auto_caps_shapes_per_op_and_group(rank_pool):
     for measured_flags in rank_pool(2).run(_measured_cap_is_per_op_and_group_on_rank):
         assert measured_flags == [True, True, True, True]
+
+
+def _every_candidate_failing_chains_the_first_error_on_rank(failing):
+    """When every candidate failed, the RuntimeError each rank raises chains (``raise ... from``)
+    the first error this rank's own warm-ups raised, so its traceback shows where that came from."""
+    from overlapkernels.ops import measure
+
+    def run(method):
+        if method in failing[dist.get_rank()]:
+            raise ValueError(f"{method} cannot set up here")
+
+    measure._cache.clear()
+    try:
+        measure.measured("all_gather_matmul", ("fake",), dist.group.WORLD, torch.device("cpu"), run)
+    except RuntimeError as exc:
+        cause = exc.__cause__
+        return None if cause is None else f"{type(cause).__name__}: {cause}"
+    finally:
+        measure._cache.clear()
+    return "no error"
+
+
+def test_when_every_candidate_fails_the_first_local_error_is_the_cause(rank_pool):
+    """Rank 0's baseline fails and its decomposed only on rank 1; rank 1 fails both: each chains
+    its first own failure, never the last, and none where it had none of its own."""
+    causes = rank_pool(2).run(_every_candidate_failing_chains_the_first_error_on_rank,
+                              [{"baseline"}, {"baseline", "decomposed"}])
+    assert causes == ["ValueError: baseline cannot set up here"] * 2, causes

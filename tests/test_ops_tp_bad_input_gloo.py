@@ -41,6 +41,13 @@ BAD_AG = [
      r"^b is a sparse_coo tensor"),
     (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8).to_sparse(), torch.ones(8, 2)), TypeError,
      r"^a is a sparse_coo tensor"),
+    # any non-strided layout, and nested tensors (strided, but ragged): not only COO
+    (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.eye(8).to_sparse_csr()), TypeError,
+     r"^b is a sparse_csr tensor; these ops take dense \(strided\) tensors"),
+    (lambda: ok.matmul_reduce_scatter(torch.ones(4, 8).to_sparse_csr(), torch.ones(8, 2)), TypeError,
+     r"^a is a sparse_csr tensor"),
+    (lambda: ok.all_gather_matmul(torch.nested.nested_tensor([torch.ones(2, 8), torch.ones(3, 8)]), torch.ones(8, 3),
+                                  method="decomposed"), TypeError, r"^a_shard is a nested tensor"),
     (lambda: ok.all_gather_matmul(torch.ones(4, 8), "w"), TypeError, r"b must be a \[K, N\] tensor or a non-empty"),
     (lambda: ok.all_gather_matmul(torch.ones(4, 8), []), TypeError, r"non-empty list/tuple of them, got list \(empty\)"),
     (lambda: ok.all_gather_matmul(torch.ones(4, 8), torch.ones(8, 3), gather_dim=0.0), TypeError,

@@ -328,3 +328,18 @@ def test_tma_operands_qualify_only_aligned_16bit_2d_operands():
                       "b overlapping rows": (a, torch.zeros(64 * 8 + 16, dtype=torch.float16).as_strided((32, 24), (8, 1)),
                                              cfg)}.items():
         assert TG.tma_operands(*args) == (False, None, None, False), why
+
+
+def test_warmup_runs_again_when_the_tf32_switch_changes(monkeypatch):
+    """TF32 on or off compiles another GEMM variant, loaded at its first launch: a signature seen
+    with the other setting must warm up again (else that load happens while a peer spins)."""
+    from overlapkernels.ops import _kernel_warmup as warmup
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    tf32 = [False]
+    monkeypatch.setattr(warmup, "matmul_allows_tf32", lambda: tf32[0])
+    world, launches = _FakeCudaWorld(True), []
+    for allowed in (False, True, True, False):
+        tf32[0] = allowed
+        warmup.warm(world, "a", lambda a=allowed: launches.append(a))
+    assert launches == [False, True] and world.barriers == 4

@@ -114,3 +114,47 @@ def _uneven_split_on_rank():
 def test_split_last_dim_refuses_a_width_the_group_does_not_divide(rank_pool):
     want = [f"split_last_dim: x.shape=(2, {w}), whose last dim is not divisible by the group size 2" for w in (1, 3)]
     assert rank_pool(2).run(_uneven_split_on_rank) == [want, want]
+
+
+def _second_order_through_the_leaving_op_on_rank():
+    """The sequence-parallel pair with a loss quadratic in the region's output: the second backward
+    then differentiates through the leaving op's backward too (reduce_scatter_first_dim's all-gather),
+    which the linear loss above never does. y = x^3 W (this rank's rows), L = sum(c y^2) summed over
+    ranks: dL/dx = 6 x^5 W^2 c, and d/dx sum(v dL/dx) = 30 x^4 W^2 c v."""
+    group = dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    m, d = 3, 2
+    w = [_rand(10 + r, world * m, d) for r in range(world)]
+    c, v, x_full = _rand(20, world * m, d), _rand(21, world * m, d), _rand(22, world * m, d)
+    rows = slice(rank * m, (rank + 1) * m)
+    x = x_full[rows].clone().requires_grad_()
+    y = R.reduce_scatter_first_dim(R.gather_first_dim(x, group) ** 3 * w[rank], group)
+    (gx,) = torch.autograd.grad((y * y * c[rows]).sum(), x, create_graph=True)
+    (gx * v[rows]).sum().backward()
+    x_mine, w_seen = x.detach(), sum(w)[rows]
+    torch.testing.assert_close(gx, 6 * x_mine ** 5 * w_seen ** 2 * c[rows], **TOL)
+    torch.testing.assert_close(x.grad, 30 * x_mine ** 4 * w_seen ** 2 * c[rows] * v[rows], **TOL)
+    return True
+
+
+def test_second_order_through_the_reduce_scatter_regions_backward(rank_pool):
+    """reduce_scatter_first_dim's backward must be its differentiable dual (gather_first_dim): with a
+    raw all-gather there the second derivative silently loses every term through y."""
+    assert rank_pool(2).run(_second_order_through_the_leaving_op_on_rank) == [True, True]
+
+
+def _refused_splits_on_rank():
+    said = []
+    for x in (torch.tensor(1.0, requires_grad=True), torch.ones(2, 3)):
+        with no_communication(), pytest.raises(ValueError) as info:
+            R.split_last_dim(x, dist.group.WORLD)
+        said.append(str(info.value))
+    return said
+
+
+def test_split_last_dim_refuses_a_scalar_by_name(rank_pool):
+    """A 0-dim tensor has no last dim to split: the same ValueError as an uneven width, not torch's
+    chunk() error from inside the autograd Function."""
+    want = ["split_last_dim: x.shape=(), whose last dim is not divisible by the group size 2",
+            "split_last_dim: x.shape=(2, 3), whose last dim is not divisible by the group size 2"]
+    assert rank_pool(2).run(_refused_splits_on_rank) == [want, want]

@@ -33,7 +33,7 @@ def check_size(value, what: str) -> int:
 
 
 def check_flag(value, name: str) -> bool:
-    """A switch: a bool (numpy's, or a one-element bool tensor, too), 0 / 1, or None for off (torch's
+    """A switch: a bool (numpy's, or a 0-d bool tensor or array, too), 0 / 1, or None for off (torch's
     own layers read ``bias=None`` and ``bias=0`` as no bias). Anything else is refused, a string
     above all: ``sequence_parallel="no"`` is truthy, so it would silently mean on (and another input
     shape)."""
