@@ -37,7 +37,15 @@ class _RawGatherFirstDim(torch.autograd.Function):
         return out, None
 
 
-def _second_order_on_rank(pair, halves=False):
+def _mixing_loss(y, c):
+    """Quadratic in y and mixing its columns (other ranks' ones under split/gather last)."""
+    return (c * y * y.flip(-1)).sum()
+
+
+def _second_order_on_rank(pair, halves=False, quadratic=False):
+    """y = x^3 W through the region pair; L = sum(c y), or with ``quadratic`` ``_mixing_loss``, whose
+    second backward runs through the leaving op's backward too (checked against autograd on the
+    dense maths)."""
     group = dist.group.WORLD
     if halves:  # two groups of 2 ranks (both created on every rank): each op must stay within its own
         group = [dist.new_group([0, 1]), dist.new_group([2, 3])][dist.get_rank() // 2]
@@ -50,20 +58,29 @@ def _second_order_on_rank(pair, halves=False):
     if pair == "copy/reduce":  # x replicated; y = g(f(x)^3 * w_r) = x^3 * sum_r w_r, replicated
         x, c_mine, v_mine = x_full.clone().requires_grad_(), c, v
         y = R.reduce_from_tp_region(R.copy_to_tp_region(x, group) ** 3 * w[rank], group)
-        w_seen = sum(w)
+        w_full = sum(w)
     elif pair == "split/gather last":  # x replicated; each rank takes its columns
         x, c_mine, v_mine = x_full.clone().requires_grad_(), c, v
         y = R.gather_last_dim(R.split_last_dim(x, group) ** 3 * w[rank][:, cols], group)
-        w_seen = torch.cat([w[r][:, r * d:(r + 1) * d] for r in range(world)], dim=1)
+        w_full = torch.cat([w[r][:, r * d:(r + 1) * d] for r in range(world)], dim=1)
     else:  # "gather/reduce-scatter first": x is this rank's rows (sequence parallel); y its rows too
         x, c_mine, v_mine = x_full[rows].clone().requires_grad_(), c[rows], v[rows]
         gather = R.gather_first_dim if pair == "gather/reduce-scatter first" else _RawGatherFirstDim.apply
         y = R.reduce_scatter_first_dim(gather(x, group) ** 3 * w[rank], group)
-        w_seen = sum(w)[rows]
-    (gx,) = torch.autograd.grad((y * c_mine).sum(), x, create_graph=True)
+        w_full = sum(w)
+    mine = rows if x.shape[0] < x_full.shape[0] else slice(None)
+    w_seen = w_full[mine]
+    (gx,) = torch.autograd.grad(_mixing_loss(y, c_mine) if quadratic else (y * c_mine).sum(), x, create_graph=True)
     (gx * v_mine).sum().backward()
     x_mine = x.detach()
     torch.testing.assert_close(y, x_mine ** 3 * w_seen, **TOL)
+    if quadratic:  # the loss of the whole y is the sum of the ranks' (rows) or any rank's (replicated)
+        x_dense = x_full.clone().requires_grad_()
+        (g_dense,) = torch.autograd.grad(_mixing_loss(x_dense ** 3 * w_full, c), x_dense, create_graph=True)
+        (g_dense * v).sum().backward()
+        torch.testing.assert_close(gx, g_dense[mine], **TOL)
+        torch.testing.assert_close(x.grad, x_dense.grad[mine], **TOL)
+        return True
     torch.testing.assert_close(gx, 3 * x_mine ** 2 * w_seen * c_mine, **TOL)
     torch.testing.assert_close(x.grad, 6 * x_mine * w_seen * c_mine * v_mine, **TOL)
     return True
@@ -116,31 +133,13 @@ def test_split_last_dim_refuses_a_width_the_group_does_not_divide(rank_pool):
     assert rank_pool(2).run(_uneven_split_on_rank) == [want, want]
 
 
-def _second_order_through_the_leaving_op_on_rank():
-    """The sequence-parallel pair with a loss quadratic in the region's output: the second backward
-    then differentiates through the leaving op's backward too (reduce_scatter_first_dim's all-gather),
-    which the linear loss above never does. y = x^3 W (this rank's rows), L = sum(c y^2) summed over
-    ranks: dL/dx = 6 x^5 W^2 c, and d/dx sum(v dL/dx) = 30 x^4 W^2 c v."""
-    group = dist.group.WORLD
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    m, d = 3, 2
-    w = [_rand(10 + r, world * m, d) for r in range(world)]
-    c, v, x_full = _rand(20, world * m, d), _rand(21, world * m, d), _rand(22, world * m, d)
-    rows = slice(rank * m, (rank + 1) * m)
-    x = x_full[rows].clone().requires_grad_()
-    y = R.reduce_scatter_first_dim(R.gather_first_dim(x, group) ** 3 * w[rank], group)
-    (gx,) = torch.autograd.grad((y * y * c[rows]).sum(), x, create_graph=True)
-    (gx * v[rows]).sum().backward()
-    x_mine, w_seen = x.detach(), sum(w)[rows]
-    torch.testing.assert_close(gx, 6 * x_mine ** 5 * w_seen ** 2 * c[rows], **TOL)
-    torch.testing.assert_close(x.grad, 30 * x_mine ** 4 * w_seen ** 2 * c[rows] * v[rows], **TOL)
-    return True
-
-
-def test_second_order_through_the_reduce_scatter_regions_backward(rank_pool):
-    """reduce_scatter_first_dim's backward must be its differentiable dual (gather_first_dim): with a
-    raw all-gather there the second derivative silently loses every term through y."""
-    assert rank_pool(2).run(_second_order_through_the_leaving_op_on_rank) == [True, True]
+@pytest.mark.parametrize("pair", ["copy/reduce", "split/gather last", "gather/reduce-scatter first"])
+def test_second_order_through_the_leaving_ops_backward(rank_pool, pair):
+    """The leaving op's backward (reduce's copy, gather_last_dim's split, reduce_scatter_first_dim's
+    all-gather) must be its differentiable dual: a loss quadratic in the region's output makes the
+    second backward differentiate through it, which the linear loss above never does (with a raw
+    collective there, the second derivative silently loses every term through y)."""
+    assert rank_pool(2).run(_second_order_on_rank, pair, False, True) == [True, True]
 
 
 def _refused_splits_on_rank():
