@@ -83,3 +83,16 @@ def world_of_one():
         if created:
             dist.destroy_process_group()
         os.environ.update({k: v for k, v in env.items() if v is not None})
+
+
+@pytest.fixture
+def use_lib(monkeypatch):
+    """``use_lib(path)``: the CUDA library loader reads ``path`` next (OVERLAPKERNELS_CUDA_LIB), as
+    if nothing were loaded yet; forgotten after the test."""
+    from overlapkernels.kernels import cuda as cuda_lib
+
+    def use(path):
+        monkeypatch.setenv("OVERLAPKERNELS_CUDA_LIB", str(path))
+        monkeypatch.setattr(cuda_lib, "_lib", None)
+    yield use
+    cuda_lib._lib = None

@@ -39,15 +39,6 @@ def built_lib(tmp_path_factory):
                                                                verbose=False)
 
 
-@pytest.fixture
-def use_lib(monkeypatch):
-    def use(path):
-        monkeypatch.setenv("OVERLAPKERNELS_CUDA_LIB", str(path))
-        monkeypatch.setattr(cuda_lib, "_lib", None)
-    yield use
-    cuda_lib._lib = None
-
-
 @needs_nvcc
 def test_builds_and_exports_exactly_the_c_abi(built_lib):
     out = subprocess.run(["nm", "-D", "--defined-only", str(built_lib)], capture_output=True, text=True, check=True)

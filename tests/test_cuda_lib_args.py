@@ -44,15 +44,6 @@ def test_the_python_constants_are_the_headers():
 
 # ---------------------------------------------------------------- loading
 
-@pytest.fixture
-def use_lib(monkeypatch):
-    def use(path):
-        monkeypatch.setenv("OVERLAPKERNELS_CUDA_LIB", str(path))
-        monkeypatch.setattr(cuda_lib, "_lib", None)
-    yield use
-    cuda_lib._lib = None
-
-
 def test_a_file_that_is_no_library_is_refused_by_name(use_lib, tmp_path):
     bad = tmp_path / cuda_lib.LIB_NAME
     bad.write_text("not an ELF file")
