@@ -111,6 +111,16 @@ def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if uses_nccl(group) else torch.device("cpu")
 
 
+def concrete_device(device) -> torch.device:
+    """``device`` as tensors report theirs: "cuda" names the current GPU by its index (a tensor made
+    on "cuda" says cuda:0, and torch.device("cuda") != torch.device("cuda:0")). Without CUDA it is
+    left as given (what uses it then fails by name)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 # where launchers put a process's rank on its node: torchrun, then the MPI launchers (Open MPI,
 # MVAPICH, MPICH/Intel MPI, PMI, Cray PALS), then Slurm's srun last (mpirun inside an allocation
 # starts its daemons with srun, so every rank it launches inherits SLURM_LOCALID=0)

@@ -36,6 +36,27 @@ def test_a_positional_only_parameter_is_not_a_stage_kwarg():
     assert runner._failed is None
 
 
+@pytest.mark.usefixtures("world_of_one")
+def test_an_indexless_cuda_device_is_the_current_gpu(monkeypatch):
+    """device="cuda": received tensors and stage_kwargs are compared with tensors' devices, which
+    always carry an index (torch.device("cuda") != torch.device("cuda:0")): every stage_kwargs tensor
+    on the GPU was refused. CUDA is faked (the runner only names the device here)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    runner = pp.PipelineRunner(nn.Linear(3, 3), schedule=pp.make_schedule("gpipe", 1, 2), loss_fn=F.mse_loss,
+                               device="cuda")
+    assert runner.device == torch.device("cuda", 1)
+    assert pp.PipelineRunner(nn.Linear(3, 3), schedule=pp.make_schedule("gpipe", 1, 2), loss_fn=F.mse_loss,
+                             device="cuda:0").device == torch.device("cuda", 0)
+
+
+def test_concrete_device_without_cuda_leaves_the_device_as_given(monkeypatch):
+    from overlapkernels.parallel import concrete_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert concrete_device("cuda") == torch.device("cuda") and concrete_device("cpu") == torch.device("cpu")
+
+
 class _TakesIds(nn.Linear):
     def forward(self, x, segment_ids=None):
         return super().forward(x)

@@ -25,7 +25,7 @@ import torch
 
 from .._compat import make_triton_interpreter_threadsafe
 from ..kernels.errors import ABORT_SLOT, SignalTimeoutError, new_error_record
-from ..parallel import resolve_timeout
+from ..parallel import concrete_device, resolve_timeout
 from .rank_pool import RankError, RankTimeout, current_failure, failure_summary
 from .side_stream import CudaSideStream, ThreadSideStream, hardware_queues, own_streams
 from .symmetric import SymmetricTensor
@@ -175,9 +175,7 @@ class ThreadWorld:
             raise ValueError(f"world_size={world_size!r}: expected an integer >= 1")
         self.world_size = world_size
         self.timeout = _seconds(timeout)
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = concrete_device(device)
         self._barrier = threading.Barrier(world_size)
         self._lock = threading.Lock()
         self._allocs: dict[int, list] = {}

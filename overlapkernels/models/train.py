@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..comm.process_world import check_pending_errors_together
 from ..ops.cross_entropy import vocab_parallel_cross_entropy
 from ..ops.sequence_shard import shard_sequence
-from ..parallel import comm_device
+from ..parallel import comm_device, concrete_device
 from ..runtime import fsdp
 from ..runtime import pipeline as pp
 from .gpt import GPT, check_segment_ids, shard_dense_state_dict
@@ -139,7 +139,7 @@ class Trainer:
         self._grad_norm, self.last_step_skipped, self._losses = None, False, []
         self.steps = 0
         # NCCL moves CUDA tensors only: the stage lives on this rank's GPU there, on the CPU under gloo
-        self.device = torch.device(device) if device is not None else comm_device()
+        self.device = concrete_device(device) if device is not None else comm_device()
         m = 2 * dims.pp_size if num_microbatches is None else num_microbatches
         # before any stage is built: a schedule that cannot run fails alike on every rank
         self.schedule = pp.make_schedule(schedule, dims.pp_size, m, num_virtual=num_virtual)

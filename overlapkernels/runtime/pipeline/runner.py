@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...comm.collectives import refuse_together
-from ...parallel import comm_device, resolve_group, resolve_timeout, shared_peers, uses_nccl
+from ...parallel import comm_device, concrete_device, resolve_group, resolve_timeout, shared_peers, uses_nccl
 from ...profiling.ranges import span
 from .messages import MessageExchange
 from .p2p import check_comm_plan, comm_plan
@@ -143,7 +143,7 @@ class PipelineRunner(MessageExchange):
         error = None
         try:  # this rank's own stage modules (and device) may be refused on this rank only: every rank learns of it
             modules = self._check_stages(stage_module_or_modules, schedule)
-            self.device = torch.device(device) if device is not None else _stage_device(modules, self.group)
+            self.device = concrete_device(device) if device is not None else _stage_device(modules, self.group)
         except (ValueError, TypeError, RuntimeError) as exc:
             error = exc
         # an all-reduce of the whole group, so also what torch needs before a batch_isend_irecv
