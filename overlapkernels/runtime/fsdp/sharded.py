@@ -372,6 +372,12 @@ class ShardedModule(GradientReduction, Accounting, nn.Module):
         Parameters without a gradient on any rank are left as they were, with their optimizer
         state (as torch skips them; a step counter shared by the unit still advances)."""
         check_steppable(self)
+        for unit in self.saved_units:
+            # a prefetch that a forward left in flight (it skipped the unit: an early exit) reads the
+            # master that the optimizer is about to update in place (the master itself where it is
+            # in param_dtype): done and dropped first, as step's end would drop it
+            if unit.pending_gather is not None:
+                unit.free()
         for unit in self.all_units:  # a write between backward and step: what the optimizer steps from
             unit.take_written()
         self._finish_gradients()
