@@ -9,7 +9,8 @@ It uses triton internals (checked with triton 3.3, 3.6 and 3.9); exit code 3 mea
 The PTX of every kernel that touches flags or peer data must also show the memory order the flag
 protocol needs (system-scope acquire/release) and no TMA: the interpreter cannot show either.
 
-    env -u TRITON_INTERPRET python scripts/compile_kernels_sm90.py [--quick] [name-filter]
+    env -u TRITON_INTERPRET python scripts/compile_kernels_sm90.py [--quick] [name-filter]   (a filter
+    matching no configuration exits 1)
 
 ``--quick``: one configuration per kernel (what tests/test_kernels_compile.py runs);
 ``T36_PTXAS=1`` also reports registers and spills from ptxas for every kernel (the persistent GEMMs
@@ -49,6 +50,12 @@ def use_target(arch: int, smem_kb: int) -> None:
     TARGET, SMEM_LIMIT = GPUTarget("cuda", arch, 32), smem_kb * 1024
 
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+if {"-h", "--help"} & set(sys.argv[1:]):
+    print(__doc__)
+    sys.exit(0)
+if unknown := [a for a in sys.argv[1:] if a.startswith("-") and a != "--quick"]:
+    print(f"unknown option {unknown[0]!r}: expected [--quick] [name-filter] (see --help)")
+    sys.exit(2)
 QUICK = "--quick" in sys.argv[1:]
 FILTER = next((a for a in sys.argv[1:] if a != "--quick"), "")
 results = []
@@ -238,14 +245,25 @@ for dname, dt in DT.items():
                   ptx_re=(RELEASE_SYS,), ptx_not=TMA_STORES if tma else NO_TMA)  # tiles' stores, then the count
 
 # --- segment ids: the span tables' kernels (the block sizes the flash tables use) --------------------
-for block in (64,) if QUICK else (16, 64, 128):
-    ids, ranges, spans_out = t(2, 1000, dtype=torch.int64), t(2, 63, 2, dtype=torch.int64), t(2, 63, 2, dtype=torch.int32)
-    check(f"_tile_range_kernel BLOCK={block}", FS._tile_range_kernel, ids, ranges, 1000, ids.stride(0),
-          ranges.stride(0), BLOCK=block)
-    for col_tiles in (63, 1):  # (an argument equal to 1 is specialized into a constant)
-        check(f"_tile_span_kernel BLOCK={block} col_tiles={col_tiles}", FS._tile_span_kernel, ids, ranges, spans_out,
-              1000, col_tiles, ids.stride(0), ranges.stride(0), spans_out.stride(0), BLOCK=block,
-              CHUNK=64 if col_tiles > 1 else 1)
+def check_span_kernels(blocks, where: str = "") -> None:
+    """Rows of 1000 ids (a row stride not divisible by 16), and expanded ones (stride 0); CHUNK as
+    large as the launches' (powers of two up to 1024) and 1 (specialised)."""
+    for block in blocks:
+        ranges, spans_out = t(2, 63, 2, dtype=torch.int64), t(2, 63, 2, dtype=torch.int32)
+        for ids, how in ((t(2, 1000, dtype=torch.int64), ""), (t(1, 1000, dtype=torch.int64).expand(2, 1000),
+                                                              " expanded ids")):
+            if QUICK and how:
+                continue
+            check(f"{where}_tile_range_kernel BLOCK={block}{how}", FS._tile_range_kernel, ids, ranges, 1000,
+                  ids.stride(0), ranges.stride(0), BLOCK=block)
+            for col_tiles, chunk in ((63, 64), (1, 1)) if QUICK or how else ((63, 64), (1, 1), (900, 1024)):
+                # (an argument equal to 1 is specialized into a constant)
+                check(f"{where}_tile_span_kernel BLOCK={block} col_tiles={col_tiles} CHUNK={chunk}{how}",
+                      FS._tile_span_kernel, ids, ranges, spans_out, 1000, col_tiles, ids.stride(0), ranges.stride(0),
+                      spans_out.stride(0), BLOCK=block, CHUNK=chunk)
+
+
+check_span_kernels((64,) if QUICK else (16, 32, 64, 128))
 
 # --- all_gather ---------------------------------------------------------------------------------
 for dname in ("bf16", "fp32"):
@@ -285,25 +303,33 @@ for add in (True, False):
 B, H, HKV, L = 2, 8, 2, 1024
 
 
-def check_flash(tables: dict, where: str = "", quick_keys=()) -> None:
+def _ids(row_stride: int) -> torch.Tensor:
+    """[B, L] segment ids whose rows are ``row_stride`` apart (0: one row expanded)."""
+    return t(1, L, dtype=torch.int64).expand(B, L) if row_stride == 0 else t(B, row_stride, dtype=torch.int64)[:, :L]
+
+
+def check_flash(tables: dict, where: str = "", quick_keys=(), kv_heads: int = HKV, ids_stride: int = L,
+                segments_only: bool = False) -> None:
     """Each (dtype name, head dim) -> FlashConfigs, causal and not; fp32 twice: IEEE (FMA) and, as
     under torch's allow_tf32 / fp32_precision="tf32", TF32 (mma: other shared memory and registers);
     each also with segment ids (packed documents: every tile masked, loops bounded by tile spans);
-    --quick: segment ids for the first key only."""
+    --quick: segment ids for the first key only. ``kv_heads`` = H: GROUP=1 (specialised, another dK/dV
+    loop nest); ``ids_stride``: the ids' row stride (L is divisible by 16; 0 and 1 are specialised)."""
     for (dname, hd), cfgs in tables.items():
         dt = DT[dname]
         if QUICK and (dname, hd) not in quick_keys:
             continue
         precisions = ("ieee", "tf32") if dt == torch.float32 and not QUICK else (dot_precision(dt),)
-        seg_options = (False, True) if not QUICK or (dname, hd) == quick_keys[0] else (False,)
+        seg_options = (True,) if segments_only else (False, True) if not QUICK or (dname, hd) == quick_keys[0] \
+            else (False,)
         for precision, causal, seg in [(p, c, sg) for p in precisions for c in ((True,) if QUICK else (False, True))
                                        for sg in seg_options]:
             fixed = dict(HEAD_DIM=hd, DOT_PRECISION=precision, SEGMENTS=seg)
-            ids = t(B, L, dtype=torch.int64) if seg else None  # (without: q, as the launch passes)
-            q, k, v = t(B, H, L, hd, dtype=dt), t(B, HKV, L, hd, dtype=dt), t(B, HKV, L, hd, dtype=dt)
+            ids = _ids(ids_stride) if seg else None  # (without: q, as the launch passes)
+            q, k, v = t(B, H, L, hd, dtype=dt), t(B, kv_heads, L, hd, dtype=dt), t(B, kv_heads, L, hd, dtype=dt)
             o, lse = t(B, H, L, hd, dtype=torch.float32), t(B, H, L, dtype=torch.float32)
             do, delta = t(B, H, L, hd, dtype=dt), t(B, H, L, dtype=torch.float32)
-            dq, dk, dv = o, t(B, HKV, L, hd, dtype=torch.float32), t(B, HKV, L, hd, dtype=torch.float32)
+            dq, dk, dv = o, t(B, kv_heads, L, hd, dtype=torch.float32), t(B, kv_heads, L, hd, dtype=torch.float32)
             common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                       lse.stride(0), lse.stride(1))
 
@@ -321,14 +347,14 @@ def check_flash(tables: dict, where: str = "", quick_keys=()) -> None:
             check(f"_flash_fwd_kernel {tag(cfgs.fwd)}", FA._flash_fwd_kernel, q, k, v, o, lse, sg, sg, spans,
                   q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                   o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), sg_b, sg_b, span_b,
-                  H // HKV, L, L, hd, 0, 0, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.fwd.meta(),
+                  H // kv_heads, L, L, hd, 0, 0, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.fwd.meta(),
                   **pipelined(cfgs.fwd, "fma.rn.f32"))  # multiply-adds contracted (tile_gemm.FP_FUSION, asked per launch)
             check(f"_flash_bwd_dkdv_kernel {tag(cfgs.dkdv)}", FA._flash_bwd_dkdv_kernel, q, k, v, do, lse, delta,
                   dk, dv, sg, sg, spans, *common, dk.stride(0), dk.stride(1), dk.stride(2), sg_b, sg_b, span_b,
-                  H // HKV, L, L, hd, 0, 0, 0.125, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.dkdv.meta(),
+                  H // kv_heads, L, L, hd, 0, 0, 0.125, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.dkdv.meta(),
                   **pipelined(cfgs.dkdv))
             check(f"_flash_bwd_dq_kernel {tag(cfgs.dq)}", FA._flash_bwd_dq_kernel, q, k, v, do, lse, delta, dq,
-                  sg, sg, spans, *common, dq.stride(0), dq.stride(1), dq.stride(2), sg_b, sg_b, span_b, H // HKV, L,
+                  sg, sg, spans, *common, dq.stride(0), dq.stride(1), dq.stride(2), sg_b, sg_b, span_b, H // kv_heads, L,
                   L, hd, 0, 0, 0.125, 0.125 * FA.LOG2E, CAUSAL=causal, **fixed, **cfgs.dq.meta(), **pipelined(cfgs.dq))
 
 
@@ -337,12 +363,22 @@ check_flash({("bf16", 64): FC.CUDA_FLASH_16BIT[64], ("bf16", 128): FC.CUDA_FLASH
              ("fp32", 64): FC.CUDA_FLASH_FP32[64], ("fp32", 128): FC.CUDA_FLASH_FP32[128],
              ("fp32", 256): FC.CUDA_FLASH_FP32[256], ("bf16", 512): FC.CUDA_FLASH_WIDE,
              ("fp32", 512): FC.CUDA_FLASH_WIDE}, quick_keys=(("bf16", 128), ("fp32", 64)))
+if not QUICK:  # plain multi-head attention (GROUP=1), and ids whose rows are not 16-divisible apart or expanded
+    bf16_128 = {("bf16", 128): FC.CUDA_FLASH_16BIT[128]}
+    check_flash(bf16_128, where="GROUP=1 ", kv_heads=H)
+    for stride in (L + 8, 0):
+        check_flash(bf16_128, where=f"ids stride {stride} ", ids_stride=stride, segments_only=True)
 # GPUs with ~100 KB a block (sm_86/89: 99 KB) get the small-memory tables (D <= 256; wider is a test path)
 use_target(86, 99)
+if not QUICK:
+    check_span_kernels((32, 64), where="sm_86 ")
 check_flash({("bf16", 128): FC.CUDA_FLASH_SMALL[128], ("bf16", 256): FC.CUDA_FLASH_SMALL[256],
              ("fp32", 64): FC.CUDA_FLASH_FP32_SMALL[64], ("fp32", 128): FC.CUDA_FLASH_FP32_SMALL[128],
              ("fp32", 256): FC.CUDA_FLASH_FP32_SMALL[256]}, where="sm_86 ")
 
+if not JOBS:  # a mistyped filter must not pass as "0 OK, 0 FAIL"
+    print(f"no kernel configuration matches the name filter {FILTER!r}")
+    sys.exit(1)
 # fork: the workers inherit JOBS (kernels and arguments need no pickling); lines print in queue order
 with ProcessPoolExecutor(max_workers=max(1, min(len(JOBS), len(os.sched_getaffinity(0)))),  # the cores we may use
                          mp_context=multiprocessing.get_context("fork")) as pool:
