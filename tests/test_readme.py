@@ -55,20 +55,16 @@ def _resolve(node: ast.expr, namespace: dict, where: str):
         return None, False
     chain.reverse()
     if node.id in namespace:
-        obj = namespace[node.id]
-        for name in chain:
-            obj = _attribute(obj, name, where)
-            if obj is None:
-                return None, False
-        return obj, False
-    if node.id in VARIABLE_TYPES and chain:
-        obj = VARIABLE_TYPES[node.id]
-        for name in chain:
-            obj = _attribute(obj, name, where)
-            if obj is None:
-                return None, False
-        return obj, len(chain) == 1 and inspect.isfunction(obj)
-    return None, False
+        obj, of_a_variable = namespace[node.id], False
+    elif node.id in VARIABLE_TYPES and chain:
+        obj, of_a_variable = VARIABLE_TYPES[node.id], True  # its class: a method is read off it unbound
+    else:
+        return None, False
+    for name in chain:
+        obj = _attribute(obj, name, where)
+        if obj is None:
+            return None, False
+    return obj, of_a_variable and len(chain) == 1 and inspect.isfunction(obj)
 
 
 def check_python(snippet: str, where: str = "snippet") -> int:
