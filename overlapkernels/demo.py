@@ -49,8 +49,9 @@ class DemoConfig:
 
     @property
     def num_virtual(self) -> int:
-        """Model chunks per pipeline rank: two under the interleaved schedule (one would be 1F1B)."""
-        return 2 if self.schedule == "interleaved-1f1b" else 1
+        """Model chunks per pipeline rank: two under the interleaved schedule (one would be 1F1B) and
+        under zb-v (its V)."""
+        return 2 if self.schedule in ("interleaved-1f1b", "zb-v") else 1
 
     def _check_composition(self) -> None:
         from .models.train import check_options
@@ -94,7 +95,8 @@ def add_arguments(parser, default_nproc: int):
     parser.add_argument("--dp", type=int, default=-1, help="data-parallel size (tp*pp*cp*dp ranks in all; default: "
                                                            "the ranks left over)")
     parser.add_argument("--steps", type=int, default=20, help="training steps")
-    parser.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | zb-h1 | interleaved-1f1b (2 chunks per rank)")
+    parser.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | zb-h1 | interleaved-1f1b | zb-v (the last "
+                                                         "two: 2 chunks per rank)")
     parser.add_argument("--zero-stage", type=int, default=1, help="ZeRO stage over DP: 1, 2 or 3")
     parser.add_argument("--max-grad-norm", type=float, help="clip by the whole model's gradient norm (the "
                                                              "single-process reference clips too)")

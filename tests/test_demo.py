@@ -73,6 +73,22 @@ def test_demo_interleaved_runs_two_chunks_per_rank(rank_pool):
     assert row["bubble_simulated"] == pp.simulate(interleaved, t_f=row["t_f"], t_b=row["t_b"]).bubble_fraction
 
 
+def test_demo_zb_v_runs_two_chunks_per_rank_in_a_v(rank_pool):
+    """zb-v: two chunks per rank (layers must split over 2 x pp), the loss agrees with the
+    reference, the table says so, and the simulation is zb-v's with the measured F, B and W."""
+    from overlapkernels.runtime import pipeline as pp
+
+    with pytest.raises(ValueError, match=r"layers=2 must be divisible by pp=2 x 2 chunks per rank"):
+        demo.DemoConfig(tp=1, pp=2, layers=2, schedule="zb-v").resolved(2)
+    cfg = demo.DemoConfig(tp=1, pp=2, steps=1, reference_steps=1, batch=4, seq=8, vocab=16, hidden=16, layers=4,
+                          schedule="zb-v")
+    (row,) = rank_pool(2).run(demo.rank_main, demo.config_dict(cfg))[0]
+    assert row["loss"] == pytest.approx(row["reference"], rel=1e-5) and row["t_w"] > 0, row
+    zbv = pp.make_schedule("zb-v", 2, 4)
+    assert row["bubble_simulated"] == pp.simulate(zbv, t_f=row["t_f"], t_b=row["t_b"], t_w=row["t_w"]).bubble_fraction
+    assert "zb-v (2 chunks per rank)" in demo.format_rows([row], cfg)
+
+
 def test_demo_zero_bubble_simulation_uses_the_measured_weight_gradients(rank_pool):
     """Without W's time the simulator gives zb-h1 1F1B's bubble, (p-1)/(m+p-1) = 1/5 here: the row's
     figure must be the simulation of the measured per-microbatch F, B and W times, W included."""

@@ -63,7 +63,7 @@ def test_sixteen_bit_ring_attention_on_eight_ranks_rounds_once(node_pool):
     assert max(worst.values()) <= 1.0, worst
 
 
-@pytest.mark.parametrize("kind, v", [("interleaved-1f1b", 2), ("zb-h1", 1)])
+@pytest.mark.parametrize("kind, v", [("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2)])
 def test_pipeline_of_eight_stages(node_pool, kind, v):
     """Exact gradients over 8 (16 virtual) stages; the P2P every rank posted keeps NCCL's rules."""
     results = node_pool.run(_executor_on_rank, kind, NODE, v)  # 8 microbatches: every stage busy at once

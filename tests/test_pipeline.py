@@ -52,7 +52,8 @@ def _executor_on_rank(kind, m, v, module_list=False, device="cpu"):
     ref = _model(p * v).to(device)
     F.mse_loss(ref(x), y).backward()
     model = _model(p * v).to(device)
-    stages = [_stage(model, c * p + rank) for c in range(v)]
+    v = sched.num_virtual  # (zb-v: always 2)
+    stages = [_stage(model, sched.stage_of(rank, c)) for c in range(v)]
     runner = pp.PipelineRunner(nn.ModuleList(stages) if module_list else stages if v > 1 else stages[0],
                                schedule=sched, loss_fn=F.mse_loss)
     log, deferred, opened, held = [], [], [], []  # held: stores (microbatches' W inputs) not run yet, at each W
@@ -68,21 +69,21 @@ def _executor_on_rank(kind, m, v, module_list=False, device="cpu"):
     if loss is not None:
         torch.testing.assert_close(loss, F.mse_loss(ref(x), y), atol=1e-12, rtol=1e-12)
     for c in range(v):
-        s = c * p + rank
+        s = sched.stage_of(rank, c)
         for (name, got), want in zip(_stage(model, s).named_parameters(), _stage(ref, s).parameters()):
             torch.testing.assert_close(got.grad, want.grad, atol=1e-12, rtol=1e-12,
                                        msg=lambda msg, n=name: f"stage {s} {n}: {msg}")
-    # zb-h1 splits unasked: each W runs the deferred weight gradients of the stage's 2 linears
-    assert deferred == ([2] * m if kind == "zb-h1" else []), deferred
+    # zb-h1 and zb-v split unasked: each W runs the deferred weight gradients of the stage's 2 linears
+    assert deferred == ([2] * m * v if kind in ("zb-h1", "zb-v") else []), deferred
     # ... and at most p microbatches' weight-gradient inputs wait for their W at once (1F1B's peak; was m,
-    # which test_executor_gradients_equal_full_batch's m > p tells apart)
-    assert max(held, default=0) <= min(p, m), (held, p, m)
+    # which test_executor_gradients_equal_full_batch's m > p tells apart); zb-v: 2p half stages'
+    assert max(held, default=0) <= min(p, m) * v, (held, p, m)
     return loss is not None, log
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("kind, v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3),
-                                     ("zb-h1", 1)])
+                                     ("zb-h1", 1), ("zb-v", 2)])
 @pytest.mark.parametrize("more", [0, 1])
 def test_executor_gradients_equal_full_batch(rank_pool, world, kind, v, more):
     """Exact gradients, and the P2P each rank really posted keeps NCCL's rules."""
@@ -364,7 +365,7 @@ def test_a_stage_returning_a_tuple_is_named():
 
 
 @pytest.mark.usefixtures("world_of_one")
-@pytest.mark.parametrize("kind", ["interleaved-1f1b", "zb-h1"])
+@pytest.mark.parametrize("kind", ["interleaved-1f1b", "zb-h1", "zb-v"])
 def test_one_rank_holding_every_stage_equals_plain_autograd(kind):
     """With one pipeline rank, interleaving puts both virtual stages on it: the handoff between them
     stays in the process and must cut the graph there, as a send and a receive do."""
@@ -372,7 +373,7 @@ def test_one_rank_holding_every_stage_equals_plain_autograd(kind):
     stages = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)]).double()
     ref = copy.deepcopy(stages)
     x, y = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
-    virtual = 2 if kind == "interleaved-1f1b" else 1
+    virtual = 2 if kind in ("interleaved-1f1b", "zb-v") else 1
     model = list(stages) if virtual == 2 else [nn.Sequential(*stages)]
     sched = pp.make_schedule(kind, 1, 2, **({"num_virtual": virtual} if virtual > 1 else {}))
     loss = pp.PipelineRunner(model, schedule=sched, loss_fn=nn.functional.mse_loss).step(x, y)

@@ -40,9 +40,9 @@ def _interleaved_zero_on_rank(kind, v, zero_stage, clip=None, scaled=False, pois
         ref_opt.step()
 
     model = _model(p * v)
-    stages = [c * p + dims.pp_rank for c in range(v)]
-    chunks = [fsdp.shard(_stage(model, s), dims.dp_group, stage=zero_stage, optimizer=_sgd) for s in stages]
     sched = pp.make_schedule(kind, p, m, num_virtual=v)
+    stages = [sched.stage_of(dims.pp_rank, c) for c in range(v)]
+    chunks = [fsdp.shard(_stage(model, s), dims.dp_group, stage=zero_stage, optimizer=_sgd) for s in stages]
     scaler = fsdp.GradScaler(init_scale=2.0 ** 10, enabled=scaled)
     runner = pp.PipelineRunner(chunks if v > 1 else chunks[0], dims.pp_group, schedule=sched,
                                loss_fn=lambda out, y: scaler.scale(F.mse_loss(out, y)))
@@ -78,7 +78,7 @@ def _interleaved_zero_on_rank(kind, v, zero_stage, clip=None, scaled=False, pois
     return True
 
 
-@pytest.mark.parametrize("kind, v", [("interleaved-1f1b", 2), ("zb-h1", 1)])
+@pytest.mark.parametrize("kind, v", [("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2)])
 @pytest.mark.parametrize("zero_stage", [1, 3])
 def test_pipeline_chunks_sharded_over_dp_match_the_whole_model(rank_pool, kind, v, zero_stage):
     assert rank_pool(4).run(_interleaved_zero_on_rank, kind, v, zero_stage) == [True] * 4

@@ -11,9 +11,9 @@ from nccl_like import replay_like_nccl
 
 def _cases():
     for p in (2, 3, 4):
-        for m in (p, 2 * p, 3 * p + 1):
+        for m in (1, p, 2 * p - 1, 2 * p, 3 * p + 1):
             for kind in pp.KINDS:
-                for v in ((1, 2, 3) if kind == "interleaved-1f1b" else (1,)):
+                for v in {"interleaved-1f1b": (1, 2, 3), "zb-v": (1, 2)}.get(kind, (1,)):
                     if kind == "interleaved-1f1b" and m % p:
                         continue
                     yield kind, p, m, v
@@ -23,9 +23,14 @@ def _cases():
 def test_every_schedule_is_valid(kind, p, m, v):
     sched = pp.make_schedule(kind, p, m, num_virtual=v)
     pp.validate(sched)
-    ops = {"F"} | ({"B", "W"} if kind == "zb-h1" else {"BW"})
+    ops = {"F"} | ({"B", "W"} if kind in ("zb-h1", "zb-v") else {"BW"})
     assert {a.op for acts in sched.actions for a in acts} == ops
-    assert sum(len(a) for a in sched.actions) == p * v * m * len(ops)
+    assert sched.num_virtual == (2 if kind == "zb-v" else v)
+    assert sum(len(a) for a in sched.actions) == p * sched.num_virtual * m * len(ops)
+    for rank in range(p):  # each rank runs its own chunks' stages, and stage_of / rank_of agree
+        mine = {sched.stage_of(rank, c) for c in range(sched.num_virtual)}
+        assert {a.stage for a in sched.actions[rank]} == mine
+        assert all(sched.rank_of(s) == rank for s in mine)
 
 
 @pytest.mark.parametrize("p, m", [(2, 2), (2, 7), (3, 6), (4, 4), (4, 13)])
@@ -46,6 +51,38 @@ def test_simulator_reproduces_published_bubbles(p, m):
         for v in (1, 2, 3):
             res = pp.simulate(pp.make_schedule("interleaved-1f1b", p, m, num_virtual=v))
             assert res.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+def test_zb_v_is_as_short_as_a_pipeline_can_be_with_1f1bs_memory(p):
+    """ZB-V at t_f = t_b = t_w (of a chunk, half a stage) and m >= 2p - 1: every rank busy from its
+    first action to the end, so the makespan is 6m + p - 1 (rank p - 1 cannot start before p - 1
+    forwards); 2p half-stage activations on every rank, 1F1B's p stages' on its rank 0; and half
+    ZB-H1's bubble time, a sixth of 1F1B's, on the same model (a whole stage costing 2 per op)."""
+    sched = pp.make_schedule("zb-v", p, 1)
+    assert [sched.stage_of(r, c) for r in range(p) for c in (0, 1)] == [s for r in range(p) for s in (r, 2 * p - 1 - r)]
+    assert sched.rank_of(0) == sched.rank_of(2 * p - 1) == 0  # the first and the last stage on rank 0
+    for m in (2 * p - 1, 2 * p, 3 * p + 1, 4 * p):
+        zbv = pp.simulate(pp.make_schedule("zb-v", p, m), t_f=1.0, t_b=1.0, t_w=1.0)
+        assert zbv.makespan == 6 * m + p - 1
+        assert [tl[0][0] for tl in zbv.timeline] == list(range(p))  # (rank r starts after r forwards)
+        assert zbv.busy == [6.0 * m] * p and zbv.peak_activations == zbv.peak_held == [2 * p] * p
+        full = dict(t_f=2.0, t_b=2.0, t_w=2.0)
+        zbh1, one_f_one_b = pp.simulate(pp.make_schedule("zb-h1", p, m), **full), pp.simulate(
+            pp.make_schedule("1f1b", p, m), t_f=2.0, t_b=4.0)
+        idle = lambda r: r.makespan - r.busy[0]  # noqa: E731 (rank 0's)
+        assert idle(zbv) == pytest.approx(idle(zbh1) / 2) == pytest.approx(idle(one_f_one_b) / 6)
+        assert one_f_one_b.peak_activations[0] * 2 == zbv.peak_activations[0]
+    # fewer microbatches than the V needs: still valid, with no more activations than that
+    for m in range(1, 2 * p - 1):
+        res = pp.simulate(pp.make_schedule("zb-v", p, m), t_f=1.0, t_b=1.0, t_w=1.0)
+        assert max(res.peak_activations) <= 2 * m and res.makespan >= 6 * m + p - 1
+
+
+def test_zb_v_takes_two_chunks_per_rank_only():
+    assert pp.make_schedule("zb-v", 2, 4, num_virtual=2).actions == pp.make_schedule("zb-v", 2, 4).actions
+    with pytest.raises(ValueError, match=r"num_virtual=3: zb-v runs exactly 2 chunks per rank"):
+        pp.make_schedule("zb-v", 2, 4, num_virtual=3)
 
 
 def test_actions_are_named_tuples_as_torchs():
@@ -77,7 +114,7 @@ def test_batches_mixing_sends_and_receives_follow_megatrons_parity_rule():
     """Even ranks list their sends first, odd ranks their receives (so two neighbours never both
     wait to send first on a backend that posts a batch in order)."""
     mixed = [0, 0]
-    for kind, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)):
+    for kind, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2)):
         for rank, points in enumerate(p2p.comm_plan(pp.make_schedule(kind, 4, 8, num_virtual=v))):
             for batch in (b for point in points for b in point):
                 sends = [m.send for m in batch]

@@ -96,7 +96,7 @@ def test_zero_bubble_refuses_ddp_whose_hooks_would_miss_deferred_gradients():
     ddp = DistributedDataParallel.__new__(DistributedDataParallel)  # no process group needed to be refused
     nn.Module.__init__(ddp)
     ddp.module = nn.Linear(4, 4)
-    with pytest.raises(ValueError, match=r"^Sequential.1 is DistributedDataParallel: a W-split schedule \(zb-h1\) "
+    with pytest.raises(ValueError, match=r"^Sequential.1 is DistributedDataParallel: a W-split schedule \(zb-h1, zb-v\) "
                                          r"defers weight gradients past DDP's reduction hooks"):
         pp.enable_zero_bubble(nn.Sequential(nn.Linear(4, 4), ddp))
 
@@ -179,7 +179,7 @@ def test_zero_bubble_refuses_torch_fsdp_which_would_drop_deferred_gradients():
     from torch.distributed.fsdp import fully_shard
 
     stage = nn.Sequential(nn.Linear(4, 4), fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1,))))
-    message = (r"^Sequential.1 is FSDPModule: a W-split schedule \(zb-h1\) defers weight gradients past FSDP2's "
+    message = (r"^Sequential.1 is FSDPModule: a W-split schedule \(zb-h1, zb-v\) defers weight gradients past FSDP2's "
                r"post-backward reduce-scatter; wrap the stage in overlapkernels' fsdp.shard, or use a 1F1B schedule")
     with pytest.raises(ValueError, match=message):
         pp.PipelineRunner(stage, dist.group.WORLD, schedule=pp.make_schedule("zb-h1", 1, 2), loss_fn=F.mse_loss)
@@ -192,5 +192,5 @@ def test_zero_bubble_refuses_torch_fsdp_which_would_drop_deferred_gradients():
 
     replicated = nn.Sequential(nn.Linear(4, 4), replicate(nn.Linear(4, 4)))
     with pytest.raises(ValueError, match=r"^Sequential.1 is under replicate\(\) \(composable DDP\): a W-split schedule "
-                                         r"\(zb-h1\) defers weight gradients past its gradient all-reduce hooks"):
+                                         r"\(zb-h1, zb-v\) defers weight gradients past its gradient all-reduce hooks"):
         pp.enable_zero_bubble(replicated)

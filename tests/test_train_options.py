@@ -13,7 +13,7 @@ from overlapkernels.models import GPT, GPTConfig, shard_dense_state_dict
 from overlapkernels.layers.tags import PIPELINE_STAGE
 from overlapkernels.models.train import Trainer
 from overlapkernels.runtime import fsdp
-from test_train_4d import CONFIG, _compose_on_rank
+from test_train_4d import CONFIG, _compose_on_rank, _recording_w
 
 
 @pytest.mark.parametrize("layout, schedule, zero_stage", [
@@ -263,11 +263,13 @@ def test_reduce_dtype_reaches_every_unit(rank_pool):
     assert results[0][:3] == ({"torch.float32"}, False, True), results[0]
 
 
-def _interleaved_on_rank(layout, zero_stage, path, virtual, reduce_per_microbatch=True):
+def _interleaved_on_rank(layout, zero_stage, path, virtual, reduce_per_microbatch=True, schedule="interleaved-1f1b"):
     """``virtual`` chunks per pipeline rank (chunk c of rank r is stage 2c + r of 2 x virtual, a layer
     each) under interleaved 1F1B, clipped and loss-scaled over all chunks: losses, norms and every
     chunk's weights equal the clipped single process's; the chunks go into one checkpoint that
-    another trainer resumes. ``reduce_per_microbatch=False``: every chunk accumulates over the step."""
+    another trainer resumes. ``reduce_per_microbatch=False``: every chunk accumulates over the step.
+    ``schedule="zb-v"``: two chunks in a V (rank r holds stages r and 3 - r; rank 0 the embedding
+    and the head), their weight gradients left to W."""
     config = GPTConfig(**{**CONFIG, "num_layers": 2 * virtual}, method="decomposed")
     g = torch.Generator().manual_seed(11)
     batches = [(torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g))
@@ -287,17 +289,23 @@ def _interleaved_on_rank(layout, zero_stage, path, virtual, reduce_per_microbatc
     assert all(norm > 0.1 for _, norm in want)  # both steps clipped
 
     dims = ok.init_parallel(**layout)
-    trainer = Trainer(config, dims, schedule="interleaved-1f1b", num_virtual=virtual, dtype=torch.float64,
+    trainer = Trainer(config, dims, schedule=schedule, num_virtual=virtual, dtype=torch.float64,
                       dense_state_dict=start, optimizer=sgd, zero_stage=zero_stage, max_grad_norm=0.05,
                       grad_scaler=fsdp.GradScaler(init_scale=2.0 ** 10), reduce_per_microbatch=reduce_per_microbatch)
     assert trainer.stage is None and trainer.sharded is None and len(trainer.chunks) == virtual
-    assert [stage.__dict__[PIPELINE_STAGE] for stage in trainer.stages] == [(2 * c + dims.pp_rank, 2 * virtual)
-                                                                          for c in range(virtual)]
+    placed = [(2 * c + dims.pp_rank) if schedule != "zb-v" else (dims.pp_rank, 3 - dims.pp_rank)[c] for c in range(virtual)]
+    assert [stage.__dict__[PIPELINE_STAGE] for stage in trainer.stages] == [(s, 2 * virtual) for s in placed]
+    if schedule == "zb-v":  # rank 0: the embedding's stage and the head's
+        assert [stage.first or stage.last for stage in trainer.stages] == [dims.pp_rank == 0] * 2
     assert [s for s in trainer.schedule.actions[dims.pp_rank] if s.op == "F"][0].stage == dims.pp_rank
     got = []
-    for tokens, targets in batches:
-        got.append((trainer.step(tokens, targets), trainer.last_grad_norm))
+    with _recording_w(torch.nn.ModuleList(trainer.stages), lose_grad=False) as deferred:
+        for tokens, targets in batches:
+            got.append((trainer.step(tokens, targets), trainer.last_grad_norm))
     assert [x for pair in got for x in pair] == pytest.approx([x for pair in want for x in pair], rel=1e-12), (got, want)
+    # zb-v: each W (2 chunks x m microbatches x 2 steps) gave its chunk's linear weights their gradients
+    assert len(deferred) == (2 * 2 * trainer.schedule.num_microbatches if schedule == "zb-v" else 0)
+    assert all(names and all(n.endswith("weight") for n in names) for names in deferred), deferred
     for chunk, stage in zip(trainer.chunks, trainer.stages):
         twin = GPT(config, dims, dtype=torch.float64, pipeline_stage=stage.__dict__[PIPELINE_STAGE])
         expected = shard_dense_state_dict(twin, dense.state_dict())
@@ -306,7 +314,7 @@ def _interleaved_on_rank(layout, zero_stage, path, virtual, reduce_per_microbatc
                 torch.testing.assert_close(t, expected[name], atol=1e-10, rtol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
     trainer.save(path)
     torch.manual_seed(5)
-    resumed = Trainer(config, dims, schedule="interleaved-1f1b", num_virtual=virtual, dtype=torch.float64, optimizer=sgd,
+    resumed = Trainer(config, dims, schedule=schedule, num_virtual=virtual, dtype=torch.float64, optimizer=sgd,
                       zero_stage=zero_stage, grad_scaler=fsdp.GradScaler(init_scale=2.0 ** 3))
     resumed.load(path)
     assert resumed.steps == 2 and resumed.grad_scaler.get_scale() == 2.0 ** 10
@@ -322,4 +330,13 @@ def _interleaved_on_rank(layout, zero_stage, path, virtual, reduce_per_microbatc
 def test_interleaved_chunks_match_single_process(rank_pool, tmp_path, layout, zero_stage, virtual, per_microbatch):
     results = rank_pool(4).run(_interleaved_on_rank, layout, zero_stage, str(tmp_path / "ckpt"), virtual,
                                per_microbatch)
+    assert all(r == results[0] for r in results)
+
+
+@pytest.mark.parametrize("layout, zero_stage, per_microbatch", [
+    (dict(tp=2, pp=2), 1, True), (dict(dp=2, pp=2), 3, True), (dict(dp=2, pp=2), 2, False), (dict(cp=2, pp=2), 2, True)])
+def test_zb_v_chunks_match_single_process(rank_pool, tmp_path, layout, zero_stage, per_microbatch):
+    """ZB-V: the first and the last stage on rank 0, weight gradients at W, ZeRO's reductions after them."""
+    results = rank_pool(4).run(_interleaved_on_rank, layout, zero_stage, str(tmp_path / "ckpt"), 2, per_microbatch,
+                               "zb-v")
     assert all(r == results[0] for r in results)

@@ -24,7 +24,7 @@ COLUMNS = [("kind", "kind", ""), ("microbatches", "m", "d"), ("step_us", "step(u
 
 @dataclass(frozen=True)
 class PipelineBenchConfig:
-    kinds: tuple = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+    kinds: tuple = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
     microbatches: int = 8
     width: int = 256
     layers_per_stage: int = 4
@@ -43,7 +43,7 @@ class PipelineBenchConfig:
             raise ValueError(f"kinds={list(self.kinds)}: expected a non-empty subset of {list(KINDS)}")
         if self.batch % self.microbatches or self.layers_per_stage % 2:
             raise ValueError(f"batch={self.batch} must be divisible by microbatches={self.microbatches}, and "
-                             f"layers_per_stage={self.layers_per_stage} even (interleaving halves it)")
+                             f"layers_per_stage={self.layers_per_stage} even (interleaving and zb-v halve it)")
         if world and "interleaved-1f1b" in self.kinds and self.microbatches % world:
             raise ValueError(f"microbatches={self.microbatches} must be a multiple of the world size {world} "
                              "for interleaved-1f1b")
@@ -58,13 +58,13 @@ def run_pipeline(cfg: PipelineBenchConfig, group=None) -> list[dict]:
     device = comm_device(group)
     rows = []
     for kind in track(cfg.kinds, "pipeline", enabled=rank == 0):
-        v = 2 if kind == "interleaved-1f1b" else 1
-        sched = pp.make_schedule(kind, p, cfg.microbatches, num_virtual=v)
+        sched = pp.make_schedule(kind, p, cfg.microbatches, num_virtual=2 if kind == "interleaved-1f1b" else 1)
+        v = sched.num_virtual  # (zb-v: 2)
         torch.manual_seed(0)
         layers = cfg.layers_per_stage // v
         stages = [nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(cfg.width, cfg.width), nn.GELU())]
                                 ).to(device) for _ in range(v)]
-        if kind == "zb-h1":
+        if any(a.op == "W" for acts in sched.actions for a in acts):
             for s in stages:
                 pp.enable_zero_bubble(s)
         runner = pp.PipelineRunner(stages if v > 1 else stages[0], group, schedule=sched, loss_fn=F.mse_loss)
@@ -89,8 +89,11 @@ def run_pipeline(cfg: PipelineBenchConfig, group=None) -> list[dict]:
         step_s = step["median_s"]
         sim = pp.simulate(sched, t_f=t_f, t_b=t_b, t_w=t_w)
         # the published bubbles: GPipe/1F1B (p-1)/(m+p-1) at t_F = t_B, interleaved v chunks (p-1)/(vm+p-1);
-        # ZB-H1 a third of 1F1B's bubble time at t_F = t_B = t_W, i.e. (p-1)/(3m+p-1) of the step
-        theory = (p - 1) / ((3 if kind == "zb-h1" else v) * cfg.microbatches + p - 1)
+        # ZB-H1 a third of 1F1B's bubble time at t_F = t_B = t_W, i.e. (p-1)/(3m+p-1) of the step; ZB-V
+        # at equal chunk costs (p-1)/(6m+p-1) from m = 2p-1 on (no idle time but rank r's first r
+        # forwards), and what those costs give with fewer microbatches
+        theory = ((p - 1) / ((3 if kind == "zb-h1" else v) * cfg.microbatches + p - 1) if kind != "zb-v" else
+                  pp.simulate(sched, t_f=1.0, t_b=1.0, t_w=1.0).bubble_fraction)
         rows.append({"kind": kind, "microbatches": cfg.microbatches, "world_size": p, "backend": dist.get_backend(group),
                      "step_us": step_s * 1e6, "min_us": step["min_s"] * 1e6, "max_us": step["max_s"] * 1e6,
                      "sim_us": sim.makespan * 1e6, "ratio": step_s / sim.makespan,

@@ -77,7 +77,8 @@ class Trainer:
     (``dense_state_dict``: start from these dense weights, sharded for this rank), runs
     ``schedule`` ("gpipe", "1f1b" or "zb-h1" with one stage per rank; "interleaved-1f1b" with
     ``num_virtual`` > 1 chunks per rank, Megatron's virtual stages: chunk c of rank r is stage
-    c x PP + r) over ``num_microbatches`` (default: twice the PP size), and steps ``optimizer`` (a
+    c x PP + r; "zb-v" with two chunks per rank in a V, stages r and 2 PP - 1 - r, so rank 0 holds
+    the embedding and the head) over ``num_microbatches`` (default: twice the PP size), and steps ``optimizer`` (a
     factory of a stage's parameters, as ``fsdp.shard`` takes) with ZeRO over DP: ``zero_stage`` 1 (default), 2 or 3, with any of these schedules
     (DeepSpeed allows only ZeRO-1 with pipelines); 2 and 3 reduce-scatter each microbatch's
     gradients during its backward (ZB-H1: after its W, with what its B left), 3 also gathers each
@@ -143,14 +144,15 @@ class Trainer:
         m = 2 * dims.pp_size if num_microbatches is None else num_microbatches
         # before any stage is built: a schedule that cannot run fails alike on every rank
         self.schedule = pp.make_schedule(schedule, dims.pp_size, m, num_virtual=num_virtual)
-        stages = dims.pp_size * num_virtual
+        sched = self.schedule  # (zb-v: two chunks per rank, num_virtual 1 or 2)
         self.stages = [GPT(config, dims, dtype=dtype, device=self.device,
-                           pipeline_stage=(chunk * dims.pp_size + dims.pp_rank, stages)) for chunk in range(num_virtual)]
+                           pipeline_stage=(sched.stage_of(dims.pp_rank, chunk), sched.num_stages))
+                       for chunk in range(sched.num_virtual)]
         for stage in self.stages if dense_state_dict is not None else ():
             stage.load_state_dict(shard_dense_state_dict(stage, dense_state_dict))
         self.chunks = [fsdp.shard(stage, dims.dp_group, stage=zero_stage, optimizer=optimizer, reduce_dtype=reduce_dtype)
                        for stage in self.stages]
-        self.stage, self.sharded = (self.stages[0], self.chunks[0]) if num_virtual == 1 else (None, None)
+        self.stage, self.sharded = (self.stages[0], self.chunks[0]) if len(self.stages) == 1 else (None, None)
         # one schedule per chunk's optimizer, stepped together (lr_scheduler: the first's)
         self.lr_schedulers = [] if lr_scheduler is None else [_schedule(lr_scheduler, c.optimizer) for c in self.chunks]
         self.runner = pp.PipelineRunner(self.chunks, dims.pp_group, schedule=self.schedule, loss_fn=self._loss)
@@ -197,7 +199,7 @@ class Trainer:
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         stage_kwargs = None if segment_ids is None else {"segment_ids": self.local_batch(segment_ids.to(self.device))}
         t0 = time.perf_counter()
-        first, last = self.stages[0].first, self.stages[-1].last
+        first, last = any(stage.first for stage in self.stages), any(stage.last for stage in self.stages)
         self._tokens = max(1, int((targets != self.config.ignore_index).sum()))
         self._losses = []
         try:

@@ -105,7 +105,8 @@ class PipelineRunner(MessageExchange):
     """Runs ``schedule`` on this rank's stage module(s), one optimizer step's worth per ``step``.
 
     ``stage_module_or_modules``: this rank's stage, or with ``num_virtual`` > 1 a list (or
-    ``nn.ModuleList``) of its virtual stages in order: chunk c is stage ``c * num_ranks + rank``.
+    ``nn.ModuleList``) of its virtual stages in order: chunk c is stage ``schedule.stage_of(rank, c)``
+    (``c * num_ranks + rank``; under "zb-v" rank r's chunks are stages r and ``2 * num_ranks - 1 - r``).
     A stage maps one tensor to one tensor (the activation that crosses to the next stage: dense,
     any dtype, at most 8 dims; integer and bool ones send zeros back as their gradient, and so
     does a stage whose output does not depend on its input (``x.detach()``): the upstream
@@ -160,7 +161,7 @@ class PipelineRunner(MessageExchange):
             for mod in modules:
                 if isinstance(mod, nn.Module):
                     enable_zero_bubble(mod)
-        self.modules = {chunk * self.world + self.rank: mod for chunk, mod in enumerate(modules)}
+        self.modules = {schedule.stage_of(self.rank, chunk): mod for chunk, mod in enumerate(modules)}
         # W-split: the fsdp wrappers W hands its gradients to (see _held_until_w)
         self._sharded = {s: _sharded_in(mod) for s, mod in self.modules.items()} if self._splits_w else {}
         self._kwargs_checked: set = set()  # the sets of stage_kwargs names this rank's stages were found to take

@@ -79,7 +79,7 @@ def check_zero_bubble(module: nn.Module) -> None:
         for cls, kind, hooks in reducers:
             if isinstance(sub, cls) if cls is not None else "replicate" in _composable_apis(sub):
                 raise ValueError(f"{type(module).__name__}{'.' + name if name else ''} is {kind}: a W-split "
-                                 f"schedule (zb-h1) defers weight gradients past {hooks}; wrap the stage in "
+                                 f"schedule (zb-h1, zb-v) defers weight gradients past {hooks}; wrap the stage in "
                                  "overlapkernels' fsdp.shard, or use a 1F1B schedule (all-reducing gradients after "
                                  "runner.step)")
 
