@@ -427,3 +427,28 @@ def test_render_coarsens_a_grid_too_fine_to_print():
     res = pp.simulate(pp.make_schedule("1f1b", 2, 2), t_f=1.0, t_b=1.0, t_comm=1e-5)
     rows = pp.render(res).splitlines()[1:]
     assert len(rows) == 2 and all(len(row) <= len("rank 0: ") + 6 * max_cols for row in rows)
+
+
+def test_zb_v_is_valid_and_keeps_nccls_rules_for_every_size():
+    """Every pipeline of 1..8 ranks and 1..20 microbatches: a complete, deadlock-free schedule
+    whose P2P plan pairs and completes under NCCL's rules (the runner refuses it otherwise)."""
+    for p in range(1, 9):
+        for m in range(1, 21):
+            sched = pp.make_schedule("zb-v", p, m)
+            pp.validate(sched)
+            p2p.check_comm_plan(sched, p2p.comm_plan(sched))
+
+
+@pytest.mark.parametrize("t_f, t_b, t_w", [(1.0, 2.0, 1.0), (1.0, 1.0, 0.0), (2.0, 3.0, 1.0), (1.0, 1.5, 0.5)])
+def test_zb_v_makespan_at_unequal_costs(t_f, t_b, t_w):
+    """Beyond t_f = t_b = t_w (where the order of the cool-down's B's and W's makes no difference to
+    the makespan): 2m chunks' work per rank plus (p - 1)(t_f + max(0, t_b - t_w)) - what this order
+    gives (a regression guard, not a proof of the least), half ZB-H1's bubble time on the same model
+    (a whole stage costing twice a chunk) here too. A cool-down that runs the up chunk's B first, or
+    its W's last, is slower and is caught here."""
+    for p in range(1, 6):
+        for m in (2 * p - 1, 2 * p, 3 * p + 1):
+            zbv = pp.simulate(pp.make_schedule("zb-v", p, m), t_f=t_f, t_b=t_b, t_w=t_w)
+            assert zbv.makespan == pytest.approx(2 * m * (t_f + t_b + t_w) + (p - 1) * (t_f + max(0.0, t_b - t_w))), (p, m)
+            zbh1 = pp.simulate(pp.make_schedule("zb-h1", p, m), t_f=2 * t_f, t_b=2 * t_b, t_w=2 * t_w)
+            assert zbv.makespan - zbv.busy[0] == pytest.approx((zbh1.makespan - zbh1.busy[0]) / 2), (p, m)

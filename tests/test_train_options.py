@@ -340,3 +340,24 @@ def test_zb_v_chunks_match_single_process(rank_pool, tmp_path, layout, zero_stag
     results = rank_pool(4).run(_interleaved_on_rank, layout, zero_stage, str(tmp_path / "ckpt"), 2, per_microbatch,
                                "zb-v")
     assert all(r == results[0] for r in results)
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-v"])
+def test_chunks_without_dense_weights_start_as_one_process_would(schedule):
+    """Built from the random state (no dense_state_dict), every chunk holds the weights a
+    same-seed single process draws (the second chunk drew after the first's draws: its weights
+    were not the model's), and the random state moves on as after one build."""
+    config = GPTConfig(**{**CONFIG, "num_layers": 4})
+    dims = ok.init_parallel()
+    torch.manual_seed(3)
+    dense = GPT(config, dims).state_dict()
+    after_one = torch.rand(4)
+    torch.manual_seed(3)
+    trainer = Trainer(config, dims, schedule=schedule, num_virtual=2)
+    assert torch.equal(torch.rand(4), after_one)
+    assert len(trainer.stages) == 2
+    for stage in trainer.stages:
+        for name, t in stage.state_dict().items():
+            if torch.is_tensor(t):
+                assert torch.equal(t, dense[name]), f"{stage.__dict__[PIPELINE_STAGE]} {name}"

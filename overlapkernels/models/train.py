@@ -81,7 +81,7 @@ class Trainer:
     the embedding and the head) over ``num_microbatches`` (default: twice the PP size), and steps ``optimizer`` (a
     factory of a stage's parameters, as ``fsdp.shard`` takes) with ZeRO over DP: ``zero_stage`` 1 (default), 2 or 3, with any of these schedules
     (DeepSpeed allows only ZeRO-1 with pipelines); 2 and 3 reduce-scatter each microbatch's
-    gradients during its backward (ZB-H1: after its W, with what its B left), 3 also gathers each
+    gradients during its backward (ZB-H1 and ZB-V: after its W, with what its B left), 3 also gathers each
     unit's parameters around its forward and backward. ``step(tokens, targets)``: the global [B, S]
     batch on every rank (B divisible by dp x microbatches); returns the step's mean token loss on
     every rank. ``step(tokens, targets, segment_ids)``: rows packing documents, [B, S] ids like the
@@ -107,7 +107,7 @@ class Trainer:
 
     ``reduce_dtype``: fsdp's (``fsdp.shard``): with 16-bit weights, ``torch.float32`` reduces the
     gradients in fp32 and sums those that wait for a reduction (ZeRO-1, ``reduce_per_microbatch=False``)
-    over the microbatches in fp32 too, ZB-H1's W gradients included (None: in the weights' dtype, as
+    over the microbatches in fp32 too, ZB-H1's and ZB-V's W gradients included (None: in the weights' dtype, as
     Megatron's default grad buffer).
 
     ``lr_scheduler``: a factory of the optimizer's schedule (``lambda opt: LambdaLR(opt, warmup)``),
@@ -144,10 +144,7 @@ class Trainer:
         m = 2 * dims.pp_size if num_microbatches is None else num_microbatches
         # before any stage is built: a schedule that cannot run fails alike on every rank
         self.schedule = pp.make_schedule(schedule, dims.pp_size, m, num_virtual=num_virtual)
-        sched = self.schedule  # (zb-v: two chunks per rank, num_virtual 1 or 2)
-        self.stages = [GPT(config, dims, dtype=dtype, device=self.device,
-                           pipeline_stage=(sched.stage_of(dims.pp_rank, chunk), sched.num_stages))
-                       for chunk in range(sched.num_virtual)]
+        self.stages = self._build_stages(config, dims, dtype)
         for stage in self.stages if dense_state_dict is not None else ():
             stage.load_state_dict(shard_dense_state_dict(stage, dense_state_dict))
         self.chunks = [fsdp.shard(stage, dims.dp_group, stage=zero_stage, optimizer=optimizer, reduce_dtype=reduce_dtype)
@@ -156,6 +153,21 @@ class Trainer:
         # one schedule per chunk's optimizer, stepped together (lr_scheduler: the first's)
         self.lr_schedulers = [] if lr_scheduler is None else [_schedule(lr_scheduler, c.optimizer) for c in self.chunks]
         self.runner = pp.PipelineRunner(self.chunks, dims.pp_group, schedule=self.schedule, loss_fn=self._loss)
+
+    def _build_stages(self, config, dims, dtype) -> list:
+        """This rank's GPT stage per chunk. Each GPT stage draws the whole model's random weights and
+        keeps its own part, so its weights do not depend on the split; every chunk draws from the same
+        starting state (the second one drew after the first's draws: weights unlike one process's for
+        the same seed), and the random state then moves on as after one build."""
+        sched = self.schedule  # (zb-v: two chunks per rank, num_virtual 1 or 2)
+        devices = [self.device.index] if self.device.type == "cuda" else []
+        stages = []
+        for chunk in range(sched.num_virtual):
+            last = chunk == sched.num_virtual - 1
+            with contextlib.nullcontext() if last else torch.random.fork_rng(devices=devices):
+                stages.append(GPT(config, dims, dtype=dtype, device=self.device,
+                                  pipeline_stage=(sched.stage_of(dims.pp_rank, chunk), sched.num_stages)))
+        return stages
 
     @property
     def lr_scheduler(self):

@@ -139,10 +139,11 @@ def _zb_v(p, m):
     the way back up, each half a 1F1B stage. Warm-up: the way down fills (2(p - r) - 1 forwards),
     then the way up reaches the rank, then its first backwards start (each W at once); steady
     state: F, B and W of each chunk in turn; cool-down: the last r pairs of B's go first and their
-    W's fill the tail. At t_f = t_b = t_w and m >= 2p - 1 every rank is busy from its first action
-    to the step's end: the makespan is 6m + p - 1 (chunk) forwards, the least any schedule can have
-    (rank p - 1 waits p - 1 forwards for its first input), with 2p half-stage activations per
-    rank at most: 1F1B's peak of p stages. The pattern needs 2p - 1 microbatches to fill the V;
+    W's fill the tail. At t_f = t_b = t_w and m >= 2p - 1 rank r runs without a gap from its start
+    (after r forwards) for 6m (chunk) forwards' time, so the makespan is 6m + p - 1, the least any
+    schedule can have (rank p - 1 waits p - 1 forwards for its first input; each rank idles p - 1
+    in all, before and after), with 2p half-stage activations per rank at most: 1F1B's peak of p
+    stages. The pattern needs 2p - 1 microbatches to fill the V;
     with fewer it is built for 2p - 1 and the missing microbatches' actions are left out."""
     n = max(m, 2 * p - 1)
     out = []
