@@ -36,6 +36,7 @@ class DemoConfig:
     activation_checkpointing: bool = False  # the 4-D run recomputes its blocks (the reference stores)
     reduce_per_microbatch: bool = True  # ZeRO-2/3: False reduces (and ZeRO-3 gathers) once per step
     dtype: str = "float32"  # the weights'; 16-bit: fp32 masters and reductions (float16: loss scaling too)
+    cp_attention: str = "ring"  # context-parallel attention: "ring" or "ulysses" (all-to-all)
 
     def resolved(self, world: int) -> "DemoConfig":
         """This configuration on ``world`` ranks, dp=-1 replaced by the ranks left, once every
@@ -63,6 +64,15 @@ class DemoConfig:
             check_options(self.zero_stage, max_grad_norm=self.max_grad_norm, num_virtual=self.num_virtual,
                           reduce_per_microbatch=self.reduce_per_microbatch)
         except (TypeError, ValueError) as exc:
+            problems.append(str(exc))
+        try:
+            from .layers.attention import check_cp_attention
+            from .ops.ulysses_attention import check_heads
+
+            check_cp_attention(self.cp_attention, "cp_attention")
+            if self.cp_attention == "ulysses" and self.cp > 1 and 4 % self.tp == 0:  # (a bad tp is named below)
+                check_heads(4 // self.tp, max(1, 2 // self.tp), self.cp, f"each TP rank (4 heads / TP {self.tp})")
+        except ValueError as exc:
             problems.append(str(exc))
         if self.dtype not in DTYPES:
             problems.append(f"dtype={self.dtype!r}: expected one of {', '.join(DTYPES)}")
@@ -108,6 +118,9 @@ def add_arguments(parser, default_nproc: int):
     parser.add_argument("--dtype", default="float32", choices=DTYPES,
                         help="the weights' dtype; 16-bit ones keep fp32 masters and reduce in fp32 (float16 also "
                              "scales the loss: fsdp.GradScaler); the reference stays fp32")
+    parser.add_argument("--cp-attention", default="ring", choices=("ring", "ulysses"),
+                        help="context-parallel attention: ring (K/V blocks around the ring) or ulysses (all-to-alls "
+                             "trading the sequence split for a head split)")
     parser.add_argument("--nproc", type=int, help=f"CPU ranks to spawn when not under torchrun (default {default_nproc})")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before spawned ranks are killed")
     return parser
@@ -117,7 +130,8 @@ def config_from_args(args) -> DemoConfig:
     return DemoConfig(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, steps=args.steps, schedule=args.schedule,
                       zero_stage=args.zero_stage, max_grad_norm=args.max_grad_norm,
                       activation_checkpointing=args.activation_checkpointing,
-                      reduce_per_microbatch=not args.reduce_per_step, dtype=args.dtype)
+                      reduce_per_microbatch=not args.reduce_per_step, dtype=args.dtype,
+                      cp_attention=args.cp_attention)
 
 
 def _batch(cfg: DemoConfig, step: int):
@@ -135,7 +149,7 @@ def rank_main(config: dict) -> list[dict]:
 
     cfg = DemoConfig(**config)
     gpt = GPTConfig(vocab_size=cfg.vocab, hidden=cfg.hidden, num_layers=cfg.layers, num_heads=4, num_kv_heads=2,
-                    ffn_hidden=2 * cfg.hidden, max_seq_len=cfg.seq)
+                    ffn_hidden=2 * cfg.hidden, max_seq_len=cfg.seq, cp_attention=cfg.cp_attention)
     torch.manual_seed(0)
     dense = GPT(gpt, ok.init_parallel())  # every rank: the reference, and the weights everyone starts from
     start = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in dense.state_dict().items()}
@@ -186,7 +200,8 @@ def rank_main(config: dict) -> list[dict]:
 def format_rows(rows: list[dict], cfg: DemoConfig) -> str:
     clip = cfg.max_grad_norm is not None
     lines = [f"# small GPT, {cfg.layers} layers, hidden {cfg.hidden}, batch {cfg.batch} x {cfg.seq} tokens; "
-             f"tp={cfg.tp} pp={cfg.pp} cp={cfg.cp} dp={cfg.dp}, {cfg.schedule}"
+             f"tp={cfg.tp} pp={cfg.pp} cp={cfg.cp}{' (ulysses)' if cfg.cp > 1 and cfg.cp_attention == 'ulysses' else ''} "
+             f"dp={cfg.dp}, {cfg.schedule}"
              + (f" ({cfg.num_virtual} chunks per rank)" if cfg.num_virtual > 1 else "") + f", ZeRO-{cfg.zero_stage}"
              + (" reduced once per step" if not cfg.reduce_per_microbatch and cfg.zero_stage > 1 else "")
              + (f", clipped at {cfg.max_grad_norm:g}" if clip else "")

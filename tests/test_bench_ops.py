@@ -137,7 +137,8 @@ def test_ring_attention_bench_smoke(rank_pool):
     rows = rank_pool(2).run(rb.rank_main, rb.config_dict(cfg))[0]
     assert len(rows) == 1 and rows[0]["layout"] == "zigzag" and rows[0]["world_size"] == 2
     assert rows[0]["kernels"] == "torch"  # ok.ring_attention's default backend here (CPU)
-    assert all(rows[0][k] > 0 for k in ("fwd_allgather_us", "fwd_ring_us", "compute_us", "fwd_bwd_ring_us"))
+    assert all(rows[0][k] > 0 for k in ("fwd_allgather_us", "fwd_ring_us", "compute_us", "fwd_bwd_ring_us",
+                                        "fwd_ulysses_us", "fwd_bwd_ulysses_us"))
     _spread_and_telemetry(rows, "fwd_ring_us")
     with pytest.raises(ValueError, match="seq=10 must be divisible by 2 x the world size 4"):
         rb.RingConfig(seq=10).validate(4)
@@ -145,7 +146,12 @@ def test_ring_attention_bench_smoke(rank_pool):
     docs = rb.RingConfig(seq=16, heads=2, kv_heads=1, head_dim=4, iters=1, warmup=0, layouts=("zigzag",),
                          causal=(False,), documents=3)
     rows = rank_pool(2).run(rb.rank_main, rb.config_dict(docs))[0]
-    assert rows[0]["documents"] == 3 and rows[0]["fwd_ring_us"] > 0
+    assert rows[0]["documents"] == 3 and rows[0]["fwd_ring_us"] > 0 and rows[0]["fwd_ulysses_us"] > 0
+    # 3 heads do not split over 2 ranks: no ulysses timing, on every rank alike (NaN, not a hang)
+    odd = rb.RingConfig(seq=8, heads=3, kv_heads=1, head_dim=4, iters=1, warmup=0, layouts=("contiguous",),
+                        causal=(False,))
+    rows = rank_pool(2).run(rb.rank_main, rb.config_dict(odd))[0]
+    assert math.isnan(rows[0]["fwd_ulysses_us"]) and math.isnan(rows[0]["fwd_bwd_ulysses_us"])
     assert rb._document_ids(docs)[0].tolist() == [0] * 6 + [1] * 5 + [2] * 5  # lengths 6, 5, 5
     assert rb._flops(docs, 2, False) == 4 * 2 * 4 * (36 + 25 + 25) / 2
     for bad in (-1, 17, 1.5, True):
@@ -248,7 +254,7 @@ def _speedup_and_efficiency_of_fake_times_on_rank(kind):
     from overlapkernels.bench import ring_attention as rb
 
     module = rb if kind == "ring" else lb
-    fake = iter([3.0, 2.0, 1.0, 5.0] if kind == "ring" else [2.0, 1.0])
+    fake = iter([3.0, 2.0, 1.0, 5.0, 6.0, 7.0] if kind == "ring" else [2.0, 1.0])
     own, module.time_calls = module.time_calls, lambda fn, iters, *a, **k: [next(fake)] * iters
     try:
         if kind == "ring":

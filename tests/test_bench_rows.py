@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 def _ring_row_of_fake_times_on_rank():
     """ring-attention's timings in order: all-gather 3 s; ring 1, 2 and 4 s (median 2); compute 1 s;
-    fwd+bwd 5 s."""
+    fwd+bwd 5 s; ulysses fwd 6 s, fwd+bwd 7 s."""
     from overlapkernels.bench import ring_attention as rb
 
-    fake = iter([[3.0] * 3, [1.0, 4.0, 2.0], [1.0] * 3, [5.0] * 3])
+    fake = iter([[3.0] * 3, [1.0, 4.0, 2.0], [1.0] * 3, [5.0] * 3, [6.0] * 3, [7.0] * 3])
     own, rb.time_calls = rb.time_calls, lambda fn, iters, *a, **k: next(fake)
     try:
         cfg = rb.RingConfig(seq=8, heads=2, kv_heads=1, head_dim=4, iters=3, warmup=0, layouts=("zigzag",),
@@ -32,6 +32,7 @@ def test_ring_attention_row_takes_its_spread_and_tflops_from_the_ring_forward(ra
     assert flops == 512
     assert (row["fwd_allgather_us"], row["fwd_ring_us"], row["min_us"], row["max_us"]) == (3e6, 2e6, 1e6, 4e6)
     assert (row["compute_us"], row["fwd_bwd_ring_us"]) == (1e6, 5e6)
+    assert (row["fwd_ulysses_us"], row["fwd_bwd_ulysses_us"]) == (6e6, 7e6)
     assert row["tflops_fwd"] == 512 / 2.0 / 1e12
 
 

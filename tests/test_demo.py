@@ -126,9 +126,14 @@ def test_demo_options_reach_its_configuration():
     cfg = demo.config_from_args(parser.parse_args(["--tp", "1", "--pp", "2", "--cp", "2", "--dp", "1", "--steps", "5",
                                                    "--schedule", "zb-h1", "--zero-stage", "3", "--max-grad-norm",
                                                    "0.5", "--activation-checkpointing", "--reduce-per-step",
-                                                   "--dtype", "bfloat16"]))
+                                                   "--dtype", "bfloat16", "--cp-attention", "ulysses"]))
     assert cfg == demo.DemoConfig(tp=1, pp=2, cp=2, dp=1, steps=5, schedule="zb-h1", zero_stage=3, max_grad_norm=0.5,
-                                  activation_checkpointing=True, reduce_per_microbatch=False, dtype="bfloat16")
+                                  activation_checkpointing=True, reduce_per_microbatch=False, dtype="bfloat16",
+                                  cp_attention="ulysses")
+    # the demo's 4 heads (2 key/value heads) over tp=1 x cp=8: 4 query heads do not split over 8 ranks
+    with pytest.raises(ValueError, match=r"ulysses_attention: each TP rank \(4 heads / TP 1\) has 4 heads, not "
+                                         r"divisible by the group size 8"):
+        demo.DemoConfig(tp=1, pp=1, cp=8, seq=64, cp_attention="ulysses").resolved(8)
     assert demo.config_from_args(parser.parse_args([])) == demo.DemoConfig(dp=-1)
 
 

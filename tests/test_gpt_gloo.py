@@ -17,10 +17,11 @@ CONFIG = dict(vocab_size=32, hidden=16, num_layers=2, num_heads=4, num_kv_heads=
 
 
 def _gpt_on_rank(layout_kwargs, sequence_parallel, method, kv_heads=2, compiled=False, clip=None,
-                 planted_missing_sync=False, documents=False, planted_lost_grad=False):
+                 planted_missing_sync=False, documents=False, planted_lost_grad=False, cp_attention="ring"):
     """``documents``: rows packing documents (segment_ids) that cross the CP ranks' parts;
     ``planted_lost_grad``: the final norm's weight loses its gradient (what a detached weight does)."""
-    config = GPTConfig(**{**CONFIG, "num_kv_heads": kv_heads}, sequence_parallel=sequence_parallel, method=method)
+    config = GPTConfig(**{**CONFIG, "num_kv_heads": kv_heads}, sequence_parallel=sequence_parallel, method=method,
+                       cp_attention=cp_attention)
     g = torch.Generator().manual_seed(42)
     tokens = torch.randint(0, CONFIG["vocab_size"], (2, 8), generator=g)
     targets = torch.randint(0, CONFIG["vocab_size"], (2, 8), generator=g)
@@ -99,6 +100,31 @@ def test_gpt_with_packed_documents_matches_dense(rank_pool, layout_kwargs, seque
     """segment_ids through the GPT: ring attention's document mask under CP, SDPA's without CP."""
     losses = rank_pool(4).run(_gpt_on_rank, layout_kwargs, sequence_parallel, "auto", 2, False, None, False, True)
     assert len(set(losses)) == 1
+
+
+@pytest.mark.parametrize("layout_kwargs, sequence_parallel, kv_heads, documents", [
+    (dict(cp=2), False, 2, False), (dict(tp=2, cp=2), True, 2, True), (dict(cp=4), True, 1, True),
+    (dict(cp=4), False, 4, False)])
+def test_gpt_with_ulysses_attention_matches_dense(rank_pool, layout_kwargs, sequence_parallel, kv_heads, documents):
+    """cp_attention="ulysses": the heads of each TP rank split over CP (tp=2 x cp=2: 2 query heads and
+    1 key/value head per TP rank, copied to both CP ranks; cp=4 with MQA: copied to all four)."""
+    losses = rank_pool(4).run(_gpt_on_rank, layout_kwargs, sequence_parallel, "auto", kv_heads, False, None, False,
+                              documents, False, "ulysses")
+    assert len(set(losses)) == 1
+
+
+def test_ulysses_heads_that_do_not_split_over_cp_are_refused_at_construction(rank_pool):
+    assert rank_pool(4).run(_unsplittable_heads_on_rank) == [True] * 4
+
+
+def _unsplittable_heads_on_rank():
+    dims = ok.init_parallel(tp=2, cp=2)
+    with pytest.raises(ValueError, match=re.escape("ulysses_attention: each TP rank (2 heads / TP 2) has 1 heads, not "
+                                                   "divisible by the group size 2")), no_communication():
+        GPT(GPTConfig(**{**CONFIG, "num_heads": 2, "num_kv_heads": 2, "hidden": 8}, cp_attention="ulysses"), dims)
+    with pytest.raises(ValueError, match=r"GPTConfig.cp_attention='rings': expected one of \['ring', 'ulysses'\]"):
+        GPTConfig(**CONFIG, cp_attention="rings")
+    return True
 
 
 @pytest.mark.usefixtures("world_of_one")

@@ -30,8 +30,10 @@ def _full_reference(q, k, v, causal, scale):
 
 
 def _case_on_rank(layout, causal, heads, kv_heads, fmt, with_lse, scale=None, batch=2, dim=8, per_rank=6,
-                  group=None, planted=0.0):
-    """``planted``: added to one element of the ring's output before the comparison."""
+                  group=None, planted=0.0, attention=None):
+    """``planted``: added to one element of the ring's output before the comparison. ``attention``:
+    the context-parallel attention under test, called as ``ring_attention`` (the default)."""
+    attention = attention or ok.ring_attention
     world = dist.get_world_size(group)
     seq = per_rank * world
     g = torch.Generator().manual_seed(1000 + 7 * heads + kv_heads + int(causal))
@@ -57,8 +59,8 @@ def _case_on_rank(layout, causal, heads, kv_heads, fmt, with_lse, scale=None, ba
         return (x if fmt == "bshd" else x.transpose(0, 1).contiguous()).requires_grad_()
 
     ql, kl, vl = fmt_in(q), fmt_in(k), fmt_in(v)
-    out, lse = ok.ring_attention(ql, kl, vl, group, causal=causal, softmax_scale=scale, layout=layout, qkv_format=fmt,
-                                 return_lse=True)
+    out, lse = attention(ql, kl, vl, group, causal=causal, softmax_scale=scale, layout=layout, qkv_format=fmt,
+                         return_lse=True)
     d_out_local = local(d_out) if fmt == "bshd" else local(d_out).transpose(0, 1)
     loss_local = ((0 if with_lse == "only" else (out * d_out_local).sum())
                   + ((lse * local(d_lse, 2)).sum() if with_lse else 0))

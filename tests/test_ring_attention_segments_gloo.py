@@ -42,7 +42,9 @@ def _masked_reference(q, k, v, ids, causal, scale):
 
 
 def _case_on_rank(layout, causal, heads, kv_heads, fmt, ids_kind, group=None, batch=2, dim=8, per_rank=12,
-                  plant=None):
+                  plant=None, attention=None):
+    """``attention``: the context-parallel attention under test, called as ``ring_attention`` (the default)."""
+    attention = attention or ok.ring_attention
     world = dist.get_world_size(group)
     seq = per_rank * world
     g = torch.Generator().manual_seed(2000 + 7 * heads + kv_heads + int(causal))
@@ -75,8 +77,8 @@ def _case_on_rank(layout, causal, heads, kv_heads, fmt, ids_kind, group=None, ba
     elif plant == "no mask":
         ra._segment_slices = lambda *args: {}
     try:
-        out, lse = ok.ring_attention(ql, kl, vl, group, causal=causal, layout=layout, qkv_format=fmt,
-                                     return_lse=True, segment_ids=ids_local)
+        out, lse = attention(ql, kl, vl, group, causal=causal, layout=layout, qkv_format=fmt,
+                             return_lse=True, segment_ids=ids_local)
         d_out_local = local(d_out) if fmt == "bshd" else local(d_out).transpose(0, 1)
         ((out * d_out_local).sum() + (lse * local(d_lse, 2)).sum()).backward()
     finally:

@@ -1,4 +1,5 @@
-"""Ring attention benchmark: ring vs the all-gather-K/V baseline, zigzag vs contiguous.
+"""Ring attention benchmark: ring vs the all-gather-K/V baseline, zigzag vs contiguous, and
+Ulysses (all-to-all) beside them.
 
 Per (layout, causal): forward time of the all-gather baseline and of the ring, forward+backward of
 the ring, the compute alone (every block attended without traffic) and the overlap efficiency
@@ -7,6 +8,8 @@ min_us / max_us are the ring forward's (the time E and TFLOP/s come from). T_com
 the others are (``time_calls``), though it involves no other rank: E subtracts one from another.
 ``documents`` > 0: the sequence packs that many documents of (nearly) equal length, masked apart by
 segment ids in every timed call; TFLOP/s then counts the attention within documents only.
+``ulysses_attention``'s forward and forward+backward are timed last (NaN where the heads do not
+split over the ranks): the other way to split attention over CP ranks.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops.sequence_shard import LAYOUTS, segments
+from ..ops.ulysses_attention import check_heads
 from ..parallel import comm_device
 from .metrics import overlap_efficiency, summarize
 from .progress import track
@@ -26,7 +30,8 @@ from .timing import DTYPES, check_counts, check_dtype, check_sizes, slowest_rank
 COLUMNS = [("layout", "layout", ""), ("causal", "causal", ""), ("seq", "S", "d"), ("documents", "docs", "d"), ("fwd_allgather_us", "AG fwd(us)", ".0f"),
            ("fwd_ring_us", "ring fwd(us)", ".0f"), ("compute_us", "compute(us)", ".0f"),
            ("fwd_bwd_ring_us", "ring f+b(us)", ".0f"), ("speedup", "vs AG", ".3f"), ("efficiency", "E", ".2f"),
-           ("tflops_fwd", "TFLOP/s fwd", ".4f")]
+           ("tflops_fwd", "TFLOP/s fwd", ".4f"), ("fwd_ulysses_us", "ulysses fwd(us)", ".0f"),
+           ("fwd_bwd_ulysses_us", "ulysses f+b(us)", ".0f")]
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,11 @@ def run_ring(cfg: RingConfig, group=None) -> list[dict]:
     q = torch.randn(cfg.batch, cfg.heads, local, cfg.head_dim, generator=g).to(device, dtype)
     k, v = (torch.randn(cfg.batch, cfg.kv_heads, local, cfg.head_dim, generator=g).to(device, dtype) for _ in range(2))
     backend = ra.default_backend(q)  # as ok.ring_attention picks (timed beside it): torch for float64
+    try:  # the same on every rank: all time ulysses_attention, or none does
+        check_heads(cfg.heads, cfg.kv_heads, world)
+        splits_heads = True
+    except ValueError:
+        splits_heads = False
     rows = []
     sweep = [(layout, causal) for layout in cfg.layouts for causal in cfg.causal]
     for layout, causal in track(sweep, "ring-attention", enabled=dist.get_rank(group) == 0):
@@ -106,8 +116,8 @@ def run_ring(cfg: RingConfig, group=None) -> list[dict]:
         # each rank's ids, for the compute-only timing: it attends to the local K/V in every rank's place
         per_rank = None if ids_all is None else [_rank_ids(ids_all, layout, world, r).to(device) for r in range(world)]
 
-        def fwd_bwd():
-            out = ok.ring_attention(qg, kg, vg, group, causal=causal, layout=layout, segment_ids=ids)
+        def fwd_bwd(attention=ok.ring_attention):
+            out = attention(qg, kg, vg, group, causal=causal, layout=layout, segment_ids=ids)
             out.backward(torch.ones_like(out))
 
         with telemetry(device) as tel:
@@ -119,6 +129,12 @@ def run_ring(cfg: RingConfig, group=None) -> list[dict]:
                                                                communicate=False, segments=ids,
                                                                source_segments=per_rank))["median_s"]
             t_fb = timed(fwd_bwd)["median_s"]
+            t_uly = t_uly_fb = math.nan
+            if splits_heads:
+                with torch.no_grad():
+                    t_uly = timed(lambda: ok.ulysses_attention(qg, kg, vg, group, causal=causal, layout=layout,
+                                                               segment_ids=ids))["median_s"]
+                t_uly_fb = timed(lambda: fwd_bwd(ok.ulysses_attention))["median_s"]
         t_ring = ring["median_s"]
         rows.append({"layout": layout, "causal": causal, "seq": cfg.seq, "documents": cfg.documents,
                      "batch": cfg.batch, "heads": cfg.heads,
@@ -128,7 +144,8 @@ def run_ring(cfg: RingConfig, group=None) -> list[dict]:
                      "min_us": ring["min_s"] * 1e6, "max_us": ring["max_s"] * 1e6,
                      "compute_us": t_comp * 1e6, "fwd_bwd_ring_us": t_fb * 1e6, "speedup": t_ag / t_ring,
                      "efficiency": overlap_efficiency(t_ring, t_ag, t_comp, world),
-                     "tflops_fwd": _flops(cfg, world, causal) / t_ring / 1e12, **tel.summary()})
+                     "tflops_fwd": _flops(cfg, world, causal) / t_ring / 1e12,
+                     "fwd_ulysses_us": t_uly * 1e6, "fwd_bwd_ulysses_us": t_uly_fb * 1e6, **tel.summary()})
     return rows
 
 

@@ -11,6 +11,7 @@ from ..ops._validate import check_flag
 from ..ops.dispatch import check_method
 from ..ops.local_attention import local_attention
 from ..ops.ring_attention import ring_attention
+from ..ops.ulysses_attention import check_heads, ulysses_attention
 from ..ops.sequence_shard import check_layout, check_layout_tag, segments
 from ..parallel import resolve_group
 from .linear import (DefersWeightGrad, RowParallelLinear, _MegatronExtraState, check_input, check_size, column_parallel,
@@ -30,18 +31,28 @@ def rope(x, positions, base: float = 10000.0):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+CP_ATTENTION = ("ring", "ulysses")
+
+
+def check_cp_attention(value, name: str) -> str:
+    if value not in CP_ATTENTION:
+        raise ValueError(f"{name}={value!r}: expected one of {list(CP_ATTENTION)}")
+    return value
+
+
 class ParallelSelfAttention(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn.Module):
     """Causal self-attention. QKV is column-parallel with one shared gather (H/P query heads and
     H_kv/P key/value heads per rank), the output projection row-parallel. With ``cp_group`` the
     sequence is also split over context-parallel ranks (laid out as ``cp_layout``) and attention
-    runs as ``ring_attention``; RoPE uses global positions either way. ``segment_ids`` (forward):
+    runs as ``ring_attention``, or with ``cp_attention="ulysses"`` as ``ulysses_attention`` (the
+    H/TP heads of a rank then split over CP, checked here); RoPE uses global positions either way. ``segment_ids`` (forward):
     packed documents, attention within each (RoPE's positions stay those of the packed row: its
     scores depend on distances only, so a document attends as it would alone); without CP through
     ``local_attention`` (on CUDA our flash kernels, which skip the tiles between documents)."""
 
     def __init__(self, hidden, num_heads, num_kv_heads=None, group=None, *, cp_group=None, cp_layout="zigzag",
                  sequence_parallel=False, method="auto", rope_base=10000.0, dtype=None, device=None,
-                 init_method=None):
+                 init_method=None, cp_attention="ring"):
         super().__init__()
         self.group = resolve_group(group)
         tp = dist.get_world_size(self.group)
@@ -62,6 +73,10 @@ class ParallelSelfAttention(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn
         cp_group = None if cp_group is None else resolve_group(cp_group, "cp_group")
         self.cp_group = None if cp_group is None or dist.get_world_size(cp_group) == 1 else cp_group
         self.cp_layout = check_layout(cp_layout, "cp_layout")
+        self.cp_attention = check_cp_attention(cp_attention, "cp_attention")
+        if self.cp_group is not None and cp_attention == "ulysses":  # this rank's TP heads split over CP
+            check_heads(self.heads, self.kv_heads, dist.get_world_size(self.cp_group),
+                        f"each TP rank ({num_heads} heads / TP {tp})")
         self.sequence_parallel = sequence_parallel = check_flag(sequence_parallel, "sequence_parallel")
         self.method, self.rope_base = check_method(method), rope_base
         d = self.head_dim
@@ -142,8 +157,9 @@ class ParallelSelfAttention(KeepsTags, DefersWeightGrad, _MegatronExtraState, nn
         pos = self.positions(s, x.device)
         q, k = rope(q, pos, self.rope_base), rope(k, pos, self.rope_base)
         if self.cp_group is not None:
-            ctx = ring_attention(q, k, v, self.cp_group, causal=True, layout=self.cp_layout, qkv_format="sbhd",
-                                 segment_ids=segment_ids)
+            attend = ring_attention if self.cp_attention == "ring" else ulysses_attention
+            ctx = attend(q, k, v, self.cp_group, causal=True, layout=self.cp_layout, qkv_format="sbhd",
+                         segment_ids=segment_ids)
         elif segment_ids is not None:  # packed documents: no dense [B, 1, S, S] mask (see local_attention)
             ctx = local_attention(q, k, v, causal=True, qkv_format="sbhd", segment_ids=segment_ids)
         else:

@@ -12,13 +12,14 @@ from .norm import RMSNorm
 class TransformerBlock(nn.Module):
     def __init__(self, hidden, num_heads, num_kv_heads, ffn_hidden, group=None, *, cp_group=None,
                  cp_layout="zigzag", sequence_parallel=False, method="auto", dtype=None, device=None,
-                 init_method=None):
+                 init_method=None, cp_attention="ring"):
         super().__init__()
         group = resolve_group(group)
         self.attn_norm = RMSNorm(hidden, sequence_parallel=sequence_parallel, group=group, dtype=dtype, device=device)
         self.attn = ParallelSelfAttention(hidden, num_heads, num_kv_heads, group, cp_group=cp_group,
                                           cp_layout=cp_layout, sequence_parallel=sequence_parallel, method=method,
-                                          dtype=dtype, device=device, init_method=init_method)
+                                          dtype=dtype, device=device, init_method=init_method,
+                                          cp_attention=cp_attention)
         self.mlp_norm = RMSNorm(hidden, sequence_parallel=sequence_parallel, group=group, dtype=dtype, device=device)
         self.mlp = ParallelMLP(hidden, ffn_hidden, group, sequence_parallel=sequence_parallel, method=method,
                                dtype=dtype, device=device, init_method=init_method)

@@ -19,6 +19,7 @@ from .. import _compat
 from ..comm.collectives import all_reduce_coalesced
 from ..kernels.ids import integer_ids
 from ..layers import ColumnParallelLinear, RMSNorm, TransformerBlock, VocabParallelEmbedding
+from ..layers.attention import check_cp_attention
 from ..layers.embedding import check_token_ids
 from ..layers.linear import default_init
 from ..layers.norm import allreduce_sequence_parallel_grads
@@ -45,6 +46,9 @@ class GPTConfig:
     # recompute each block's forward in backward (torch.utils.checkpoint, non-reentrant): a block
     # keeps only its input, at one more forward - its TP/CP communication included - per backward
     activation_checkpointing: bool = False
+    # context-parallel attention: "ring" (ring_attention) or "ulysses" (ulysses_attention: all-to-alls,
+    # num_heads / TP and num_kv_heads / TP split over CP)
+    cp_attention: str = "ring"
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden", "max_seq_len"):
@@ -52,6 +56,7 @@ class GPTConfig:
         self.sequence_parallel = check_flag(self.sequence_parallel, "GPTConfig.sequence_parallel")
         self.ignore_index = check_ignore_index(self.ignore_index, "GPTConfig.ignore_index")
         self.activation_checkpointing = check_flag(self.activation_checkpointing, "GPTConfig.activation_checkpointing")
+        check_cp_attention(self.cp_attention, "GPTConfig.cp_attention")
 
 
 def check_segment_ids(segment_ids, tokens: torch.Tensor, same_device: bool = True) -> None:
@@ -106,7 +111,7 @@ class GPT(KeepsTags, nn.Module):
         for i in range(config.num_layers):
             block = TransformerBlock(config.hidden, config.num_heads, config.num_kv_heads, config.ffn_hidden, tp,
                                      cp_group=self.cp_group, cp_layout=config.cp_layout, sequence_parallel=sp,
-                                     method=config.method, **kw)
+                                     method=config.method, cp_attention=config.cp_attention, **kw)
             if i in layer_ids:
                 blocks[str(i)] = block
         self.blocks = nn.ModuleDict(blocks)
@@ -210,8 +215,9 @@ class GPT(KeepsTags, nn.Module):
         totals = torch.stack([local_sum.detach(), count])
         dist.all_reduce(totals, group=self.cp_group)
         global_sum, global_count = totals
-        # value: the global mean; gradient: this rank's share of it
-        return (local_sum + (global_sum - local_sum.detach())) / global_count.clamp(min=1)
+        # value: the global mean, bitwise alike on every rank (x - x is exactly 0; local_sum + (global_sum -
+        # local_sum) rounded differently per rank); gradient: this rank's share of it
+        return (local_sum - local_sum.detach() + global_sum) / global_count.clamp(min=1)
 
     def sync_grads(self) -> None:
         """After backward: SP-partial gradients summed over TP, then every gradient over CP.

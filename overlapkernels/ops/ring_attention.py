@@ -350,6 +350,23 @@ def checked_inputs(q, k, v, causal, softmax_scale, layout, qkv_format, return_ls
     return q, k, v, segments, scale, backend
 
 
+def checked_cp_inputs(call, what: str, group, q, k, v, causal, softmax_scale, layout, qkv_format, return_lse,
+                      segment_ids) -> tuple:
+    """The checks of a context-parallel attention call (``what``: ring_attention, ulysses_attention),
+    inside its ``same_call_on_every_rank`` block: the inputs' layout tags, then ``checked_inputs``
+    (whose result it returns); ``call.args`` records what the ranks must agree on."""
+    seq_dim = SEQ_DIM.get(qkv_format) if isinstance(qkv_format, str) else None  # None: _validate names it
+    for name, t in (("q", q), ("k", k), ("v", v)):  # before autocast's copies, which carry no tag
+        check_layout_tag(t, name, seq_dim, group, layout, what)
+    if segment_ids is not None:
+        check_layout_tag(segment_ids, "segment_ids", 1, group, layout, what)
+    checked = checked_inputs(q, k, v, causal, softmax_scale, layout, qkv_format, return_lse, segment_ids)
+    q, k, v, segments, scale, _ = checked
+    call.args = dict(q=q, k=k, v=v, causal=causal, softmax_scale=scale, layout=layout, qkv_format=qkv_format,
+                     segment_ids=segments)
+    return checked
+
+
 @eager_under_compile  # takes a ProcessGroup: see _compat
 def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, layout="contiguous",
                    qkv_format="bshd", return_lse=False, segment_ids=None):
@@ -365,19 +382,14 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, lay
     """
     group = resolve_group(group)
     with same_call_on_every_rank(group, "ring_attention", getattr(q, "device", None)) as call:
-        seq_dim = SEQ_DIM.get(qkv_format) if isinstance(qkv_format, str) else None  # None: _validate names it
-        for name, t in (("q", q), ("k", k), ("v", v)):  # before autocast's copies, which carry no tag
-            check_layout_tag(t, name, seq_dim, group, layout, "ring_attention")
-        if segment_ids is not None:
-            check_layout_tag(segment_ids, "segment_ids", 1, group, layout, "ring_attention")
-        q, k, v, segments, scale, backend = checked_inputs(q, k, v, causal, softmax_scale, layout, qkv_format,
-                                                           return_lse, segment_ids)
-        call.args = dict(q=q, k=k, v=v, causal=causal, softmax_scale=scale, layout=layout,
-                         qkv_format=qkv_format, segment_ids=segments)
+        q, k, v, segments, scale, backend = checked_cp_inputs(call, "ring_attention", group, q, k, v, causal,
+                                                              softmax_scale, layout, qkv_format, return_lse,
+                                                              segment_ids)
     with span("ok/ring_attention"), autocast_off(q.device):  # the kernels keep fp32 softmax statistics
         out, lse = RingAttention.apply(_to_bhsd(q, qkv_format), _to_bhsd(k, qkv_format), _to_bhsd(v, qkv_format),
                                        segments, group, causal, scale, layout, backend)
     # laid out like q (callers .view() it to [B, S, H*D]), and always a copy of the tensor saved for
     # backward (contiguous() would alias it when H or S_local is 1), so in-place ops on it are safe
-    out = tag_layout(_from_bhsd(out, qkv_format).clone(memory_format=torch.contiguous_format), seq_dim, group, layout)
+    out = tag_layout(_from_bhsd(out, qkv_format).clone(memory_format=torch.contiguous_format), SEQ_DIM[qkv_format],
+                     group, layout)
     return (out, lse) if return_lse else out

@@ -1,0 +1,126 @@
+"""ulysses_attention (context parallelism by all-to-all) on gloo ranks: against SDPA over the whole
+sequence (fp64, ring attention's own cases and packed documents), against ring attention, and its
+bad inputs refused before any communication."""
+import importlib
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import overlapkernels as ok
+from comm_guard import no_communication
+from test_ring_attention_gloo import _case_on_rank as dense_case
+from test_ring_attention_segments_gloo import _case_on_rank as documents_case
+
+ua = importlib.import_module("overlapkernels.ops.ulysses_attention")  # the module (the package re-exports the function)
+
+# (layout, causal, heads, kv_heads, qkv_format, lse): heads split over 2 and 4 ranks; key/value heads
+# split too, or fewer than the ranks (copied: GQA 8/2 and MQA on 4 ranks)
+CASES = [
+    ("zigzag", True, 4, 4, "bshd", False), ("contiguous", True, 8, 4, "bshd", True),
+    ("contiguous", False, 4, 4, "sbhd", False), ("zigzag", False, 8, 2, "bshd", True),
+    ("zigzag", True, 4, 1, "bshd", True),  # MQA: the one key/value head goes to every rank
+    ("zigzag", True, 8, 2, "sbhd", "only"),  # the lse alone: out's gradient arrives as None
+]
+DOCUMENT_CASES = [
+    ("zigzag", True, 4, 2, "bshd", "packed"), ("contiguous", False, 4, 4, "sbhd", "packed"),
+    ("zigzag", True, 8, 4, "bshd", "unsorted"),
+]
+
+
+def _all_cases_on_rank():
+    for case in CASES:
+        dense_case(*case, attention=ok.ulysses_attention)
+    dense_case("zigzag", True, 4, 2, "bshd", False, scale=0.3, attention=ok.ulysses_attention)
+    for case in DOCUMENT_CASES:
+        documents_case(*case, attention=ok.ulysses_attention)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_matches_sdpa_on_the_full_sequence(rank_pool, world):
+    """out, lse, dq, dk, dv against SDPA over the whole sequence (to 1e-10 in fp64), every layout
+    and format, GQA/MQA with key/value heads split or copied, packed documents (sorted or not)."""
+    assert rank_pool(world).run(_all_cases_on_rank) == [True] * world
+
+
+def _planted_on_rank():
+    try:
+        dense_case("zigzag", True, 4, 2, "bshd", False, planted=1e-8, attention=ok.ulysses_attention)
+    except AssertionError as exc:
+        return str(exc).split(":")[0]
+    return "missed"
+
+
+def test_a_small_planted_error_is_caught(rank_pool):
+    assert rank_pool(2).run(_planted_on_rank) == ["out"] * 2
+
+
+def _against_ring_on_rank(layout):
+    """The same inputs through both: one result (fp64, to reduction order)."""
+    g = torch.Generator().manual_seed(dist.get_rank())
+    q, k, v = (torch.randn(2, 8, h, 4, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    ids = torch.tensor([[0] * 3 + [1] * 5, [2] * 8]).roll(dist.get_rank(), 1)
+    results = []
+    for attention in (ok.ring_attention, ok.ulysses_attention):
+        for t in (q, k, v):
+            t.grad = None
+        out, lse = attention(q, k, v, causal=True, layout=layout, return_lse=True, segment_ids=ids)
+        (out.square().sum() + lse.sum()).backward()
+        results.append([out.detach(), lse.detach(), q.grad, k.grad, v.grad])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    return True
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_agrees_with_ring_attention(rank_pool, layout):
+    assert rank_pool(2).run(_against_ring_on_rank, layout) == [True] * 2
+
+
+def test_reordering_round_trips():
+    """The ranks' parts in rank order to the sequence's order and back, for both layouts."""
+    x = torch.arange(24).reshape(1, 24)
+    for world in (1, 2, 3):
+        natural = ua._reorder(x, 1, "zigzag", world, to_natural=True)
+        assert torch.equal(ua._reorder(natural, 1, "zigzag", world, to_natural=False), x)
+        assert torch.equal(ua._reorder(x, 1, "contiguous", world, to_natural=True), x)
+    # rank order of 2 ranks under zigzag: chunks 0, 3 | 1, 2 (6 positions each)
+    assert ua._reorder(x, 1, "zigzag", 2, to_natural=True)[0, ::6].tolist() == [0, 12, 18, 6]
+
+
+BAD = [  # (q heads, kv heads, error, message): on 2 ranks
+    (3, 3, ValueError, r"q \(bshd dim 2\) has 3 heads, not divisible by the group size 2"),
+    (6, 3, ValueError, r"k/v have 3 heads and the group 2 ranks: expected one to divide the other"),
+]
+
+
+def _bad_inputs_on_rank():
+    for i, (heads, kv_heads, exc_type, pattern) in enumerate(BAD):
+        q = torch.ones(2, 6, heads, 8, dtype=torch.float64)
+        k = v = torch.ones(2, 6, kv_heads, 8, dtype=torch.float64)
+        with pytest.raises(exc_type, match=pattern), no_communication():
+            ok.ulysses_attention(q, k, v)
+    q = k = v = torch.ones(2, 6, 2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"layout='zigzag' needs S divisible"), no_communication():
+        ok.ulysses_attention(q[:, :5], k[:, :5], v[:, :5], layout="zigzag")
+    with pytest.raises(ValueError, match=re.escape("q was laid out with layout='zigzag'")), no_communication():
+        ok.ulysses_attention(ok.shard_sequence(torch.ones(2, 12, 2, 8), layout="zigzag"), k, v, layout="contiguous")
+    with pytest.raises(TypeError, match=r"causal='yes': expected a bool"), no_communication():
+        ok.ulysses_attention(q, k, v, causal="yes")
+    total = torch.ones(1)
+    dist.all_reduce(total)  # nobody communicated before raising
+    return int(total)
+
+
+def test_bad_input_raises_before_communicating(rank_pool):
+    assert rank_pool(2).run(_bad_inputs_on_rank) == [2, 2]
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_group_of_one_is_local_attention():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 6, h, 4, generator=g, dtype=torch.float64) for h in (2, 1, 1))
+    torch.testing.assert_close(ok.ulysses_attention(q, k, v, causal=True), ok.local_attention(q, k, v, causal=True),
+                               atol=0, rtol=0)
