@@ -79,10 +79,11 @@ def test_kernels_with_segment_ids_vs_sdpa(causal):
     torch.testing.assert_close(dv, vr.grad.float().reshape(2, 2, 4, 700, 128).sum(2), atol=5e-2, rtol=5e-2)
 
 
-def _ring_bf16_one_gpu_on_rank(layout, documents=False):
+def _ring_bf16_one_gpu_on_rank(layout, documents=False, attention="ring_attention"):
     """Two processes sharing cuda:0, gloo moving K/V through host memory: the ring on the compiled
     Triton kernels in bf16 vs SDPA on the full sequence; with ``documents``, packed documents (segment
-    ids travelling with K/V) vs SDPA with their mask."""
+    ids travelling with K/V) vs SDPA with their mask. ``attention="ulysses_attention"``: its
+    all-to-alls (through host memory too) around the same kernels instead."""
     import overlapkernels as ok
 
     torch.cuda.set_device(0)
@@ -107,8 +108,8 @@ def _ring_bf16_one_gpu_on_rank(layout, documents=False):
         return ok.shard_sequence(x.detach(), layout=layout)
 
     ql, kl, vl = (local(x).requires_grad_() for x in (q, k, v))
-    out = ok.ring_attention(ql, kl, vl, causal=True, layout=layout,
-                            segment_ids=None if ids is None else ok.shard_sequence(ids, dim=1, layout=layout))
+    out = getattr(ok, attention)(ql, kl, vl, causal=True, layout=layout,
+                                 segment_ids=None if ids is None else ok.shard_sequence(ids, dim=1, layout=layout))
     out.backward(local(do))
     for name, got, ref_t in (("out", out, want), ("dq", ql.grad, q.grad), ("dk", kl.grad, k.grad),
                              ("dv", vl.grad, v.grad)):
@@ -126,6 +127,12 @@ def test_ring_bf16_two_ranks_one_gpu(rank_pool, layout):
 @pytest.mark.gpu
 def test_ring_bf16_two_ranks_one_gpu_packed_documents(rank_pool):
     assert rank_pool(2).run(_ring_bf16_one_gpu_on_rank, "zigzag", True) == [True, True]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout, documents", [("zigzag", False), ("contiguous", True)])
+def test_ulysses_bf16_two_ranks_one_gpu(rank_pool, layout, documents):
+    assert rank_pool(2).run(_ring_bf16_one_gpu_on_rank, layout, documents, "ulysses_attention") == [True, True]
 
 
 @pytest.mark.gpu
