@@ -108,9 +108,33 @@ def test_gpt_with_packed_documents_matches_dense(rank_pool, layout_kwargs, seque
 def test_gpt_with_ulysses_attention_matches_dense(rank_pool, layout_kwargs, sequence_parallel, kv_heads, documents):
     """cp_attention="ulysses": the heads of each TP rank split over CP (tp=2 x cp=2: 2 query heads and
     1 key/value head per TP rank, copied to both CP ranks; cp=4 with MQA: copied to all four)."""
-    losses = rank_pool(4).run(_gpt_on_rank, layout_kwargs, sequence_parallel, "auto", kv_heads, False, None, False,
-                              documents, False, "ulysses")
+    losses = rank_pool(4).run(_ulysses_gpt_on_rank, layout_kwargs, sequence_parallel, kv_heads, documents)
     assert len(set(losses)) == 1
+
+
+def _ulysses_gpt_on_rank(layout_kwargs, sequence_parallel, kv_heads, documents):
+    """_gpt_on_rank with the layers' ring_attention refused and their ulysses_attention calls counted:
+    matching the dense GPT through the ring would say nothing of ulysses."""
+    import overlapkernels.layers.attention as attention_module
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return ok.ulysses_attention(*args, **kwargs)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("cp_attention='ulysses' ran ring_attention")
+
+    saved = attention_module.ring_attention, attention_module.ulysses_attention
+    attention_module.ring_attention, attention_module.ulysses_attention = refused, counted
+    try:
+        loss = _gpt_on_rank(layout_kwargs, sequence_parallel, "auto", kv_heads, False, None, False, documents, False,
+                            "ulysses")
+    finally:
+        attention_module.ring_attention, attention_module.ulysses_attention = saved
+    assert calls, "the layers never called ulysses_attention"
+    return loss
 
 
 def test_ulysses_heads_that_do_not_split_over_cp_are_refused_at_construction(rank_pool):

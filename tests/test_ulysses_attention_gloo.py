@@ -124,3 +124,63 @@ def test_group_of_one_is_local_attention():
     q, k, v = (torch.randn(1, 6, h, 4, generator=g, dtype=torch.float64) for h in (2, 1, 1))
     torch.testing.assert_close(ok.ulysses_attention(q, k, v, causal=True), ok.local_attention(q, k, v, causal=True),
                                atol=0, rtol=0)
+
+
+def _edge_cases_on_rank():
+    """Empty tensors (batch 0, local sequence 0, head dim 0) as ring_attention takes them, and the
+    returned lse modified in place (ring_attention's is)."""
+    for shape in [(0, 4, 2, 4), (1, 0, 2, 4), (1, 4, 2, 0)]:
+        q = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+        out, lse = ok.ulysses_attention(q, q, q, causal=True, return_lse=True)
+        want, want_lse = ok.ring_attention(q, q, q, causal=True, return_lse=True)
+        assert out.shape == want.shape and lse.shape == want_lse.shape
+        (out.sum() + lse.sum()).backward()
+    q = torch.randn(1, 4, 2, 4, dtype=torch.float64, requires_grad=True)
+    out, lse = ok.ulysses_attention(q, q, q, causal=True, return_lse=True)
+    lse += 1
+    (out.sum() + lse.sum()).backward()
+    return True
+
+
+def test_empty_tensors_and_an_lse_modified_in_place(rank_pool):
+    assert rank_pool(2).run(_edge_cases_on_rank) == [True] * 2
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_group_of_one_odd_sizes_with_lse(dtype):
+    """A group of one: the received buffer's parts are not copied, and out's bytes (odd element
+    counts) leave the fp32 lse part at an offset no float view may start at."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 3, 1, 3, generator=g, dtype=torch.float64).to(dtype) for _ in range(3))
+    out, lse = ok.ulysses_attention(q, k, v, causal=True, return_lse=True)
+    want, want_lse = ok.local_attention(q, k, v, causal=True, return_lse=True)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+
+
+def _kernel_limits_on_rank():
+    """With the Triton kernels, their limits are checked for what they will run on - H/P heads of the
+    whole sequence (key/value heads copied) - before the first all-to-all, not for the local shapes."""
+    ra = importlib.import_module("overlapkernels.ops.ring_attention")
+    seen = []
+
+    class Kernels:
+        @staticmethod
+        def check_inputs(q_shape, kv_shape, dtype, device):
+            seen.append((tuple(q_shape), tuple(kv_shape)))
+            raise ValueError("refused by the kernels' limits")
+
+    own_backend, own_default = ua._backend, ra.default_backend
+    ua._backend, ra.default_backend = (lambda name: Kernels), (lambda q: "triton")
+    try:
+        q, kv = torch.ones(2, 6, 4, 8), torch.ones(2, 6, 1, 8)  # [B, S_local, H, D]: 1 key/value head, copied
+        with pytest.raises(ValueError, match="refused by the kernels' limits"), no_communication():
+            ok.ulysses_attention(q, kv, kv)
+    finally:
+        ua._backend, ra.default_backend = own_backend, own_default
+    return seen
+
+
+def test_kernel_limits_are_checked_for_the_whole_sequence(rank_pool):
+    assert rank_pool(2).run(_kernel_limits_on_rank) == [[((2, 2, 12, 8), (2, 1, 12, 8))]] * 2

@@ -27,7 +27,7 @@ from ._autocast import autocast_off
 from ._autograd import first_order_only
 from ._validate import same_call_on_every_rank
 from .local_attention import LocalAttention
-from .ring_attention import SEQ_DIM, _from_bhsd, _to_bhsd, checked_cp_inputs
+from .ring_attention import SEQ_DIM, _backend, _from_bhsd, _to_bhsd, checked_cp_inputs
 from .sequence_shard import _chunk_order, _split_count, tag_layout
 
 
@@ -54,8 +54,13 @@ def _exchange_over(group, blocks: list) -> list:
     staged = send.is_cuda and not uses_nccl(group)
     got = all_to_all(send.cpu() if staged else send, group)[0]
     got = got.to(send.device) if staged else got
-    return [part.contiguous().view(t.dtype).reshape(t.shape)
-            for part, t in zip(got.split([f.shape[1] for f in flat], dim=1), blocks)]
+    out = []
+    for part, t in zip(got.split([f.shape[1] for f in flat], dim=1), blocks):
+        res = torch.empty(t.shape, dtype=t.dtype, device=got.device)  # fresh, aligned, whatever part's offset
+        if res.numel():
+            res.view(world, -1).view(torch.uint8).copy_(part)
+        out.append(res)
+    return out
 
 
 def seq_to_heads(parts: list, group, layout: str) -> list:
@@ -143,6 +148,10 @@ def ulysses_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, 
                                                               softmax_scale, layout, qkv_format, return_lse,
                                                               segment_ids)
         copies = check_heads(q.shape[2], k.shape[2], world, f"q ({qkv_format} dim 2)")
+        if backend == "triton":  # the kernels' limits for what they will see: H/P heads of the whole sequence
+            (b, h, s, d), h_kv = _to_bhsd(q, qkv_format).shape, k.shape[2] * copies
+            _backend(backend).check_inputs((b, h // world, s * world, d), (b, h_kv // world, s * world, d), q.dtype,
+                                           q.device)
     with span("ok/ulysses_attention"), autocast_off(q.device):
         q, k, v = (_to_bhsd(t, qkv_format) for t in (q, k, v))
         if copies > 1:  # rank r's query heads all use key/value head r // copies
@@ -154,5 +163,5 @@ def ulysses_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, 
         out, lse = _Trade.apply(False, group, layout, out, lse.unsqueeze(-1))
     out = tag_layout(_from_bhsd(out, qkv_format).clone(memory_format=torch.contiguous_format), SEQ_DIM[qkv_format],
                      group, layout)
-    return (out, lse.squeeze(-1)) if return_lse else out
+    return (out, lse.squeeze(-1).clone()) if return_lse else out
 
