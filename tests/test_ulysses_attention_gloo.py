@@ -1,6 +1,7 @@
 """ulysses_attention (context parallelism by all-to-all) on gloo ranks: against SDPA over the whole
 sequence (fp64, ring attention's own cases and packed documents), against ring attention, and its
 bad inputs refused before any communication."""
+import functools
 import importlib
 import re
 
@@ -184,3 +185,45 @@ def _kernel_limits_on_rank():
 
 def test_kernel_limits_are_checked_for_the_whole_sequence(rank_pool):
     assert rank_pool(2).run(_kernel_limits_on_rank) == [[((2, 2, 12, 8), (2, 1, 12, 8))]] * 2
+
+
+def _chunked_cases_on_rank():
+    """Every number of head groups gives SDPA's results; then the pipeline's order: chunk c + 1's
+    trade posted before chunk c attends, its output traded back before chunk c + 1 attends."""
+    for chunks in (1, 2, 4):  # 8 heads over 2 ranks: 4 query and 4 key/value heads per rank
+        dense_case("zigzag", True, 8, 8, "bshd", True, attention=functools.partial(ok.ulysses_attention,
+                                                                                  head_chunks=chunks))
+    dense_case("contiguous", True, 8, 4, "sbhd", True, attention=functools.partial(ok.ulysses_attention, head_chunks=2))
+    events = []
+    own_a2a, own_fwd, own_bwd = ua.all_to_all, ua.ring_forward, ua.ring_backward
+    ua.all_to_all = lambda *a, **k: (events.append("trade"), own_a2a(*a, **k))[1]
+    ua.ring_forward = lambda *a, **k: (events.append("attend"), own_fwd(*a, **k))[1]
+    ua.ring_backward = lambda *a, **k: (events.append("attend backward"), own_bwd(*a, **k))[1]
+    try:
+        q = torch.randn(1, 4, 4, 2, dtype=torch.float64, requires_grad=True)
+        out = ok.ulysses_attention(q, q, q, head_chunks=2)
+        forward = list(events)
+        events.clear()
+        out.sum().backward()
+    finally:
+        ua.all_to_all, ua.ring_forward, ua.ring_backward = own_a2a, own_fwd, own_bwd
+    return forward, events
+
+
+def test_head_chunks_pipeline_the_trades(rank_pool):
+    forward, backward = rank_pool(2).run(_chunked_cases_on_rank)[0]
+    assert forward == ["trade", "trade", "attend", "trade", "attend", "trade"]
+    assert backward == ["trade", "trade", "attend backward", "trade", "attend backward", "trade"]
+
+
+def _bad_chunks_on_rank():
+    q = torch.ones(1, 4, 4, 2, dtype=torch.float64)  # 2 query and 2 key/value heads per rank
+    for bad in (3, 0, True, 2.0, "2"):
+        with pytest.raises(ValueError, match=f"head_chunks={bad!r}: expected an integer >= 1 dividing the 2 query and "
+                                             "2 key/value heads each rank attends with"), no_communication():
+            ok.ulysses_attention(q, q, q, head_chunks=bad)
+    return True
+
+
+def test_bad_head_chunks_are_refused_before_communicating(rank_pool):
+    assert rank_pool(2).run(_bad_chunks_on_rank) == [True, True]

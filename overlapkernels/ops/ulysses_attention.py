@@ -3,9 +3,14 @@ attend over the whole sequence, trade back.
 
 Each rank holds a part of the sequence with every head. One all-to-all (q, k and v in one message)
 gives each rank the whole sequence for H/P of the query heads and their key/value heads; the
-attention is local (``local_attention``'s kernels and autograd, segment ids and all); a second
-all-to-all brings the output back to the sequence split. Backward is the same trades in reverse,
-around the attention's backward: every move is a permutation, so gradients are exact.
+attention is local (``local_attention``'s kernels, segment ids and all); a second all-to-all (out and
+the lse) brings the output back to the sequence split. Backward is the same trades in reverse, around
+the attention's backward: every move is a permutation, so gradients are exact.
+
+The heads of a rank attend in ``head_chunks`` groups (2 by default where they split): group c + 1's
+trade and group c - 1's trade back travel (async all-to-alls: NCCL's stream, gloo's threads) while
+group c attends, so only the first trade and the last trade back are exposed, as with the ring's
+first and last hops. Each group is a problem of its own: a query head's key/value head is in it.
 
 Beside ``ring_attention``: two all-to-alls of activations per call (each moving (P-1)/P of q, k, v
 or out) instead of P-1 hops of K/V, and no per-step merge; but the heads must split over the group
@@ -23,11 +28,10 @@ from .._compat import eager_under_compile
 from ..comm.collectives import all_gather, all_to_all
 from ..parallel import resolve_group, uses_nccl
 from ..profiling.ranges import span
-from ._autocast import autocast_off
+from ._autocast import autocast_off, backward_without_autocast
 from ._autograd import first_order_only
 from ._validate import same_call_on_every_rank
-from .local_attention import LocalAttention
-from .ring_attention import SEQ_DIM, _backend, _from_bhsd, _to_bhsd, checked_cp_inputs
+from .ring_attention import SEQ_DIM, _backend, _from_bhsd, _to_bhsd, checked_cp_inputs, ring_backward, ring_forward
 from .sequence_shard import _chunk_order, _split_count, tag_layout
 
 
@@ -44,67 +48,153 @@ def _reorder(x: torch.Tensor, dim: int, layout: str, world: int, to_natural: boo
     return torch.cat([chunks[c] for c in order], dim=dim)
 
 
-def _exchange_over(group, blocks: list) -> list:
-    """All-to-all of ``blocks`` ([P, ...] each, any shapes and dtypes: block j of each goes to rank j)
-    as one message of bytes -> what each rank sent, shaped alike. gloo moves host memory only, so
-    CUDA tensors travel through CPU copies there (N ranks sharing one GPU), as comm.ring does."""
+class _Trade:
+    """One all-to-all in flight: ``blocks`` ([P, ...] each, any shapes and dtypes; block j of each
+    goes to rank j) sent as one message of bytes; ``wait()`` -> what each rank sent, shaped alike,
+    then ``finish`` of that list. gloo moves host memory only, so CUDA tensors travel through CPU
+    copies there (N ranks sharing one GPU), and synchronously, as comm.ring's do."""
+
+    def __init__(self, group, blocks: list, finish):
+        self.world, self.blocks, self.finish = dist.get_world_size(group), blocks, finish
+        flat = [t.contiguous().reshape(self.world, -1).view(torch.uint8) for t in blocks]
+        self.sizes = [f.shape[1] for f in flat]
+        self.send = torch.cat(flat, dim=1)  # (kept until the wait: the collective reads it meanwhile)
+        self.device = self.send.device
+        if self.send.is_cuda and not uses_nccl(group):
+            self.got, self.work = all_to_all(self.send.cpu(), group)[0].to(self.device), None
+        else:
+            self.got, self.work = all_to_all(self.send, group, async_op=True)
+
+    def wait(self) -> list:
+        if self.work is not None:
+            self.work.wait()
+        out = []
+        for part, t in zip(self.got.split(self.sizes, dim=1), self.blocks):
+            res = torch.empty(t.shape, dtype=t.dtype, device=self.device)  # fresh, aligned, whatever part's offset
+            if res.numel():
+                res.view(self.world, -1).view(torch.uint8).copy_(part)
+            out.append(res)
+        self.send = self.got = None
+        return self.finish(out)
+
+
+def seq_to_heads(parts: list, group, layout: str) -> _Trade:
+    """Starts the trade of [B, H_i, S_local, D_i] each for [B, H_i/P, S, D_i] each: this rank's H_i/P
+    heads (head group r) over the whole sequence, in its order. One all-to-all for all of ``parts``."""
     world = dist.get_world_size(group)
-    flat = [t.contiguous().reshape(world, -1).view(torch.uint8) for t in blocks]
-    send = torch.cat(flat, dim=1)
-    staged = send.is_cuda and not uses_nccl(group)
-    got = all_to_all(send.cpu() if staged else send, group)[0]
-    got = got.to(send.device) if staged else got
-    out = []
-    for part, t in zip(got.split([f.shape[1] for f in flat], dim=1), blocks):
-        res = torch.empty(t.shape, dtype=t.dtype, device=got.device)  # fresh, aligned, whatever part's offset
-        if res.numel():
-            res.view(world, -1).view(torch.uint8).copy_(part)
-        out.append(res)
-    return out
+
+    def finish(got):  # block i received: rank i's sequence part
+        out = []
+        for t in got:
+            p, b, h, s_local, d = t.shape
+            out.append(_reorder(t.permute(1, 2, 0, 3, 4).reshape(b, h, p * s_local, d), 2, layout, world,
+                                to_natural=True))
+        return out
+
+    # block j of each part (its head group j) goes to rank j
+    return _Trade(group, [t.reshape(t.shape[0], world, t.shape[1] // world, *t.shape[2:]).transpose(0, 1)
+                          for t in parts], finish)
 
 
-def seq_to_heads(parts: list, group, layout: str) -> list:
-    """[B, H_i, S_local, D_i] each -> [B, H_i/P, S, D_i] each: this rank's H_i/P heads (head group
-    r) over the whole sequence, in its order. One all-to-all for all of ``parts``."""
-    world = dist.get_world_size(group)
-    # block j of each part (its head group j) goes to rank j; block i received: rank i's sequence part
-    blocks = [t.reshape(t.shape[0], world, t.shape[1] // world, *t.shape[2:]).transpose(0, 1) for t in parts]
-    got = _exchange_over(group, blocks)
-    out = []
-    for t in got:
-        p, b, h, s_local, d = t.shape
-        whole = t.permute(1, 2, 0, 3, 4).reshape(b, h, p * s_local, d)
-        out.append(_reorder(whole, 2, layout, world, to_natural=True))
-    return out
-
-
-def heads_to_seq(parts: list, group, layout: str) -> list:
-    """The inverse of ``seq_to_heads``: [B, H_i/P, S, D_i] each -> [B, H_i, S_local, D_i] each."""
+def heads_to_seq(parts: list, group, layout: str) -> _Trade:
+    """Starts the inverse of ``seq_to_heads``: [B, H_i/P, S, D_i] each -> [B, H_i, S_local, D_i] each."""
     world = dist.get_world_size(group)
     blocks = []
     for t in parts:  # block j: sequence part j (in the ranks' order) of this rank's head group
         b, h, s, d = t.shape
         ranked = _reorder(t, 2, layout, world, to_natural=False)
         blocks.append(ranked.reshape(b, h, world, s // world, d).permute(2, 0, 1, 3, 4))
-    got = _exchange_over(group, blocks)  # block i: head group i of this rank's sequence part
-    return [t.transpose(0, 1).reshape(t.shape[1], world * t.shape[2], *t.shape[3:]) for t in got]
+    # block i received: head group i of this rank's sequence part
+    return _Trade(group, blocks, lambda got: [t.transpose(0, 1).reshape(t.shape[1], world * t.shape[2], *t.shape[3:])
+                                              for t in got])
 
 
-class _Trade(torch.autograd.Function):
-    """``seq_to_heads`` (q, k, v) or ``heads_to_seq`` (out, lse) forward, the other on the gradients
-    backward: a permutation's gradient is its inverse (a gradient autograd leaves None arrives as
-    zeros: the lse's when only out is used)."""
+def _head_chunk(t: torch.Tensor, world: int, chunks: int, c: int) -> torch.Tensor:
+    """Chunk ``c`` of ``chunks`` of every rank's head group of [B, H, ...]: heads j H/P + c H/(P chunks)
+    + i for every rank j, a problem of its own (a query head's key/value head falls in its chunk)."""
+    b, h = t.shape[:2]
+    return t.reshape(b, world, chunks, h // (world * chunks), *t.shape[2:])[:, :, c].reshape(b, h // chunks,
+                                                                                          *t.shape[2:])
+
+
+def _merge_head_chunks(parts: list, world: int) -> torch.Tensor:
+    """The inverse of ``_head_chunk`` over all chunks: [B, H/chunks, ...] each -> [B, H, ...]."""
+    b, h = parts[0].shape[:2]
+    rest = parts[0].shape[2:]
+    return torch.stack([t.reshape(b, world, h // world, *rest) for t in parts], dim=2).reshape(b, h * len(parts),
+                                                                                              *rest)
+
+
+class _Ulysses(torch.autograd.Function):
+    """Trades, attention and trades back, over ``chunks`` groups of heads in a pipeline: chunk c+1's
+    q/k/v trade and chunk c-1's output trade travel while chunk c attends (forward), and likewise for
+    the gradients (backward); with one chunk every trade is exposed. Every trade is a permutation.
+
+    | tensor  | shape per rank              | forward                              | backward                        |
+    |---------|-----------------------------|--------------------------------------|---------------------------------|
+    | q, k, v | [B, H(kv), S_local, D]      | traded for [B, H(kv)/P, S, D]        | their gradients traded back     |
+    | out     | [B, H/P, S, D] -> local     | traded back with the lse             | dout, dlse traded for the heads |
+    """
 
     @staticmethod
-    def forward(ctx, to_heads: bool, group, layout, *parts):
-        ctx.args = to_heads, group, layout
-        return tuple((seq_to_heads if to_heads else heads_to_seq)(list(parts), group, layout))
+    def forward(ctx, q, k, v, segments, group, causal, scale, layout, backend, chunks):
+        world = dist.get_world_size(group)
+        ids = _whole_ids(segments, group, layout) if segments is not None else None
+
+        def trade(c):
+            return seq_to_heads([_head_chunk(t, world, chunks, c) for t in (q, k, v)], group, layout)
+
+        saved, backs, nxt = [], [], trade(0)
+        for c in range(chunks):
+            cur, nxt = nxt, trade(c + 1) if c + 1 < chunks else None  # c + 1's trade travels while c attends
+            with span(f"ok/ulysses_attention/chunk{c}/comm"):
+                qh, kh, vh = cur.wait()
+            with span(f"ok/ulysses_attention/chunk{c}/compute"):
+                out, lse = ring_forward(qh, kh, vh, None, causal, scale, "contiguous", backend, ids)
+                out = out.to(q.dtype)
+            saved += [qh, kh, vh, out, lse]  # (the lse in the accumulation dtype: fp64 inputs' backward needs it)
+            # the lse [B, H/P, S] travels in fp32 (the API's, as ring_attention's) as a head dim of size 1
+            backs.append(heads_to_seq([out, lse.to(torch.float32).unsqueeze(-1)], group, layout))
+        with span("ok/ulysses_attention/comm"):
+            results = [b.wait() for b in backs]
+        ctx.save_for_backward(ids, *saved)
+        ctx.args, ctx.device = (group, causal, scale, layout, backend, chunks), q.device
+        ctx.set_materialize_grads(False)
+        return (_merge_head_chunks([r[0] for r in results], world),
+                _merge_head_chunks([r[1] for r in results], world).squeeze(-1))
 
     @staticmethod
     @first_order_only("ulysses_attention")
-    def backward(ctx, *grads):
-        to_heads, group, layout = ctx.args
-        return (None, None, None, *(heads_to_seq if to_heads else seq_to_heads)(list(grads), group, layout))
+    @backward_without_autocast
+    def backward(ctx, dout, dlse):
+        group, causal, scale, layout, backend, chunks = ctx.args
+        world = dist.get_world_size(group)
+        ids, *saved = ctx.saved_tensors
+        b, h, s_local, d = saved[3].shape[0], saved[3].shape[1] * chunks * world, saved[3].shape[2] // world, \
+            saved[3].shape[3]
+        if dout is None:
+            dout = torch.zeros(b, h, s_local, d, dtype=saved[3].dtype, device=saved[3].device)
+        if dlse is None:
+            dlse = torch.zeros(b, h, s_local, dtype=torch.float32, device=dout.device)
+
+        def trade(c):
+            return seq_to_heads([_head_chunk(dout, world, chunks, c), _head_chunk(dlse.unsqueeze(-1), world, chunks, c)],
+                                group, layout)
+
+        backs, nxt = [], trade(0)
+        for c in range(chunks):
+            cur, nxt = nxt, trade(c + 1) if c + 1 < chunks else None
+            with span(f"ok/ulysses_attention/backward/chunk{c}/comm"):
+                dout_h, dlse_h = cur.wait()
+            qh, kh, vh, out, lse = saved[5 * c:5 * c + 5]
+            with span(f"ok/ulysses_attention/backward/chunk{c}/compute"):
+                dq, dk, dv = ring_backward(qh, kh, vh, ids, out, lse, dout_h.contiguous(), dlse_h.squeeze(-1), None,
+                                           causal, scale, "contiguous", backend)
+            backs.append(heads_to_seq([dq.to(qh.dtype), dk.to(kh.dtype), dv.to(vh.dtype)], group, layout))
+        with span("ok/ulysses_attention/backward/comm"):
+            grads = [bk.wait() for bk in backs]
+        dq, dk, dv = (_merge_head_chunks([g[i] for g in grads], world) for i in range(3))
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def _whole_ids(segments: torch.Tensor, group, layout: str) -> torch.Tensor:
@@ -132,15 +222,29 @@ def check_heads(heads: int, kv_heads: int, world: int, what: str = "q") -> int:
     return world // kv_heads
 
 
+def _check_chunks(head_chunks, heads: int, kv_heads: int) -> int:
+    """-> the number of head groups; ``heads`` / ``kv_heads``: per rank after the trade."""
+    if head_chunks is None:
+        return 2 if heads % 2 == 0 and kv_heads % 2 == 0 else 1
+    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1 or heads % head_chunks \
+            or kv_heads % head_chunks:
+        raise ValueError(f"head_chunks={head_chunks!r}: expected an integer >= 1 dividing the {heads} query and "
+                         f"{kv_heads} key/value heads each rank attends with, or None")
+    return head_chunks
+
+
 @eager_under_compile  # takes a ProcessGroup: see _compat
 def ulysses_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, layout="contiguous",
-                      qkv_format="bshd", return_lse=False, segment_ids=None):
+                      qkv_format="bshd", return_lse=False, segment_ids=None, head_chunks=None):
     """Attention of this rank's queries over the whole sequence spread across ``group``, by
     all-to-all (DeepSpeed-Ulysses). Arguments and results as ``ring_attention``'s: q [B, S_local, H, D],
     k/v [B, S_local, H_kv, D] (``"sbhd"``: sequence first) laid out as ``shard_sequence(...,
     layout=layout)`` lays them out; ``segment_ids`` [B, S_local] sharded as q; returns out like q (and
     with ``return_lse`` the fp32 log-sum-exp [B, H, S_local]). Also needs H divisible by the group
-    size, and H_kv divisible by it or dividing it (fewer key/value heads than ranks are copied)."""
+    size, and H_kv divisible by it or dividing it (fewer key/value heads than ranks are copied).
+    ``head_chunks``: the heads of each rank attend in this many groups, each group's all-to-alls
+    travelling while its neighbours attend (1: every all-to-all exposed); it must divide the query and
+    the key/value heads per rank. None: 2 where they split in two, else 1."""
     group = resolve_group(group)
     world = dist.get_world_size(group)
     with same_call_on_every_rank(group, "ulysses_attention", getattr(q, "device", None)) as call:
@@ -148,6 +252,8 @@ def ulysses_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, 
                                                               softmax_scale, layout, qkv_format, return_lse,
                                                               segment_ids)
         copies = check_heads(q.shape[2], k.shape[2], world, f"q ({qkv_format} dim 2)")
+        chunks = _check_chunks(head_chunks, q.shape[2] // world, k.shape[2] * copies // world)
+        call.args["head_chunks"] = chunks
         if backend == "triton":  # the kernels' limits for what they will see: H/P heads of the whole sequence
             (b, h, s, d), h_kv = _to_bhsd(q, qkv_format).shape, k.shape[2] * copies
             _backend(backend).check_inputs((b, h // world, s * world, d), (b, h_kv // world, s * world, d), q.dtype,
@@ -156,12 +262,9 @@ def ulysses_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, 
         q, k, v = (_to_bhsd(t, qkv_format) for t in (q, k, v))
         if copies > 1:  # rank r's query heads all use key/value head r // copies
             k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
-        qh, kh, vh = _Trade.apply(True, group, layout, q, k, v)
-        whole_ids = _whole_ids(segments, group, layout) if segments is not None else None
-        out, lse = LocalAttention.apply(qh, kh, vh, whole_ids, None, causal, scale, "contiguous", backend)
-        # the lse [B, H/P, S] travels as a head dim of size 1 beside out's D
-        out, lse = _Trade.apply(False, group, layout, out, lse.unsqueeze(-1))
+        out, lse = _Ulysses.apply(q, k, v, segments, group, causal, scale, layout, backend, chunks)
+    # copies laid out like q (callers .view() it) and never the tensors saved for backward, as ring_attention's
     out = tag_layout(_from_bhsd(out, qkv_format).clone(memory_format=torch.contiguous_format), SEQ_DIM[qkv_format],
                      group, layout)
-    return (out, lse.squeeze(-1).clone()) if return_lse else out
+    return (out, lse.clone()) if return_lse else out
 
