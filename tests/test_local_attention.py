@@ -121,6 +121,24 @@ def test_no_process_group_is_needed_and_nothing_travels(monkeypatch):
     _check(torch.float64, "bshd", True, True, 1e-12)
 
 
+def test_a_ring_of_one_allocates_no_exchange_buffers(monkeypatch):
+    """Forward and backward on a ring of one receive nothing: no buffers shaped as K/V (the ring's
+    double buffers, and backward's fp32 partial sums, were allocated anyway: 4 K/V-sized tensors)."""
+    ra = importlib.import_module("overlapkernels.ops.ring_attention")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 16, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 1, 16, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    shapes = []
+    own_empty, own_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(ra.torch, "empty", lambda *a, **kw: (shapes.append(tuple(a[0]) if a else None),
+                                                             own_empty(*a, **kw))[1])
+    monkeypatch.setattr(ra.torch, "empty_like", lambda t, **kw: (shapes.append(tuple(t.shape)), own_like(t, **kw))[1])
+    out, lse = ra.ring_forward(q.detach(), k.detach(), v.detach(), None, True, 0.5, "contiguous", "torch")
+    ra.ring_backward(q.detach(), k.detach(), v.detach(), None, out, lse, torch.ones_like(out), None, None, True, 0.5,
+                     "contiguous", "torch")
+    assert tuple(k.shape) not in shapes, shapes
+
+
 def test_autocast_runs_in_its_dtype_and_gradients_reach_fp32_leaves():
     """Inside torch.autocast: bf16, as SDPA; the backward (run inside too) must not autocast its own
     fp32 math: everything equals the same call on inputs cast by hand, bitwise."""

@@ -227,3 +227,89 @@ def _bad_chunks_on_rank():
 
 def test_bad_head_chunks_are_refused_before_communicating(rank_pool):
     assert rank_pool(2).run(_bad_chunks_on_rank) == [True, True]
+
+
+def _overlap_on_rank():
+    """The trades are async (async_op=True) and overlap the attention: chunk c + 1's trade is posted
+    before chunk c attends and waited for after, chunk c's trade back waited for after chunk c + 1
+    attends; the default splits 2 heads per rank in 2 groups. An order of posts alone passed with
+    synchronous all-to-alls or a trade waited for as soon as it was posted (no overlap left)."""
+    events, asyncs = [], []
+    own_a2a, own_fwd, own_bwd = ua.all_to_all, ua.ring_forward, ua.ring_backward
+    own_init, own_wait = ua._Trade.__init__, ua._Trade.wait
+
+    def init(self, *a, **k):
+        own_init(self, *a, **k)
+        self.number = sum(e[0] == "post" for e in events)
+        events.append(("post", self.number))
+
+    def wait(self):
+        events.append(("wait", self.number))
+        return own_wait(self)
+
+    ua.all_to_all = lambda *a, **k: (asyncs.append(k.get("async_op", False)), own_a2a(*a, **k))[1]
+    ua.ring_forward = lambda *a, **k: (events.append(("attend",)), own_fwd(*a, **k))[1]
+    ua.ring_backward = lambda *a, **k: (events.append(("attend",)), own_bwd(*a, **k))[1]
+    ua._Trade.__init__, ua._Trade.wait = init, wait
+    try:
+        q = torch.randn(1, 4, 4, 2, dtype=torch.float64, requires_grad=True)  # 2 heads a rank: 2 groups by default
+        out = ok.ulysses_attention(q, q, q)
+        forward = list(events)
+        events.clear()
+        out.sum().backward()
+        backward = list(events)
+    finally:
+        ua.all_to_all, ua.ring_forward, ua.ring_backward = own_a2a, own_fwd, own_bwd
+        ua._Trade.__init__, ua._Trade.wait = own_init, own_wait
+    for seen in (forward, backward):
+        attends = [i for i, e in enumerate(seen) if e == ("attend",)]
+        at = {e: i for i, e in enumerate(seen) if e[0] != "attend"}
+        assert len(attends) == 2 and len(at) == 8, seen  # trades 0, 1 (in), 2, 3 (back: chunk 0's, 1's)
+        assert at["post", 1] < attends[0] < at["wait", 1], seen  # chunk 1's trade travels while chunk 0 attends
+        assert at["post", 2] < attends[1] < at["wait", 2], seen  # chunk 0's trade back while chunk 1 attends
+        assert all(at["wait", n] > at["post", n] for n in range(4))
+    return asyncs
+
+
+def test_the_trades_overlap_the_attention(rank_pool):
+    assert rank_pool(2).run(_overlap_on_rank) == [[True] * 8] * 2
+
+
+def _gradient_bytes_on_rank():
+    """16-bit inputs: the gradients travel back in the inputs' dtype (as many bytes as q, k, v did
+    forward), not in the fp32 the attention's backward accumulates in."""
+    sizes = []
+    own_a2a = ua.all_to_all
+    ua.all_to_all = lambda x, *a, **k: (sizes.append(x.numel()), own_a2a(x, *a, **k))[1]
+    try:
+        g = torch.Generator().manual_seed(dist.get_rank())
+        q, k, v = (torch.randn(1, 4, h, 8, generator=g).to(torch.bfloat16).requires_grad_() for h in (8, 4, 4))
+        out = ok.ulysses_attention(q, k, v, causal=True, head_chunks=2)
+        forward = list(sizes)
+        sizes.clear()
+        out.float().sum().backward()
+    finally:
+        ua.all_to_all = own_a2a
+    return forward, sizes
+
+
+def test_gradients_travel_in_the_inputs_dtype(rank_pool):
+    forward, backward = rank_pool(2).run(_gradient_bytes_on_rank)[0]
+    assert len(forward) == len(backward) == 4
+    assert backward[2:] == forward[:2]  # dq, dk, dv back: the bytes q, k, v came in
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_trade_in_flight_keeps_only_its_message():
+    """The blocks a trade sends (chunk copies forward; dq, dk, dv backward, all of them until the
+    last trade back) are not held while it travels: the message holds their bytes."""
+    import weakref
+
+    block = torch.randn(1, 1, 2, 3, 4, dtype=torch.float64)
+    want = block.clone()
+    trade = ua._Trade(dist.group.WORLD, [block], lambda got: got)
+    alive = weakref.ref(block)
+    del block
+    assert alive() is None
+    (got,) = trade.wait()
+    assert torch.equal(got, want)

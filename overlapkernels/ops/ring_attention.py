@@ -123,7 +123,8 @@ def ring_forward(q, k, v, group, causal, scale, layout, backend, segments=None):
     r, world = ring.rank, ring.world_size
     out, lse = _empty_result(q)
     own = _travelling(k, v, segments)
-    bufs = [tuple(torch.empty_like(t) for t in own) for _ in range(2)]  # never overwrite the caller's k/v
+    # never overwrite the caller's k/v; a ring of one (local_attention, ulysses_attention) receives nothing
+    bufs = [tuple(torch.empty_like(t) for t in own) for _ in range(2)] if world > 1 else None
     cur = own
     for step in range(world):
         pending = None
@@ -172,9 +173,10 @@ def ring_backward(q, k, v, segments, out, lse, dout, dlse, group, causal, scale,
         delta = delta - dlse.to(acc)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     own = _travelling(k, v, segments)
-    kv_bufs = [tuple(torch.empty_like(t) for t in own) for _ in range(2)]
+    # the travelling blocks' and partial sums' buffers; a ring of one needs neither (2 K/V and 2 fp32 K/V)
+    kv_bufs = [tuple(torch.empty_like(t) for t in own) for _ in range(2)] if world > 1 else None
     grad_bufs = [(torch.empty(k.shape, dtype=acc, device=k.device), torch.empty(v.shape, dtype=acc, device=v.device))
-                 for _ in range(2)]
+                 for _ in range(2)] if world > 1 else None
     cur = own
     grad_inflight = None  # (pending works, the tensors they send)
     for step in range(world):

@@ -55,7 +55,10 @@ class _Trade:
     copies there (N ranks sharing one GPU), and synchronously, as comm.ring's do."""
 
     def __init__(self, group, blocks: list, finish):
-        self.world, self.blocks, self.finish = dist.get_world_size(group), blocks, finish
+        self.world, self.finish = dist.get_world_size(group), finish
+        # shapes and dtypes only: the blocks themselves (copies of chunks, dq/dk/dv) are not kept alive
+        # while the message travels - send holds their bytes
+        self.metas = [(t.shape, t.dtype) for t in blocks]
         flat = [t.contiguous().reshape(self.world, -1).view(torch.uint8) for t in blocks]
         self.sizes = [f.shape[1] for f in flat]
         self.send = torch.cat(flat, dim=1)  # (kept until the wait: the collective reads it meanwhile)
@@ -69,8 +72,8 @@ class _Trade:
         if self.work is not None:
             self.work.wait()
         out = []
-        for part, t in zip(self.got.split(self.sizes, dim=1), self.blocks):
-            res = torch.empty(t.shape, dtype=t.dtype, device=self.device)  # fresh, aligned, whatever part's offset
+        for part, (shape, dtype) in zip(self.got.split(self.sizes, dim=1), self.metas):
+            res = torch.empty(shape, dtype=dtype, device=self.device)  # fresh, aligned, whatever part's offset
             if res.numel():
                 res.view(self.world, -1).view(torch.uint8).copy_(part)
             out.append(res)
