@@ -325,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
         tp.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16 | float64")
         _rank_args(tp, iters=10, warmup=2)
         tp.set_defaults(func=_bench_tp_op)
-    ring = kinds.add_parser("ring-attention", help="ring attention vs all-gather-K/V, zigzag vs contiguous")
+    ring = kinds.add_parser("ring-attention", help="ring attention vs all-gather-K/V, zigzag vs contiguous, and Ulysses")
     ring.add_argument("--seq", type=int, help="whole sequence length, split over the ranks (default: 2048, rounded "
                       "up to a multiple of 2 x ranks)")
     ring.add_argument("--batch", type=int, default=1)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+HEADS, KV_HEADS = 4, 2  # the demo GPT's attention heads
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,8 @@ class DemoConfig:
             from .ops.ulysses_attention import check_heads
 
             check_cp_attention(self.cp_attention, "cp_attention")
-            if self.cp_attention == "ulysses" and self.cp > 1 and 4 % self.tp == 0:  # (a bad tp is named below)
-                check_heads(4 // self.tp, max(1, 2 // self.tp), self.cp, f"each TP rank (4 heads / TP {self.tp})")
+            if self.cp_attention == "ulysses" and self.cp > 1 and KV_HEADS % self.tp == 0:  # (a bad tp: below)
+                check_heads(HEADS // self.tp, KV_HEADS // self.tp, self.cp, f"each TP rank ({HEADS} heads / TP {self.tp})")
         except ValueError as exc:
             problems.append(str(exc))
         if self.dtype not in DTYPES:
@@ -80,8 +81,8 @@ class DemoConfig:
             problems.append(f"activation_checkpointing={self.activation_checkpointing!r}: expected a bool")
         if self.steps < 1 or self.reference_steps < 0:
             problems.append(f"steps={self.steps} must be >= 1 (reference_steps={self.reference_steps} >= 0)")
-        if 2 % self.tp:
-            problems.append(f"tp={self.tp} must divide the 2 KV heads (so tp is 1 or 2)")
+        if KV_HEADS % self.tp:
+            problems.append(f"tp={self.tp} must divide the {KV_HEADS} KV heads (so tp is 1 or 2)")
         if self.layers % (self.pp * self.num_virtual):
             chunks = f" x {self.num_virtual} chunks per rank" if self.num_virtual > 1 else ""
             problems.append(f"layers={self.layers} must be divisible by pp={self.pp}{chunks}")
@@ -148,7 +149,7 @@ def rank_main(config: dict) -> list[dict]:
     from overlapkernels.runtime import pipeline as pp
 
     cfg = DemoConfig(**config)
-    gpt = GPTConfig(vocab_size=cfg.vocab, hidden=cfg.hidden, num_layers=cfg.layers, num_heads=4, num_kv_heads=2,
+    gpt = GPTConfig(vocab_size=cfg.vocab, hidden=cfg.hidden, num_layers=cfg.layers, num_heads=HEADS, num_kv_heads=KV_HEADS,
                     ffn_hidden=2 * cfg.hidden, max_seq_len=cfg.seq, cp_attention=cfg.cp_attention)
     torch.manual_seed(0)
     dense = GPT(gpt, ok.init_parallel())  # every rank: the reference, and the weights everyone starts from

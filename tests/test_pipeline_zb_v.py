@@ -62,3 +62,16 @@ def test_zb_v_makespan_at_unequal_costs(t_f, t_b, t_w):
             assert zbv.makespan == pytest.approx(2 * m * (t_f + t_b + t_w) + (p - 1) * (t_f + max(0.0, t_b - t_w))), (p, m)
             zbh1 = pp.simulate(pp.make_schedule("zb-h1", p, m), t_f=2 * t_f, t_b=2 * t_b, t_w=2 * t_w)
             assert zbv.makespan - zbv.busy[0] == pytest.approx((zbh1.makespan - zbh1.busy[0]) / 2), (p, m)
+
+
+def test_stage_and_rank_maps_refuse_what_is_not_there():
+    """Out of range they answered quietly: under zb-v stage_of(r, 5) gave r's second stage, rank_of(2p) -1."""
+    for kind, v in (("zb-v", 2), ("interleaved-1f1b", 2), ("1f1b", 1)):
+        sched = pp.make_schedule(kind, 3, 6, num_virtual=v)
+        for call, name, bad, count in ((lambda x: sched.stage_of(0, x), "chunk", v, v),
+                                       (lambda x: sched.stage_of(x, 0), "rank", 3, 3),
+                                       (lambda x: sched.rank_of(x), "stage", 3 * v, 3 * v),
+                                       (lambda x: sched.rank_of(x), "stage", -1, 3 * v),
+                                       (lambda x: sched.rank_of(x), "stage", True, 3 * v)):
+            with pytest.raises(ValueError, match=rf"^{name}={bad!r}: expected an integer from 0 to {count - 1}$"):
+                call(bad)

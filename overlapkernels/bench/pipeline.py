@@ -92,8 +92,10 @@ def run_pipeline(cfg: PipelineBenchConfig, group=None) -> list[dict]:
         # ZB-H1 a third of 1F1B's bubble time at t_F = t_B = t_W, i.e. (p-1)/(3m+p-1) of the step; ZB-V
         # at equal chunk costs (p-1)/(6m+p-1) from m = 2p-1 on (each rank idles p-1 forwards in all: r
         # before its first action, p-1-r after its last), and what those costs give with fewer microbatches
-        theory = ((p - 1) / ((3 if kind == "zb-h1" else v) * cfg.microbatches + p - 1) if kind != "zb-v" else
-                  pp.simulate(sched, t_f=1.0, t_b=1.0, t_w=1.0).bubble_fraction)
+        if kind == "zb-v":
+            theory = pp.simulate(sched, t_f=1.0, t_b=1.0, t_w=1.0).bubble_fraction
+        else:
+            theory = (p - 1) / ((3 if kind == "zb-h1" else v) * cfg.microbatches + p - 1)
         rows.append({"kind": kind, "microbatches": cfg.microbatches, "world_size": p, "backend": dist.get_backend(group),
                      "step_us": step_s * 1e6, "min_us": step["min_s"] * 1e6, "max_us": step["max_s"] * 1e6,
                      "sim_us": sim.makespan * 1e6, "ratio": step_s / sim.makespan,

@@ -9,7 +9,8 @@ the others are (``time_calls``), though it involves no other rank: E subtracts o
 ``documents`` > 0: the sequence packs that many documents of (nearly) equal length, masked apart by
 segment ids in every timed call; TFLOP/s then counts the attention within documents only.
 ``ulysses_attention``'s forward and forward+backward are timed last (NaN where the heads do not
-split over the ranks): the other way to split attention over CP ranks.
+split over the ranks): the other way to split attention over CP ranks. Its forward is the public op
+(layout moves and output copy included), the ring's its internal forward on [B, H, S, D] tensors.
 """
 from __future__ import annotations
 

@@ -46,8 +46,8 @@ class GPTConfig:
     # recompute each block's forward in backward (torch.utils.checkpoint, non-reentrant): a block
     # keeps only its input, at one more forward - its TP/CP communication included - per backward
     activation_checkpointing: bool = False
-    # context-parallel attention: "ring" (ring_attention) or "ulysses" (ulysses_attention: all-to-alls,
-    # num_heads / TP and num_kv_heads / TP split over CP)
+    # context-parallel attention: "ring" (ring_attention) or "ulysses" (ulysses_attention: all-to-alls;
+    # num_heads / TP divisible by CP, num_kv_heads / TP divisible by CP or dividing it)
     cp_attention: str = "ring"
 
     def __post_init__(self):

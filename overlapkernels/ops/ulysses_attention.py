@@ -12,8 +12,8 @@ trade and group c - 1's trade back travel (async all-to-alls: NCCL's stream, glo
 group c attends, so only the first trade and the last trade back are exposed, as with the ring's
 first and last hops. Each group is a problem of its own: a query head's key/value head is in it.
 
-Beside ``ring_attention``: two all-to-alls of activations per call (each moving (P-1)/P of q, k, v
-or out) instead of P-1 hops of K/V, and no per-step merge; but the heads must split over the group
+Beside ``ring_attention``: two trades of activations per call (each moving (P-1)/P of q, k, v or
+out, in ``head_chunks`` all-to-alls) instead of P-1 hops of K/V, and no per-step merge; but the heads must split over the group
 (H and H_kv divisible by P, or P divisible by H_kv: those key/value heads are then copied, one per
 rank that needs it) and the whole sequence's scores live on one rank per head. With GQA and a long
 sequence the ring moves less; with many heads and a moderate sequence the all-to-alls are fewer and
@@ -173,10 +173,11 @@ class _Ulysses(torch.autograd.Function):
         group, causal, scale, layout, backend, chunks = ctx.args
         world = dist.get_world_size(group)
         ids, *saved = ctx.saved_tensors
-        b, h, s_local, d = saved[3].shape[0], saved[3].shape[1] * chunks * world, saved[3].shape[2] // world, \
-            saved[3].shape[3]
+        out0 = saved[3]  # chunk 0's output [B, H/(P chunks), S, D]: the local output's shape follows
+        b, h_chunk, s, d = out0.shape
+        h, s_local = h_chunk * chunks * world, s // world
         if dout is None:
-            dout = torch.zeros(b, h, s_local, d, dtype=saved[3].dtype, device=saved[3].device)
+            dout = torch.zeros(b, h, s_local, d, dtype=out0.dtype, device=out0.device)
         if dlse is None:
             dlse = torch.zeros(b, h, s_local, dtype=torch.float32, device=dout.device)
 

@@ -42,15 +42,24 @@ class Schedule:
 
     def rank_of(self, stage: int) -> int:
         """The pipeline rank that runs ``stage``."""
+        _check_index("stage", stage, self.num_stages)
         if self.kind in V_KINDS:  # down the ranks, then back up: stages r and 2p - 1 - r on rank r
             return stage if stage < self.num_ranks else self.num_stages - 1 - stage
         return stage % self.num_ranks
 
     def stage_of(self, rank: int, chunk: int) -> int:
         """The stage that ``rank`` runs as its chunk ``chunk`` (its ``chunk``-th stage module)."""
+        _check_index("rank", rank, self.num_ranks)
+        _check_index("chunk", chunk, self.num_virtual)
         if self.kind in V_KINDS:
             return rank if chunk == 0 else self.num_stages - 1 - rank
         return chunk * self.num_ranks + rank
+
+
+def _check_index(name: str, value, count: int) -> None:
+    # (a stage, rank or chunk out of range mapped quietly to another one's place: -1, or a V's mirror)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < count:
+        raise ValueError(f"{name}={value!r}: expected an integer from 0 to {count - 1}")
 
 
 def _check(kind, p, m, v):
