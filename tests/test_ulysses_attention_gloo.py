@@ -23,6 +23,7 @@ CASES = [
     ("contiguous", False, 4, 4, "sbhd", False), ("zigzag", False, 8, 2, "bshd", True),
     ("zigzag", True, 4, 1, "bshd", True),  # MQA: the one key/value head goes to every rank
     ("zigzag", True, 8, 2, "sbhd", "only"),  # the lse alone: out's gradient arrives as None
+    ("zigzag", True, 8, 8, "bshd", True),  # 2 head groups (the default) on 4 ranks too
 ]
 DOCUMENT_CASES = [
     ("zigzag", True, 4, 2, "bshd", "packed"), ("contiguous", False, 4, 4, "sbhd", "packed"),
