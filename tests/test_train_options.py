@@ -263,14 +263,15 @@ def test_reduce_dtype_reaches_every_unit(rank_pool):
     assert results[0][:3] == ({"torch.float32"}, False, True), results[0]
 
 
-def _interleaved_on_rank(layout, zero_stage, path, virtual, reduce_per_microbatch=True, schedule="interleaved-1f1b"):
+def _interleaved_on_rank(layout, zero_stage, path, virtual, reduce_per_microbatch=True, schedule="interleaved-1f1b",
+                         cp_attention="ring"):
     """``virtual`` chunks per pipeline rank (chunk c of rank r is stage 2c + r of 2 x virtual, a layer
     each) under interleaved 1F1B, clipped and loss-scaled over all chunks: losses, norms and every
     chunk's weights equal the clipped single process's; the chunks go into one checkpoint that
     another trainer resumes. ``reduce_per_microbatch=False``: every chunk accumulates over the step.
     ``schedule="zb-v"``: two chunks in a V (rank r holds stages r and 3 - r; rank 0 the embedding
-    and the head), their weight gradients left to W."""
-    config = GPTConfig(**{**CONFIG, "num_layers": 2 * virtual}, method="decomposed")
+    and the head), their weight gradients left to W. ``cp_attention``: the GPT's (GPTConfig's)."""
+    config = GPTConfig(**{**CONFIG, "num_layers": 2 * virtual}, method="decomposed", cp_attention=cp_attention)
     g = torch.Generator().manual_seed(11)
     batches = [(torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g))
                for _ in range(2)]
@@ -333,12 +334,14 @@ def test_interleaved_chunks_match_single_process(rank_pool, tmp_path, layout, ze
     assert all(r == results[0] for r in results)
 
 
-@pytest.mark.parametrize("layout, zero_stage, per_microbatch", [
-    (dict(tp=2, pp=2), 1, True), (dict(dp=2, pp=2), 3, True), (dict(dp=2, pp=2), 2, False), (dict(cp=2, pp=2), 2, True)])
-def test_zb_v_chunks_match_single_process(rank_pool, tmp_path, layout, zero_stage, per_microbatch):
-    """ZB-V: the first and the last stage on rank 0, weight gradients at W, ZeRO's reductions after them."""
+@pytest.mark.parametrize("layout, zero_stage, per_microbatch, cp_attention", [
+    (dict(tp=2, pp=2), 1, True, "ring"), (dict(dp=2, pp=2), 3, True, "ring"), (dict(dp=2, pp=2), 2, False, "ring"),
+    (dict(cp=2, pp=2), 2, True, "ring"), (dict(cp=2, pp=2), 1, True, "ulysses")])
+def test_zb_v_chunks_match_single_process(rank_pool, tmp_path, layout, zero_stage, per_microbatch, cp_attention):
+    """ZB-V: the first and the last stage on rank 0, weight gradients at W, ZeRO's reductions after them
+    (and with Ulysses for the attention over CP)."""
     results = rank_pool(4).run(_interleaved_on_rank, layout, zero_stage, str(tmp_path / "ckpt"), 2, per_microbatch,
-                               "zb-v")
+                               "zb-v", cp_attention)
     assert all(r == results[0] for r in results)
 
 
