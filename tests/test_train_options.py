@@ -1,6 +1,7 @@
 """Trainer's gradient clipping, loss scaling and activation checkpointing in 4-D compositions: the
 norm spans every rank's part of the model, an overflow anywhere skips the step everywhere, and
 recomputed blocks train as stored ones."""
+import dataclasses
 import math
 import warnings
 
@@ -264,13 +265,14 @@ def test_reduce_dtype_reaches_every_unit(rank_pool):
 
 
 def _interleaved_on_rank(layout, zero_stage, path, virtual, reduce_per_microbatch=True, schedule="interleaved-1f1b",
-                         cp_attention="ring"):
+                         cp_attention="ring", recompute=False):
     """``virtual`` chunks per pipeline rank (chunk c of rank r is stage 2c + r of 2 x virtual, a layer
     each) under interleaved 1F1B, clipped and loss-scaled over all chunks: losses, norms and every
     chunk's weights equal the clipped single process's; the chunks go into one checkpoint that
     another trainer resumes. ``reduce_per_microbatch=False``: every chunk accumulates over the step.
     ``schedule="zb-v"``: two chunks in a V (rank r holds stages r and 3 - r; rank 0 the embedding
-    and the head), their weight gradients left to W. ``cp_attention``: the GPT's (GPTConfig's)."""
+    and the head), their weight gradients left to W. ``cp_attention``: the GPT's (GPTConfig's);
+    ``recompute``: the trainer's blocks checkpoint their activations (the reference stores them)."""
     config = GPTConfig(**{**CONFIG, "num_layers": 2 * virtual}, method="decomposed", cp_attention=cp_attention)
     g = torch.Generator().manual_seed(11)
     batches = [(torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g))
@@ -290,8 +292,8 @@ def _interleaved_on_rank(layout, zero_stage, path, virtual, reduce_per_microbatc
     assert all(norm > 0.1 for _, norm in want)  # both steps clipped
 
     dims = ok.init_parallel(**layout)
-    trainer = Trainer(config, dims, schedule=schedule, num_virtual=virtual, dtype=torch.float64,
-                      dense_state_dict=start, optimizer=sgd, zero_stage=zero_stage, max_grad_norm=0.05,
+    trainer = Trainer(dataclasses.replace(config, activation_checkpointing=recompute), dims, schedule=schedule,
+                      num_virtual=virtual, dtype=torch.float64, dense_state_dict=start, optimizer=sgd, zero_stage=zero_stage, max_grad_norm=0.05,
                       grad_scaler=fsdp.GradScaler(init_scale=2.0 ** 10), reduce_per_microbatch=reduce_per_microbatch)
     assert trainer.stage is None and trainer.sharded is None and len(trainer.chunks) == virtual
     placed = [(2 * c + dims.pp_rank) if schedule != "zb-v" else (dims.pp_rank, 3 - dims.pp_rank)[c] for c in range(virtual)]
@@ -299,11 +301,16 @@ def _interleaved_on_rank(layout, zero_stage, path, virtual, reduce_per_microbatc
     if schedule == "zb-v":  # rank 0: the embedding's stage and the head's
         assert [stage.first or stage.last for stage in trainer.stages] == [dims.pp_rank == 0] * 2
     assert [s for s in trainer.schedule.actions[dims.pp_rank] if s.op == "F"][0].stage == dims.pp_rank
-    got = []
+    got, block_calls = [], []
+    blocks = [block for stage in trainer.stages for block in stage.blocks.values()]
+    for block in blocks:
+        block.register_forward_pre_hook(lambda *_: block_calls.append(1))
     with _recording_w(torch.nn.ModuleList(trainer.stages), lose_grad=False) as deferred:
         for tokens, targets in batches:
             got.append((trainer.step(tokens, targets), trainer.last_grad_norm))
     assert [x for pair in got for x in pair] == pytest.approx([x for pair in want for x in pair], rel=1e-12), (got, want)
+    # every block once per microbatch and step, or once more in backward (recomputed)
+    assert len(block_calls) == len(blocks) * trainer.schedule.num_microbatches * len(batches) * (1 + recompute)
     # zb-v: each W (2 chunks x m microbatches x 2 steps) gave its chunk's linear weights their gradients
     assert len(deferred) == (2 * 2 * trainer.schedule.num_microbatches if schedule == "zb-v" else 0)
     assert all(names and all(n.endswith("weight") for n in names) for names in deferred), deferred
@@ -342,6 +349,14 @@ def test_zb_v_chunks_match_single_process(rank_pool, tmp_path, layout, zero_stag
     (and with Ulysses for the attention over CP)."""
     results = rank_pool(4).run(_interleaved_on_rank, layout, zero_stage, str(tmp_path / "ckpt"), 2, per_microbatch,
                                "zb-v", cp_attention)
+    assert all(r == results[0] for r in results)
+
+
+def test_zb_v_with_activation_checkpointing_matches_single_process(rank_pool, tmp_path):
+    """Each block recomputed in backward while W takes its weight gradients later (the closures hold
+    what W needs, not the autograd graph a recompute rebuilds), TP over the chunks."""
+    results = rank_pool(4).run(_interleaved_on_rank, dict(tp=2, pp=2), 1, str(tmp_path / "ckpt"), 2, True, "zb-v",
+                               "ring", True)
     assert all(r == results[0] for r in results)
 
 
