@@ -111,6 +111,12 @@ def _bad_inputs_on_rank():
         ok.ulysses_attention(ok.shard_sequence(torch.ones(2, 12, 2, 8), layout="zigzag"), k, v, layout="contiguous")
     with pytest.raises(TypeError, match=r"causal='yes': expected a bool"), no_communication():
         ok.ulysses_attention(q, k, v, causal="yes")
+    solo = [dist.new_group([r]) for r in range(2)][dist.get_rank()]  # (collective: every rank makes both)
+    with pytest.raises(ValueError, match=r"a ring part of 3 positions \(q's local 3 x the group's 1\) is odd"), \
+            no_communication():
+        ok.ulysses_attention(q[:, :3], k[:, :3], v[:, :3], solo, layout="zigzag", ring_group=dist.group.WORLD)
+    with pytest.raises(ValueError, match=r"layout='zig': expected one of"), no_communication():
+        ok.ulysses_attention(q, k, v, solo, layout="zig", ring_group=dist.group.WORLD)
     total = torch.ones(1)
     dist.all_reduce(total)  # nobody communicated before raising
     return int(total)
@@ -314,3 +320,46 @@ def test_a_trade_in_flight_keeps_only_its_message():
     assert alive() is None
     (got,) = trade.wait()
     assert torch.equal(got, want)
+
+
+def _usp_on_rank(layout, causal, heads, kv_heads, documents):
+    """USP on 4 ranks: all-to-alls within {0, 1} and {2, 3}, a ring across {0, 2} and {1, 3}; the
+    sequence sharded over the ring with ``layout``, each ring part contiguously within the pair."""
+    from test_ring_attention_segments_gloo import _masked_reference
+
+    groups = [dist.new_group(r) for r in ([0, 1], [2, 3], [0, 2], [1, 3])]  # (every rank makes every group)
+    rank = dist.get_rank()
+    pair, ring = groups[rank // 2], groups[2 + rank % 2]
+    g = torch.Generator().manual_seed(77)
+    batch, seq, dim = 2, 32, 4
+    q = torch.randn(batch, seq, heads, dim, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(batch, seq, kv_heads, dim, generator=g, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    d_out = torch.randn(batch, seq, heads, dim, generator=g, dtype=torch.float64)
+    d_lse = torch.randn(batch, heads, seq, generator=g, dtype=torch.float64).float().double()
+    ids = torch.stack([torch.repeat_interleave(torch.arange(3), torch.tensor([5, 19, 8])), torch.zeros(seq).long()])
+    if not documents:
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+    out_ref, lse_ref = _masked_reference(q, k, v, ids, causal, dim ** -0.5)  # (one id: the causal mask alone)
+    ((out_ref * d_out).sum() + (lse_ref * d_lse).sum()).backward()
+
+    def local(x, d=1):
+        return ok.shard_sequence(ok.shard_sequence(x.detach(), ring, dim=d, layout=layout), pair, dim=d,
+                                 layout="contiguous")
+
+    ql, kl, vl = (local(x).requires_grad_() for x in (q, k, v))
+    out, lse = ok.ulysses_attention(ql, kl, vl, pair, causal=causal, layout=layout, return_lse=True,
+                                    segment_ids=local(ids) if documents else None, ring_group=ring)
+    ((out * local(d_out)).sum() + (lse * local(d_lse, 2)).sum()).backward()
+    checks = {"out": (out, local(out_ref)), "lse": (lse, local(lse_ref, 2).float()), "dq": (ql.grad, local(q.grad)),
+              "dk": (kl.grad, local(k.grad)), "dv": (vl.grad, local(v.grad))}
+    for name, (got, want) in checks.items():
+        tol = 1e-6 if name == "lse" else 1e-10
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("layout, causal, heads, kv_heads, documents", [
+    ("zigzag", True, 4, 2, False), ("contiguous", True, 4, 1, True), ("zigzag", False, 8, 4, True)])
+def test_usp_all_to_all_within_pairs_and_a_ring_across(rank_pool, layout, causal, heads, kv_heads, documents):
+    assert rank_pool(4).run(_usp_on_rank, layout, causal, heads, kv_heads, documents) == [True] * 4

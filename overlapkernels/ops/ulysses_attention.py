@@ -32,7 +32,7 @@ from ._autocast import autocast_off, backward_without_autocast
 from ._autograd import first_order_only
 from ._validate import same_call_on_every_rank
 from .ring_attention import SEQ_DIM, _backend, _from_bhsd, _to_bhsd, checked_cp_inputs, ring_backward, ring_forward
-from .sequence_shard import _chunk_order, _split_count, tag_layout
+from .sequence_shard import _chunk_order, _split_count, check_layout, tag_layout
 
 
 def _reorder(x: torch.Tensor, dim: int, layout: str, world: int, to_natural: bool) -> torch.Tensor:
@@ -140,7 +140,7 @@ class _Ulysses(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, segments, group, causal, scale, layout, backend, chunks):
+    def forward(ctx, q, k, v, segments, group, causal, scale, layout, backend, chunks, ring_group, ring_layout):
         world = dist.get_world_size(group)
         ids = _whole_ids(segments, group, layout) if segments is not None else None
 
@@ -153,7 +153,7 @@ class _Ulysses(torch.autograd.Function):
             with span(f"ok/ulysses_attention/chunk{c}/comm"):
                 qh, kh, vh = cur.wait()
             with span(f"ok/ulysses_attention/chunk{c}/compute"):
-                out, lse = ring_forward(qh, kh, vh, None, causal, scale, "contiguous", backend, ids)
+                out, lse = ring_forward(qh, kh, vh, ring_group, causal, scale, ring_layout, backend, ids)
                 out = out.to(q.dtype)
             saved += [qh, kh, vh, out, lse]  # (the lse in the accumulation dtype: fp64 inputs' backward needs it)
             # the lse [B, H/P, S] travels in fp32 (the API's, as ring_attention's) as a head dim of size 1
@@ -161,7 +161,7 @@ class _Ulysses(torch.autograd.Function):
         with span("ok/ulysses_attention/comm"):
             results = [b.wait() for b in backs]
         ctx.save_for_backward(ids, *saved)
-        ctx.args, ctx.device = (group, causal, scale, layout, backend, chunks), q.device
+        ctx.args, ctx.device = (group, causal, scale, layout, backend, chunks, ring_group, ring_layout), q.device
         ctx.set_materialize_grads(False)
         return (_merge_head_chunks([r[0] for r in results], world),
                 _merge_head_chunks([r[1] for r in results], world).squeeze(-1))
@@ -170,7 +170,7 @@ class _Ulysses(torch.autograd.Function):
     @first_order_only("ulysses_attention")
     @backward_without_autocast
     def backward(ctx, dout, dlse):
-        group, causal, scale, layout, backend, chunks = ctx.args
+        group, causal, scale, layout, backend, chunks, ring_group, ring_layout = ctx.args
         world = dist.get_world_size(group)
         ids, *saved = ctx.saved_tensors
         out0 = saved[3]  # chunk 0's output [B, H/(P chunks), S, D]: the local output's shape follows
@@ -192,13 +192,13 @@ class _Ulysses(torch.autograd.Function):
                 dout_h, dlse_h = cur.wait()
             qh, kh, vh, out, lse = saved[5 * c:5 * c + 5]
             with span(f"ok/ulysses_attention/backward/chunk{c}/compute"):
-                dq, dk, dv = ring_backward(qh, kh, vh, ids, out, lse, dout_h.contiguous(), dlse_h.squeeze(-1), None,
-                                           causal, scale, "contiguous", backend)
+                dq, dk, dv = ring_backward(qh, kh, vh, ids, out, lse, dout_h.contiguous(), dlse_h.squeeze(-1),
+                                           ring_group, causal, scale, ring_layout, backend)
             backs.append(heads_to_seq([dq.to(qh.dtype), dk.to(kh.dtype), dv.to(vh.dtype)], group, layout))
         with span("ok/ulysses_attention/backward/comm"):
             grads = [bk.wait() for bk in backs]
         dq, dk, dv = (_merge_head_chunks([g[i] for g in grads], world) for i in range(3))
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def _whole_ids(segments: torch.Tensor, group, layout: str) -> torch.Tensor:
@@ -239,7 +239,7 @@ def _check_chunks(head_chunks, heads: int, kv_heads: int) -> int:
 
 @eager_under_compile  # takes a ProcessGroup: see _compat
 def ulysses_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, layout="contiguous",
-                      qkv_format="bshd", return_lse=False, segment_ids=None, head_chunks=None):
+                      qkv_format="bshd", return_lse=False, segment_ids=None, head_chunks=None, ring_group=None):
     """Attention of this rank's queries over the whole sequence spread across ``group``, by
     all-to-all (DeepSpeed-Ulysses). Arguments and results as ``ring_attention``'s: q [B, S_local, H, D],
     k/v [B, S_local, H_kv, D] (``"sbhd"``: sequence first) laid out as ``shard_sequence(...,
@@ -248,13 +248,28 @@ def ulysses_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, 
     size, and H_kv divisible by it or dividing it (fewer key/value heads than ranks are copied).
     ``head_chunks``: the heads of each rank attend in this many groups, each group's all-to-alls
     travelling while its neighbours attend (1: every all-to-all exposed); it must divide the query and
-    the key/value heads per rank. None: 2 where they split in two, else 1."""
+    the key/value heads per rank. None: 2 where they split in two, else 1.
+
+    ``ring_group``: context parallelism over ``group`` x ``ring_group`` (USP: all-to-alls within
+    ``group``, say a node's GPUs, and a ring across ``ring_group``, say the nodes). The sequence is
+    then sharded over the ring first, with ``layout``, and each ring part contiguously over ``group``:
+    ``shard_sequence(shard_sequence(x, ring_group, layout=layout), group, layout="contiguous")``;
+    after the trade each rank holds its ring part for H/P heads and attends as ``ring_attention``
+    over ``ring_group``, segment ids and all."""
     group = resolve_group(group)
     world = dist.get_world_size(group)
+    ring_group = None if ring_group is None else resolve_group(ring_group, "ring_group")
+    # the trade's own layout: the sequence's, or within a ring part (USP) contiguous
+    trade_layout, ring_layout = ("contiguous", check_layout(layout)) if ring_group is not None else (layout, "contiguous")
     with same_call_on_every_rank(group, "ulysses_attention", getattr(q, "device", None)) as call:
         q, k, v, segments, scale, backend = checked_cp_inputs(call, "ulysses_attention", group, q, k, v, causal,
-                                                              softmax_scale, layout, qkv_format, return_lse,
+                                                              softmax_scale, trade_layout, qkv_format, return_lse,
                                                               segment_ids)
+        if ring_layout == "zigzag" and q.shape[SEQ_DIM[qkv_format]] * world % 2:
+            raise ValueError(f"ulysses_attention: a ring part of {q.shape[SEQ_DIM[qkv_format]] * world} positions "
+                             f"(q's local {q.shape[SEQ_DIM[qkv_format]]} x the group's {world}) is odd: layout='zigzag' "
+                             "over ring_group needs two equal halves")
+        call.args["ring"] = None if ring_group is None else (dist.get_world_size(ring_group), ring_layout)
         copies = check_heads(q.shape[2], k.shape[2], world, f"q ({qkv_format} dim 2)")
         chunks = _check_chunks(head_chunks, q.shape[2] // world, k.shape[2] * copies // world)
         call.args["head_chunks"] = chunks
@@ -266,9 +281,10 @@ def ulysses_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, 
         q, k, v = (_to_bhsd(t, qkv_format) for t in (q, k, v))
         if copies > 1:  # rank r's query heads all use key/value head r // copies
             k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
-        out, lse = _Ulysses.apply(q, k, v, segments, group, causal, scale, layout, backend, chunks)
+        out, lse = _Ulysses.apply(q, k, v, segments, group, causal, scale, trade_layout, backend, chunks, ring_group,
+                                  ring_layout)
     # copies laid out like q (callers .view() it) and never the tensors saved for backward, as ring_attention's
     out = tag_layout(_from_bhsd(out, qkv_format).clone(memory_format=torch.contiguous_format), SEQ_DIM[qkv_format],
-                     group, layout)
+                     group, trade_layout)
     return (out, lse.clone()) if return_lse else out
 
