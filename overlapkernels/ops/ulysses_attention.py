@@ -21,12 +21,14 @@ larger messages.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 from .._compat import eager_under_compile
 from ..comm.collectives import all_gather, all_to_all
-from ..parallel import resolve_group, uses_nccl
+from ..parallel import resolve_group, shared_peers, uses_nccl
 from ..profiling.ranges import span
 from ._autocast import autocast_off, backward_without_autocast
 from ._autograd import first_order_only
@@ -255,13 +257,23 @@ def ulysses_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, 
     then sharded over the ring first, with ``layout``, and each ring part contiguously over ``group``:
     ``shard_sequence(shard_sequence(x, ring_group, layout=layout), group, layout="contiguous")``;
     after the trade each rank holds its ring part for H/P heads and attends as ``ring_attention``
-    over ``ring_group``, segment ids and all."""
+    over ``ring_group``, segment ids and all. The two groups are orthogonal (they share this rank
+    only) and aligned: every rank of ``ring_group`` has the same rank in a ``group`` of the same
+    size (it holds the same heads), as the two dims of a DeviceMesh are; checked under
+    TORCH_DISTRIBUTED_DEBUG=DETAIL (and overlapping groups always)."""
     group = resolve_group(group)
     world = dist.get_world_size(group)
     ring_group = None if ring_group is None else resolve_group(ring_group, "ring_group")
     # the trade's own layout: the sequence's, or within a ring part (USP) contiguous
     trade_layout, ring_layout = ("contiguous", check_layout(layout)) if ring_group is not None else (layout, "contiguous")
-    with same_call_on_every_rank(group, "ulysses_attention", getattr(q, "device", None)) as call:
+    device = getattr(q, "device", None)
+    # USP: the ranks of the ring compare their calls too (they exchange K/V blocks of the same heads)
+    ring_check = (same_call_on_every_rank(ring_group, "ulysses_attention (ring_group)", device)
+                  if ring_group is not None else contextlib.nullcontext())
+    with same_call_on_every_rank(group, "ulysses_attention", device) as call, ring_check as ring_call:
+        if ring_group is not None and (shared := shared_peers(group, ring_group)):
+            raise ValueError(f"ulysses_attention: group and ring_group share ranks {shared} besides this one: "
+                             "expected orthogonal groups (say a node's ranks and one rank per node)")
         q, k, v, segments, scale, backend = checked_cp_inputs(call, "ulysses_attention", group, q, k, v, causal,
                                                               softmax_scale, trade_layout, qkv_format, return_lse,
                                                               segment_ids)
@@ -273,6 +285,8 @@ def ulysses_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, 
         copies = check_heads(q.shape[2], k.shape[2], world, f"q ({qkv_format} dim 2)")
         chunks = _check_chunks(head_chunks, q.shape[2] // world, k.shape[2] * copies // world)
         call.args["head_chunks"] = chunks
+        if ring_call is not None:  # and the ring's ranks hold the same heads: the same rank in their groups
+            ring_call.args = dict(call.args, group=f"rank {dist.get_rank(group)} of {world}")
         if backend == "triton":  # the kernels' limits for what they will see: H/P heads of the whole sequence
             (b, h, s, d), h_kv = _to_bhsd(q, qkv_format).shape, k.shape[2] * copies
             _backend(backend).check_inputs((b, h // world, s * world, d), (b, h_kv // world, s * world, d), q.dtype,
