@@ -194,3 +194,28 @@ def _usp_on_rank(layout, causal, heads, kv_heads, documents):
     ("zigzag", True, 4, 2, False), ("contiguous", True, 4, 1, True), ("zigzag", False, 8, 4, True)])
 def test_usp_all_to_all_within_pairs_and_a_ring_across(rank_pool, layout, causal, heads, kv_heads, documents):
     assert rank_pool(4).run(_usp_on_rank, layout, causal, heads, kv_heads, documents) == [True] * 4
+
+
+def _wrong_layouts_on_rank():
+    """Refused before communicating, by the tags shard_sequence leaves: a ring sharded zigzag passed as
+    contiguous (it attended wrongly without an error), and a zigzag cut within the group."""
+    from comm_guard import no_communication
+
+    group, ring = _groups(2, 2)
+    x = torch.randn(2, 16, 2, 4, dtype=torch.float64)
+    ring_part = ok.shard_sequence(x, ring, dim=1, layout="zigzag")
+    part = ok.shard_sequence(ring_part, group, dim=1, layout="contiguous")
+    with pytest.raises(ValueError, match=r"ulysses_attention \(ring_group\): q was laid out with layout='zigzag' .* "
+                                         r"but layout='contiguous' was passed"), no_communication():
+        ok.ulysses_attention(part, part, part, group, layout="contiguous", ring_group=ring)
+    zigzag_within = ok.shard_sequence(ring_part, group, dim=1, layout="zigzag")
+    with pytest.raises(ValueError, match=r"q was cut within group with layout='zigzag'; with ring_group shard over the "
+                                         r"ring first"), no_communication():
+        ok.ulysses_attention(zigzag_within, part, part, group, layout="zigzag", ring_group=ring)
+    out = ok.ulysses_attention(part, part, part, group, layout="zigzag", ring_group=ring)  # right: runs, tagged alike
+    ok.ulysses_attention(out, part, part, group, layout="zigzag", ring_group=ring)
+    return True
+
+
+def test_wrong_layouts_are_refused_by_their_tags(rank_pool):
+    assert rank_pool(4).run(_wrong_layouts_on_rank) == [True] * 4

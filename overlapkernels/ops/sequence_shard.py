@@ -27,9 +27,10 @@ _LAYOUT_TAG = "_overlapkernels_layouts"  # {(dim, id(group)): layout}
 
 
 def tag_layout(x: torch.Tensor, dim: int, group, layout: str, inherit=None) -> torch.Tensor:
-    """Tag ``x`` as laid out by ``layout`` along ``dim`` over ``group``, keeping ``inherit``'s tags
-    of the other dims (a part cut along one dim keeps its layout along the others)."""
-    tags = {key: value for key, value in getattr(inherit, _LAYOUT_TAG, {}).items() if key[0] != dim}
+    """Tag ``x`` as laid out by ``layout`` along ``dim`` over ``group``, keeping ``inherit``'s other
+    tags: a part cut along one dim keeps its layout along the others, and a part of a part (USP: a
+    ring's part cut within a group) keeps the outer group's along the same dim."""
+    tags = {key: value for key, value in getattr(inherit, _LAYOUT_TAG, {}).items() if key != (dim, id(group))}
     tags[(dim, id(group))] = layout
     setattr(x, _LAYOUT_TAG, tags)
     return x

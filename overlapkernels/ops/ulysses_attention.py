@@ -34,7 +34,7 @@ from ._autocast import autocast_off, backward_without_autocast
 from ._autograd import first_order_only
 from ._validate import same_call_on_every_rank
 from .ring_attention import SEQ_DIM, _backend, _from_bhsd, _to_bhsd, checked_cp_inputs, ring_backward, ring_forward
-from .sequence_shard import _chunk_order, _split_count, check_layout, tag_layout
+from .sequence_shard import _LAYOUT_TAG, _chunk_order, _split_count, check_layout, check_layout_tag, tag_layout
 
 
 def _reorder(x: torch.Tensor, dim: int, layout: str, world: int, to_natural: bool) -> torch.Tensor:
@@ -228,6 +228,20 @@ def check_heads(heads: int, kv_heads: int, world: int, what: str = "q") -> int:
     return world // kv_heads
 
 
+def _check_usp_tags(q, k, v, segment_ids, qkv_format, group, ring_group, ring_layout) -> None:
+    """USP's inputs: a ring part (``layout``) cut contiguously within ``group``, as their tags say where
+    ``shard_sequence`` made them (a wrong ring layout, or a zigzag cut within the group, attended
+    wrongly without an error)."""
+    seq_dim = SEQ_DIM.get(qkv_format) if isinstance(qkv_format, str) else None  # None: checked_inputs names it
+    for name, t, dim in (("q", q, seq_dim), ("k", k, seq_dim), ("v", v, seq_dim), ("segment_ids", segment_ids, 1)):
+        tags = getattr(t, _LAYOUT_TAG, {})
+        inner = tags.get((dim, id(group)))
+        if inner is not None and inner != "contiguous" and dist.get_world_size(group) > 1:
+            raise ValueError(f"ulysses_attention: {name} was cut within group with layout={inner!r}; with ring_group "
+                             "shard over the ring first (with layout) and then within group with layout='contiguous'")
+        check_layout_tag(t, name, dim, ring_group, ring_layout, "ulysses_attention (ring_group)")
+
+
 def _check_chunks(head_chunks, heads: int, kv_heads: int) -> int:
     """-> the number of head groups; ``heads`` / ``kv_heads``: per rank after the trade."""
     if head_chunks is None:
@@ -274,6 +288,8 @@ def ulysses_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, 
         if ring_group is not None and (shared := shared_peers(group, ring_group)):
             raise ValueError(f"ulysses_attention: group and ring_group share ranks {shared} besides this one: "
                              "expected orthogonal groups (say a node's ranks and one rank per node)")
+        if ring_group is not None:  # the ring's own layout (shard_sequence over ring_group tags it)
+            _check_usp_tags(q, k, v, segment_ids, qkv_format, group, ring_group, ring_layout)
         q, k, v, segments, scale, backend = checked_cp_inputs(call, "ulysses_attention", group, q, k, v, causal,
                                                               softmax_scale, trade_layout, qkv_format, return_lse,
                                                               segment_ids)
@@ -298,7 +314,9 @@ def ulysses_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, 
         out, lse = _Ulysses.apply(q, k, v, segments, group, causal, scale, trade_layout, backend, chunks, ring_group,
                                   ring_layout)
     # copies laid out like q (callers .view() it) and never the tensors saved for backward, as ring_attention's
-    out = tag_layout(_from_bhsd(out, qkv_format).clone(memory_format=torch.contiguous_format), SEQ_DIM[qkv_format],
-                     group, trade_layout)
+    out = _from_bhsd(out, qkv_format).clone(memory_format=torch.contiguous_format)
+    if ring_group is not None:  # a part of the ring's part, as the inputs were
+        tag_layout(out, SEQ_DIM[qkv_format], ring_group, ring_layout)
+    out = tag_layout(out, SEQ_DIM[qkv_format], group, trade_layout, inherit=out)
     return (out, lse.clone()) if return_lse else out
 
