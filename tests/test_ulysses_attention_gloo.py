@@ -12,6 +12,7 @@ import torch.distributed as dist
 import overlapkernels as ok
 from comm_guard import no_communication
 from test_ring_attention_gloo import _case_on_rank as dense_case
+from overlapkernels.ops.sequence_shard import reorder_parts
 from test_ring_attention_segments_gloo import _case_on_rank as documents_case
 
 ua = importlib.import_module("overlapkernels.ops.ulysses_attention")  # the module (the package re-exports the function)
@@ -85,11 +86,11 @@ def test_reordering_round_trips():
     """The ranks' parts in rank order to the sequence's order and back, for both layouts."""
     x = torch.arange(24).reshape(1, 24)
     for world in (1, 2, 3):
-        natural = ua._reorder(x, 1, "zigzag", world, to_natural=True)
-        assert torch.equal(ua._reorder(natural, 1, "zigzag", world, to_natural=False), x)
-        assert torch.equal(ua._reorder(x, 1, "contiguous", world, to_natural=True), x)
+        natural = reorder_parts(x, 1, "zigzag", world, to_sequence=True)
+        assert torch.equal(reorder_parts(natural, 1, "zigzag", world, to_sequence=False), x)
+        assert torch.equal(reorder_parts(x, 1, "contiguous", world, to_sequence=True), x)
     # rank order of 2 ranks under zigzag: chunks 0, 3 | 1, 2 (6 positions each)
-    assert ua._reorder(x, 1, "zigzag", 2, to_natural=True)[0, ::6].tolist() == [0, 12, 18, 6]
+    assert reorder_parts(x, 1, "zigzag", 2, to_sequence=True)[0, ::6].tolist() == [0, 12, 18, 6]
 
 
 BAD = [  # (q heads, kv heads, error, message): on 2 ranks

@@ -72,6 +72,19 @@ def _split_count(layout: str, world: int) -> int:
     return world if layout == "contiguous" else 2 * world
 
 
+def reorder_parts(x: torch.Tensor, dim: int, layout: str, world: int, to_sequence: bool) -> torch.Tensor:
+    """Along ``dim``: the ranks' parts in rank order (what an all-gather or all-to-all lines up) to the
+    sequence's own order (``to_sequence``), or back. Contiguous: the same order (``x`` itself)."""
+    if layout == "contiguous" or world == 1:
+        return x
+    order = _chunk_order(layout, world)  # the global chunk at each rank-order position
+    chunks = x.chunk(_split_count(layout, world), dim=dim)
+    if to_sequence:
+        where = {c: pos for pos, c in enumerate(order)}
+        return torch.cat([chunks[where[c]] for c in range(len(order))], dim=dim)
+    return torch.cat([chunks[c] for c in order], dim=dim)
+
+
 def _check(x, dim, layout, name):
     check_tensor(name, x)
     if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
@@ -103,22 +116,17 @@ class _Unshard(torch.autograd.Function):
         world = dist.get_world_size(group)
         ctx.group, ctx.dim, ctx.layout = group, dim, layout
         gathered, _ = all_gather(x_local.movedim(dim, 0).contiguous(), group)  # rank-major chunks
-        parts = _split_count(layout, world)
-        chunks = gathered.chunk(parts, dim=0)
-        full = [None] * parts
-        for pos, c in enumerate(_chunk_order(layout, world)):
-            full[c] = chunks[pos]
+        full = reorder_parts(gathered, 0, layout, world, to_sequence=True)
         # contiguous, as a tensor built whole would be: callers .view() the full sequence
         # and not marked a view (when it already is contiguous, e.g. batch 1 or dim 0): an in-place op
         # on a Function's view output raises (see ops/_autograd.not_a_view)
-        return not_a_view(torch.cat(full, dim=0).movedim(0, dim).contiguous())
+        return not_a_view(full.movedim(0, dim).contiguous())
 
     @staticmethod
     @first_order_only("unshard_sequence")
     def backward(ctx, grad):
         world = dist.get_world_size(ctx.group)
-        chunks = grad.movedim(ctx.dim, 0).chunk(_split_count(ctx.layout, world), dim=0)
-        rank_major = torch.cat([chunks[c] for c in _chunk_order(ctx.layout, world)], dim=0).contiguous()
+        rank_major = reorder_parts(grad.movedim(ctx.dim, 0), 0, ctx.layout, world, to_sequence=False).contiguous()
         local, _ = reduce_scatter(rank_major, ctx.group)
         return local.movedim(0, ctx.dim), None, None, None
 

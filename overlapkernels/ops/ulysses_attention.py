@@ -34,51 +34,51 @@ from ._autocast import autocast_off, backward_without_autocast
 from ._autograd import first_order_only
 from ._validate import same_call_on_every_rank
 from .ring_attention import SEQ_DIM, _backend, _from_bhsd, _to_bhsd, checked_cp_inputs, ring_backward, ring_forward
-from .sequence_shard import _LAYOUT_TAG, _chunk_order, _split_count, check_layout, check_layout_tag, tag_layout
+from .sequence_shard import _LAYOUT_TAG, check_layout, check_layout_tag, reorder_parts, tag_layout
 
 
-def _reorder(x: torch.Tensor, dim: int, layout: str, world: int, to_natural: bool) -> torch.Tensor:
-    """Along ``dim``: the ranks' parts in rank order (what an all-to-all or all-gather lines up) to
-    the sequence's own order, or back. Contiguous: the same order."""
-    if layout == "contiguous" or world == 1:
-        return x
-    order = _chunk_order(layout, world)  # global chunk held at each rank-order position
-    chunks = x.chunk(_split_count(layout, world), dim=dim)
-    if to_natural:
-        where = {c: pos for pos, c in enumerate(order)}
-        return torch.cat([chunks[where[c]] for c in range(len(order))], dim=dim)
-    return torch.cat([chunks[c] for c in order], dim=dim)
+_ALIGN = 16  # bytes: each part's columns start aligned for any dtype's view (and 16-byte vector loads)
 
 
 class _Trade:
     """One all-to-all in flight: ``blocks`` ([P, ...] each, any shapes and dtypes; block j of each
-    goes to rank j) sent as one message of bytes; ``wait()`` -> what each rank sent, shaped alike,
-    then ``finish`` of that list. gloo moves host memory only, so CUDA tensors travel through CPU
-    copies there (N ranks sharing one GPU), and synchronously, as comm.ring's do."""
+    goes to rank j) sent as one message of bytes; ``wait()`` -> what each rank sent, shaped alike
+    (views of the received message), then ``finish`` of that list. Each block is copied once, into
+    its columns of the message (padded to 16 bytes, so that every part can be viewed in its dtype);
+    the finishes' reshapes make the one copy on the receiving side. gloo moves host memory only, so
+    CUDA tensors travel through CPU copies there (N ranks sharing one GPU), and synchronously, as
+    comm.ring's do."""
 
     def __init__(self, group, blocks: list, finish):
-        self.world, self.finish = dist.get_world_size(group), finish
+        world, self.finish = dist.get_world_size(group), finish
         # shapes and dtypes only: the blocks themselves (copies of chunks, dq/dk/dv) are not kept alive
         # while the message travels - send holds their bytes
         self.metas = [(t.shape, t.dtype) for t in blocks]
-        flat = [t.contiguous().reshape(self.world, -1).view(torch.uint8) for t in blocks]
-        self.sizes = [f.shape[1] for f in flat]
-        self.send = torch.cat(flat, dim=1)  # (kept until the wait: the collective reads it meanwhile)
-        self.device = self.send.device
-        if self.send.is_cuda and not uses_nccl(group):
-            self.got, self.work = all_to_all(self.send.cpu(), group)[0].to(self.device), None
+        nbytes = [t.numel() // world * t.element_size() for t in blocks]  # per rank
+        self.spans, off = [], 0
+        for n in nbytes:
+            self.spans.append((off, n))
+            off += -(-n // _ALIGN) * _ALIGN
+        send = torch.empty(world, off, dtype=torch.uint8, device=blocks[0].device)
+        for t, view in zip(blocks, self._views(send)):
+            view.copy_(t)
+        self.device = send.device
+        if send.is_cuda and not uses_nccl(group):
+            self.got, self.work = all_to_all(send.cpu(), group)[0].to(self.device), None
         else:
-            self.got, self.work = all_to_all(self.send, group, async_op=True)
+            self.got, self.work = all_to_all(send, group, async_op=True)
+        self.send = send  # (kept until the wait: the collective reads it meanwhile)
+
+    def _views(self, message: torch.Tensor) -> list:
+        """Each part's columns of ``message`` [P, bytes], viewed in its dtype and shape (an empty part:
+        a tensor of its own, as an empty message's strides allow no dtype view)."""
+        return [message[:, off:off + n].view(dtype).view(shape) if n else message.new_empty(shape, dtype=dtype)
+                for (off, n), (shape, dtype) in zip(self.spans, self.metas)]
 
     def wait(self) -> list:
         if self.work is not None:
             self.work.wait()
-        out = []
-        for part, (shape, dtype) in zip(self.got.split(self.sizes, dim=1), self.metas):
-            res = torch.empty(shape, dtype=dtype, device=self.device)  # fresh, aligned, whatever part's offset
-            if res.numel():
-                res.view(self.world, -1).view(torch.uint8).copy_(part)
-            out.append(res)
+        out = self._views(self.got)
         self.send = self.got = None
         return self.finish(out)
 
@@ -92,8 +92,8 @@ def seq_to_heads(parts: list, group, layout: str) -> _Trade:
         out = []
         for t in got:
             p, b, h, s_local, d = t.shape
-            out.append(_reorder(t.permute(1, 2, 0, 3, 4).reshape(b, h, p * s_local, d), 2, layout, world,
-                                to_natural=True))
+            out.append(reorder_parts(t.permute(1, 2, 0, 3, 4).reshape(b, h, p * s_local, d), 2, layout, world,
+                                to_sequence=True))
         return out
 
     # block j of each part (its head group j) goes to rank j
@@ -107,7 +107,7 @@ def heads_to_seq(parts: list, group, layout: str) -> _Trade:
     blocks = []
     for t in parts:  # block j: sequence part j (in the ranks' order) of this rank's head group
         b, h, s, d = t.shape
-        ranked = _reorder(t, 2, layout, world, to_natural=False)
+        ranked = reorder_parts(t, 2, layout, world, to_sequence=False)
         blocks.append(ranked.reshape(b, h, world, s // world, d).permute(2, 0, 1, 3, 4))
     # block i received: head group i of this rank's sequence part
     return _Trade(group, blocks, lambda got: [t.transpose(0, 1).reshape(t.shape[1], world * t.shape[2], *t.shape[3:])
@@ -211,7 +211,7 @@ def _whole_ids(segments: torch.Tensor, group, layout: str) -> torch.Tensor:
         gathered = all_gather(ids.cpu(), group)[0].to(ids.device)
     else:
         gathered = all_gather(ids, group)[0]
-    return _reorder(gathered, 0, layout, world, to_natural=True).transpose(0, 1).contiguous()
+    return reorder_parts(gathered, 0, layout, world, to_sequence=True).transpose(0, 1).contiguous()
 
 
 def check_heads(heads: int, kv_heads: int, world: int, what: str = "q") -> int:
@@ -285,11 +285,11 @@ def ulysses_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, 
     ring_check = (same_call_on_every_rank(ring_group, "ulysses_attention (ring_group)", device)
                   if ring_group is not None else contextlib.nullcontext())
     with same_call_on_every_rank(group, "ulysses_attention", device) as call, ring_check as ring_call:
-        if ring_group is not None and (shared := shared_peers(group, ring_group)):
-            raise ValueError(f"ulysses_attention: group and ring_group share ranks {shared} besides this one: "
-                             "expected orthogonal groups (say a node's ranks and one rank per node)")
-        if ring_group is not None:  # the ring's own layout (shard_sequence over ring_group tags it)
-            _check_usp_tags(q, k, v, segment_ids, qkv_format, group, ring_group, ring_layout)
+        if ring_group is not None:
+            if shared := shared_peers(group, ring_group):
+                raise ValueError(f"ulysses_attention: group and ring_group share ranks {shared} besides this one: "
+                                 "expected orthogonal groups (say a node's ranks and one rank per node)")
+            _check_usp_tags(q, k, v, segment_ids, qkv_format, group, ring_group, ring_layout)  # the ring's layout
         q, k, v, segments, scale, backend = checked_cp_inputs(call, "ulysses_attention", group, q, k, v, causal,
                                                               softmax_scale, trade_layout, qkv_format, return_lse,
                                                               segment_ids)
