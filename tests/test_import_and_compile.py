@@ -1,5 +1,5 @@
-"""`import overlapkernels` stays light, and the ops still run eagerly under torch.compile when their
-first call is made while compiling (the eager-under-compile wrapper imports dynamo lazily)."""
+"""`import overlapkernels` stays light (no torch._dynamo), and the ops run under torch.compile when their
+first call is made while compiling."""
 import subprocess
 import sys
 import textwrap
@@ -35,14 +35,17 @@ def test_import_is_light_and_first_call_under_compile_runs_eagerly():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("name", ["all_gather_matmul", "matmul_reduce_scatter", "ring_attention",
+@pytest.mark.parametrize("name", ["all_gather_matmul", "matmul_reduce_scatter", "ring_attention", "ulysses_attention",
                                   "vocab_parallel_cross_entropy", "shard_sequence", "unshard_sequence",
                                   "local_attention"])
-def test_the_ops_taking_a_process_group_run_eagerly_under_compile(name):
-    """Each public op is wrapped whole by eager_under_compile (torch's dynamo-disable wrapper keeps the
-    op as __wrapped__): a helper inserted between the decorator and the op once took the decorator
-    instead, and dynamo traced the op's collectives (graph breaks)."""
+def test_the_ops_taking_a_process_group_are_opaque_under_compile(name):
+    """Each public op is wrapped whole by opaque_under_compile: registered for the overlapkernels::call
+    custom op under its own name, its graph-break fallback (torch's dynamo-disable wrapper) kept as
+    __wrapped__. A helper inserted between the decorator and the op once took the decorator instead,
+    and dynamo traced the op's collectives."""
     import overlapkernels as ok
+    from overlapkernels.ops import _opaque
 
     fn = getattr(ok, name)
     assert fn.__wrapped__.__name__ == name, fn.__wrapped__
+    assert _opaque._OPS[f"{fn.__module__}.{name}"].fn.__name__ == name

@@ -132,8 +132,9 @@ def check_dim(name: str, dim, tensor: torch.Tensor, tensor_name: str, *, last_ok
 def check_ids(ids: torch.Tensor, bad: torch.Tensor, error, device_message: str) -> None:
     """Raise ``error(first bad id)`` where ``bad`` (a mask over ``ids``) has any; on CUDA a
     device-side assert instead (as torch's own embedding and cross-entropy do): reading the mask
-    would sync the host on every call."""
-    if not ids.is_cuda:
+    would sync the host on every call. Under torch.compile the same assert on every device (a
+    data-dependent branch would break the graph), a RuntimeError with ``device_message``."""
+    if not ids.is_cuda and not torch.compiler.is_compiling():
         if bool(bad.any()):
             raise error(int(ids[bad][0]))
     else:

@@ -6,13 +6,13 @@ from functools import partial
 
 import torch
 
-from .._compat import eager_under_compile
 from ..kernels.offsets import FUSED_DTYPES, fused_sizes_error
 from ..parallel import resolve_group
 from ..profiling.ranges import span
 from . import _methods
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands, cast_weights
 from ._autograd import first_order_only, not_a_view
+from ._opaque import opaque_under_compile
 from ._validate import check_dim, check_flag, check_float_dtype, check_tensor, check_weights, group_size, is_peer_world, same_call_on_every_rank
 from .dispatch import check_method, choose, strict_active, strict_in_backward
 from .measure import auto_mode, auto_setting, measured, wanted
@@ -127,7 +127,27 @@ class AllGatherMatmul(torch.autograd.Function):
         return (grad_a, None, None, None, None, None, None, *grad_ws)
 
 
-@eager_under_compile  # takes a ProcessGroup: see _compat
+def _fake(a_shard, b, group, gather_dim, return_gathered, transposed):
+    """The results' shapes, for torch.compile (see ``_opaque``); the checks they rest on."""
+    name = "x_shard" if transposed else "a_shard"
+    check_tensor(name, a_shard, min_dim=2)
+    bs, single = check_weights(b, a_shard, name, linear=transposed, many=True if transposed else None)
+    shape = list(a_shard.shape)
+    shape[check_dim("gather_dim", gather_dim, a_shard, name)] *= group_size(group)
+    outs = [a_shard.new_empty([*shape[:-1], w.shape[1]]) for w in bs]
+    result = outs[0] if single else outs
+    return (a_shard.new_empty(shape), result) if return_gathered else result
+
+
+def _unflatten(flat, a_shard, b, *args, return_gathered=False, **kwargs):
+    outs = flat[1:] if return_gathered else flat
+    result = outs[0] if isinstance(b, torch.Tensor) else list(outs)
+    return (flat[0], result) if return_gathered else result
+
+
+@opaque_under_compile(  # takes a ProcessGroup: see _opaque
+    fake=lambda a_shard, b, group=None, *, gather_dim=0, return_gathered=False, method="auto", save_gathered=False:
+    _fake(a_shard, b, group, gather_dim, return_gathered, False), unflatten=_unflatten, casts=("a_shard", "b"))
 def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, return_gathered=False, method="auto",
                       save_gathered=False):
     """``torch.cat(all_gather(a_shard), dim=gather_dim) @ b``, with the gather hidden behind the GEMM.
@@ -140,7 +160,10 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, return_gathered=F
     return _all_gather_matmul(a_shard, b, group, gather_dim, return_gathered, method, save_gathered, False)
 
 
-@eager_under_compile  # takes a ProcessGroup: see _compat
+@opaque_under_compile(  # takes a ProcessGroup: see _opaque
+    fake=lambda x_shard, weights, group=None, *, gather_dim=0, method="auto", save_gathered=False:
+    _fake(x_shard, weights, group, gather_dim, False, True),
+    unflatten=lambda flat, *args, **kwargs: list(flat), casts=("x_shard", "weights"))
 def all_gather_linear(x_shard, weights, group=None, *, gather_dim=0, method="auto", save_gathered=False):
     """``[all_gather(x_shard) @ w.T for w in weights]`` (``F.linear``'s [N, K] layout, no bias): the
     column-parallel layers' op. Autograd sees the weights themselves rather than ``w.T`` views, so

@@ -15,10 +15,10 @@ import numbers
 import torch
 import torch.distributed as dist
 
-from .._compat import eager_under_compile
 from ..comm import collectives as C
 from ..parallel import resolve_group
 from ._autograd import first_order_only
+from ._opaque import opaque_under_compile
 from ._validate import check_float_dtype, check_ids, check_not_dtensor
 
 
@@ -105,7 +105,9 @@ def check_ignore_index(value, name: str = "ignore_index") -> int:
     return int(value)
 
 
-@eager_under_compile  # takes a ProcessGroup: see _compat
+@opaque_under_compile(  # takes a ProcessGroup: see _opaque; the loss in fp32 (fp64 for fp64 logits)
+    fake=lambda logits_shard, target, *args, **kwargs: target.new_empty(
+        target.shape, dtype=torch.float64 if logits_shard.dtype == torch.float64 else torch.float32))
 def vocab_parallel_cross_entropy(logits_shard, target, group=None, *, ignore_index=-100, label_smoothing=0.0):
     """Per-token loss [...] from vocabulary-parallel logits [..., V/P] and global target ids [...].
     ``label_smoothing`` as ``F.cross_entropy``'s (eps spread over all V classes), whatever the TP size.

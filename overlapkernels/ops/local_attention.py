@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from .._compat import eager_under_compile
 from ..profiling.ranges import span
 from ._autocast import autocast_off, backward_without_autocast
 from ._autograd import first_order_only
-from .ring_attention import RingAttention, _backward, _from_bhsd, _to_bhsd, checked_inputs
+from ._opaque import opaque_under_compile
+from .ring_attention import RingAttention, _backward, _from_bhsd, _to_bhsd, attention_fake, attention_unflatten, checked_inputs
 
 
 class LocalAttention(RingAttention):
@@ -28,7 +28,8 @@ class LocalAttention(RingAttention):
         return _backward(ctx, dout, dlse)
 
 
-@eager_under_compile  # it drives Triton kernels and their span tables, as ring_attention does
+# it drives Triton kernels and their span tables, as ring_attention does: opaque to torch.compile
+@opaque_under_compile(fake=attention_fake, unflatten=attention_unflatten, casts=("q", "k", "v"))
 def local_attention(q, k, v, *, causal=False, softmax_scale=None, qkv_format="bshd", return_lse=False,
                     segment_ids=None):
     """``softmax(scale q k^T + mask) v`` over the whole sequence in this process.

@@ -6,7 +6,6 @@ from functools import partial
 
 import torch
 
-from .._compat import eager_under_compile
 from ..kernels.offsets import FUSED_DTYPES, fused_sizes_error
 from ..parallel import resolve_group
 from ..profiling.ranges import span
@@ -14,6 +13,7 @@ from . import _methods
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands
 from ._autograd import first_order_only, not_a_view
 from ._collective_methods import accumulation_dtype
+from ._opaque import opaque_under_compile
 from ._validate import check_dim, check_float_dtype, check_tensor, check_weights, group_size, is_peer_world, same_call_on_every_rank
 from .dispatch import check_method, choose, strict_active, strict_in_backward
 from .measure import auto_mode, auto_setting, measured, wanted
@@ -100,7 +100,24 @@ class MatmulReduceScatter(torch.autograd.Function):
         return grad_a, wgrad()[0], None, None, None, None
 
 
-@eager_under_compile  # takes a ProcessGroup: see _compat
+def _fake(a, b, group, scatter_dim, transposed):
+    """The result's shape, for torch.compile (see ``_opaque``); the checks it rests on."""
+    name = "x" if transposed else "a"
+    check_tensor(name, a, min_dim=2)
+    (b_kn,), _ = check_weights(b, a, name, linear=transposed, many=False)
+    shape = [*a.shape[:-1], b_kn.shape[1]]
+    dim = check_dim("scatter_dim", scatter_dim, a, name, last_ok=True)
+    world = group_size(group)
+    if shape[dim] % world:
+        raise ValueError(f"the output's scatter_dim={scatter_dim} has size {shape[dim]}, not divisible by the "
+                         f"group size {world}")
+    shape[dim] //= world
+    return a.new_empty(shape)
+
+
+@opaque_under_compile(  # takes a ProcessGroup: see _opaque
+    fake=lambda a, b, group=None, *, scatter_dim=0, method="auto": _fake(a, b, group, scatter_dim, False),
+    casts=("a", "b"))
 def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, method="auto"):
     """``reduce_scatter_sum(a @ b, dim=scatter_dim)``: rank r keeps chunk r, with the reduction
     hidden behind the GEMM. ``a`` [..., K] (2+ dims); ``b`` [K, N]; ``scatter_dim`` any dim of
@@ -108,7 +125,9 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, method="auto"):
     return _matmul_reduce_scatter(a, b, group, scatter_dim, method, False)
 
 
-@eager_under_compile  # takes a ProcessGroup: see _compat
+@opaque_under_compile(  # takes a ProcessGroup: see _opaque
+    fake=lambda x, weight, group=None, *, scatter_dim=0, method="auto": _fake(x, weight, group, scatter_dim, True),
+    casts=("x", "weight"))
 def linear_reduce_scatter(x, weight, group=None, *, scatter_dim=0, method="auto"):
     """``reduce_scatter_sum(x @ weight.T, dim=scatter_dim)`` (``F.linear``'s [N, K] layout, no
     bias): the row-parallel layer's op. Autograd sees the weight itself rather than a ``weight.T``

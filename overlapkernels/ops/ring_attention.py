@@ -18,7 +18,6 @@ import numbers
 
 import torch
 
-from .._compat import eager_under_compile
 from ..comm.ring import Ring, settled_on_error, wait_all
 from ..kernels import attention_ref
 from ..kernels.ids import integer_ids
@@ -26,6 +25,7 @@ from ..parallel import resolve_group
 from ..profiling.ranges import span
 from ._autocast import autocast_dtype, autocast_off, backward_without_autocast, cast_operands
 from ._autograd import first_order_only
+from ._opaque import opaque_under_compile
 from ._validate import check_float_dtype, check_tensor, same_call_on_every_rank
 from .sequence_shard import check_layout, check_layout_tag, segments, tag_layout
 
@@ -369,7 +369,21 @@ def checked_cp_inputs(call, what: str, group, q, k, v, causal, softmax_scale, la
     return checked
 
 
-@eager_under_compile  # takes a ProcessGroup: see _compat
+def attention_fake(q, k, v, *args, qkv_format="bshd", return_lse=False, **kwargs):
+    """The results' shapes (out like q; the fp32 lse [B, H, S]), for torch.compile (see ``_opaque``)."""
+    check_tensor("q", q, min_dim=4)
+    out = q.new_empty(q.shape)
+    if not return_lse:
+        return out
+    b, s = (q.shape[0], q.shape[1]) if qkv_format == "bshd" else (q.shape[1], q.shape[0])
+    return out, q.new_empty((b, q.shape[2], s), dtype=torch.float32)
+
+
+def attention_unflatten(flat, *args, return_lse=False, **kwargs):
+    return (flat[0], flat[1]) if return_lse else flat[0]
+
+
+@opaque_under_compile(fake=attention_fake, unflatten=attention_unflatten, casts=("q", "k", "v"))  # see _opaque
 def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, layout="contiguous",
                    qkv_format="bshd", return_lse=False, segment_ids=None):
     """Attention of this rank's queries over the whole sequence spread across ``group``.

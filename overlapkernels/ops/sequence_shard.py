@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._compat import eager_under_compile
 from ..comm.collectives import all_gather, reduce_scatter
 from ..parallel import resolve_group
 from ._autograd import first_order_only, not_a_view
+from ._opaque import opaque_under_compile
 from ._validate import check_tensor
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -29,7 +29,10 @@ _LAYOUT_TAG = "_overlapkernels_layouts"  # {(dim, id(group)): layout}
 def tag_layout(x: torch.Tensor, dim: int, group, layout: str, inherit=None) -> torch.Tensor:
     """Tag ``x`` as laid out by ``layout`` along ``dim`` over ``group``, keeping ``inherit``'s other
     tags: a part cut along one dim keeps its layout along the others, and a part of a part (USP: a
-    ring's part cut within a group) keeps the outer group's along the same dim."""
+    ring's part cut within a group) keeps the outer group's along the same dim. Eager mode only:
+    under torch.compile the ops are opaque calls (see ``_opaque``) whose results carry no attributes."""
+    if torch.compiler.is_compiling():
+        return x
     tags = {key: value for key, value in getattr(inherit, _LAYOUT_TAG, {}).items() if key != (dim, id(group))}
     tags[(dim, id(group))] = layout
     setattr(x, _LAYOUT_TAG, tags)
@@ -37,7 +40,7 @@ def tag_layout(x: torch.Tensor, dim: int, group, layout: str, inherit=None) -> t
 
 
 def check_layout_tag(x, name: str, dim: int, group, layout: str, what: str) -> None:
-    if layout not in LAYOUTS:
+    if layout not in LAYOUTS or torch.compiler.is_compiling():  # (no tags under compile: see tag_layout)
         return  # the caller's own check names a bad layout
     tagged = getattr(x, _LAYOUT_TAG, {}).get((dim, id(group)))
     if tagged is not None and tagged != layout and dist.get_world_size(group) > 1:
@@ -92,7 +95,16 @@ def _check(x, dim, layout, name):
     return dim % x.dim(), check_layout(layout)
 
 
-@eager_under_compile  # takes a ProcessGroup: see _compat
+def _resized_fake(x, group, dim, grow):
+    """``x`` empty with ``dim`` times (or divided by) the group size: a fake result for torch.compile."""
+    dim, _ = _check(x, dim, "contiguous", "x")
+    shape = list(x.shape)
+    world = dist.get_world_size(resolve_group(group))
+    shape[dim] = shape[dim] * world if grow else shape[dim] // world
+    return x.new_empty(shape)
+
+
+@opaque_under_compile(fake=lambda x, group=None, *, dim=1, layout="zigzag": _resized_fake(x, group, dim, False))  # see _opaque
 def shard_sequence(x, group=None, *, dim=1, layout="zigzag"):
     """This rank's part of the full sequence ``x`` (same on every rank), laid out as ``layout``."""
     group = resolve_group(group)
@@ -131,7 +143,7 @@ class _Unshard(torch.autograd.Function):
         return local.movedim(0, ctx.dim), None, None, None
 
 
-@eager_under_compile  # takes a ProcessGroup: see _compat
+@opaque_under_compile(fake=lambda x_local, group=None, *, dim=1, layout="zigzag": _resized_fake(x_local, group, dim, True))
 def unshard_sequence(x_local, group=None, *, dim=1, layout="zigzag"):
     """Gather the parts that ``shard_sequence`` laid out and reorder them into the full sequence."""
     group = resolve_group(group)

@@ -20,13 +20,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._compat import eager_under_compile
 from ..comm import collectives as C
 from ._autograd import not_a_view
+from ._opaque import opaque_under_compile
 
 
 def _size(group) -> int:
     return dist.get_world_size(group)
+
+
+def _resized(x, group, dim, grow):
+    """An empty ``x`` with ``dim`` times (or divided by) the group size: a fake result for torch.compile."""
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * _size(group) if grow else shape[dim] // _size(group)
+    return x.new_empty(shape)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -109,7 +116,7 @@ class _GatherFirstDim(torch.autograd.Function):
         return _ReduceScatterFirstDim.apply(grad, ctx.group), None
 
 
-@eager_under_compile  # takes a ProcessGroup: see _compat
+@opaque_under_compile(fake=lambda x, group, *, grad_in_place=False: x.new_empty(x.shape))  # takes a ProcessGroup: see _opaque
 def copy_to_tp_region(x, group, *, grad_in_place=False):
     """``grad_in_place``: all-reduce the incoming gradient in place (Megatron's way, no copy). Only
     for outputs that feed ops whose input gradients are fresh tensors (a matmul): autograd hands the
@@ -118,17 +125,17 @@ def copy_to_tp_region(x, group, *, grad_in_place=False):
     return _CopyToTP.apply(x, group, grad_in_place) if _size(group) > 1 else x
 
 
-@eager_under_compile  # takes a ProcessGroup: see _compat
+@opaque_under_compile(fake=lambda x, group: x.new_empty(x.shape))  # takes a ProcessGroup: see _opaque
 def reduce_from_tp_region(x, group):
     return _ReduceFromTP.apply(x, group) if _size(group) > 1 else x
 
 
-@eager_under_compile  # takes a ProcessGroup: see _compat
+@opaque_under_compile(fake=lambda x, group: _resized(x, group, -1, True))  # takes a ProcessGroup: see _opaque
 def gather_last_dim(x, group):
     return _GatherLastDim.apply(x, group) if _size(group) > 1 else x
 
 
-@eager_under_compile  # takes a ProcessGroup: see _compat
+@opaque_under_compile(fake=lambda x, group: _resized(x, group, -1, False))  # takes a ProcessGroup: see _opaque
 def split_last_dim(x, group):
     size = _size(group)
     if size > 1 and (x.dim() == 0 or x.shape[-1] % size):  # same on every rank: refused before gathering
@@ -137,11 +144,11 @@ def split_last_dim(x, group):
     return _SplitLastDim.apply(x, group) if size > 1 else x
 
 
-@eager_under_compile  # takes a ProcessGroup: see _compat
+@opaque_under_compile(fake=lambda x, group: _resized(x, group, 0, False))  # takes a ProcessGroup: see _opaque
 def reduce_scatter_first_dim(x, group):
     return _ReduceScatterFirstDim.apply(x, group) if _size(group) > 1 else x
 
 
-@eager_under_compile  # takes a ProcessGroup: see _compat
+@opaque_under_compile(fake=lambda x, group: _resized(x, group, 0, True))  # takes a ProcessGroup: see _opaque
 def gather_first_dim(x, group):
     return _GatherFirstDim.apply(x, group) if _size(group) > 1 else x

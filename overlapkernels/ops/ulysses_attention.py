@@ -26,14 +26,15 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from .._compat import eager_under_compile
 from ..comm.collectives import all_gather, all_to_all
 from ..parallel import resolve_group, shared_peers, uses_nccl
 from ..profiling.ranges import span
 from ._autocast import autocast_off, backward_without_autocast
 from ._autograd import first_order_only
+from ._opaque import opaque_under_compile
 from ._validate import same_call_on_every_rank
-from .ring_attention import SEQ_DIM, _backend, _from_bhsd, _to_bhsd, checked_cp_inputs, ring_backward, ring_forward
+from .ring_attention import (SEQ_DIM, _backend, _from_bhsd, _to_bhsd, attention_fake, attention_unflatten, checked_cp_inputs,
+                             ring_backward, ring_forward)
 from .sequence_shard import _LAYOUT_TAG, check_layout, check_layout_tag, reorder_parts, tag_layout
 
 
@@ -253,7 +254,7 @@ def _check_chunks(head_chunks, heads: int, kv_heads: int) -> int:
     return head_chunks
 
 
-@eager_under_compile  # takes a ProcessGroup: see _compat
+@opaque_under_compile(fake=attention_fake, unflatten=attention_unflatten, casts=("q", "k", "v"))  # see _opaque
 def ulysses_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, layout="contiguous",
                       qkv_format="bshd", return_lse=False, segment_ids=None, head_chunks=None, ring_group=None):
     """Attention of this rank's queries over the whole sequence spread across ``group``, by
