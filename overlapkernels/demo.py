@@ -38,6 +38,7 @@ class DemoConfig:
     reduce_per_microbatch: bool = True  # ZeRO-2/3: False reduces (and ZeRO-3 gathers) once per step
     dtype: str = "float32"  # the weights'; 16-bit: fp32 masters and reductions (float16: loss scaling too)
     cp_attention: str = "ring"  # context-parallel attention: "ring" or "ulysses" (all-to-all)
+    compile: str = ""  # a torch.compile backend for the 4-D run's blocks (GPTConfig.compile); "": eager
 
     def resolved(self, world: int) -> "DemoConfig":
         """This configuration on ``world`` ranks, dp=-1 replaced by the ranks left, once every
@@ -77,6 +78,11 @@ class DemoConfig:
             problems.append(str(exc))
         if self.dtype not in DTYPES:
             problems.append(f"dtype={self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        if not isinstance(self.compile, str):
+            problems.append(f"compile={self.compile!r}: expected a torch.compile backend name, or '' (eager)")
+        elif self.compile and self.schedule in ("zb-h1", "zb-v"):
+            problems.append(f"compile={self.compile!r} with schedule={self.schedule!r}: compiled blocks leave a "
+                            "zero-bubble W nothing to run; use gpipe, 1f1b or interleaved-1f1b")
         if not isinstance(self.activation_checkpointing, bool):
             problems.append(f"activation_checkpointing={self.activation_checkpointing!r}: expected a bool")
         if self.steps < 1 or self.reference_steps < 0:
@@ -122,6 +128,9 @@ def add_arguments(parser, default_nproc: int):
     parser.add_argument("--cp-attention", default="ring", choices=("ring", "ulysses"),
                         help="context-parallel attention: ring (K/V blocks around the ring) or ulysses (all-to-alls "
                              "trading the sequence split for a head split)")
+    parser.add_argument("--compile", nargs="?", const="inductor", default="", metavar="BACKEND",
+                        help="torch.compile each block of the 4-D run (fullgraph; default backend inductor, "
+                             "aot_eager skips the C++ build); the reference stays eager")
     parser.add_argument("--nproc", type=int, help=f"CPU ranks to spawn when not under torchrun (default {default_nproc})")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before spawned ranks are killed")
     return parser
@@ -132,7 +141,7 @@ def config_from_args(args) -> DemoConfig:
                       zero_stage=args.zero_stage, max_grad_norm=args.max_grad_norm,
                       activation_checkpointing=args.activation_checkpointing,
                       reduce_per_microbatch=not args.reduce_per_step, dtype=args.dtype,
-                      cp_attention=args.cp_attention)
+                      cp_attention=args.cp_attention, compile=args.compile)
 
 
 def _batch(cfg: DemoConfig, step: int):
@@ -168,7 +177,8 @@ def rank_main(config: dict) -> list[dict]:
     dims = ok.init_parallel(tp=cfg.tp, cp=cfg.cp, pp=cfg.pp, dp=cfg.dp)
     dtype = getattr(torch, cfg.dtype)
     low = dtype.itemsize < 4  # 16-bit weights: fp32 reductions, as mixed-precision FSDP2 setups use
-    trainer = Trainer(replace(gpt, activation_checkpointing=cfg.activation_checkpointing), dims, schedule=cfg.schedule,
+    trainer = Trainer(replace(gpt, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile or False),
+                      dims, schedule=cfg.schedule,
                       dense_state_dict=start, zero_stage=cfg.zero_stage, max_grad_norm=cfg.max_grad_norm,
                       num_virtual=cfg.num_virtual, reduce_per_microbatch=cfg.reduce_per_microbatch, dtype=dtype,
                       reduce_dtype=torch.float32 if low else None,
@@ -207,6 +217,7 @@ def format_rows(rows: list[dict], cfg: DemoConfig) -> str:
              + (" reduced once per step" if not cfg.reduce_per_microbatch and cfg.zero_stage > 1 else "")
              + (f", clipped at {cfg.max_grad_norm:g}" if clip else "")
              + (", activation checkpointing" if cfg.activation_checkpointing else "")
+             + (f", blocks compiled ({cfg.compile})" if cfg.compile else "")
              + {"float32": "", "bfloat16": ", bfloat16 (fp32 masters and reductions)",
                 "float16": ", float16 (fp32 masters and reductions, loss scaling)"}[cfg.dtype]
              + ("; GPU ranks (NCCL)" if rows and rows[0].get("device") == "cuda" else "; CPU ranks (gloo)")

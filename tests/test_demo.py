@@ -16,6 +16,15 @@ def test_demo_smoke(rank_pool):
     assert "1-proc ref" in demo.format_rows(rows, cfg)
 
 
+def test_demo_with_compiled_blocks_agrees_with_its_reference(rank_pool):
+    """--compile: the 4-D run's blocks each one fullgraph torch.compile graph (aot_eager: no C++ build)."""
+    cfg = demo.DemoConfig(steps=2, reference_steps=2, batch=4, seq=8, vocab=16, hidden=16, layers=2, compile="aot_eager")
+    rows = rank_pool(4).run(demo.rank_main, demo.config_dict(cfg))[0]
+    for row in rows:
+        assert row["loss"] == pytest.approx(row["reference"], rel=1e-5)
+    assert "blocks compiled (aot_eager)" in demo.format_rows(rows, cfg)
+
+
 def test_demo_with_zero_3_clipping_and_recompute_agrees_with_its_reference(rank_pool):
     """dp=2 x pp=2, ZeRO-3 reducing once per step, clipped, blocks recomputed: the 4-D grad norm
     (the whole model's: every stage, every DP shard) and the loss agree with the clipped single
@@ -45,7 +54,9 @@ def test_demo_refuses_compositions_it_cannot_run_before_spawning():
                             (dict(max_grad_norm="1"), r"max_grad_norm='1': expected a finite number > 0"),
                             (dict(activation_checkpointing=1), r"activation_checkpointing=1: expected a bool"),
                             (dict(reduce_per_microbatch=0), r"reduce_per_microbatch=0: expected a bool"),
-                            (dict(batch=6), r"batch=6 must be divisible by dp x microbatches = 1 x 4")):
+                            (dict(batch=6), r"batch=6 must be divisible by dp x microbatches = 1 x 4"),
+                            (dict(compile="inductor", schedule="zb-v"), r"compile='inductor' with schedule='zb-v'"),
+                            (dict(compile=True), r"compile=True: expected a torch.compile backend name")):
         with pytest.raises(ValueError, match=message):
             demo.DemoConfig(**kwargs).resolved(3 if kwargs.get("tp") == 3 else 4)
 
@@ -130,6 +141,8 @@ def test_demo_options_reach_its_configuration():
     assert cfg == demo.DemoConfig(tp=1, pp=2, cp=2, dp=1, steps=5, schedule="zb-h1", zero_stage=3, max_grad_norm=0.5,
                                   activation_checkpointing=True, reduce_per_microbatch=False, dtype="bfloat16",
                                   cp_attention="ulysses")
+    assert demo.config_from_args(parser.parse_args(["--compile"])).compile == "inductor"
+    assert demo.config_from_args(parser.parse_args(["--compile", "aot_eager"])).compile == "aot_eager"
     # the demo's 4 heads (2 key/value heads) over tp=1 x cp=8: 4 query heads do not split over 8 ranks
     with pytest.raises(ValueError, match=r"ulysses_attention: each TP rank \(4 heads / TP 1\) has 4 heads, not "
                                          r"divisible by the group size 8"):

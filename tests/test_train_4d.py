@@ -17,16 +17,17 @@ CONFIG = dict(vocab_size=16, hidden=8, num_layers=2, num_heads=2, num_kv_heads=2
 
 
 def _compose_on_rank(layout, schedule, sequence_parallel=True, lose_grad=False, zero_stage=1, max_grad_norm=None,
-                     init_scale=None, recompute=False, reduce_per_microbatch=True, documents=False):
+                     init_scale=None, recompute=False, reduce_per_microbatch=True, documents=False, compile=False):
     """The trainer's losses and weights after two steps equal single-process training's. With
     ``max_grad_norm``, both clip; with ``init_scale``, the trainer scales its loss (by a power of 2:
     exact in float64, so nothing may differ) and returns its grad norms and skip flags too. With
     ``recompute``, the trainer's GPT checkpoints its blocks' activations (each block runs its
     forward once more per microbatch, in backward). Counts each ZeRO unit's reduce-scatters and
     all-gathers per step: once per microbatch, or once per step without ``reduce_per_microbatch``.
-    ``documents``: rows packing documents (segment ids, each row its own boundaries)."""
+    ``documents``: rows packing documents (segment ids, each row its own boundaries). ``compile``: the
+    trainer's GPT compiles its blocks (``GPTConfig.compile``: a backend)."""
     config = GPTConfig(**CONFIG, method="decomposed", sequence_parallel=sequence_parallel)
-    trainer_config = dataclasses.replace(config, activation_checkpointing=recompute)
+    trainer_config = dataclasses.replace(config, activation_checkpointing=recompute, compile=compile)
     g = torch.Generator().manual_seed(5)
     batches = [(torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g))
                for _ in range(2)]

@@ -49,6 +49,9 @@ class GPTConfig:
     # context-parallel attention: "ring" (ring_attention) or "ulysses" (ulysses_attention: all-to-alls;
     # num_heads / TP divisible by CP, num_kv_heads / TP divisible by CP or dividing it)
     cp_attention: str = "ring"
+    # torch.compile each transformer block's forward, fullgraph (as torchtitan compiles its blocks;
+    # the ops inside are opaque custom ops, see ops/_opaque): False, True (Inductor) or a backend name
+    compile: bool | str = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden", "max_seq_len"):
@@ -57,6 +60,9 @@ class GPTConfig:
         self.ignore_index = check_ignore_index(self.ignore_index, "GPTConfig.ignore_index")
         self.activation_checkpointing = check_flag(self.activation_checkpointing, "GPTConfig.activation_checkpointing")
         check_cp_attention(self.cp_attention, "GPTConfig.cp_attention")
+        if not isinstance(self.compile, (bool, str)) or self.compile == "":
+            raise TypeError(f"GPTConfig.compile={self.compile!r}: expected False, True (Inductor) or a "
+                            "torch.compile backend name such as 'aot_eager'")
 
 
 def check_segment_ids(segment_ids, tokens: torch.Tensor, same_device: bool = True) -> None:
@@ -115,6 +121,11 @@ class GPT(KeepsTags, nn.Module):
             if i in layer_ids:
                 blocks[str(i)] = block
         self.blocks = nn.ModuleDict(blocks)
+        if config.compile:
+            backend = "inductor" if config.compile is True else config.compile
+            for block in blocks.values():
+                # the forward only, not the module call: its hooks (fsdp's gathers) stay eager, outside
+                block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
         if self.last:
             self.norm = RMSNorm(config.hidden, sequence_parallel=sp, group=tp, **kw)
             self.lm_head = ColumnParallelLinear(config.hidden, config.vocab_size, tp, bias=False,

@@ -144,6 +144,10 @@ class Trainer:
         m = 2 * dims.pp_size if num_microbatches is None else num_microbatches
         # before any stage is built: a schedule that cannot run fails alike on every rank
         self.schedule = pp.make_schedule(schedule, dims.pp_size, m, num_virtual=num_virtual)
+        if getattr(config, "compile", False) and any(a.op == "W" for acts in self.schedule.actions for a in acts):
+            raise ValueError(f"GPTConfig.compile={config.compile!r} with schedule={schedule!r}: a compiled block's "
+                             "backward computes its weight gradients at once, so a zero-bubble W would have none to "
+                             "run; use 'gpipe', '1f1b' or 'interleaved-1f1b' with compile")
         self.stages = self._build_stages(config, dims, dtype)
         for stage in self.stages if dense_state_dict is not None else ():
             stage.load_state_dict(shard_dense_state_dict(stage, dense_state_dict))

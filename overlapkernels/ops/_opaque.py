@@ -27,8 +27,12 @@ Under compile, still eager with a graph break, as before: a group that is not a 
 layout tags (``tag_layout``: attributes of eager tensors, checked only in eager mode), and a
 zero-bubble schedule's deferral of weight gradients (``weight_grad_store.deferring``): inside a
 compiled graph they are computed in backward. Every output is contiguous (as the fake rules say)
-and none aliases an input (custom ops may not): an identity forward returns a copy. A second
-backward through one compiled call raises, as an eager graph freed by its first backward does.
+and none aliases an input (custom ops may not): an identity forward returns a copy. What the eager
+op saves for backward from the graph's own buffers is saved as a copy (Inductor reuses a buffer
+once the graph is done reading it: ``_SavedPrivately``). Each call carries a number of its own, so
+that two identical calls stay two. A second backward through one compiled call raises, also with
+``retain_graph=True`` (the first backward released its graph); a float argument that dynamo makes
+symbolic (a changing ``softmax_scale``) breaks a fullgraph compile.
 """
 from __future__ import annotations
 
@@ -85,7 +89,9 @@ def opaque_under_compile(*, fake, unflatten=None, casts=()):
             if spec is None or not tensors:
                 return eager(*args, **kwargs)
             grads = [torch.is_grad_enabled() and t.requires_grad for t in tensors]
-            flat = torch.ops.overlapkernels.call(name, repr(spec), tensors, grads)
+            # a number of its own per call in the graph: AOTAutograd would merge two identical calls into
+            # one (pure ops, it assumes), leaving one handle for two backwards
+            flat = torch.ops.overlapkernels.call(name, repr((_call_number(), spec)), tensors, grads)
             return _OPS[name].unflatten(flat[1:], *args, **kwargs)
         op.__wrapped__ = eager  # what tests and introspection see as the op
         return op
@@ -157,8 +163,21 @@ def _parse(spec: str):
 
 
 def _call_args(spec, tensors):
-    """The op's (args, kwargs) from its spec and tensors."""
-    return _decode(_parse(spec), tensors)
+    """The op's (args, kwargs) from its spec (its call number first) and tensors."""
+    return _decode(_parse(spec)[1], tensors)
+
+
+_numbers = itertools.count()
+
+
+def _call_number() -> int:
+    """A new number each time dynamo traces a call (a constant in the graph)."""
+    return next(_numbers)
+
+
+# torch.compiler.assume_constant_result's mark, set by hand: the decorator imports torch._dynamo,
+# ~1.5 s on every import of overlapkernels that never compiles (see _compat.eager_under_compile)
+_call_number._dynamo_marked_constant = True
 
 
 def _flatten(result, out):
@@ -195,8 +214,9 @@ def _call(name: str, spec: str, tensors: list[torch.Tensor], grads: list[bool]) 
         anchor = torch.empty(0, requires_grad=True)
         inputs = [_Input.apply(anchor, t.detach()) if g else t.detach() for t, g in zip(tensors, grads)]
         args, kwargs = _call_args(spec, inputs)
-        with _autocast_off(tensors):  # cast in the graph already (see opaque_under_compile)
-            outs = _flatten(_OPS[name].fn(*args, **kwargs), [])
+        saves = _SavedPrivately(tensors)
+        with _autocast_off(tensors), torch.autograd.graph.saved_tensors_hooks(saves.pack, saves.unpack):
+            outs = _flatten(_OPS[name].fn(*args, **kwargs), [])  # (cast in the graph already: opaque_under_compile)
         out_edges = [get_gradient_edge(o) if o.requires_grad else None for o in outs]
         in_edges = [get_gradient_edge(x) if g else None for x, g in zip(inputs, grads)]
     handle = next(_handles) if record else -1
@@ -205,7 +225,35 @@ def _call(name: str, spec: str, tensors: list[torch.Tensor], grads: list[bool]) 
         _GRAPHS[handle] = (out_edges, in_edges)
         # (not at exit: the process groups the nodes hold may be gone by then)
         weakref.finalize(handle_t, _GRAPHS.pop, handle, None).atexit = False
-    return [handle_t, *_fresh(outs, tensors)]
+    return [handle_t, *_fresh(outs, tensors, saves.memory)]
+
+
+class _SavedPrivately:
+    """Hooks on what the eager op saves for backward: the memory of the compiled graph's own
+    buffers is never among it. Inductor reuses a buffer once its last reader in the graph is done
+    (a later kernel writes into it), and it cannot see that our op keeps its input for backward -
+    x for the weight gradient, say - so a saved tensor sharing memory with an input is saved as a
+    copy (memory as in eager mode: the graph's buffer is freed or reused meanwhile). Parameters are
+    the graph's inputs, which it never reuses, and stay as they are. ``memory``: the storages of
+    what was saved, so that an output sharing one goes out as a copy (``_fresh``)."""
+
+    def __init__(self, inputs):
+        self.inputs = {_memory(t) for t in inputs if t.numel() and not isinstance(t, torch.nn.Parameter)}
+        self.memory = set()
+
+    def pack(self, t):
+        if t.numel() and _memory(t) in self.inputs:
+            t = t.clone()
+        self.memory.add(_memory(t))
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+
+def _memory(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 @_call.register_fake
@@ -236,7 +284,7 @@ def _call_backward(handle: torch.Tensor, grad_outs: list[torch.Tensor | None], l
     result = [t.new_empty(0) for t in like]
     for i, g in zip(wanted, got):
         result[i] = g if g is not None else torch.zeros(like[i].shape, dtype=like[i].dtype, device=like[i].device)
-    return _fresh(result, [handle, *grad_outs])
+    return _fresh(result, [handle, *grad_outs])  # (nothing is saved any more)
 
 
 @_call_backward.register_fake
@@ -262,19 +310,20 @@ def _backward(ctx, grad_flat):
 torch.library.register_autograd("overlapkernels::call", _backward, setup_context=_setup_context)
 
 
-def _fresh(outs, inputs):
+def _fresh(outs, inputs, saved=()):
     """``outs`` detached and contiguous, as the fake rules make them (the compiled graph's views
-    rely on those strides), each copied if it shares memory with an input or an earlier output: a
-    custom op's outputs may alias neither (an identity forward, a world of one)."""
-    seen = {t.untyped_storage().data_ptr() for t in inputs if t is not None and t.numel()}
+    rely on those strides), each copied if it shares memory with an input, an earlier output or
+    (``saved``) what backward will read: a custom op's outputs may alias neither, and the graph
+    may write into an output's buffer once it is done reading it (an identity forward, a world of
+    one, a returned tensor that backward also reads)."""
+    seen = {_memory(t) for t in inputs if t is not None and t.numel()} | set(saved)
     fresh = []
     for o in outs:
         o = o.detach().contiguous()
-        ptr = o.untyped_storage().data_ptr()
-        if o.numel() and ptr in seen:
+        if o.numel() and _memory(o) in seen:
             o = o.clone()
         elif o.numel():
-            seen.add(ptr)
+            seen.add(_memory(o))
         fresh.append(o)
     return fresh
 
@@ -286,7 +335,10 @@ def _autograd_on(grad_enabled: bool):
     record the eager op's graph, and the backward runs that graph's nodes. The same private guard
     torch's higher-order ops use to restore dispatch state; ``grad_enabled``: the grad mode inside."""
     include, exclude = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
-    with torch._C._ForceDispatchKeyGuard(include, exclude.remove(torch._C.DispatchKey.AutogradCPU)), \
+    # (removing AutogradCPU clears the Autograd functionality for every backend, CUDA's too; views and
+    # in-place ops need ADInplaceOrView back as well, or their gradients and version checks go missing)
+    keys = exclude.remove(torch._C.DispatchKey.AutogradCPU).remove(torch._C.DispatchKey.ADInplaceOrView)
+    with torch._C._ForceDispatchKeyGuard(include, keys), \
             torch.set_grad_enabled(grad_enabled):
         yield
 
