@@ -108,7 +108,7 @@ step 30 info "$PY" -m overlapkernels info
 # this triton's sm_90 code: vector peer stores, registers left for the flag kernels (seconds; no GPU use)
 step 40 compile_sm90 env -u TRITON_INTERPRET "$PY" scripts/compile_kernels_sm90.py --quick
 # kernels alone, the csrc library, ring attention on two processes
-pytest_step 120 gpu_tests "${PYTEST[@]}" -m gpu --ignore=tests/test_ops_tp_gpu.py
+pytest_step 120 gpu_tests "${PYTEST[@]}" -m gpu --ignore=tests/test_ops_tp_gpu.py --ignore=tests/test_compile_gpu.py
 step 90 bench_fused_gemm "$PY" benchmarks/bench_fused_gemm.py --csv "$GPU_CSV"
 # several ranks spinning on flags on one GPU (symm/fused ops): the riskiest step, yet the one whose
 # results are most wanted (two GPU runs hung in it), so before the other benchmarks, which a hang
@@ -127,6 +127,9 @@ fi
 step 40 bench_chunked_gemm "$PY" benchmarks/bench_chunked_gemm.py --csv "$GPU_CSV"
 step 75 bench_flash_attn "$PY" benchmarks/bench_flash_attn.py --csv "$GPU_CSV"
 step 50 bench_one_gpu_ag_matmul "${EAGER[@]}" "$PY" benchmarks/bench_one_gpu_ag_matmul.py --csv "$GPU_CSV"
+# torch.compile (Inductor) through the ops on CUDA: last, since the Inductor build is the slowest
+# start of all and its result matters least to the benchmarks before it
+pytest_step 90 gpu_compile "${PYTEST[@]}" -m gpu tests/test_compile_gpu.py
 
 echo "=== results: $GPU_CSV; log of every step: $GPU_LOG"
 if [ ${#failed[@]} -gt 0 ]; then

@@ -67,7 +67,7 @@ def _summary(stdout):
 def test_steps_are_cut_to_the_time_left(tmp_path):
     out = _run(tmp_path, int(time.time()) + 40)
     limits = [int(v) for v in re.findall(r"^=== .* \(limit (\d+) s\)$", out.stdout, re.M)]
-    assert len(limits) == 10 and all(limit <= 28 for limit in limits), out.stdout  # 40 s - 12 s of margin
+    assert len(limits) == 11 and all(limit <= 28 for limit in limits), out.stdout  # 40 s - 12 s of margin
     assert out.returncode == 0 and "all steps passed" in out.stdout
 
 
@@ -76,7 +76,7 @@ def test_no_time_left_skips_every_step_and_fails(tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     assert [line for line in out.stdout.splitlines() if line.startswith("ran: ")] == []  # not even the probe
     skipped = re.findall(r"^=== FAILED: (.*) \(skipped: no time left\)$", out.stdout, re.M)
-    assert skipped[:3] == ["csrc_build", "info", "compile_sm90"] and len(skipped) == 10, out.stdout
+    assert skipped[:3] == ["csrc_build", "info", "compile_sm90"] and len(skipped) == 11, out.stdout
     assert all(row.startswith("SKIPPED (no time)") for row in _summary(out.stdout).values())
 
 
@@ -95,21 +95,22 @@ def test_each_step_logs_in_full_and_a_summary_table_ends_the_output(tmp_path):
     assert "reduce output" in _step_log(tmp_path, "bench_reduce") and "reduce" not in _step_log(tmp_path, "info")
     # the device tool brings back at most 8 files from $OUT: the script leaves 3 here (no rows: the
     # stand-in benchmarks write no CSV), beside the stand-in python itself
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu-check.log", "gpu_tests.xml", "gpu_tests_one_gpu.xml",
-                                                          "python"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu-check.log", "gpu_compile.xml", "gpu_tests.xml",
+                                                          "gpu_tests_one_gpu.xml", "python"]
     pytest_runs = [line for line in out.stdout.splitlines() if line.startswith("ran: -m pytest")]
-    assert len(pytest_runs) == 2 and all(" -q -rfE " in line for line in pytest_runs), pytest_runs  # concise
+    assert len(pytest_runs) == 3 and all(" -q -rfE " in line for line in pytest_runs), pytest_runs  # concise
     assert pytest_runs[0].endswith(f"--junitxml={tmp_path}/gpu_tests.xml")
     assert (tmp_path / "gpu_tests_one_gpu.xml").exists()
     summary = _summary(out.stdout)
     assert list(summary) == ["csrc_build", "info", "compile_sm90", "gpu_tests", "bench_fused_gemm", "gpu_tests_one_gpu",
-                             "bench_reduce", "bench_chunked_gemm", "bench_flash_attn", "bench_one_gpu_ag_matmul"]
+                             "bench_reduce", "bench_chunked_gemm", "bench_flash_attn", "bench_one_gpu_ag_matmul",
+                             "gpu_compile"]
     # this triton's sm_90 compile, outside the interpreter
     assert "ran: scripts/compile_kernels_sm90.py --quick" in _step_log(tmp_path, "compile_sm90")
     assert re.fullmatch(r"ok +\d+  4 passed, 2 failed, 1 errors, 3 skipped", summary["gpu_tests"])
     assert summary["bench_reduce"].startswith("FAILED (exit 3)") and summary["info"].startswith("ok")
     tail = out.stdout.rstrip().splitlines()
-    assert tail[-1] == "=== gpu-check: 1 step(s) failed" and tail[-2].startswith("bench_one_gpu_ag_matmul ")
+    assert tail[-1] == "=== gpu-check: 1 step(s) failed" and tail[-2].startswith("gpu_compile ")
 
 
 def test_no_nvcc_skips_the_csrc_build_without_failing(tmp_path):
