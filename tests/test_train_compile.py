@@ -42,3 +42,23 @@ def test_compile_is_checked_and_refused_with_zero_bubble_schedules(world_of_one)
     torch.manual_seed(0)
     trainer = Trainer(GPTConfig(**CONFIG, compile="aot_eager"), ok.init_parallel(), schedule="1f1b")
     assert all(hasattr(b.forward, "_torchdynamo_orig_callable") for b in trainer.stage.blocks.values())
+
+
+def test_a_deep_copy_of_a_compiled_gpt_runs_its_own_weights(world_of_one):
+    """copy.deepcopy (an EMA, a frozen reference): the copy's compiled blocks run the copy's weights,
+    not the original's (a closure over the original block was shared by the copy)."""
+    import copy
+
+    from overlapkernels.models import GPT
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CONFIG, compile="aot_eager"), ok.init_parallel(), dtype=torch.float64)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.blocks.parameters():
+            p.mul_(0.5)
+    tokens = torch.randint(0, 16, (2, 8))
+    twin.loss(tokens, tokens).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is not None for p in twin.blocks.parameters())
+    for block, original in zip(twin.blocks.values(), model.blocks.values()):
+        assert block.forward.__self__ is block and original.forward.__self__ is original

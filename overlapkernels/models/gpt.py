@@ -8,6 +8,7 @@ so ``sync_grads`` (SP grads over TP, everything over CP) gives the gradient of t
 from __future__ import annotations
 
 import numbers
+import types
 from dataclasses import dataclass
 
 import torch
@@ -123,9 +124,12 @@ class GPT(KeepsTags, nn.Module):
         self.blocks = nn.ModuleDict(blocks)
         if config.compile:
             backend = "inductor" if config.compile is True else config.compile
+            compiled = torch.compile(TransformerBlock.forward, backend=backend, fullgraph=True)
             for block in blocks.values():
-                # the forward only, not the module call: its hooks (fsdp's gathers) stay eager, outside
-                block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
+                # the forward only, not the module call: its hooks (fsdp's gathers) stay eager, outside.
+                # A bound method, not a closure over this block: copy.deepcopy rebinds it to the copy
+                # (a compiled bound method is copied as is, and the copy ran the original's weights)
+                block.forward = types.MethodType(compiled, block)
         if self.last:
             self.norm = RMSNorm(config.hidden, sequence_parallel=sp, group=tp, **kw)
             self.lm_head = ColumnParallelLinear(config.hidden, config.vocab_size, tp, bias=False,
