@@ -277,10 +277,10 @@ def test_gpu_check_script_runs_every_step_and_reports_failures(tmp_path):
                    ["scripts/compile_kernels_sm90.py", "--quick"], ["-m", "pytest"],
                    ["benchmarks/bench_fused_gemm.py", "--csv"], ["-m", "pytest"],
                    ["benchmarks/bench_chunked_gemm.py", "--csv"], ["benchmarks/bench_flash_attn.py", "--csv"],
-                   ["benchmarks/bench_one_gpu_ag_matmul.py", "--csv"]], ran
+                   ["benchmarks/bench_one_gpu_ag_matmul.py", "--csv"], ["-m", "pytest"]], ran
     loading = [line.rsplit("[loading=", 1)[1] for line in out.stdout.splitlines() if line.startswith("ran: ")]
     # eager module loading only where ranks share a GPU: the one-GPU worlds' tests and their bench
-    assert loading == ["lazy]"] * 6 + ["EAGER]"] + ["lazy]"] * 2 + ["EAGER]"], loading
+    assert loading == ["lazy]"] * 6 + ["EAGER]"] + ["lazy]"] * 2 + ["EAGER]", "lazy]"], loading
     assert f"--csv {tmp_path}/gpu-check.csv" in out.stdout
     assert "=== FAILED: bench_reduce (exit 3)" in out.stdout and "all steps passed" not in out.stdout
 
