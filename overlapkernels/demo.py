@@ -57,10 +57,10 @@ class DemoConfig:
         return 2 if self.schedule in ("interleaved-1f1b", "zb-v") else 1
 
     def _check_composition(self) -> None:
-        from .models.train import check_options
+        from .models.train import check_compile, check_options
         from .runtime.pipeline import make_schedule
 
-        make_schedule(self.schedule, self.pp, 2 * self.pp, num_virtual=self.num_virtual)
+        schedule = make_schedule(self.schedule, self.pp, 2 * self.pp, num_virtual=self.num_virtual)
         problems = []
         try:  # the Trainer's own checks, here before any rank starts
             check_options(self.zero_stage, max_grad_norm=self.max_grad_norm, num_virtual=self.num_virtual,
@@ -80,9 +80,11 @@ class DemoConfig:
             problems.append(f"dtype={self.dtype!r}: expected one of {', '.join(DTYPES)}")
         if not isinstance(self.compile, str):
             problems.append(f"compile={self.compile!r}: expected a torch.compile backend name, or '' (eager)")
-        elif self.compile and self.schedule in ("zb-h1", "zb-v"):
-            problems.append(f"compile={self.compile!r} with schedule={self.schedule!r}: compiled blocks leave a "
-                            "zero-bubble W nothing to run; use gpipe, 1f1b or interleaved-1f1b")
+        else:
+            try:
+                check_compile(self.compile, schedule, self.schedule)
+            except ValueError as exc:
+                problems.append(str(exc))
         if not isinstance(self.activation_checkpointing, bool):
             problems.append(f"activation_checkpointing={self.activation_checkpointing!r}: expected a bool")
         if self.steps < 1 or self.reference_steps < 0:

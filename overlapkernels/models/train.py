@@ -60,6 +60,16 @@ def check_options(zero_stage, num_microbatches=None, max_grad_norm=None, grad_sc
                         "a torch.optim.lr_scheduler schedule (e.g. lambda opt: LambdaLR(opt, f)), or None")
 
 
+def check_compile(compile, schedule, name: str) -> None:
+    """Compiled blocks (``GPTConfig.compile``) with a pipeline ``schedule`` (``name``: as asked for):
+    refused with a zero-bubble one, whose W would find nothing to run - a compiled block's backward
+    computes its weight gradients at once (see ops/_opaque). The demo checks it here too."""
+    if compile and any(a.op == "W" for acts in schedule.actions for a in acts):
+        raise ValueError(f"compile={compile!r} with schedule={name!r}: a compiled block's backward computes its "
+                         "weight gradients at once, so a zero-bubble W would have none to run; use 'gpipe', "
+                         "'1f1b' or 'interleaved-1f1b' with compile")
+
+
 def _schedule(factory, optimizer):
     """``factory(optimizer)``, refused by name unless the Trainer can step it (alike on every rank)."""
     schedule = factory(optimizer)
@@ -144,10 +154,7 @@ class Trainer:
         m = 2 * dims.pp_size if num_microbatches is None else num_microbatches
         # before any stage is built: a schedule that cannot run fails alike on every rank
         self.schedule = pp.make_schedule(schedule, dims.pp_size, m, num_virtual=num_virtual)
-        if getattr(config, "compile", False) and any(a.op == "W" for acts in self.schedule.actions for a in acts):
-            raise ValueError(f"GPTConfig.compile={config.compile!r} with schedule={schedule!r}: a compiled block's "
-                             "backward computes its weight gradients at once, so a zero-bubble W would have none to "
-                             "run; use 'gpipe', '1f1b' or 'interleaved-1f1b' with compile")
+        check_compile(config.compile, self.schedule, schedule)
         self.stages = self._build_stages(config, dims, dtype)
         for stage in self.stages if dense_state_dict is not None else ():
             stage.load_state_dict(shard_dense_state_dict(stage, dense_state_dict))

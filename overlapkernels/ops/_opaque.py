@@ -50,7 +50,6 @@ from torch.autograd.graph import get_gradient_edge
 
 from .._compat import eager_under_compile
 from ._autocast import autocast_dtype, autocast_off, cast_weights
-from .weight_grad_store import not_deferring
 
 _OPS: dict = {}  # name -> _Op
 _GRAPHS: dict = {}  # handle -> (output edges, input edges), from forward until its backward
@@ -252,6 +251,14 @@ class _SavedPrivately:
         return t
 
 
+def resized(x: torch.Tensor, dim: int, world: int, grow: bool) -> torch.Tensor:
+    """An empty ``x`` with ``dim`` times (``grow``) or divided by ``world``: a fake rule's result for
+    the ops that gather or split along one dim."""
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * world if grow else shape[dim] // world
+    return x.new_empty(shape)
+
+
 def _memory(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -277,8 +284,9 @@ def _call_backward(handle: torch.Tensor, grad_outs: list[torch.Tensor | None], l
     wanted = [i for i, need in enumerate(grads) if need]
     got = [None] * len(wanted)
     if pairs and wanted:
-        # not deferring: a zero-bubble closure would accumulate into the op's own inputs, not the parameters
-        with not_deferring(), _autograd_on(False):
+        # (inside a zero-bubble B nothing is deferred: weight_grad_store.defer refuses the op's inputs,
+        # which are not leaves - a closure would fill these aliases, not the parameters)
+        with _autograd_on(False):
             got = torch.autograd.grad([e for e, _ in pairs], [in_edges[i] for i in wanted],
                                       [g for _, g in pairs], allow_unused=True)
     result = [t.new_empty(0) for t in like]

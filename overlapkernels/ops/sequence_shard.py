@@ -11,7 +11,7 @@ import torch.distributed as dist
 from ..comm.collectives import all_gather, reduce_scatter
 from ..parallel import resolve_group
 from ._autograd import first_order_only, not_a_view
-from ._opaque import opaque_under_compile
+from ._opaque import opaque_under_compile, resized
 from ._validate import check_tensor
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -97,11 +97,7 @@ def _check(x, dim, layout, name):
 
 def _resized_fake(x, group, dim, grow):
     """``x`` empty with ``dim`` times (or divided by) the group size: a fake result for torch.compile."""
-    dim, _ = _check(x, dim, "contiguous", "x")
-    shape = list(x.shape)
-    world = dist.get_world_size(resolve_group(group))
-    shape[dim] = shape[dim] * world if grow else shape[dim] // world
-    return x.new_empty(shape)
+    return resized(x, _check(x, dim, "contiguous", "x")[0], dist.get_world_size(resolve_group(group)), grow)
 
 
 @opaque_under_compile(fake=lambda x, group=None, *, dim=1, layout="zigzag": _resized_fake(x, group, dim, False))  # see _opaque

@@ -22,18 +22,11 @@ import torch.distributed as dist
 
 from ..comm import collectives as C
 from ._autograd import not_a_view
-from ._opaque import opaque_under_compile
+from ._opaque import opaque_under_compile, resized
 
 
 def _size(group) -> int:
     return dist.get_world_size(group)
-
-
-def _resized(x, group, dim, grow):
-    """An empty ``x`` with ``dim`` times (or divided by) the group size: a fake result for torch.compile."""
-    shape = list(x.shape)
-    shape[dim] = shape[dim] * _size(group) if grow else shape[dim] // _size(group)
-    return x.new_empty(shape)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -130,12 +123,12 @@ def reduce_from_tp_region(x, group):
     return _ReduceFromTP.apply(x, group) if _size(group) > 1 else x
 
 
-@opaque_under_compile(fake=lambda x, group: _resized(x, group, -1, True))  # takes a ProcessGroup: see _opaque
+@opaque_under_compile(fake=lambda x, group: resized(x, -1, _size(group), True))  # takes a ProcessGroup: see _opaque
 def gather_last_dim(x, group):
     return _GatherLastDim.apply(x, group) if _size(group) > 1 else x
 
 
-@opaque_under_compile(fake=lambda x, group: _resized(x, group, -1, False))  # takes a ProcessGroup: see _opaque
+@opaque_under_compile(fake=lambda x, group: resized(x, -1, _size(group), False))  # takes a ProcessGroup: see _opaque
 def split_last_dim(x, group):
     size = _size(group)
     if size > 1 and (x.dim() == 0 or x.shape[-1] % size):  # same on every rank: refused before gathering
@@ -144,11 +137,11 @@ def split_last_dim(x, group):
     return _SplitLastDim.apply(x, group) if size > 1 else x
 
 
-@opaque_under_compile(fake=lambda x, group: _resized(x, group, 0, False))  # takes a ProcessGroup: see _opaque
+@opaque_under_compile(fake=lambda x, group: resized(x, 0, _size(group), False))  # takes a ProcessGroup: see _opaque
 def reduce_scatter_first_dim(x, group):
     return _ReduceScatterFirstDim.apply(x, group) if _size(group) > 1 else x
 
 
-@opaque_under_compile(fake=lambda x, group: _resized(x, group, 0, True))  # takes a ProcessGroup: see _opaque
+@opaque_under_compile(fake=lambda x, group: resized(x, 0, _size(group), True))  # takes a ProcessGroup: see _opaque
 def gather_first_dim(x, group):
     return _GatherFirstDim.apply(x, group) if _size(group) > 1 else x

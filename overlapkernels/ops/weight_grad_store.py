@@ -56,17 +56,6 @@ def deferring(store: WeightGradStore):
         _store.reset(token)
 
 
-@contextlib.contextmanager
-def not_deferring():
-    """Backward passes run inside compute every gradient at once, even within ``deferring`` (a
-    compiled call's backward: see ``_opaque``, whose leaves are aliases a closure must not fill)."""
-    token = _store.set(None)
-    try:
-        yield
-    finally:
-        _store.reset(token)
-
-
 def accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
     """``param.grad += grad`` as autograd's AccumulateGrad does it (a contiguous copy when none)."""
     if param.grad is None:
